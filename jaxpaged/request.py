@@ -1,0 +1,169 @@
+"""Request: the host-side state of one sequence being served.
+
+Plain Python, no JAX. One `Request` is one sequence: an `n > 1` prompt is
+split by the engine into `n` child requests that share the prompt's KV pages
+through prefix caching.
+
+Progress is tracked by ONE counter, `num_computed_tokens`: the number of
+leading tokens of `all_token_ids` whose KV is in the page pool (or is being
+written by the step that was just scheduled; see `Scheduler`). A prefix-cache
+hit and a chunk of prefill advance it the same way; preemption resets it to 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxpaged.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style finish reason: "stop", "length", "abort", "error" or None."""
+        return _FINISH_REASONS.get(self)
+
+    @classmethod
+    def from_finish_reason(cls, finish_reason: str) -> RequestStatus:
+        for status, reason in _FINISH_REASONS.items():
+            if reason == finish_reason:
+                return status
+        raise ValueError(f"unknown finish_reason {finish_reason!r}; expected one of {sorted(_FINISH_REASONS.values())}")
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """Mutable host state of one sequence. Compared by identity."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()  # from the generation config; ignored when ignore_eos
+    arrival_time: float = dataclasses.field(default_factory=time.time)
+    max_model_len: int | None = None  # set by Scheduler.add_request when None
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    page_ids: list[int] = dataclasses.field(default_factory=list)  # the page table
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # filled by PagePool
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"Request.request_id={self.request_id!r}: must be a non-empty string")
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        if any(t < 0 for t in self.prompt_token_ids):
+            raise ValueError(f"Request {self.request_id!r}: prompt token ids must be >= 0")
+        self.eos_token_ids = tuple(int(t) for t in (self.eos_token_ids or ()))
+        if not isinstance(self.sampling_params, SamplingParams):
+            raise TypeError(f"Request {self.request_id!r}: sampling_params must be a SamplingParams")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"Request {self.request_id!r}: max_model_len={self.max_model_len} must be >= 1")
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, pages={self.page_ids})"
+        )
+
+    # ---- token views -------------------------------------------------------
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating the whole sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - num_prompt)]
+
+    @property
+    def max_tokens(self) -> int | None:
+        """Effective output cap: sampling_params.max_tokens, else what max_model_len leaves."""
+        if self.sampling_params.max_tokens is not None:
+            return self.sampling_params.max_tokens
+        if self.max_model_len is not None:
+            return self.max_model_len - self.num_prompt_tokens
+        return None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    # ---- state changes -----------------------------------------------------
+
+    def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        if not status.is_finished:
+            raise ValueError(f"Request {self.request_id!r}: {status} is not a finished status")
+        self.status = status
+        self.finish_reason = status.finish_reason
+        self.stop_reason = stop_reason
+
+    def append_output_token(self, token_id: int) -> bool:
+        """Append one sampled token and run the stop checks; True when it finished the request.
+
+        Order (vLLM's): no EOS / stop-token stop before `min_tokens` outputs; EOS ids
+        (unless ignore_eos; stop_reason None); stop_token_ids (stop_reason = the id);
+        max_tokens -> "length"; the max_model_len bound -> "length". Stop strings are
+        the detokenizer's job (it calls Scheduler.finish_requests).
+        """
+        if self.is_finished:
+            raise RuntimeError(f"Request {self.request_id!r} is already finished ({self.status.name})")
+        token_id = int(token_id)
+        self.output_token_ids.append(token_id)
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                self.finish(RequestStatus.FINISHED_STOPPED)
+                return True
+            if token_id in params.stop_token_ids:
+                self.finish(RequestStatus.FINISHED_STOPPED, stop_reason=token_id)
+                return True
+        max_tokens = self.max_tokens
+        if max_tokens is not None and self.num_output_tokens >= max_tokens:
+            self.finish(RequestStatus.FINISHED_LENGTH)
+            return True
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            self.finish(RequestStatus.FINISHED_LENGTH)
+            return True
+        return False

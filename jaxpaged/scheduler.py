@@ -1,0 +1,320 @@
+"""Scheduler: continuous batching with chunked prefill and preemption (vLLM v1 style).
+
+One code path: each request has `num_computed_tokens` and a step hands out a
+token budget (max_num_batched_tokens):
+
+1. running requests, in admission order: whatever they have left to compute
+   (1 token for a decode; min(remaining, budget) for a request still in
+   prefill: chunked prefill). When the pool is out of pages the most recently
+   admitted running request is preempted by recompute (its pages freed,
+   num_computed_tokens reset to 0, outputs kept, put at the FRONT of the
+   waiting queue) and the allocation retried; if that victim is the request
+   itself, it stops there.
+2. then, if nothing was preempted this step, waiting requests FCFS: a
+   prefix-cache lookup sets num_computed_tokens to the hit, then a chunk of
+   min(remaining, budget). A waiting request that can't get pages waits, and
+   so do the ones behind it. `max_num_seqs` caps the number of running requests.
+
+`num_computed_tokens` advances at SCHEDULE time (as in vLLM v1): after
+`schedule()` it counts the tokens whose KV is in the pool or is written by the
+step just scheduled, and the pages those tokens fill are registered in the
+prefix cache right away, so a request scheduled later in the same step (the n
+children of one prompt) can share them. Runner contract that follows: within a
+step, the KV of every scheduled token is written to its slot before attention
+reads the pages (per layer), as paged attention does in vLLM and nano-vllm.
+`update_from_output()` only appends the sampled tokens and finishes requests.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+from jaxpaged.page_pool import PagePool
+from jaxpaged.request import Request, RequestStatus
+from jaxpaged.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    num_pages: int  # including the null page 0
+    page_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no cap on one request's prefill chunk
+
+    def __post_init__(self):
+        def bad(field: str, why: str) -> None:
+            raise ValueError(f"SchedulerConfig.{field}={getattr(self, field)!r}: {why}")
+
+        for field in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad(field, "must be an integer >= 1")
+        if self.num_pages < 2:
+            bad("num_pages", "must be >= 2 (page 0 is the null page)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            bad("max_num_batched_tokens",
+                f"must be >= max_num_seqs={self.max_num_seqs} so every running request can decode each step")
+        if not isinstance(self.enable_prefix_caching, bool):
+            bad("enable_prefix_caching", "must be a bool")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            bad("long_prefill_token_threshold", "must be an integer >= 0 (0 disables it)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step; the runner builds positions and slot mapping from it."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # the tokens at positions [start_position, start_position + len)
+    start_position: int  # num_computed_tokens before this step
+    page_ids: tuple[int, ...]  # the whole page table after allocation (covers every position fed)
+    samples: bool  # the chunk reaches the end of the known tokens: sample a next token
+    sampling_params: SamplingParams
+    num_prompt_tokens: int  # tokens below this position are prompt (outputs follow after preemption)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled_requests: tuple[ScheduledRequest, ...]  # in scheduling order
+    num_scheduled_tokens: int
+    preempted_request_ids: tuple[str, ...]  # preempted by this schedule() call
+    finished_request_ids: tuple[str, ...]  # finished (any reason) since the previous schedule()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.pool = PagePool(config.num_pages, config.page_size, config.enable_prefix_caching)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._requests: dict[str, Request] = {}  # unfinished, by id
+        self._finished_ids: list[str] = []  # since the previous schedule()
+
+    # ---- counters ----------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # ---- admission and finishing ------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a fresh request; ValueError (request untouched) if it could never be served."""
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is already queued")
+        if request.status is not RequestStatus.WAITING or request.page_ids or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} is not fresh (status {request.status.name})")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        max_model_len = min(request.max_model_len or self.config.max_model_len, self.config.max_model_len)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            max_tokens = max_model_len - request.num_prompt_tokens
+        if max_tokens < 1 or request.num_prompt_tokens + max_tokens > max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
+                f"exceeds max_model_len={max_model_len}"
+            )
+        # The last sampled token is never fed, so at most prompt + max_tokens - 1 slots.
+        pages_needed = -(-(request.num_prompt_tokens + max_tokens - 1) // self.config.page_size)
+        if pages_needed > self.pool.num_usable_pages:
+            raise ValueError(
+                f"request {rid!r} needs up to {pages_needed} KV pages "
+                f"but the pool has {self.pool.num_usable_pages}"
+            )
+        request.max_model_len = max_model_len
+        self._requests[rid] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
+        """Finish the requests with reason "abort" and free their pages at once."""
+        return self.finish_requests(request_ids, "abort")
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finish_reason: str, stop_reason: int | str | None = None
+    ) -> list[Request]:
+        """Finish unfinished requests from outside (stop strings, errors, aborts).
+
+        finish_reason is "stop", "length", "abort" or "error"; unknown or already
+        finished ids are ignored. Returns the requests finished by this call.
+        """
+        status = RequestStatus.from_finish_reason(finish_reason)
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finished = []
+        for rid in request_ids:
+            request = self._requests.get(rid)
+            if request is None:
+                continue
+            request.finish(status, stop_reason)
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    def _release(self, request: Request) -> None:
+        """Take a just-finished request out of its queue and free its pages."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.pool.free(request)
+        del self._requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    # ---- scheduling --------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step; advances num_computed_tokens of every scheduled request (see module doc)."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            budget = self._schedule_waiting(budget, scheduled)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled_requests=tuple(scheduled),
+            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_request_ids=tuple(preempted),
+            finished_request_ids=tuple(finished),
+        )
+
+    def _chunk_size(self, num_remaining: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_remaining:
+            num_remaining = threshold
+        return min(num_remaining, budget)
+
+    def _schedule_running(self, budget: int, scheduled: list, preempted: list) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # its sampled token hasn't come back yet
+                index += 1
+                continue
+            while self.pool.allocate(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    return budget
+            scheduled.append(self._advance(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: list) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.pool.find_cached_prefix(request)
+            num_new = self._chunk_size(request.num_tokens - prefix.num_tokens, budget)
+            if self.pool.allocate(request, num_new, prefix) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = prefix.num_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = prefix.num_tokens
+            self.running.append(request)
+            scheduled.append(self._advance(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _advance(self, request: Request, num_new: int) -> ScheduledRequest:
+        """Snapshot the request's chunk, then count it as computed and cache its full pages."""
+        start = request.num_computed_tokens
+        entry = ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tuple(request.token_ids_slice(start, start + num_new)),
+            start_position=start,
+            page_ids=tuple(request.page_ids),
+            samples=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+        request.num_computed_tokens = start + num_new
+        self.pool.cache_full_pages(request)
+        return entry
+
+    def _preempt(self, request: Request) -> None:
+        self.pool.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- results -----------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, list[int]]
+    ) -> list[Request]:
+        """Append the sampled tokens of the entries that sample; return the requests finished now.
+
+        Entries that don't sample are ignored, and so are requests finished
+        (aborted) since the step was scheduled. A sampling entry of a live request
+        without tokens is a runner bug: ValueError.
+        """
+        finished = []
+        for entry in scheduler_output.scheduled_requests:
+            request = self._requests.get(entry.request_id)
+            if not entry.samples or request is None:
+                continue
+            token_ids = sampled_token_ids.get(entry.request_id)
+            if not token_ids:
+                raise ValueError(f"no sampled token for request {entry.request_id!r}, whose chunk samples")
+            for token_id in token_ids:  # more than one only with speculative decoding
+                if request.append_output_token(token_id):
+                    break
+            if not request.is_finished:
+                continue
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    # ---- checks ------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Pool invariants plus: ref counts equal page-table occurrences, page tables cover progress."""
+        self.pool.check_invariants()
+        assert len(self.running) <= self.config.max_num_seqs
+        refs = collections.Counter()
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING, request.request_id
+            assert len(request.page_ids) == -(-request.num_computed_tokens // self.config.page_size)
+            refs.update(request.page_ids)
+            for page_id, page_hash in zip(request.page_ids, request.page_hashes):
+                stored = self.pool.page_hash(page_id)
+                assert stored is None or stored == page_hash, f"page {page_id} cached under another prefix"
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request.request_id
+            assert not request.page_ids and request.num_computed_tokens == 0, request.request_id
+        for page_id in range(1, self.pool.num_pages):
+            assert self.pool.ref_count(page_id) == refs[page_id], f"page {page_id}: ref count != page-table uses"
+        assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(self._requests)

@@ -1,0 +1,1 @@
+"""jaxpaged's OpenAI-compatible HTTP server (FastAPI + uvicorn); `python -m server`."""

@@ -1,0 +1,392 @@
+"""Ragged paged attention: Pallas kernel vs pure-JAX reference vs f64 NumPy.
+
+Kernel runs use `poison_output=True`: the kernel's output buffers start NaN
+(aliased in), so any element the kernel fails to write shows up as NaN. Pools
+are filled with NaN/huge garbage in free pages, in page 0, and past kv_len in
+used pages: a masking bug turns into NaN or a large error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import ragged_paged_attention
+
+try:
+  import hypothesis
+  from hypothesis import strategies as st
+except ImportError:  # GPU machine may lack it
+  hypothesis = None
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
+
+
+@dataclasses.dataclass
+class Batch:
+  q: np.ndarray            # [T, Hq, D]
+  k_pages: np.ndarray      # [KVH, N, ps, D] or [L, KVH, N, ps, D]
+  v_pages: np.ndarray
+  kv_lens: np.ndarray      # int32 [S]
+  page_table: np.ndarray   # int32 [S, P]
+  cu_q_lens: np.ndarray    # int32 [S+1]
+  num_seqs: int
+  layer: int | None
+  sm_scale: float
+
+  def args(self):
+    return (jnp.asarray(self.q), jnp.asarray(self.k_pages),
+            jnp.asarray(self.v_pages), jnp.asarray(self.kv_lens),
+            jnp.asarray(self.page_table), jnp.asarray(self.cu_q_lens),
+            jnp.int32(self.num_seqs))
+
+
+def make_batch(rng, q_lens, kv_lens, *, kvh=2, group=4, d=64, ps=16,
+               num_slots=None, extra_tokens=3, dtype=jnp.float32,
+               layers=None, garbage=np.nan, extra_pages=5):
+  """Random batch; pages shuffled over the pool; garbage where unused."""
+  ns = len(q_lens)
+  s = num_slots or ns
+  pages_per_seq = [-(-kv // ps) for kv in kv_lens]
+  p = max(pages_per_seq + [1]) + 1       # + a column of 0-padding
+  n = 1 + sum(pages_per_seq) + extra_pages
+  perm = rng.permutation(np.arange(1, n)).astype(np.int32)
+  page_table = np.zeros((s, p), np.int32)
+  used = np.zeros((n, ps), bool)         # slot holds a real key/value
+  off = 0
+  for i, (kv, npg) in enumerate(zip(kv_lens, pages_per_seq)):
+    page_table[i, :npg] = perm[off:off + npg]
+    off += npg
+    for j in range(kv):
+      used[page_table[i, j // ps], j % ps] = True
+  cu = np.zeros(s + 1, np.int32)
+  cu[1:ns + 1] = np.cumsum(q_lens)
+  cu[ns + 1:] = cu[ns]
+  t = int(cu[ns]) + extra_tokens
+  lead = () if layers is None else (layers,)
+  shape = lead + (kvh, n, ps, d)
+
+  def pool():
+    x = rng.standard_normal(shape).astype(np.float32)
+    x = np.where(used[:, :, None], x, garbage)
+    return np.asarray(jnp.asarray(x, dtype))
+
+  kvl = np.zeros(s, np.int32)
+  kvl[:ns] = kv_lens
+  q = np.asarray(jnp.asarray(rng.standard_normal((t, kvh * group, d)), dtype))
+  return Batch(q, pool(), pool(), kvl, page_table, cu, ns,
+               None if layers is None else layers - 1, d ** -0.5)
+
+
+def oracle(b: Batch) -> np.ndarray:
+  """float64 NumPy attention, one sequence / token at a time."""
+  q = np.asarray(b.q, np.float64)
+  kp = np.asarray(b.k_pages, np.float64)
+  vp = np.asarray(b.v_pages, np.float64)
+  if b.layer is not None:
+    kp, vp = kp[b.layer], vp[b.layer]
+  kvh, _, ps, d = kp.shape
+  g = q.shape[1] // kvh
+  out = np.zeros_like(q)
+  for s in range(b.num_seqs):
+    lo, hi, kv = b.cu_q_lens[s], b.cu_q_lens[s + 1], b.kv_lens[s]
+    pages = b.page_table[s, :-(-kv // ps)]
+    k = kp[:, pages].reshape(kvh, -1, d)[:, :kv]
+    v = vp[:, pages].reshape(kvh, -1, d)[:, :kv]
+    for j in range(hi - lo):
+      pos = kv - (hi - lo) + j
+      for h in range(q.shape[1]):
+        sc = k[h // g, :pos + 1] @ q[lo + j, h] * b.sm_scale
+        w = np.exp(sc - sc.max())
+        out[lo + j, h] = (w / w.sum()) @ v[h // g, :pos + 1]
+  return out
+
+
+def run(b: Batch, backend, interpret=True, **kw):
+  layer = None if b.layer is None else jnp.int32(b.layer)
+  if backend == "pallas":
+    kw.update(interpret=interpret, poison_output=True)
+  out = ragged_paged_attention(*b.args(), sm_scale=b.sm_scale, layer=layer,
+                               backend=backend, **kw)
+  return np.asarray(out.astype(jnp.float32))
+
+
+def check(b: Batch, interpret, tol=None, **kw):
+  """Kernel and reference both match the oracle; padding rows exactly 0."""
+  tol = tol or TOL[jnp.dtype(b.q.dtype).type]
+  want = oracle(b)
+  live = int(b.cu_q_lens[b.num_seqs])
+  for backend in ("reference", "pallas"):
+    got = run(b, backend, interpret, **kw)
+    assert not np.isnan(got).any(), f"{backend}: NaN in output"
+    assert np.all(got[live:] == 0), f"{backend}: padding rows not zero"
+    err = np.abs(got - want).max()
+    assert err <= tol, f"{backend}: max abs err {err} > {tol}"
+  return want
+
+
+SCENARIOS = {
+    # name: (q_lens, kv_lens, extra make_batch kwargs)
+    # T <= S selects the kernel's decode tiling (rows = G padded to 16).
+    "decode": ([1, 1, 1, 1, 1], [1, 15, 16, 17, 70], dict(num_slots=8)),
+    "prefill": ([16, 45, 3], [16, 45, 3], {}),
+    "mixed": ([1, 20, 1, 33], [40, 52, 9, 33], {}),
+    "page_edges": ([1, 1, 2, 16, 17, 1], [31, 32, 33, 47, 64, 65], {}),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_scenarios_f32(name, group, interpret):
+  q_lens, kv_lens, kw = SCENARIOS[name]
+  rng = np.random.default_rng(zlib.crc32(f"{name}{group}".encode()))
+  check(make_batch(rng, q_lens, kv_lens, group=group, kvh=2, **kw),
+        interpret)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("d,ps", [(64, 32), (128, 16), (128, 64)])
+def test_dtypes_head_dims_page_sizes(dtype, d, ps, interpret):
+  rng = np.random.default_rng(d + ps)
+  b = make_batch(rng, [1, 30, 1], [100, 30, 64], d=d, ps=ps, group=3,
+                 kvh=2, dtype=dtype)
+  check(b, interpret)
+
+
+def test_decode_next_to_long_chunk_over_cached_prefix(interpret):
+  """1-token decode beside a 300-token chunk over a 500-token prefix."""
+  rng = np.random.default_rng(7)
+  b = make_batch(rng, [1, 300], [129, 800], kvh=1, group=4, d=64)
+  check(b, interpret)
+
+
+def test_padding_slots_and_tokens(interpret):
+  """num_seqs < S; junk cu_q_lens / kv_lens / tables in padding slots."""
+  rng = np.random.default_rng(3)
+  b = make_batch(rng, [1, 9, 1], [20, 9, 5], num_slots=6, extra_tokens=7)
+  b.cu_q_lens[4:] = [999, -5, 3]       # garbage past num_seqs is ignored
+  b.kv_lens[3:] = [77, 0, 1000]
+  b.page_table[3:] = 0
+  check(b, interpret)
+
+
+def test_zero_live_sequences(interpret):
+  rng = np.random.default_rng(4)
+  b = make_batch(rng, [2, 3], [5, 6])
+  b.num_seqs = 0
+  for backend in ("reference", "pallas"):
+    assert np.all(run(b, backend, interpret) == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_stacked_pool(dtype, interpret):
+  rng = np.random.default_rng(11)
+  b = make_batch(rng, [1, 12, 1], [33, 40, 16], layers=3, group=4,
+                 dtype=dtype)
+  check(b, interpret)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+def test_split_kv_matches(num_splits, interpret):
+  rng = np.random.default_rng(5)
+  b = make_batch(rng, [1, 1, 4, 1], [200, 17, 130, 1], group=4,
+                 num_slots=16)
+  check(b, interpret, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("block_q,ppb", [(1, 1), (8, 2), (32, 4)])
+def test_tiling_overrides(block_q, ppb, interpret):
+  rng = np.random.default_rng(block_q)
+  b = make_batch(rng, [5, 1, 40], [70, 3, 40], group=2, kvh=2)
+  check(b, interpret, block_q=block_q, pages_per_block=ppb)
+
+
+@pytest.mark.parametrize("garbage", [np.nan, 1e30, -np.inf])
+def test_garbage_in_unused_slots_does_not_change_result(garbage, interpret):
+  rng = np.random.default_rng(9)
+  clean = make_batch(rng, [1, 25, 1], [47, 49, 16], garbage=0.0)
+  dirty = dataclasses.replace(clean)
+  used = np.asarray(clean.k_pages != 0)
+  dirty.k_pages = np.where(used, clean.k_pages, garbage).astype(clean.q.dtype)
+  dirty.v_pages = np.where(used, clean.v_pages, garbage).astype(clean.q.dtype)
+  for backend in ("reference", "pallas"):
+    np.testing.assert_array_equal(run(clean, backend, interpret),
+                                  run(dirty, backend, interpret))
+
+
+def test_inside_jit_and_scan_over_layers(interpret):
+  """Traced num_seqs and layer (scan index) on a stacked pool."""
+  rng = np.random.default_rng(12)
+  b = make_batch(rng, [1, 6], [20, 6], layers=2)
+  q, kp, vp, kvl, pt, cu, ns = b.args()
+
+  @functools.partial(jax.jit, static_argnames="backend")
+  def step(ns, backend):
+    def body(carry, layer):
+      o = ragged_paged_attention(q, kp, vp, kvl, pt, cu, ns, layer=layer,
+                                 sm_scale=b.sm_scale, backend=backend,
+                                 interpret=interpret)
+      return carry, o
+    return jax.lax.scan(body, 0, jnp.arange(2, dtype=jnp.int32))[1]
+
+  for backend in ("reference", "pallas"):
+    outs = np.asarray(step(ns, backend))
+    for layer in range(2):
+      want = oracle(dataclasses.replace(b, layer=layer))
+      assert np.abs(outs[layer] - want).max() <= 2e-5
+
+
+def test_auto_backend_is_reference_off_gpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("auto picks pallas on GPU")
+  rng = np.random.default_rng(1)
+  b = make_batch(rng, [2], [2])
+  np.testing.assert_array_equal(run(b, "auto"), run(b, "reference"))
+
+
+def test_validation_errors():
+  rng = np.random.default_rng(0)
+  b = make_batch(rng, [2], [2])
+  q, kp, vp, kvl, pt, cu, ns = b.args()
+  f = functools.partial(ragged_paged_attention, sm_scale=0.1)
+  with pytest.raises(ValueError, match="backend"):
+    f(q, kp, vp, kvl, pt, cu, ns, backend="cuda")
+  with pytest.raises(ValueError, match="not divisible"):
+    f(q[:, :7], kp, vp, kvl, pt, cu, ns)
+  with pytest.raises(ValueError, match="head_dim"):
+    f(q[..., :32], kp, vp, kvl, pt, cu, ns)
+  with pytest.raises(ValueError, match="must equal q dtype"):
+    f(q.astype(jnp.bfloat16), kp, vp, kvl, pt, cu, ns)
+  with pytest.raises(ValueError, match="kv_lens"):
+    f(q, kp, vp, kvl.astype(jnp.float32), pt, cu, ns)
+  with pytest.raises(ValueError, match="cu_q_lens"):
+    f(q, kp, vp, kvl, pt, cu[:-1], ns)
+  with pytest.raises(ValueError, match="layer"):
+    f(q, kp, vp, kvl, pt, cu, ns, layer=jnp.int32(0))
+  with pytest.raises(ValueError, match="power-of-two head_dim"):
+    d = 48
+    f(q[..., :d], kp[..., :d], vp[..., :d], kvl, pt, cu, ns,
+      backend="pallas", interpret=True)
+
+
+def _random_layout_case(interpret, seqs, pad_slots, group, ps):
+  """q_len in [1, 40], cached prefix in [0, 40], random padding slots."""
+  q_lens = [q for q, _ in seqs]
+  kv_lens = [q + c for q, c in seqs]
+  rng = np.random.default_rng(sum(kv_lens) * 31 + group)
+  b = make_batch(rng, q_lens, kv_lens, group=group, ps=ps, kvh=1,
+                 num_slots=len(seqs) + pad_slots, d=16)
+  check(b, interpret)
+
+
+if hypothesis is not None:
+  _LAYOUTS = dict(
+      seqs=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)),
+                    min_size=1, max_size=4),
+      pad_slots=st.integers(0, 2),
+      group=st.sampled_from([1, 2, 3]),
+      ps=st.sampled_from([16, 32]),
+  )
+
+  @hypothesis.settings(max_examples=6, deadline=None, derandomize=True)
+  @hypothesis.given(**_LAYOUTS)
+  def test_property_random_ragged_layouts(interpret, seqs, pad_slots, group,
+                                          ps):
+    _random_layout_case(interpret, seqs, pad_slots, group, ps)
+
+  @pytest.mark.slow
+  @hypothesis.settings(max_examples=60, deadline=None)
+  @hypothesis.given(**_LAYOUTS)
+  def test_property_random_ragged_layouts_many(interpret, seqs, pad_slots,
+                                               group, ps):
+    _random_layout_case(interpret, seqs, pad_slots, group, ps)
+
+else:
+
+  def test_property_random_ragged_layouts():
+    pytest.skip("hypothesis not installed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_slots", [4, 16])
+def test_llama3_8b_shapes_bf16(num_slots, interpret):
+  """Real GQA shape (32 q / 8 kv heads, D=128), decode-like and mixed."""
+  rng = np.random.default_rng(num_slots)
+  b = make_batch(rng, [1, 1, 40, 1], [300, 17, 200, 64], kvh=8, group=4,
+                 d=128, num_slots=num_slots, dtype=jnp.bfloat16)
+  check(b, interpret)
+
+
+# --------------------------------------------------------------------------
+# CUDA lowering without a GPU: Pallas -> Triton IR errors fail CI.
+# --------------------------------------------------------------------------
+
+MODEL_SHAPES = {"smollm2_135m": (9, 3, 64), "llama3_8b": (32, 8, 128)}
+PATHS = {  # name: (T, S, P, num_splits)
+    "decode": (64, 64, 128, 1),
+    "decode_split": (8, 8, 512, 8),
+    "prefill": (512, 4, 128, 1),
+    "mixed": (260, 8, 64, None),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_lowering_unavailable():
+  """Why this JAX can't lower for CUDA here (None if it can).
+
+  Probes a trivial XLA function and a trivial Pallas-Triton kernel, so only a
+  missing capability (not a bug in our kernel) turns into a skip.
+  """
+  from jax.experimental import pallas as pl
+
+  def copy_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+  probes = {
+      "xla": lambda x: x + 1,
+      "pallas-triton": lambda x: pl.pallas_call(
+          copy_kernel, out_shape=jax.ShapeDtypeStruct((16, 16), x.dtype))(x),
+  }
+  for name, f in probes.items():
+    try:
+      jax.jit(f).trace(jax.ShapeDtypeStruct((16, 16), jnp.float32)).lower(
+          lowering_platforms=("cuda",))
+    except Exception as e:  # pylint: disable=broad-except
+      return (f"JAX {jax.__version__} cannot lower a trivial {name} function "
+              f"for CUDA on this host: {type(e).__name__}: {e}")
+  return None
+
+
+def _lower_for_cuda(hq, kvh, d, t, s, p, num_splits, layers=None):
+  if why := _cuda_lowering_unavailable():
+    pytest.skip(why)
+  sds = jax.ShapeDtypeStruct
+  pool = (kvh, 256, 16, d) if layers is None else (layers, kvh, 256, 16, d)
+  args = (sds((t, hq, d), jnp.bfloat16), sds(pool, jnp.bfloat16),
+          sds(pool, jnp.bfloat16), sds((s,), jnp.int32),
+          sds((s, p), jnp.int32), sds((s + 1,), jnp.int32),
+          sds((), jnp.int32))
+  kw = {} if layers is None else {"layer": sds((), jnp.int32)}
+  f = functools.partial(ragged_paged_attention, sm_scale=d ** -0.5,
+                        backend="pallas", num_splits=num_splits)
+  lowered = jax.jit(f).trace(*args, **kw).lower(lowering_platforms=("cuda",))
+  return lowered.as_text()
+
+
+@pytest.mark.parametrize("model", list(MODEL_SHAPES))
+@pytest.mark.parametrize("path", list(PATHS))
+def test_lowers_for_cuda(model, path):
+  hq, kvh, d = MODEL_SHAPES[model]
+  text = _lower_for_cuda(hq, kvh, d, *PATHS[path])
+  assert "triton" in text
+
+
+def test_lowers_for_cuda_layer_stacked():
+  text = _lower_for_cuda(32, 8, 128, 64, 64, 128, 1, layers=4)
+  assert "triton" in text

@@ -1,0 +1,488 @@
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from jaxpaged.request import Request, RequestStatus
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+VOCAB = 32
+EOS = 0
+
+
+def next_token(context: list[int]) -> int:
+    """The fake model: a deterministic function of every previous token."""
+    acc = len(context)
+    for i, t in enumerate(context):
+        acc = (acc * 1000003 + (i + 1) * (t + 7)) % 2147483647
+    return acc % VOCAB
+
+
+class FakeRunner:
+    """Executes a SchedulerOutput on a simulated paged KV cache.
+
+    Each scheduled token is written to the slot its page table gives; sampling
+    reads the whole context back THROUGH THE PAGE TABLE, so a wrong page id,
+    a bad prefix-cache hit or a lost token changes the sampled tokens.
+    All writes of a step happen before any read (the runner contract).
+    """
+
+    def __init__(self, config: SchedulerConfig):
+        self.page_size = config.page_size
+        self.slots: list[int | None] = [None] * (config.num_pages * config.page_size)
+        self.fed: dict[str, list[tuple[int, tuple[int, ...]]]] = {}  # id -> [(start, token_ids)]
+
+    def _slot(self, page_ids, pos: int) -> int:
+        page_id = page_ids[pos // self.page_size]
+        assert page_id != 0, "the null page was handed to a request"
+        return page_id * self.page_size + pos % self.page_size
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        for e in out.scheduled_requests:
+            assert len(e.page_ids) * self.page_size >= e.start_position + e.num_tokens
+            self.fed.setdefault(e.request_id, []).append((e.start_position, e.token_ids))
+            for i, token_id in enumerate(e.token_ids):
+                self.slots[self._slot(e.page_ids, e.start_position + i)] = token_id
+        sampled = {}
+        for e in out.scheduled_requests:
+            if e.samples:
+                end = e.start_position + e.num_tokens
+                context = [self.slots[self._slot(e.page_ids, p)] for p in range(end)]
+                sampled[e.request_id] = [next_token(context)]
+        return sampled
+
+
+def reference_output(prompt, params: SamplingParams, max_model_len: int) -> list[int]:
+    r = Request("ref", list(prompt), params, eos_token_ids=(EOS,), max_model_len=max_model_len)
+    while not r.append_output_token(next_token(r.all_token_ids)):
+        pass
+    return r.output_token_ids
+
+
+def make(rid: str, prompt, **params) -> Request:
+    return Request(rid, list(prompt), SamplingParams(**params), eos_token_ids=(EOS,), arrival_time=0.0)
+
+
+def config(**kwargs) -> SchedulerConfig:
+    defaults = dict(num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+    defaults.update(kwargs)
+    return SchedulerConfig(**defaults)
+
+
+def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Request]]:
+    out = sched.schedule()
+    finished = sched.update_from_output(out, runner.execute(out))
+    sched.check_invariants()
+    return out, finished
+
+
+def shape(out: SchedulerOutput):
+    return [(e.request_id, e.start_position, e.num_tokens, e.samples) for e in out.scheduled_requests]
+
+
+# ---- config and admission ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_pages=1), "num_pages"),
+        (dict(page_size=0), "page_size"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens"),
+        (dict(max_model_len=0), "max_model_len"),
+        (dict(enable_prefix_caching=1), "enable_prefix_caching"),
+        (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        config(**kwargs)
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config().page_size = 8
+
+
+def test_admission_rejections():
+    sched = Scheduler(config(num_pages=5, page_size=4, max_model_len=32))  # 4 usable pages = 16 slots
+    with pytest.raises(ValueError, match="empty prompt"):
+        sched.add_request(make("e", []))
+    with pytest.raises(ValueError, match="exceeds max_model_len=32"):
+        sched.add_request(make("long", range(30), max_tokens=3))
+    with pytest.raises(ValueError, match="exceeds max_model_len=32"):
+        sched.add_request(make("none", range(32), max_tokens=None))
+    big = make("big", range(10), max_tokens=8)
+    with pytest.raises(ValueError, match="needs up to 5 KV pages but the pool has 4"):
+        sched.add_request(big)
+    assert big.max_model_len is None and big.status is RequestStatus.WAITING
+    sched.add_request(make("fits", range(10), max_tokens=7))  # 16 slots: the last token is never fed
+    with pytest.raises(ValueError, match="already queued"):
+        sched.add_request(make("fits", range(3)))
+    running = make("x", range(3))
+    running.status = RequestStatus.RUNNING
+    with pytest.raises(ValueError, match="not fresh"):
+        sched.add_request(running)
+    assert sched.num_waiting == 1
+    none = make("cap", range(10), max_tokens=None)
+    Scheduler(config(max_model_len=16)).add_request(none)
+    assert none.max_tokens == 6
+
+
+# ---- chunked prefill, ordering, caps --------------------------------------------
+
+
+def test_chunked_prefill_with_a_small_budget():
+    cfg = config(max_num_seqs=1, max_num_batched_tokens=4, page_size=4, enable_prefix_caching=False)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    r = make("a", range(10, 20), max_tokens=3, ignore_eos=True)
+    sched.add_request(r)
+    out, _ = step(sched, runner)
+    assert shape(out) == [("a", 0, 4, False)]
+    assert out.scheduled_requests[0].token_ids == (10, 11, 12, 13)
+    assert out.scheduled_requests[0].page_ids == (1,)
+    assert out.num_scheduled_tokens == 4 and r.num_computed_tokens == 4 and r.output_token_ids == []
+    out, _ = step(sched, runner)
+    assert shape(out) == [("a", 4, 4, False)] and out.scheduled_requests[0].page_ids == (1, 2)
+    out, _ = step(sched, runner)
+    assert shape(out) == [("a", 8, 2, True)] and out.scheduled_requests[0].page_ids == (1, 2, 3)
+    assert out.scheduled_requests[0].token_ids == (18, 19)
+    assert r.num_output_tokens == 1
+    out, _ = step(sched, runner)
+    assert shape(out) == [("a", 10, 1, True)]
+    assert out.scheduled_requests[0].token_ids == (r.output_token_ids[0],)
+    out, finished = step(sched, runner)
+    assert shape(out) == [("a", 11, 1, True)] and finished == [r]
+    assert r.output_token_ids == reference_output(range(10, 20), r.sampling_params, 128)
+    assert not sched.has_unfinished_requests() and sched.pool.num_free_pages == cfg.num_pages - 1
+
+
+def test_long_prefill_token_threshold_caps_a_chunk():
+    cfg = config(max_num_batched_tokens=64, long_prefill_token_threshold=5)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    sched.add_request(make("a", range(12), max_tokens=2))
+    sched.add_request(make("b", range(50, 53), max_tokens=2))
+    out, _ = step(sched, runner)
+    assert shape(out) == [("a", 0, 5, False), ("b", 0, 3, True)]
+    out, _ = step(sched, runner)
+    assert shape(out) == [("a", 5, 5, False), ("b", 3, 1, True)]
+
+
+def test_decodes_before_new_prefills():
+    cfg = config(max_num_batched_tokens=8)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    sched.add_request(make("dec", range(3), max_tokens=10, ignore_eos=True))
+    out, _ = step(sched, runner)
+    assert shape(out) == [("dec", 0, 3, True)]
+    sched.add_request(make("pre", range(100, 120), max_tokens=1))
+    out, _ = step(sched, runner)
+    assert shape(out) == [("dec", 3, 1, True), ("pre", 0, 7, False)]
+    out, _ = step(sched, runner)
+    # "pre" is now running and was admitted after "dec": running order is admission order.
+    assert shape(out) == [("dec", 4, 1, True), ("pre", 7, 7, False)]
+
+
+def test_max_num_seqs_caps_running_requests():
+    cfg = config(max_num_seqs=2, max_num_batched_tokens=64)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    for rid, n in (("a", 1), ("b", 3), ("c", 3)):
+        sched.add_request(make(rid, range(10, 14), max_tokens=n, ignore_eos=True))
+    out, _ = step(sched, runner)
+    assert [e.request_id for e in out.scheduled_requests] == ["a", "b"]
+    assert (sched.num_running, sched.num_waiting) == (1, 1)  # "a" finished after 1 token
+    out, _ = step(sched, runner)
+    assert shape(out) == [("b", 4, 1, True), ("c", 0, 4, True)]
+    assert out.finished_request_ids == ("a",)
+
+
+def test_waiting_head_without_pages_blocks_the_queue_fcfs():
+    cfg = config(num_pages=6, page_size=2, enable_prefix_caching=False)  # 5 usable pages
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    R = make("R", range(1, 6), max_tokens=2, ignore_eos=True)
+    sched.add_request(R)
+    out = sched.schedule()
+    assert R.num_computed_tokens == 5 and R.page_ids == [1, 2, 3]  # advanced at schedule time
+    sched.update_from_output(out, runner.execute(out))
+    W, S = make("W", range(10, 16), max_tokens=1), make("S", [20, 21], max_tokens=1)
+    sched.add_request(W)
+    sched.add_request(S)
+    out, _ = step(sched, runner)  # W needs 3 pages, 2 are free; S would fit but must not overtake
+    assert shape(out) == [("R", 5, 1, True)]
+    out, _ = step(sched, runner)
+    assert shape(out) == [("W", 0, 6, True), ("S", 0, 2, True)]
+    assert out.finished_request_ids == ("R",)
+
+
+# ---- preemption ------------------------------------------------------------------
+
+
+def test_preemption_takes_the_most_recently_admitted_and_recomputes_it():
+    # 6 usable pages of 2 slots; three 4-token prompts fill them exactly.
+    cfg = config(num_pages=7, page_size=2, max_num_seqs=4, enable_prefix_caching=False)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    reqs = {rid: make(rid, prompt, max_tokens=3, ignore_eos=True) for rid, prompt in
+            (("A", [1, 2, 3, 4]), ("B", [5, 6, 7, 8]), ("C", [9, 10, 11, 12]))}
+    for r in reqs.values():
+        sched.add_request(r)
+    A, B, C = reqs.values()
+    out, _ = step(sched, runner)
+    assert [e.page_ids for e in out.scheduled_requests] == [(1, 2), (3, 4), (5, 6)]
+    assert sched.pool.num_free_pages == 0
+
+    out, _ = step(sched, runner)  # A and B each need a 3rd page: C goes
+    assert out.preempted_request_ids == ("C",)
+    assert [(e.request_id, e.page_ids) for e in out.scheduled_requests] == [("A", (1, 2, 6)), ("B", (3, 4, 5))]
+    assert C.status is RequestStatus.PREEMPTED and C.page_ids == [] and C.num_computed_tokens == 0
+    assert list(sched.waiting) == [C] and sched.running == [A, B]
+    assert C.num_output_tokens == 1 and C.num_preemptions == 1 and sched.num_preemptions == 1
+    c_tokens = C.all_token_ids
+
+    out, finished = step(sched, runner)  # no free page for C: it waits; A and B finish
+    assert [e.request_id for e in out.scheduled_requests] == ["A", "B"] and finished == [A, B]
+    assert sched.pool.free_page_ids() == [6, 2, 1, 5, 4, 3]
+
+    out, _ = step(sched, runner)  # C recomputes its prompt AND its kept output from position 0
+    assert shape(out) == [("C", 0, 5, True)]
+    assert out.scheduled_requests[0].token_ids == tuple(c_tokens)
+    assert out.scheduled_requests[0].page_ids == (6, 2, 1)
+    while sched.has_unfinished_requests():
+        step(sched, runner)
+    for r in (A, B, C):
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling_params, 128)
+    assert sched.pool.num_free_pages == 6
+
+
+def test_a_request_that_is_the_lowest_priority_preempts_itself():
+    cfg = config(num_pages=6, page_size=2, enable_prefix_caching=False)  # 5 usable pages
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    A, B = make("A", [1, 2, 3, 4], max_tokens=4), make("B", [5, 6, 7, 8], max_tokens=4)
+    sched.add_request(A)
+    sched.add_request(B)
+    step(sched, runner)
+    out, _ = step(sched, runner)
+    assert out.preempted_request_ids == ("B",)
+    assert [(e.request_id, e.page_ids) for e in out.scheduled_requests] == [("A", (1, 2, 5))]
+    assert list(sched.waiting) == [B] and B.page_ids == []
+
+
+def test_preempted_request_resumes_from_its_own_cached_pages():
+    cfg = config(num_pages=7, page_size=2, max_num_seqs=4, enable_prefix_caching=True)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    prompts = (("A", [1, 2, 3, 4]), ("B", [5, 6, 7, 8]), ("C", [9, 10, 11, 12]))
+    A, B, C = (make(rid, p, max_tokens=3, ignore_eos=True) for rid, p in prompts)
+    for r in (A, B, C):
+        sched.add_request(r)
+    step(sched, runner)
+    out, _ = step(sched, runner)
+    assert out.preempted_request_ids == ("C",)  # C's pages 6, 5 were evicted by A and B
+    step(sched, runner)
+    out, _ = step(sched, runner)
+    assert shape(out) == [("C", 0, 5, True)]  # its cached pages were evicted: nothing to reuse
+    while sched.has_unfinished_requests():
+        step(sched, runner)
+    assert C.output_token_ids == reference_output(C.prompt_token_ids, C.sampling_params, 128)
+    assert C.num_cached_tokens == 0  # the hit count of the FIRST admission
+
+
+# ---- abort / finish -------------------------------------------------------------
+
+
+def test_abort_mid_prefill_frees_all_pages():
+    cfg = config(max_num_batched_tokens=8)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    r = make("a", range(20), max_tokens=4)
+    sched.add_request(r)
+    step(sched, runner)
+    assert r.page_ids == [1, 2] and r.num_computed_tokens == 8
+    assert sched.abort_requests(["a", "unknown"]) == [r]
+    assert (r.status, r.finish_reason, r.page_ids) == (RequestStatus.FINISHED_ABORTED, "abort", [])
+    assert sched.pool.num_free_pages == cfg.num_pages - 1 and not sched.has_unfinished_requests()
+    assert sched.abort_requests("a") == []
+    out = sched.schedule()
+    assert out.is_empty and out.finished_request_ids == ("a",)
+    assert sched.schedule().finished_request_ids == ()
+    sched.check_invariants()
+
+
+def test_abort_mid_decode_frees_all_pages_and_ignores_the_in_flight_token():
+    cfg = config()
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    a, b = make("a", range(6), max_tokens=8, ignore_eos=True), make("b", range(6), max_tokens=8, ignore_eos=True)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, runner)
+    step(sched, runner)
+    assert a.page_ids == [1, 2] and b.page_ids == [1, 3]
+    out = sched.schedule()
+    sampled = runner.execute(out)
+    assert sched.abort_requests(["a"]) == [a]
+    assert sched.update_from_output(out, sampled) == []
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 3
+    assert sched.pool.ref_count(1) == 1 and sched.pool.ref_count(2) == 0
+    sched.check_invariants()
+    assert sched.abort_requests(["b"]) == [b]
+    assert sched.pool.num_free_pages == cfg.num_pages - 1
+    sched.check_invariants()
+
+
+def test_abort_waiting_request():
+    cfg = config(max_num_seqs=1, max_num_batched_tokens=1)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    sched.add_request(make("a", range(3)))
+    sched.add_request(make("b", range(3)))
+    step(sched, runner)
+    assert [r.request_id for r in sched.abort_requests(["b"])] == ["b"]
+    assert sched.num_waiting == 0 and sched.num_running == 1
+    sched.check_invariants()
+
+
+def test_finish_requests_for_a_stop_string():
+    cfg = config()
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    r = make("a", range(6), max_tokens=8, ignore_eos=True)
+    sched.add_request(r)
+    step(sched, runner)
+    assert sched.finish_requests("a", "stop", stop_reason="###") == [r]
+    assert (r.status, r.finish_reason, r.stop_reason) == (RequestStatus.FINISHED_STOPPED, "stop", "###")
+    assert sched.pool.num_free_pages == cfg.num_pages - 1
+    with pytest.raises(ValueError, match="unknown finish_reason"):
+        sched.finish_requests("a", "done")
+
+
+def test_missing_sampled_token_is_an_error():
+    cfg = config()
+    sched = Scheduler(cfg)
+    sched.add_request(make("a", range(3)))
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="no sampled token for request 'a'"):
+        sched.update_from_output(out, {})
+
+
+# ---- prefix sharing ---------------------------------------------------------------
+
+
+def test_eight_requests_share_a_200_token_prefix():
+    cfg = config(num_pages=129, page_size=16, max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=512)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    prefix = [(7 * i) % 31 + 1 for i in range(200)]  # 12 full pages + 8 tokens
+    reqs = [make(f"r{i}", prefix + [100 + i] * 10, max_tokens=1) for i in range(8)]
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()
+    assert [e.start_position for e in out.scheduled_requests] == [0] + [192] * 7
+    assert out.num_scheduled_tokens == 210 + 7 * 18
+    shared = list(range(1, 13))
+    assert reqs[0].page_ids == shared + [13, 14]
+    for i, r in enumerate(reqs[1:], start=1):
+        assert r.page_ids == shared + [13 + 2 * i, 14 + 2 * i]
+        assert r.num_cached_tokens == 192
+    assert cfg.num_pages - 1 - sched.pool.num_free_pages == 28  # vs 8 * 14 = 112 without sharing
+    assert all(sched.pool.ref_count(p) == 8 for p in shared)
+    assert (sched.pool.prefix_cache_queries, sched.pool.prefix_cache_hits) == (8 * 210, 7 * 192)
+    finished = sched.update_from_output(out, runner.execute(out))
+    assert finished == reqs
+    for r in reqs:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling_params, 512)
+    sched.check_invariants()
+    assert sched.pool.num_free_pages == 128
+
+
+def test_n_children_scheduled_together_share_the_prompt_pages():
+    cfg = config(num_pages=32, page_size=4, max_num_batched_tokens=64)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    params = SamplingParams(n=3, max_tokens=4, ignore_eos=True)
+    prompt = list(range(1, 15))  # 3 full pages + 2 tokens
+    children = [Request(f"p-{i}", prompt, params, eos_token_ids=(EOS,)) for i in range(params.n)]
+    for child in children:
+        sched.add_request(child)
+    out, _ = step(sched, runner)
+    assert shape(out) == [("p-0", 0, 14, True), ("p-1", 12, 2, True), ("p-2", 12, 2, True)]
+    assert [c.page_ids for c in children] == [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 6]]
+    assert sched.pool.prefix_cache_hits == 24
+    while sched.has_unfinished_requests():
+        step(sched, runner)
+    expected = reference_output(prompt, params, 128)
+    assert all(c.output_token_ids == expected for c in children)
+
+
+# ---- randomized workloads -----------------------------------------------------------
+
+
+@st.composite
+def workloads(draw):
+    page_size = draw(st.sampled_from([1, 2, 4, 8]))
+    max_num_seqs = draw(st.integers(1, 6))
+    budget = draw(st.integers(max_num_seqs, 48))
+    prefix_caching = draw(st.sampled_from([True, True, False]))
+    shared = draw(st.lists(st.integers(0, VOCAB - 1), max_size=24))
+    specs = []
+    for i in range(draw(st.integers(1, 8))):
+        tail = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if shared else 1, max_size=20))
+        prompt = (shared if draw(st.booleans()) else []) + tail or [1]
+        max_tokens = draw(st.integers(1, 16))
+        params = SamplingParams(
+            n=draw(st.integers(1, 3)),
+            max_tokens=max_tokens,
+            min_tokens=draw(st.integers(0, min(2, max_tokens))),
+            ignore_eos=draw(st.booleans()),
+            stop_token_ids=draw(st.lists(st.integers(1, VOCAB - 1), max_size=2)),
+        )
+        arrival = draw(st.integers(0, 4))
+        abort_at = draw(st.none() | st.integers(0, 30))
+        specs.append((f"q{i}", prompt, params, arrival, abort_at))
+    most_slots = max(len(p) + s.max_tokens - 1 for _, p, s, _, _ in specs)
+    num_pages = 1 + -(-most_slots // page_size) + draw(st.integers(0, 4))  # tiny: preemption
+    cfg = SchedulerConfig(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=budget, max_model_len=64,
+                          enable_prefix_caching=prefix_caching,
+                          long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3])))
+    return cfg, specs
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_finish_with_reference_outputs(workload):
+    cfg, specs = workload
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    requests: dict[str, Request] = {}
+    aborts: dict[int, list[str]] = {}
+    arrivals: dict[int, list[Request]] = {}
+    for rid, prompt, params, arrival, abort_at in specs:
+        for j in range(params.n):  # the engine's split of an n > 1 request
+            child = Request(f"{rid}-{j}", prompt, params, eos_token_ids=(EOS,))
+            requests[child.request_id] = child
+            arrivals.setdefault(arrival, []).append(child)
+            if abort_at is not None:
+                aborts.setdefault(abort_at, []).append(child.request_id)
+    last_arrival = max(arrivals)
+    for t in range(2000):
+        for r in arrivals.get(t, []):
+            sched.add_request(r)
+        sched.abort_requests(aborts.get(t, []))
+        if not sched.has_unfinished_requests():
+            if t >= last_arrival:
+                break
+            continue
+        out, _ = step(sched, runner)
+        assert out.num_scheduled_tokens > 0, "no progress with unfinished requests"
+        assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert len(out.scheduled_requests) <= cfg.max_num_seqs
+    else:
+        pytest.fail("workload did not finish")
+    for r in requests.values():
+        assert r.is_finished
+        expected = reference_output(r.prompt_token_ids, r.sampling_params, cfg.max_model_len)
+        if r.finish_reason == "abort":
+            assert r.output_token_ids == expected[: r.num_output_tokens]
+        else:
+            assert r.output_token_ids == expected
+    event(f"preemptions: {min(sched.num_preemptions, 3)}+")
+    event(f"prefix-cache hits: {sched.pool.prefix_cache_hits > 0}")
+    event(f"aborted: {any(r.finish_reason == 'abort' for r in requests.values())}")
+    sched.check_invariants()
+    assert sched.pool.num_free_pages == cfg.num_pages - 1
+    assert all(sched.pool.ref_count(p) == 0 for p in range(cfg.num_pages))
+    assert sched.num_running == sched.num_waiting == 0
