@@ -1,0 +1,96 @@
+"""The offline API, mirroring vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.models.loader import DEFAULT_MODEL
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any] | Sequence[int]
+
+
+class LLM:
+    """Batch generation over the continuous-batching engine; outputs come back in input order."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any):
+        names = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(engine_args) - names)
+        if unknown:
+            raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(names)}")
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config defaults (temperature, top_p, ...)."""
+        defaults = dict(self.llm_engine.model.generation_config.defaults)
+        return SamplingParams(**defaults)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params or self.default_sampling_params(), len(prompts))
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.llm_engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(added)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Render each conversation with the chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            # The template already wrote any BOS it wants: don't let the tokenizer add another.
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(results) < len(ids):
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        bar.update()
+        return [results[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params

@@ -1,0 +1,220 @@
+"""Model runner: scheduler output -> padded step input -> one jitted paged forward.
+
+The step is a pure function of (params, KV pool, step input) returning the
+logits of each sequence's last fed token and the updated pool (donated, so it
+is written in place). Token count T, sequence slots S and page-table width P
+are padded to a small set of buckets, all compiled at warm-up.
+
+KV pool (stacked over layers, scanned with the params):
+    k, v: [L, K, N, page_size, D]   N pages, page 0 the null page
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.models.llama import (LlamaConfig, Params, decoder_layer, embed_tokens, lm_logits,
+                                   rope_cos_sin)
+from jaxpaged.scheduler import ScheduledRequest
+from pallas_kernels import ragged_paged_attention, write_kv_inner
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVPool:
+    k: jax.Array  # [L, K, N, page_size, D]
+    v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """One padded step. Padding tokens write to the null page and are not attended."""
+
+    token_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    slot_mapping: jax.Array  # i32[T]  page * page_size + offset
+    page_table: jax.Array  # i32[S, P]  padded with the null page 0
+    kv_lens: jax.Array  # i32[S]  tokens in the cache after this step
+    cu_q_lens: jax.Array  # i32[S + 1]
+    num_seqs: jax.Array  # i32[]
+    logits_indices: jax.Array  # i32[S]  each sequence's last fed token
+
+
+def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
+    """lo, lo*ratio, ... below hi, then hi itself."""
+    buckets, b = [], lo
+    while b < hi:
+        buckets.append(b)
+        b *= ratio
+    return tuple(buckets) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    page_size: int
+    num_pages: int
+    attention_backend: str = "auto"
+    min_token_bucket: int = 16
+    min_seq_bucket: int = 4
+    min_page_bucket: int = 8
+
+    def __post_init__(self):
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
+        if self.page_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"page_size (block_size)={self.page_size}: choose 8, 16, 32, 64 or 128")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_pages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.page_size)
+
+    # Buckets: T in powers of two; S and P in powers of four (attention work on the
+    # CPU path grows with S * P, so both are kept near the batch's real need
+    # while the number of compiled shapes stays small).
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        return _geometric_buckets(min(self.min_token_bucket, self.max_num_batched_tokens),
+                                  self.max_num_batched_tokens, 2)
+
+    @property
+    def seq_buckets(self) -> tuple[int, ...]:
+        return _geometric_buckets(min(self.min_seq_bucket, self.max_num_seqs), self.max_num_seqs, 4)
+
+    @property
+    def page_buckets(self) -> tuple[int, ...]:
+        # The Pallas kernel loops only over live pages, so one width suffices; the
+        # reference gathers the whole row, so narrow batches get narrow tables.
+        if self.backend == "pallas":
+            return (self.max_pages_per_seq,)
+        return _geometric_buckets(min(self.min_page_bucket, self.max_pages_per_seq), self.max_pages_per_seq, 4)
+
+    @property
+    def buckets(self) -> tuple[tuple[int, int, int], ...]:
+        """Every (T, S, P) step shape; S <= T since each sequence feeds >= 1 token."""
+        return tuple((t, s, p) for t in self.token_buckets for s in self.seq_buckets for p in self.page_buckets
+                     if s <= t or s == self.seq_buckets[0])
+
+    def bucket_for(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
+        t = next(b for b in self.token_buckets if b >= num_tokens)
+        s = next(b for b in self.seq_buckets if b >= num_seqs)
+        p = next(b for b in self.page_buckets if b >= num_pages)
+        return t, s, p
+
+
+def paged_forward(config: LlamaConfig, backend: str, params: Params, kv: KVPool,
+                  step: StepInput) -> tuple[jax.Array, KVPool]:
+    """Logits f32[S, V] at each sequence's last fed token, and the updated pool."""
+    cos, sin = rope_cos_sin(config, step.positions)  # [T, D]
+    sm_scale = 1.0 / math.sqrt(config.head_dim)
+
+    def body(carry, xs):
+        h, k_pool, v_pool = carry
+        layer_params, layer = xs
+
+        def attend(q, k, v):  # q [T, H, D], k/v [T, K, D]: write first, then attend
+            kp, vp = write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer)
+            o = ragged_paged_attention(q, kp, vp, step.kv_lens, step.page_table, step.cu_q_lens,
+                                       step.num_seqs, sm_scale=sm_scale, layer=layer, backend=backend)
+            return o, (kp, vp)
+
+        h, (k_pool, v_pool) = decoder_layer(config, layer_params, h, cos, sin, attend)
+        return (h, k_pool, v_pool), None
+
+    layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
+    h = embed_tokens(params, step.token_ids)  # [T, E]
+    (h, k, v), _ = jax.lax.scan(body, (h, kv.k, kv.v), (params["layers"], layers))
+    logits = lm_logits(config, params, h[step.logits_indices])  # [S, V]
+    return logits, KVPool(k, v)
+
+
+def allocate_kv_pool(config: LlamaConfig, num_pages: int, page_size: int, dtype) -> KVPool:
+    shape = (config.num_hidden_layers, config.num_key_value_heads, num_pages, page_size, config.head_dim)
+    return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def kv_bytes_per_page(config: LlamaConfig, page_size: int, dtype) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * page_size * config.head_dim * \
+        np.dtype(dtype).itemsize
+
+
+class ModelRunner:
+    """Owns the params and the KV pool; turns scheduler outputs into logits."""
+
+    def __init__(self, model_config: LlamaConfig, params: Params, config: RunnerConfig):
+        self.model_config = model_config
+        self.config = config
+        self.params = params
+        self.dtype = params["embed"].dtype
+        self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.dtype)
+        self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,))
+
+    def prepare(self, entries: Sequence[ScheduledRequest]) -> StepInput:
+        """Pack one step's scheduled requests into padded host arrays."""
+        ps = self.config.page_size
+        num_tokens = sum(e.num_tokens for e in entries)
+        max_pages = max(len(e.page_ids) for e in entries)
+        t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, len(entries), max_pages)
+        token_ids = np.zeros(t_bucket, np.int32)
+        positions = np.zeros(t_bucket, np.int32)
+        slots = np.zeros(t_bucket, np.int32)  # padding: slot 0, in the null page
+        page_table = np.zeros((s_bucket, p_bucket), np.int32)
+        kv_lens = np.zeros(s_bucket, np.int32)
+        cu = np.zeros(s_bucket + 1, np.int32)
+        last = np.zeros(s_bucket, np.int32)
+        offset = 0
+        for i, e in enumerate(entries):
+            n = e.num_tokens
+            pos = np.arange(e.start_position, e.start_position + n, dtype=np.int32)
+            pages = np.asarray(e.page_ids, np.int32)
+            token_ids[offset:offset + n] = e.token_ids
+            positions[offset:offset + n] = pos
+            slots[offset:offset + n] = pages[pos // ps] * ps + pos % ps
+            page_table[i, :len(pages)] = pages
+            kv_lens[i] = e.start_position + n
+            offset += n
+            cu[i + 1] = offset
+            last[i] = offset - 1
+        cu[len(entries) + 1:] = offset
+        return StepInput(token_ids, positions, slots, page_table, kv_lens, cu, np.int32(len(entries)), last)
+
+    def execute(self, step: StepInput) -> jax.Array:
+        """Run one step; returns logits f32[S, V] on device (rows past num_seqs are padding)."""
+        logits, self.kv = self._step(self.model_config, self.config.backend, self.params, self.kv, step)
+        return logits
+
+    def warmup(self) -> float:
+        """Compile every (T, P) bucket now, so serving never compiles; returns seconds."""
+        start = time.perf_counter()
+        for t, s, p in self.config.buckets:
+            dummy = StepInput(np.zeros(t, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32),
+                              np.zeros((s, p), np.int32), np.zeros(s, np.int32), np.zeros(s + 1, np.int32),
+                              np.int32(0), np.zeros(s, np.int32))
+            jax.block_until_ready(self.execute(dummy))
+        seconds = time.perf_counter() - start
+        logger.info("compiled %d step shapes (T, S, P) in %.1f s", len(self.config.buckets), seconds)
+        return seconds

@@ -1,0 +1,247 @@
+"""The engine end to end on CPU: paged continuous batching equals the plain forward, token for token."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.generate import greedy_generate
+from jaxpaged.models.loader import load_model
+from jaxpaged.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+BASE = EngineArgs(model="unused", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=200,
+                  compilation_cache_dir=None)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints):
+    return load_model(str(tiny_checkpoints["gqa4"]), dtype="float32")
+
+
+def make_engine(loaded, **overrides) -> LLMEngine:
+    return LLMEngine(dataclasses.replace(BASE, **overrides), loaded=loaded)
+
+
+def run_all(engine: LLMEngine, prompts, params=GREEDY) -> dict[str, list[int]]:
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    engine.scheduler.check_invariants()
+    assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_usable_pages
+    return done
+
+
+def mixed_prompts(count=32, seed=0, vocab=256, max_len=100):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, max_len, size=count)
+    if count >= 3:
+        lengths[:3] = (1, 16, 17)  # page boundaries
+    return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+
+
+@contextlib.contextmanager
+def count_traces():
+    """Every jaxpr trace (a jit cache miss: what precedes any compile) while inside."""
+    events = []
+
+    def listener(event, duration, **_):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("overrides, expect", [
+    ({}, "cache"),
+    (dict(enable_prefix_caching=False), "nocache"),
+    (dict(num_pages=24), "preempt"),
+    (dict(max_num_batched_tokens=16, max_num_seqs=8), "chunked"),
+])
+def test_greedy_batch_equals_plain_forward(tiny, overrides, expect):
+    prompts = mixed_prompts()
+    if expect == "cache":  # repeated prompts and shared prefixes exercise the cache
+        prompts[10] = prompts[11][:] if len(prompts[11]) > 20 else prompts[10]
+        prompts[12] = prompts[13][:18] + prompts[12]
+    engine = make_engine(tiny, **overrides)
+    done = run_all(engine, prompts)
+    for i, prompt in enumerate(prompts):
+        expected = greedy_generate(tiny.config, tiny.params, prompt, GREEDY.max_tokens)
+        assert done[str(i)].outputs[0].token_ids == expected, f"prompt {i} (len {len(prompt)})"
+        assert done[str(i)].outputs[0].finish_reason == "length"
+    if expect == "preempt":
+        assert engine.scheduler.num_preemptions > 0
+    if expect == "chunked":
+        assert max(map(len, prompts)) > engine.runner_config.max_num_batched_tokens
+    if expect == "nocache":
+        assert engine.scheduler.pool.prefix_cache_hits == 0
+
+
+def test_smollm2_greedy_batch_equals_plain_forward(smollm2):
+    tok = smollm2.tokenizer
+    texts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,",
+             "The quick brown fox jumps over the lazy dog. " * 6, "Water boils at"] * 6
+    prompts = [tok(t)["input_ids"] for t in texts[:32]]
+    engine = LLMEngine(EngineArgs(model="unused", max_model_len=256, max_num_seqs=32, max_num_batched_tokens=128,
+                                  num_pages=300, compilation_cache_dir=None), loaded=smollm2)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    done = run_all(engine, prompts, params)
+    for i, prompt in enumerate(prompts):
+        expected = greedy_generate(smollm2.config, smollm2.params, prompt, 10)
+        assert done[str(i)].outputs[0].token_ids == expected, texts[i]
+
+
+def test_shared_prefix_shares_pages(tiny):
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, 256, size=200).tolist()
+    prompts = [prefix + rng.integers(0, 256, size=20).tolist() for _ in range(8)]
+    engine = make_engine(tiny, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8, num_pages=200)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+    engine.step()  # all eight prefilled in one step
+    pool = engine.scheduler.pool
+    pages_in_use = pool.num_usable_pages - pool.num_free_pages
+    # 220 tokens = 14 pages each if copied; the 12 full prefix pages are shared: 12 + 8 * 2.
+    assert pages_in_use == 12 + 8 * 2 < 8 * 14
+    assert pool.prefix_cache_hits == 7 * 12 * 16
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, prompt, 12)
+    assert pool.num_free_pages == pool.num_usable_pages
+
+
+def test_seeded_sampling_is_batch_independent(tiny):
+    engine = make_engine(tiny)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    prompt = mixed_prompts(1, seed=9)[0]
+    alone = run_all(engine, [prompt], params)["0"].outputs[0].token_ids
+    others = mixed_prompts(7, seed=10)
+    mixed = [SamplingParams(temperature=0.7, seed=s, max_tokens=5 + s, ignore_eos=True) for s in range(7)]
+    batch = run_all(engine, others[:4] + [prompt] + others[4:], mixed[:4] + [params] + mixed[4:])
+    assert batch["4"].outputs[0].token_ids == alone
+
+
+def test_n_samples_with_seed_differ_and_reproduce(tiny):
+    engine = make_engine(tiny)
+    params = SamplingParams(n=4, temperature=1.5, seed=7, max_tokens=10, ignore_eos=True)
+    prompt = list(range(40))
+    first = run_all(engine, [prompt], params)["0"]
+    samples = [tuple(o.token_ids) for o in first.outputs]
+    assert [o.index for o in first.outputs] == [0, 1, 2, 3]
+    assert len(set(samples)) == 4
+    again = run_all(engine, [prompt], params)["0"]
+    assert [tuple(o.token_ids) for o in again.outputs] == samples
+
+
+def test_no_compilation_after_warmup(tiny):
+    engine = make_engine(tiny, num_pages=40)  # small pool: preemption too
+    prompts = mixed_prompts(20, seed=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=8), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(temperature=1.0, top_k=5, logprobs=3), SamplingParams(repetition_penalty=1.3,
+              presence_penalty=0.5, max_tokens=20), SamplingParams(n=2, temperature=1.0, stop=["a", "b"]),
+              SamplingParams(min_tokens=4, max_tokens=6, logit_bias={3: 5.0})] * 4
+    with count_traces() as traces:
+        run_all(engine, prompts, params[:20])
+    assert traces == []
+    with count_traces() as traces:  # the counter does see a new shape
+        jax.jit(lambda x: x + 1)(np.zeros(3))
+    assert traces
+
+
+def test_stop_string_token_and_eos(tiny):
+    engine = make_engine(tiny)
+    tok = tiny.tokenizer
+    prompt = mixed_prompts(1, seed=5)[0]
+    base = run_all(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))["0"]
+    text, ids = base.outputs[0].text, base.outputs[0].token_ids
+    assert text == tok.decode(ids, skip_special_tokens=True)
+    stop = tok.decode(ids[4:6])
+    out = run_all(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))["0"].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)] and stop not in out.text
+    out = run_all(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[ids[3]]))
+    assert out["0"].outputs[0].token_ids == ids[:ids.index(ids[3]) + 1]
+    assert out["0"].outputs[0].stop_reason == ids[3]
+    # min_tokens bans the stop id until 6 tokens exist
+    out = run_all(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6,
+                                                    stop_token_ids=[ids[0]]))["0"].outputs[0]
+    assert len(out.token_ids) >= 6 and ids[0] not in out.token_ids[:5]
+
+
+def test_eos_from_generation_config_stops(tiny):
+    engine = make_engine(tiny)
+    prompt = mixed_prompts(1, seed=6)[0]
+    first = run_all(engine, [prompt], GREEDY)["0"].outputs[0].token_ids
+    eos = first[2]
+    loaded = dataclasses.replace(tiny, generation_config=dataclasses.replace(tiny.generation_config,
+                                                                              eos_token_ids=(eos,)))
+    engine = make_engine(loaded)
+    out = run_all(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=12))["0"].outputs[0]
+    assert out.token_ids == first[:first.index(eos) + 1] and out.finish_reason == "stop"
+    ignored = run_all(engine, [prompt], GREEDY)["0"].outputs[0]
+    assert ignored.token_ids == first
+
+
+def test_rejections_are_clear_and_leave_nothing(tiny):
+    engine = make_engine(tiny)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("big", {"prompt_token_ids": list(range(100))}, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("oov", {"prompt_token_ids": [1, 2, 99999]})
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", {"prompt_token_ids": []})
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_usable_pages
+
+
+def test_abort_frees_everything(tiny):
+    engine = make_engine(tiny)
+    for i, prompt in enumerate(mixed_prompts(6, seed=8)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(n=2, max_tokens=20))
+    engine.step()
+    engine.step()
+    engine.abort_request([str(i) for i in range(6)])
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_usable_pages
+    engine.scheduler.check_invariants()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_page_accounting_under_random_workloads(tiny, data):
+    engine = make_engine(tiny, num_pages=data.draw(st.integers(12, 40)), max_num_seqs=4)
+    num = data.draw(st.integers(1, 8))
+    for i in range(num):
+        prompt = data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=60))
+        params = SamplingParams(n=data.draw(st.integers(1, 3)), temperature=1.0, seed=i,
+                                max_tokens=data.draw(st.integers(1, 20)))
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    abort_at = {str(i): data.draw(st.integers(0, 30)) for i in range(num) if data.draw(st.booleans())}
+    for step in range(400):
+        if not engine.has_unfinished_requests():
+            break
+        engine.abort_request([rid for rid, at in abort_at.items() if at == step])
+        engine.step()
+        engine.scheduler.check_invariants()
+    assert not engine.has_unfinished_requests()
+    pool = engine.scheduler.pool
+    assert pool.num_free_pages == pool.num_usable_pages
+    assert all(pool.ref_count(p) == 0 for p in range(1, pool.num_pages))
