@@ -1,6 +1,15 @@
-"""jaxpaged: an LLM serving engine on JAX/XLA (paged attention, continuous batching)."""
+"""jaxpaged: an LLM serving engine on JAX/XLA (paged attention, continuous batching).
 
+    from jaxpaged import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m-instruct")
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0.8, max_tokens=64))
+"""
+
+from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.llm import LLM
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams",
+           "__version__"]

@@ -34,6 +34,7 @@ from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU when no size is given
+_CPU_DEFAULT_MAX_MODEL_LEN = 2048  # keeps the CPU warm-up (one compile per step shape) short
 
 
 def default_compilation_cache_dir() -> str:
@@ -50,7 +51,7 @@ class EngineArgs:
     revision: str | None = None
     dtype: str = "auto"
     seed: int = 0
-    max_model_len: int | None = None  # default: the model's context length
+    max_model_len: int | None = None  # default: the model's context length (capped at 2048 on CPU)
     max_num_seqs: int | None = None  # default: 256 on GPU, 64 on CPU
     max_num_batched_tokens: int | None = None  # default: 2048 on GPU, 512 on CPU
     block_size: int = 16
@@ -132,7 +133,8 @@ class LLMEngine:
     def _runner_config(self) -> RunnerConfig:
         args, config = self.args, self.model.config
         on_gpu = jax.default_backend() == "gpu"
-        max_model_len = args.max_model_len or config.max_position_embeddings
+        max_model_len = args.max_model_len or (config.max_position_embeddings if on_gpu else
+                                               min(config.max_position_embeddings, _CPU_DEFAULT_MAX_MODEL_LEN))
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length "
                              f"{config.max_position_embeddings}")

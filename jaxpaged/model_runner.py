@@ -93,9 +93,9 @@ class RunnerConfig:
     def max_pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.page_size)
 
-    # Buckets: T in powers of two; S and P in powers of four (attention work on the
-    # CPU path grows with S * P, so both are kept near the batch's real need
-    # while the number of compiled shapes stays small).
+    # Buckets: T and P in powers of two, S in powers of four. Matmul work grows with
+    # T and the CPU attention path's with S * P, so those stay near the batch's real
+    # need, while the number of compiled shapes stays small.
     @property
     def token_buckets(self) -> tuple[int, ...]:
         return _geometric_buckets(min(self.min_token_bucket, self.max_num_batched_tokens),
@@ -111,7 +111,7 @@ class RunnerConfig:
         # reference gathers the whole row, so narrow batches get narrow tables.
         if self.backend == "pallas":
             return (self.max_pages_per_seq,)
-        return _geometric_buckets(min(self.min_page_bucket, self.max_pages_per_seq), self.max_pages_per_seq, 4)
+        return _geometric_buckets(min(self.min_page_bucket, self.max_pages_per_seq), self.max_pages_per_seq, 2)
 
     @property
     def buckets(self) -> tuple[tuple[int, int, int], ...]:

@@ -1,0 +1,79 @@
+"""The offline LLM API (vLLM's names): prompts as text or token ids, chat, ordering, metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.generate import greedy_generate
+
+ARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_pages=100)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints):
+    return LLM(model=str(tiny_checkpoints["gqa4"]), dtype="float32", seed=0, **ARGS)
+
+
+def test_generate_text_and_token_prompts_in_order(llm):
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = ["hello there", {"prompt_token_ids": [5, 6, 7]}, "a much longer prompt " * 3]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt for o in outs] == ["hello there", None, "a much longer prompt " * 3]
+    assert outs[1].prompt_token_ids == [5, 6, 7]
+    assert outs[0].prompt_token_ids == tok("hello there")["input_ids"]
+    engine = llm.llm_engine
+    for out in outs:
+        expected = greedy_generate(engine.model.config, engine.model.params, out.prompt_token_ids, 6)
+        completion = out.outputs[0]
+        assert completion.token_ids == expected
+        assert completion.text == tok.decode(expected, skip_special_tokens=True)
+        assert completion.finish_reason == "length"
+        assert out.finished and out.metrics.time_to_first_token is not None
+        assert 0 <= out.metrics.time_to_first_token <= out.metrics.e2e_latency
+        assert out.metrics.num_generation_tokens == 6
+
+
+def test_one_params_per_prompt(llm):
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 3, 5)]
+    outs = llm.generate(["a", "b", "c"], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 3, 5]
+    with pytest.raises(ValueError, match="3 SamplingParams for 2 prompts"):
+        llm.generate(["a", "b"], params, use_tqdm=False)
+
+
+def test_chat_uses_the_template(llm):
+    messages = [{"role": "user", "content": "hi"}]
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt == "<|user|>hi<|eos|><|assistant|>"
+    assert out.prompt_token_ids == llm.get_tokenizer()(out.prompt, add_special_tokens=False)["input_ids"]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_logprobs_and_n(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=5, logprobs=4, ignore_eos=True)
+    out = llm.generate("xyz", params, use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    for completion in out.outputs:
+        assert len(completion.logprobs) == 5
+        for token_id, entry in zip(completion.token_ids, completion.logprobs):
+            assert token_id in entry and len(entry) in (4, 5)
+            ranked = sorted((lp.rank, lp.logprob) for lp in entry.values() if lp.rank and lp.rank <= 4)
+            assert [r for r, _ in ranked] == [1, 2, 3, 4]
+            assert all(a >= b for (_, a), (_, b) in zip(ranked, ranked[1:]))
+        total = sum(entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs))
+        assert completion.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def test_bad_prompt_leaves_engine_clean(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["ok", "x" * 200], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    pool = llm.llm_engine.scheduler.pool
+    assert pool.num_free_pages == pool.num_usable_pages
+
+
+def test_unknown_engine_argument_is_rejected(tiny_checkpoints):
+    with pytest.raises(TypeError, match="unknown engine arguments \\['max_num_seq'\\]"):
+        LLM(model=str(tiny_checkpoints["gqa4"]), max_num_seq=4)
