@@ -1,0 +1,83 @@
+"""Model runner: buckets, exact step packing, paged forward == plain forward, KV pool sizing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_page
+from jaxpaged.models.llama import forward_jit
+from jaxpaged.models.loader import load_model
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.scheduler import ScheduledRequest
+
+CONFIG = RunnerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128, page_size=16, num_pages=32,
+                      attention_backend="reference")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints):
+    return load_model(str(tiny_checkpoints["gqa4"]), dtype="float32")
+
+
+def entry(rid, tokens, start, pages, samples=True):
+    return ScheduledRequest(rid, tuple(tokens), start, tuple(pages), samples, SamplingParams(), start + len(tokens))
+
+
+def test_buckets():
+    assert CONFIG.token_buckets == (16, 32, 64)
+    assert CONFIG.seq_buckets == (4, 16)
+    assert CONFIG.page_buckets == (8,)
+    assert CONFIG.bucket_for(17, 5, 3) == (32, 16, 8)
+    wide = dataclasses.replace(CONFIG, max_model_len=2048, max_num_batched_tokens=512, max_num_seqs=64)
+    assert wide.page_buckets == (8, 16, 32, 64, 128)
+    assert wide.seq_buckets == (4, 16, 64)
+    assert (16, 64, 8) not in wide.buckets and (64, 64, 8) in wide.buckets
+    assert dataclasses.replace(CONFIG, attention_backend="pallas").page_buckets == (8,)
+
+
+@pytest.mark.parametrize("field, value", [("attention_backend", "cuda"), ("page_size", 12), ("num_pages", 0)])
+def test_config_validation(field, value):
+    with pytest.raises(ValueError, match=field.split("_")[0]):
+        dataclasses.replace(CONFIG, **{field: value})
+
+
+def test_prepare_packs_exact_arrays(tiny):
+    runner = ModelRunner(tiny.config, tiny.params, CONFIG)
+    step = runner.prepare([entry("a", [7, 8, 9], 14, [5, 2]), entry("b", [4], 3, [9])])
+    assert step.token_ids.tolist() == [7, 8, 9, 4] + [0] * 12
+    assert step.positions.tolist() == [14, 15, 16, 3] + [0] * 12
+    # positions 14, 15 in page 5; 16 in page 2; 3 in page 9; padding in the null page
+    assert step.slot_mapping.tolist() == [5 * 16 + 14, 5 * 16 + 15, 2 * 16 + 0, 9 * 16 + 3] + [0] * 12
+    assert step.page_table.shape == (4, 8)
+    assert step.page_table[:2, :2].tolist() == [[5, 2], [9, 0]] and not step.page_table[2:].any()
+    assert step.kv_lens.tolist() == [17, 4, 0, 0]
+    assert step.cu_q_lens.tolist() == [0, 3, 4, 4, 4]
+    assert step.logits_indices.tolist() == [2, 3, 0, 0]
+    assert int(step.num_seqs) == 2
+
+
+def test_chunked_prefill_over_cached_prefix_matches_plain_forward(tiny):
+    runner = ModelRunner(tiny.config, tiny.params, CONFIG)
+    tokens = np.random.default_rng(0).integers(0, 256, size=50).tolist()
+    pages = [3, 7, 1, 12]  # shuffled, non-contiguous
+    runner.execute(runner.prepare([entry("a", tokens[:20], 0, pages[:2], samples=False)]))
+    logits = runner.execute(runner.prepare([entry("a", tokens[20:50], 20, pages)]))
+    plain = forward_jit(tiny.config, tiny.params, jnp.asarray([tokens]))[0, -1]
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)
+
+
+def test_kv_pool_sized_from_memory_budget(tiny):
+    per_page = kv_bytes_per_page(tiny.config, 16, np.float32)
+    assert per_page == 2 * 2 * 2 * 16 * 8 * 4  # k and v, layers, kv heads, page, head_dim, f32
+    args = EngineArgs(model="unused", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
+                      kv_cache_memory=per_page * 50 + 7, compilation_cache_dir=None, warmup=False)
+    engine = LLMEngine(args, loaded=tiny)
+    assert engine.runner_config.num_pages == 50
+    assert engine.runner.kv.k.shape == (2, 2, 50, 16, 8)
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        LLMEngine(dataclasses.replace(args, kv_cache_memory=per_page * 4), loaded=tiny)
