@@ -33,6 +33,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (0: only the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (no text, so no stop strings)
 
     def __post_init__(self):
         # Normalise list-ish inputs so the dataclass stays hashable and frozen.
@@ -79,6 +80,8 @@ class SamplingParams:
                 bad(name, value, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "stop strings must be non-empty strings")
+        if self.stop and not self.detokenize:
+            bad("stop", self.stop, "stop strings need detokenize=True")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "token ids must be >= 0")
         if self.seed is not None and not isinstance(self.seed, int):

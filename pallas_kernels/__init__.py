@@ -6,6 +6,7 @@ from pallas_kernels.ragged_paged_attention import (
     choose_config,
     ragged_paged_attention,
     ragged_paged_attention_reference,
+    ragged_paged_attention_xla,
 )
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "choose_config",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
+    "ragged_paged_attention_xla",
     "write_kv",
     "write_kv_inner",
 ]

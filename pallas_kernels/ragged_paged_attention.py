@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
            jnp.dtype(jnp.float32))
-_BACKENDS = ("auto", "reference", "pallas")
+_BACKENDS = ("auto", "reference", "xla", "pallas")
 
 
 def _next_pow2(x: int) -> int:
@@ -172,6 +172,66 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table,
                  precision=hi)
   o = o / jnp.where(denom > 0, denom, 1.).transpose(0, 3, 1, 2)[..., None]
   o = o.reshape(nt, bq, hq, d).astype(q.dtype)
+  return scatter_tiles_to_tokens(o, cu_q_lens, num_seqs, sched, t)
+
+
+# --------------------------------------------------------------------------
+# Blocked pure-JAX path ("xla"): the CPU production path.
+# --------------------------------------------------------------------------
+
+
+def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_table,
+                               cu_q_lens, num_seqs, *, sm_scale, layer=None,
+                               block_q=None, pages_per_block=None):
+  """The reference's math with an online softmax over blocks of pages.
+
+  A while loop runs ceil(longest live kv_len / block) times, so the work and
+  the gathered K/V follow the batch's real context, not the page table's
+  static width P (which can then be the full max_model_len / page_size).
+  """
+  t, hq, d = q.shape
+  kvh, n, ps, _ = k_pages.shape[-4:]
+  s, p = page_table.shape
+  g = hq // kvh
+  bq = block_q or (1 if t <= s else 16)
+  ppb = min(pages_per_block or max(1, 256 // ps), p)
+  nt = num_tiles_bound(t, s, bq)
+  sched = tile_schedule(cu_q_lens, kv_lens, num_seqs, block_q=bq,
+                        num_tiles=nt)
+  qt = gather_q_tiles(q, sched, bq).reshape(nt, bq, kvh, g, d)
+  pt = jnp.pad(page_table, ((0, 0), (0, -p % ppb)))[sched.seq]  # [NT, Pp]
+  u = jnp.arange(bq, dtype=jnp.int32)
+  qpos = sched.pos0[:, None] + u[None, :]                      # [NT, bq]
+  q_live = u[None, :] < sched.q_len[:, None]                   # [NT, bq]
+  longest = jnp.max(jnp.where(sched.q_len > 0, sched.kv_len, 0))
+  num_blocks = (longest + ppb * ps - 1) // (ppb * ps)
+
+  def block(b, carry):
+    m, l, acc = carry                       # [NT,KVH,G,bq], idem, [..., D]
+    ids = lax.dynamic_slice_in_dim(pt, b * ppb, ppb, axis=1)    # [NT, ppb]
+    flat = _flat_page_ids(ids, layer, kvh, n)                   # [KVH,NT,ppb]
+    k = k_pages.reshape(-1, ps, d)[flat].reshape(kvh, nt, ppb * ps, d)
+    v = v_pages.reshape(-1, ps, d)[flat].reshape(kvh, nt, ppb * ps, d)
+    kpos = b * ppb * ps + jnp.arange(ppb * ps, dtype=jnp.int32)  # [K]
+    kv_live = kpos[None, :] < sched.kv_len[:, None]             # [NT, K]
+    mask = (q_live[:, :, None] & (kpos[None, None, :] <= qpos[:, :, None])
+            & kv_live[:, None, :])[:, None, None]               # [NT,1,1,bq,K]
+    logits = jnp.einsum("nuhgd,hnkd->nhguk", qt, k,
+                        preferred_element_type=jnp.float32) * sm_scale
+    logits = jnp.where(mask, logits, MASK_VALUE)
+    m_new = jnp.maximum(m, logits.max(-1))
+    probs = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.)
+    alpha = jnp.exp(m - m_new)
+    v = jnp.where(kv_live[None, :, :, None], v, jnp.zeros((), v.dtype))
+    pv = jnp.einsum("nhguk,hnkd->nhgud", probs, v.astype(jnp.float32))
+    return m_new, l * alpha + probs.sum(-1), acc * alpha[..., None] + pv
+
+  init = (jnp.full((nt, kvh, g, bq), MASK_VALUE, jnp.float32),
+          jnp.zeros((nt, kvh, g, bq), jnp.float32),
+          jnp.zeros((nt, kvh, g, bq, d), jnp.float32))
+  _, l, acc = lax.fori_loop(0, num_blocks, block, init)
+  o = acc / jnp.where(l > 0, l, 1.)[..., None]                  # [NT,KVH,G,bq,D]
+  o = o.transpose(0, 3, 1, 2, 4).reshape(nt, bq, hq, d).astype(q.dtype)
   return scatter_tiles_to_tokens(o, cu_q_lens, num_seqs, sched, t)
 
 
@@ -418,7 +478,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
     num_seqs: int32 scalar (traced ok): live sequence slots.
     sm_scale: softmax scale (static float).
     layer: int32 scalar (traced ok) for a layer-stacked pool.
-    backend: "auto" (pallas on GPU, else reference), "reference", "pallas".
+    backend: "auto" (pallas on GPU, else xla), "reference" (the readable
+      oracle: gathers the whole page-table row), "xla" (blocked online
+      softmax in plain JAX: the CPU path), "pallas".
     interpret: run the Pallas kernel in interpret mode (CPU testing).
     block_q, pages_per_block, num_splits, num_warps, num_stages: kernel
       tiling overrides (see choose_config); ignored by the reference.
@@ -430,8 +492,13 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   _validate(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer,
             backend)
   if backend == "auto":
-    backend = "pallas" if jax.default_backend() == "gpu" else "reference"
+    backend = "pallas" if jax.default_backend() == "gpu" else "xla"
   sm_scale = float(sm_scale)
+  if backend == "xla":
+    return ragged_paged_attention_xla(
+        q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, layer=layer, block_q=block_q,
+        pages_per_block=pages_per_block)
   if backend == "reference":
     return ragged_paged_attention_reference(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,

@@ -47,6 +47,9 @@ class Batch:
             jnp.int32(self.num_seqs))
 
 
+
+BACKENDS = ("reference", "xla", "pallas")  # every backend must match the oracle
+
 def make_batch(rng, q_lens, kv_lens, *, kvh=2, group=4, d=64, ps=16,
                num_slots=None, extra_tokens=3, dtype=jnp.float32,
                layers=None, garbage=np.nan, extra_pages=5):
@@ -122,7 +125,7 @@ def check(b: Batch, interpret, tol=None, **kw):
   tol = tol or TOL[jnp.dtype(b.q.dtype).type]
   want = oracle(b)
   live = int(b.cu_q_lens[b.num_seqs])
-  for backend in ("reference", "pallas"):
+  for backend in BACKENDS:
     got = run(b, backend, interpret, **kw)
     assert not np.isnan(got).any(), f"{backend}: NaN in output"
     assert np.all(got[live:] == 0), f"{backend}: padding rows not zero"
@@ -180,7 +183,7 @@ def test_zero_live_sequences(interpret):
   rng = np.random.default_rng(4)
   b = make_batch(rng, [2, 3], [5, 6])
   b.num_seqs = 0
-  for backend in ("reference", "pallas"):
+  for backend in BACKENDS:
     assert np.all(run(b, backend, interpret) == 0)
 
 
@@ -215,7 +218,7 @@ def test_garbage_in_unused_slots_does_not_change_result(garbage, interpret):
   used = np.asarray(clean.k_pages != 0)
   dirty.k_pages = np.where(used, clean.k_pages, garbage).astype(clean.q.dtype)
   dirty.v_pages = np.where(used, clean.v_pages, garbage).astype(clean.q.dtype)
-  for backend in ("reference", "pallas"):
+  for backend in BACKENDS:
     np.testing.assert_array_equal(run(clean, backend, interpret),
                                   run(dirty, backend, interpret))
 
@@ -235,19 +238,29 @@ def test_inside_jit_and_scan_over_layers(interpret):
       return carry, o
     return jax.lax.scan(body, 0, jnp.arange(2, dtype=jnp.int32))[1]
 
-  for backend in ("reference", "pallas"):
+  for backend in BACKENDS:
     outs = np.asarray(step(ns, backend))
     for layer in range(2):
       want = oracle(dataclasses.replace(b, layer=layer))
       assert np.abs(outs[layer] - want).max() <= 2e-5
 
 
-def test_auto_backend_is_reference_off_gpu():
+def test_auto_backend_is_xla_off_gpu():
   if jax.default_backend() == "gpu":
     pytest.skip("auto picks pallas on GPU")
   rng = np.random.default_rng(1)
   b = make_batch(rng, [2], [2])
-  np.testing.assert_array_equal(run(b, "auto"), run(b, "reference"))
+  np.testing.assert_array_equal(run(b, "auto"), run(b, "xla"))
+
+
+@pytest.mark.parametrize("ppb", [1, 2, 5])
+def test_xla_blocks_match_reference_across_block_sizes(ppb):
+  """Several loop iterations, a partial last block, contexts of different lengths."""
+  rng = np.random.default_rng(21)
+  b = make_batch(rng, [1, 30, 1, 7], [200, 90, 3, 7], group=4, num_slots=8)
+  want = oracle(b)
+  got = run(b, "xla", pages_per_block=ppb)
+  assert np.abs(got - want).max() <= 2e-5
 
 
 def test_validation_errors():

@@ -1,0 +1,275 @@
+"""AsyncLLM: the synchronous LLMEngine driven by one background thread, used from asyncio.
+
+    event loop (many coroutines)            engine thread (one)
+    ----------------------------            -------------------
+    add_request / abort  --- commands --->  apply commands between steps
+                                            engine.step()
+    asyncio.Queue per request <-- call_soon_threadsafe -- RequestOutputs
+
+The engine is not thread-safe, so only the engine thread ever touches it. It
+sleeps on a condition variable while there is nothing to do. A failing step
+fails only the requests in flight (finish_reason "error") and the thread keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineShutdownError(RuntimeError):
+    """The AsyncLLM was shut down while the request was queued or running."""
+
+
+_ABORTED = object()  # stream sentinel: the request was aborted
+
+
+@dataclasses.dataclass
+class _Sink:
+    """Where one request's outputs go: an asyncio.Queue on the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    params: SamplingParams
+    last: RequestOutput | None = None
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    sink: _Sink
+    future: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_ids: tuple[str, ...]
+
+
+class AsyncLLM:
+    """Asyncio front of an LLMEngine that runs in its own thread (start() is called for you)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._stats_lock = threading.Lock()
+        self._stats: dict[str, float] = {}
+        self._peak_running = 0
+        self._num_steps = 0
+        self._num_step_errors = 0
+        self._publish_stats()
+        self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        return cls(LLMEngine(args))
+
+    # ---- the asyncio side -------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> asyncio.Queue:
+        """Queue a request; the engine's ValueError (nothing queued) is raised here."""
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), params)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Add(request_id, prompt, params, sink, future))
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # the caller left while the add was in flight: undo it
+            self.abort(request_id)
+            raise
+        return sink.queue
+
+    async def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come; the last has `finished` set.
+
+        If the consumer stops early (client gone: GeneratorExit / CancelledError)
+        the request is aborted at once and its KV pages are freed.
+        """
+        queue = await self.add_request(request_id, prompt, params)
+        finished = False
+        try:
+            while (output := await self.next_output(queue)) is not None:
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    @staticmethod
+    async def next_output(queue: asyncio.Queue) -> RequestOutput | None:
+        """The next output from a queue returned by add_request; None once the request was aborted."""
+        item = await queue.get()
+        if item is _ABORTED:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def abort(self, request_ids: str | Sequence[str]) -> None:
+        """Abort requests (thread-safe, non-blocking): applied before the engine's next step."""
+        ids = (request_ids,) if isinstance(request_ids, str) else tuple(request_ids)
+        self._submit(_Abort(ids))
+
+    def stats(self) -> dict[str, float]:
+        """A consistent snapshot of the engine's stats plus the loop's own counters."""
+        with self._stats_lock:
+            return dict(self._stats)
+
+    def reset_peak_running(self) -> None:
+        """Restart the `peak_num_requests_running` high-water mark."""
+        with self._stats_lock:
+            self._peak_running = 0
+            self._stats["peak_num_requests_running"] = 0
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; requests still in flight end with EngineShutdownError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._cond:
+            if self._stopping:
+                if isinstance(command, _Add):
+                    command.future.set_exception(EngineShutdownError("the engine is shut down"))
+                return
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---- the engine thread ------------------------------------------------
+
+    def _run(self) -> None:
+        logger.debug("engine thread started")
+        while True:
+            with self._cond:
+                while not self._stopping and not self._commands and not self._sinks:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            self._apply(commands)
+            if self._sinks:
+                self._step()
+            self._publish_stats()
+        self._fail_all(EngineShutdownError("the engine was shut down"))
+        logger.debug("engine thread stopped")
+
+    def _apply(self, commands: list) -> None:
+        for command in commands:
+            if isinstance(command, _Add):
+                self._apply_add(command)
+            else:
+                self._apply_abort(command.request_ids)
+
+    def _apply_add(self, command: _Add) -> None:
+        if not command.future.set_running_or_notify_cancel():  # the caller went away before we got here
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params)
+        except Exception as err:  # ValueError: never servable; anything else: a bug, still the caller's
+            command.future.set_exception(err)
+            return
+        self._sinks[command.request_id] = command.sink
+        command.future.set_result(None)
+
+    def _apply_abort(self, request_ids: Sequence[str]) -> None:
+        try:
+            self.engine.abort_request(list(request_ids))
+        except Exception:
+            logger.exception("aborting %s failed", list(request_ids))
+        for rid in request_ids:
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                sink.put(_ABORTED)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            self._num_step_errors += 1
+            logger.exception("engine step failed; failing the %d requests in flight", len(self._sinks))
+            self._fail_in_flight()
+            return
+        self._num_steps += 1
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
+                continue
+            sink.last = output
+            sink.put(output)
+            if output.finished:
+                del self._sinks[output.request_id]
+
+    def _fail_in_flight(self) -> None:
+        sinks, self._sinks = self._sinks, {}
+        try:
+            self.engine.abort_request(list(sinks))
+        except Exception:
+            logger.exception("aborting the failed requests failed too")
+        for rid, sink in sinks.items():
+            sink.put(_error_output(rid, sink))
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._cond:
+            commands = list(self._commands)
+            self._commands.clear()
+        for command in commands:
+            if isinstance(command, _Add) and not command.future.done():
+                command.future.set_exception(err)
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink.put(err)
+
+    def _publish_stats(self) -> None:
+        stats = dict(self.engine.stats())
+        with self._stats_lock:
+            self._peak_running = max(self._peak_running, int(stats["num_requests_running"]))
+            stats.update(peak_num_requests_running=self._peak_running, num_steps=self._num_steps,
+                         num_step_errors=self._num_step_errors)
+            self._stats = stats
+
+
+def _error_output(request_id: str, sink: _Sink) -> RequestOutput:
+    """The request's last output (or an empty one) marked finished with finish_reason "error"."""
+    last = sink.last
+    if last is None:
+        outputs = [CompletionOutput(i, "", [], None, None) for i in range(sink.params.n)]
+        last = RequestOutput(request_id, None, [], outputs, False, RequestMetrics(arrival_time=0.0))
+    outputs = [dataclasses.replace(o, finish_reason=o.finish_reason or "error") for o in last.outputs]
+    return dataclasses.replace(last, outputs=outputs, finished=True)
+
+
+__all__ = ["AsyncLLM", "EngineShutdownError"]

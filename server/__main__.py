@@ -1,0 +1,123 @@
+"""`python -m server`: jaxpaged's OpenAI-compatible server, with vLLM's flag names.
+
+    python -m server --model smollm2-135m-instruct --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from jaxpaged.engine import EngineArgs
+from jaxpaged.models.loader import DEFAULT_MODEL
+from server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
+
+API_KEY_ENV = "JAXPAGED_API_KEY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m server", description=(
+        "jaxpaged's OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
+        "/tokenize, /detokenize, /health, /version, /metrics). Flags follow vLLM's `vllm serve`."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=DEFAULT_MODEL, help="built-in short name, .gguf file, local Hugging Face "
+                   "folder or HF repo id (org/name)")
+    m.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients pass as `model`; the "
+                   "first is reported (default: the --model value, which is always accepted too)")
+    m.add_argument("--tokenizer", default=None, help="tokenizer folder or repo id (default: the model's)")
+    m.add_argument("--revision", default=None, help="HF repo revision (branch, tag or commit)")
+    m.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    m.add_argument("--chat-template", default=None, help="chat template: a file path or the Jinja text itself "
+                   "(default: the tokenizer's)")
+    m.add_argument("--generation-config", default=None, help="path to a generation_config.json (stop ids and "
+                   "sampling defaults; default: the model's)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output) "
+                   "(default: the model's)")
+    e.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch "
+                   "(default: 256 on GPU, 64 on CPU)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step "
+                   "(default: 2048 on GPU, 512 on CPU)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of accelerator memory "
+                   "the server may use (weights + KV cache)")
+    e.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (overrides "
+                   "--gpu-memory-utilization)")
+    e.add_argument("--num-pages", type=int, default=None, help="KV cache size in pages (overrides both above)")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV cache page")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share KV pages of identical prompt prefixes between requests")
+    e.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to shard the model over "
+                   "(tensor parallelism; the engine checks what it supports)")
+    e.add_argument("--attention-backend", default="auto", help="auto, pallas or reference")
+    e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--api-key", default=None, help="require `Authorization: "
+                   f"Bearer <key>` on /v1/*, /tokenize, /detokenize and /metrics (default: ${API_KEY_ENV})")
+    s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="largest request "
+                   "body accepted (413 beyond)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                   help="log level of jaxpaged and uvicorn")
+    return p
+
+
+def chat_template_arg(value: str | None) -> str | None:
+    """--chat-template: a file's contents when it names a file, else the template text itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if len(value) < 4096 and "{" not in value and path.is_file():
+        return path.read_text()
+    return value
+
+
+def engine_args(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=ns.model, tokenizer=ns.tokenizer, revision=ns.revision, dtype=ns.dtype, seed=ns.seed,
+        max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
+        enable_prefix_caching=ns.enable_prefix_caching, gpu_memory_utilization=ns.gpu_memory_utilization,
+        kv_cache_memory=ns.kv_cache_memory, num_pages=ns.num_pages, attention_backend=ns.attention_backend,
+        tensor_parallel_size=ns.tensor_parallel_size, chat_template=chat_template_arg(ns.chat_template),
+        generation_config=ns.generation_config)
+
+
+def server_config(ns: argparse.Namespace) -> ServerConfig:
+    names = tuple(dict.fromkeys([*(ns.served_model_name or []), ns.model]))
+    api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+    return ServerConfig(served_model_names=names, api_key=api_key, max_request_bytes=ns.max_request_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        args, config = engine_args(ns), server_config(ns)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import uvicorn  # imported late so --help stays fast
+
+    from jaxpaged.async_engine import AsyncLLM
+    from server.app import build_app
+
+    engine = AsyncLLM.from_engine_args(args)
+    logging.getLogger("server").info("serving %s as %s on http://%s:%d (API key %s)", ns.model,
+                                     ", ".join(config.served_model_names), ns.host, ns.port,
+                                     "required" if config.api_key else "not required")
+    try:
+        uvicorn.run(build_app(engine, config), host=ns.host, port=ns.port, log_level=ns.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,48 @@
+"""What every handler needs: the engine, the server config, the metrics, model facts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxpaged.async_engine import AsyncLLM
+from server.config import ServerConfig
+from server.errors import OpenAIError
+from server.metrics import ServerMetrics
+from server.serving import Submitted
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingContext:
+    engine: AsyncLLM
+    config: ServerConfig
+    metrics: ServerMetrics
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """Sampling defaults from the model's generation_config.json (vLLM does the same)."""
+        return dict(self.engine.engine.model.generation_config.defaults)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.engine.model.config.vocab_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.engine.runner_config.max_model_len)
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to report; 404 in OpenAI's shape for a model this server does not serve."""
+        if requested is None:
+            return self.config.model_name
+        if requested not in self.config.served_model_names:
+            raise OpenAIError(404, f"The model `{requested}` does not exist. Served: "
+                                   f"{', '.join(self.config.served_model_names)}", "model", "model_not_found")
+        return requested
+
+    def submitted(self) -> Submitted:
+        return Submitted(self.engine, self.metrics)

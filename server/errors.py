@@ -1,0 +1,116 @@
+"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import logging
+import re
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxpaged.async_engine import EngineShutdownError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+          413: "RequestTooLargeError", 499: "ClientClosedRequest", 500: "InternalServerError",
+          503: "ServiceUnavailableError"}
+_SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+)=")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready (its request is already aborted)."""
+
+
+class OpenAIError(Exception):
+    """An error answered as `{"error": {...}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code if code is not None else status
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
+    kind = _TYPES.get(status) or _phrase(status).replace(" ", "")
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": code if code is not None else status}}
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:  # 499 and other non-standard codes
+        return "Error"
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param)
+
+
+def from_value_error(err: ValueError, param: str | None = None,
+                     renames: dict[str, str] | None = None) -> OpenAIError:
+    """A SamplingParams / engine ValueError as a 400; `param` from 'SamplingParams.<field>=' when present."""
+    message = str(err)
+    match = _SAMPLING_FIELD.match(message)
+    if match:
+        param = (renames or {}).get(match.group(1), match.group(1))
+    return bad_request(message, param)
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    """pydantic's error list as one readable line, and the first offending field."""
+    parts, param = [], None
+    for e in err.errors():
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        field = ".".join(loc)
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{field}: {e.get('msg')}" if field else str(e.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Every error path answers in OpenAI's shape; validation problems are 400, never pydantic's 422."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, err: OpenAIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, err: RequestValidationError):
+        message, param = _validation_message(err)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException):
+        message = err.detail if isinstance(err.detail, str) else _phrase(err.status_code)
+        if err.status_code == 404:
+            message = f"{request.method} {request.url.path}: no such route"
+        elif err.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return error_response(err.status_code, message, headers=getattr(err, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, _: ClientDisconnected):
+        logger.info("client left %s %s; request aborted", request.method, request.url.path)
+        return error_response(499, "client closed the request")
+
+    @app.exception_handler(EngineShutdownError)
+    async def _shutdown(_: Request, err: EngineShutdownError):
+        return error_response(503, f"the engine is not running: {err}")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, err: Exception):
+        logger.exception("internal error")
+        return error_response(500, f"internal server error: {type(err).__name__}: {err}")

@@ -1,0 +1,61 @@
+"""Request bodies -> SamplingParams, with the model's generation_config defaults for unset fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxpaged.sampling_params import SamplingParams
+from server.errors import bad_request, from_value_error
+from server.protocol import SamplingFields
+
+_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], vocab_size: int, *,
+                          max_tokens: int | None, logprobs: int | None,
+                          renames: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams for a request; a value SamplingParams rejects is a 400 naming the field."""
+    chosen = {k: getattr(body, k) if getattr(body, k) is not None else defaults.get(k, _FALLBACK[k])
+              for k in _DEFAULTABLE}
+    try:
+        return SamplingParams(
+            n=body.n, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            logit_bias=_logit_bias(body.logit_bias, vocab_size), seed=body.seed, max_tokens=max_tokens,
+            min_tokens=body.min_tokens, stop=_stop(body.stop), stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+            **chosen)
+    except ValueError as err:
+        raise from_value_error(err, None, renames) from None
+
+
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not s for s in stops):
+        raise bad_request("stop strings must be non-empty", "stop")
+    return stops
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        ids = {int(k): float(v) for k, v in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise bad_request(f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})",
+                          "logit_bias")
+    return ids
+
+
+def stream_usage_requested(body: SamplingFields) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def check_stream_options(body: SamplingFields) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")

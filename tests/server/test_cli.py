@@ -1,0 +1,35 @@
+"""`python -m server --help` runs and documents vLLM's flags; argument parsing builds the configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from server.__main__ import build_parser, engine_args, server_config
+
+FLAGS = ["--model", "--served-model-name", "--tokenizer", "--revision", "--dtype", "--max-model-len",
+         "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-cache-memory",
+         "--num-pages", "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching",
+         "--tensor-parallel-size", "--api-key", "--host", "--port", "--seed", "--chat-template",
+         "--generation-config", "--attention-backend", "--log-level", "--max-request-bytes"]
+
+
+def test_help_lists_the_flags():
+    out = subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for flag in FLAGS:
+        assert flag in out.stdout, flag
+
+
+def test_parse_to_configs(tmp_path, monkeypatch):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    monkeypatch.setenv("JAXPAGED_API_KEY", "from-env")
+    ns = build_parser().parse_args(["--model", "org/m", "--served-model-name", "a", "b", "--max-model-len", "64",
+                                    "--no-enable-prefix-caching", "--chat-template", str(template)])
+    args, config = engine_args(ns), server_config(ns)
+    assert args.model == "org/m" and args.max_model_len == 64 and args.enable_prefix_caching is False
+    assert args.chat_template == "{{ messages[0]['content'] }}"
+    assert config.served_model_names == ("a", "b", "org/m") and config.api_key == "from-env"
+    ns = build_parser().parse_args(["--api-key", "flag"])
+    assert server_config(ns).api_key == "flag" and ns.host == "0.0.0.0" and ns.port == 8000
