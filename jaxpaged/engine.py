@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpaged import parallel
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_page
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
@@ -60,21 +61,29 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes for the KV pool
     num_pages: int | None = None  # KV pool size in pages (incl. the null page); overrides the above
     attention_backend: str = "auto"
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # devices in the "tp" mesh (see jaxpaged/parallel.py)
+    distributed_coordinator: str | None = None  # multi-host: "host:port" of process 0
+    num_processes: int = 1  # multi-host: processes in jax.distributed
+    process_id: int = 0  # multi-host: this process (0 schedules, the others `follow`)
     chat_template: str | None = None
     generation_config: str | None = None  # path to a generation_config.json
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     warmup: bool = True
 
     def __post_init__(self):
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: only 1 is supported so far")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
+        _ = self.distributed  # validates the multi-host fields
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "num_pages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+
+    @property
+    def distributed(self) -> parallel.DistributedConfig:
+        return parallel.DistributedConfig(self.distributed_coordinator, self.num_processes, self.process_id)
 
 
 @dataclasses.dataclass
@@ -83,7 +92,7 @@ class _Child:
 
     index: int
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None when params.detokenize is False
     seed: int
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
@@ -101,14 +110,19 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None, fault_injector=None):
+        # fault_injector: a test hook, fault_injector(entries, logits) -> logits, called every step after
+        # the forward; it may raise (fails the step) or corrupt rows (see docs/security.md)
+        self.fault_injector = fault_injector
         start = time.perf_counter()
         self.args = args
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        parallel.initialize_distributed(args.distributed)  # before any JAX computation
+        self.mesh = self._make_mesh()
         self.model = loaded or load_model(args.model, dtype=args.dtype, tokenizer=args.tokenizer,
                                           revision=args.revision, chat_template=args.chat_template,
-                                          generation_config=args.generation_config)
+                                          generation_config=args.generation_config, mesh=self.mesh)
         self.tokenizer = self.model.tokenizer
         self.runner_config = self._runner_config()
         self.scheduler = Scheduler(SchedulerConfig(
@@ -116,7 +130,7 @@ class LLMEngine:
             max_num_seqs=self.runner_config.max_num_seqs,
             max_num_batched_tokens=self.runner_config.max_num_batched_tokens,
             max_model_len=self.runner_config.max_model_len, enable_prefix_caching=args.enable_prefix_caching))
-        self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config)
+        self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh)
         self._rng = np.random.default_rng(args.seed)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
@@ -129,6 +143,16 @@ class LLMEngine:
                     (rc.num_pages - 1) * rc.page_size, rc.backend)
 
     # ---- configuration ----------------------------------------------------
+
+    def _make_mesh(self):
+        """None for one device in one process; else the "tp" mesh over the global devices."""
+        tp, procs = self.args.tensor_parallel_size, self.args.num_processes
+        if tp == 1 and procs == 1:
+            return None
+        if procs > 1 and tp != jax.device_count():
+            raise ValueError(f"with num_processes={procs}, tensor_parallel_size={tp} must equal the global "
+                             f"device count {jax.device_count()} (every process serves a shard)")
+        return parallel.make_mesh(tp)
 
     def _runner_config(self) -> RunnerConfig:
         args, config = self.args, self.model.config
@@ -151,10 +175,12 @@ class LLMEngine:
                             attention_backend=args.attention_backend)
 
     def _pages_from_memory(self, on_gpu: bool) -> int:
-        per_page = kv_bytes_per_page(self.model.config, self.args.block_size, self.model.dtype)
+        # Each device holds 1/tp of every page (its KV heads); the budget is per device.
+        per_page = kv_bytes_per_page(self.model.config, self.args.block_size, self.model.dtype) // \
+            self.args.tensor_parallel_size
         budget = self.args.kv_cache_memory
         if budget is None and on_gpu:
-            stats = jax.devices()[0].memory_stats() or {}
+            stats = jax.local_devices()[0].memory_stats() or {}
             limit = stats.get("bytes_limit", 0)
             budget = int(limit * self.args.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
         if budget is None:
@@ -168,7 +194,7 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         penalized = RowInfo(params=SamplingParams(repetition_penalty=1.1), seed=0)
         for s in self.runner_config.seq_buckets:
-            logits = np.zeros((s, vocab), np.float32)
+            logits = jax.device_put(np.zeros((s, vocab), np.float32))  # as the runner hands it over
             for rows in ((), (penalized,)):
                 jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, s, vocab)))
         return time.perf_counter() - start
@@ -193,7 +219,8 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             request = Request(rid, list(token_ids), child_params, eos_token_ids=tuple(eos), arrival_time=now)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens,
-                                           stop=params.stop, min_tokens=params.min_tokens)
+                                           stop=params.stop, min_tokens=params.min_tokens) \
+                if params.detokenize else None
             parent.children.append(_Child(i, request, detok, seed, [] if params.logprobs is not None else None))
         for child in parent.children:  # validates on the first; children are identical
             try:
@@ -234,6 +261,16 @@ class LLMEngine:
             for child in parent.children:
                 self._child_to_parent.pop(child.request.request_id, None)
 
+    def follow(self) -> int:
+        """Multi-host, processes other than 0: run process 0's steps until it calls `shutdown`."""
+        if parallel.is_leader():
+            raise RuntimeError("follow() is for processes other than 0; process 0 schedules")
+        return self.runner.follow()
+
+    def shutdown(self) -> None:
+        """Multi-host, process 0: release the followers (their `follow` returns)."""
+        self.runner.stop_followers()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
@@ -250,14 +287,21 @@ class LLMEngine:
             parent, _ = self._child_to_parent[entry.request_id]
             parent.metrics.first_scheduled_time = parent.metrics.first_scheduled_time or now
         logits = self.runner.execute(self.runner.prepare(entries))
+        if self.fault_injector is not None:
+            logits = self.fault_injector(entries, logits)
         sampled = jax.device_get(sample_jit(logits, self._sampling_batch(entries, logits.shape)))
+        nonfinite = {e.request_id for i, e in enumerate(entries) if e.samples and not sampled.finite[i]}
+        self.scheduler.finish_requests(nonfinite, "error")  # NaN/inf logits fail only their own request
         new_tokens = {e.request_id: [int(sampled.token_ids[i])] for i, e in enumerate(entries) if e.samples}
         self.scheduler.update_from_output(out, new_tokens)
         touched: dict[str, _Parent] = {}
         for i, entry in enumerate(entries):
             if entry.samples:
                 parent, child = self._child_to_parent[entry.request_id]
-                self._process_token(child, sampled, i)
+                if entry.request_id in nonfinite:
+                    child.finish_reason = "error"
+                else:
+                    self._process_token(child, sampled, i)
                 touched[parent.request_id] = parent
         return [self._make_output(parent) for parent in touched.values()]
 
@@ -280,10 +324,12 @@ class LLMEngine:
         if child.logprobs is not None:
             child.logprobs.append(self._logprob_entry(sampled, row, token_id, request.sampling_params.logprobs))
         child.cumulative_logprob += float(sampled.logprobs[row])
-        stop_terminated = request.is_finished and request.finish_reason == "stop"
-        stop_str = child.detokenizer.update([token_id], stop_terminated=stop_terminated)
-        if stop_str is None and request.is_finished:
-            stop_str = child.detokenizer.flush()
+        stop_str = None
+        if child.detokenizer is not None:
+            stop_terminated = request.is_finished and request.finish_reason == "stop"
+            stop_str = child.detokenizer.update([token_id], stop_terminated=stop_terminated)
+            if stop_str is None and request.is_finished:
+                stop_str = child.detokenizer.flush()
         if stop_str is not None:
             if not request.is_finished:
                 self.scheduler.finish_requests([request.request_id], "stop", stop_reason=stop_str)
@@ -293,13 +339,16 @@ class LLMEngine:
 
     def _logprob_entry(self, sampled, row: int, token_id: int, k: int) -> dict[int, Logprob]:
         top_ids = sampled.top_token_ids[row]
-        entry = {int(t): Logprob(float(sampled.top_logprobs[row, r]), r + 1, self.tokenizer.decode([int(t)]))
+        entry = {int(t): Logprob(float(sampled.top_logprobs[row, r]), r + 1, self._decode_token(int(t)))
                  for r, t in enumerate(top_ids[:k])}
         if token_id not in entry:
             ranks = np.nonzero(top_ids == token_id)[0]
             rank = int(ranks[0]) + 1 if len(ranks) else None
-            entry[token_id] = Logprob(float(sampled.logprobs[row]), rank, self.tokenizer.decode([token_id]))
+            entry[token_id] = Logprob(float(sampled.logprobs[row]), rank, self._decode_token(token_id))
         return entry
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         now = time.time()
@@ -307,7 +356,7 @@ class LLMEngine:
         metrics.first_token_time = metrics.first_token_time or now
         finished = all(c.finish_reason is not None for c in parent.children)
         outputs = [CompletionOutput(
-            index=c.index, text=c.detokenizer.get_next_output_text(c.finish_reason is not None, delta=False),
+            index=c.index, text=_text(c),
             token_ids=list(c.request.output_token_ids), cumulative_logprob=c.cumulative_logprob,
             logprobs=None if c.logprobs is None else list(c.logprobs),
             finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in parent.children]
@@ -333,6 +382,12 @@ class LLMEngine:
             "prefix_cache_queries": pool.prefix_cache_queries,
             "prefix_cache_hits": pool.prefix_cache_hits,
         }
+
+
+def _text(child: _Child) -> str:
+    if child.detokenizer is None:
+        return ""
+    return child.detokenizer.get_next_output_text(child.finish_reason is not None, delta=False)
 
 
 __all__ = ["EngineArgs", "LLMEngine", "RequestStatus"]

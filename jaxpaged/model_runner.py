@@ -7,11 +7,16 @@ are padded to a small set of buckets, all compiled at warm-up.
 
 KV pool (stacked over layers, scanned with the params):
     k, v: [L, K, N, page_size, D]   N pages, page 0 the null page
+
+With a mesh (tensor parallelism, see jaxpaged/parallel.py) the params and the
+pool are sharded over it, attention runs per shard under shard_map, and the
+logits come back replicated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -20,6 +25,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+
+from jaxpaged import parallel
 
 from jaxpaged.models.llama import (LlamaConfig, Params, decoder_layer, embed_tokens, lm_logits,
                                    rope_cos_sin)
@@ -28,7 +36,7 @@ from pallas_kernels import ragged_paged_attention, write_kv_inner
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
 
 
 @jax.tree_util.register_dataclass
@@ -87,7 +95,7 @@ class RunnerConfig:
     def backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -107,9 +115,10 @@ class RunnerConfig:
 
     @property
     def page_buckets(self) -> tuple[int, ...]:
-        # The Pallas kernel loops only over live pages, so one width suffices; the
-        # reference gathers the whole row, so narrow batches get narrow tables.
-        if self.backend == "pallas":
+        # The Pallas kernel and the blocked XLA path loop only over live pages, so
+        # one width suffices; the reference gathers whole rows, so it gets narrow
+        # tables for short contexts.
+        if self.backend != "reference":
             return (self.max_pages_per_seq,)
         return _geometric_buckets(min(self.min_page_bucket, self.max_pages_per_seq), self.max_pages_per_seq, 2)
 
@@ -126,20 +135,31 @@ class RunnerConfig:
         return t, s, p
 
 
+def _attend_paged(q, k, v, k_pool, v_pool, step: StepInput, layer, *, sm_scale: float, backend: str):
+    """Write this step's k/v [T, K, D] into the pool, then attend q [T, H, D] -> (o, k_pool, v_pool)."""
+    kp, vp = write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer)
+    o = ragged_paged_attention(q, kp, vp, step.kv_lens, step.page_table, step.cu_q_lens,
+                               step.num_seqs, sm_scale=sm_scale, layer=layer, backend=backend)
+    return o, kp, vp
+
+
 def paged_forward(config: LlamaConfig, backend: str, params: Params, kv: KVPool,
-                  step: StepInput) -> tuple[jax.Array, KVPool]:
-    """Logits f32[S, V] at each sequence's last fed token, and the updated pool."""
+                  step: StepInput, mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
+    """Logits f32[S, V] at each sequence's last fed token, and the updated pool.
+
+    With a mesh, attention runs per tensor-parallel shard (local heads, local pool slice).
+    """
     cos, sin = rope_cos_sin(config, step.positions)  # [T, D]
-    sm_scale = 1.0 / math.sqrt(config.head_dim)
+    attend_paged = functools.partial(_attend_paged, sm_scale=1.0 / math.sqrt(config.head_dim), backend=backend)
+    if mesh is not None:
+        attend_paged = parallel.shard_attention(attend_paged, mesh)
 
     def body(carry, xs):
         h, k_pool, v_pool = carry
         layer_params, layer = xs
 
         def attend(q, k, v):  # q [T, H, D], k/v [T, K, D]: write first, then attend
-            kp, vp = write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer)
-            o = ragged_paged_attention(q, kp, vp, step.kv_lens, step.page_table, step.cu_q_lens,
-                                       step.num_seqs, sm_scale=sm_scale, layer=layer, backend=backend)
+            o, kp, vp = attend_paged(q, k, v, k_pool, v_pool, step, layer)
             return o, (kp, vp)
 
         h, (k_pool, v_pool) = decoder_layer(config, layer_params, h, cos, sin, attend)
@@ -152,9 +172,14 @@ def paged_forward(config: LlamaConfig, backend: str, params: Params, kv: KVPool,
     return logits, KVPool(k, v)
 
 
-def allocate_kv_pool(config: LlamaConfig, num_pages: int, page_size: int, dtype) -> KVPool:
+def allocate_kv_pool(config: LlamaConfig, num_pages: int, page_size: int, dtype,
+                     mesh: Mesh | None = None) -> KVPool:
+    """Zeroed pool; with a mesh, sharded on K (each device allocates only its heads)."""
     shape = (config.num_hidden_layers, config.num_key_value_heads, num_pages, page_size, config.head_dim)
-    return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    if mesh is None:
+        return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    sharding = parallel.kv_pool_sharding(mesh)
+    return KVPool(parallel.zeros_sharded(shape, dtype, sharding), parallel.zeros_sharded(shape, dtype, sharding))
 
 
 def kv_bytes_per_page(config: LlamaConfig, page_size: int, dtype) -> int:
@@ -162,16 +187,45 @@ def kv_bytes_per_page(config: LlamaConfig, page_size: int, dtype) -> int:
         np.dtype(dtype).itemsize
 
 
-class ModelRunner:
-    """Owns the params and the KV pool; turns scheduler outputs into logits."""
+def empty_step(t: int, s: int, p: int) -> StepInput:
+    """An all-padding step of shape (T, S, P): warm-up, and the receive buffer of followers."""
+    return StepInput(np.zeros(t, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32),
+                     np.zeros((s, p), np.int32), np.zeros(s, np.int32), np.zeros(s + 1, np.int32),
+                     np.int32(0), np.zeros(s, np.int32))
 
-    def __init__(self, model_config: LlamaConfig, params: Params, config: RunnerConfig):
+
+class ModelRunner:
+    """Owns the params and the KV pool; turns scheduler outputs into logits.
+
+    With a mesh the params are placed onto `param_shardings(config, mesh)` and the
+    step is jitted with explicit in/out shardings (logits replicated). When JAX runs
+    several processes, process 0 broadcasts each step to the others (`follow`).
+    """
+
+    def __init__(self, model_config: LlamaConfig, params: Params, config: RunnerConfig,
+                 mesh: Mesh | None = None):
         self.model_config = model_config
         self.config = config
-        self.params = params
+        self.mesh = mesh
+        if mesh is not None:
+            parallel.check_tensor_parallel(model_config, mesh.shape[parallel.TP])
         self.dtype = params["embed"].dtype
-        self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.dtype)
-        self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,))
+        self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.dtype, mesh)
+        if mesh is None:
+            self.params = params
+            self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,))
+            return
+        shardings = parallel.param_shardings(model_config, mesh)
+        self.params = parallel.shard_params(params, shardings)
+        pool = parallel.kv_pool_sharding(mesh)
+        rep = parallel.replicated(mesh)
+        self._step = jax.jit(paged_forward, static_argnums=(0, 1, 5), donate_argnums=(3,),
+                             in_shardings=(shardings, KVPool(pool, pool), rep),
+                             out_shardings=(rep, KVPool(pool, pool)))
+
+    @property
+    def multi_process(self) -> bool:
+        return self.mesh is not None and jax.process_count() > 1
 
     def prepare(self, entries: Sequence[ScheduledRequest]) -> StepInput:
         """Pack one step's scheduled requests into padded host arrays."""
@@ -203,18 +257,45 @@ class ModelRunner:
         return StepInput(token_ids, positions, slots, page_table, kv_lens, cu, np.int32(len(entries)), last)
 
     def execute(self, step: StepInput) -> jax.Array:
-        """Run one step; returns logits f32[S, V] on device (rows past num_seqs are padding)."""
-        logits, self.kv = self._step(self.model_config, self.config.backend, self.params, self.kv, step)
-        return logits
+        """Run one step; returns logits f32[S, V] on device (rows past num_seqs are padding).
+
+        In a multi-process run only process 0 calls this; it sends the step to the followers.
+        """
+        if self.multi_process:
+            parallel.broadcast_step(step, empty_step)
+        return self._run(step)
+
+    def follow(self) -> int:
+        """Processes other than 0: run the steps process 0 broadcasts until it stops; returns the count."""
+        steps = 0
+        while (step := parallel.broadcast_step(None, empty_step)) is not None:
+            self._run(step)
+            steps += 1
+        return steps
+
+    def stop_followers(self) -> None:
+        """Process 0: release the followers from `follow`."""
+        if self.multi_process and parallel.is_leader():
+            parallel.broadcast_step(None, empty_step)
+
+    def _run(self, step: StepInput) -> jax.Array:
+        if self.mesh is None:
+            logits, self.kv = self._step(self.model_config, self.config.backend, self.params, self.kv, step)
+            return logits
+        rep = parallel.replicated(self.mesh)
+        step = jax.tree.map(lambda x: parallel.put_global(x, rep), step)
+        logits, self.kv = self._step(self.model_config, self.config.backend, self.params, self.kv, step,
+                                     self.mesh)
+        return logits.addressable_data(0)  # replicated: this process's full copy, sampled locally
 
     def warmup(self) -> float:
-        """Compile every (T, P) bucket now, so serving never compiles; returns seconds."""
+        """Compile every (T, P) bucket now, so serving never compiles; returns seconds.
+
+        Every process warms up the same shapes in the same order, without broadcasting.
+        """
         start = time.perf_counter()
         for t, s, p in self.config.buckets:
-            dummy = StepInput(np.zeros(t, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32),
-                              np.zeros((s, p), np.int32), np.zeros(s, np.int32), np.zeros(s + 1, np.int32),
-                              np.int32(0), np.zeros(s, np.int32))
-            jax.block_until_ready(self.execute(dummy))
+            jax.block_until_ready(self._run(empty_step(t, s, p)))
         seconds = time.perf_counter() - start
         logger.info("compiled %d step shapes (T, S, P) in %.1f s", len(self.config.buckets), seconds)
         return seconds

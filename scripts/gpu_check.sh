@@ -29,14 +29,17 @@ PYEOF
 
   echo "== kernel tests, compiled for GPU"
   if "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 330 "$PY" -m pytest tests/pallas_kernels -q -p no:cacheprovider \
+    timeout 200 "$PY" -m pytest tests/pallas_kernels -q -p no:cacheprovider \
       --kernel-mode=gpu --durations=10 || status=1
   else
     echo "pytest not installed: skipping tests"; status=1
   fi
 
-  echo "== benchmarks"
-  timeout 300 "$PY" scripts/bench_kernels.py || status=1
+  echo "== kernel benchmarks"
+  timeout 150 "$PY" scripts/bench_kernels.py || status=1
+
+  echo "== engine end to end (Llama-3-8B shape, random bf16 weights)"
+  timeout 220 "$PY" scripts/bench_engine_gpu.py || status=1
 
   echo "== gpu_check done: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
   return $status

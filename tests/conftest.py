@@ -28,6 +28,7 @@ TINY_VARIANTS = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16}),
     "head_dim": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "gqa8": dict(num_attention_heads=8, num_key_value_heads=4),  # tensor parallel 1/2/4 (tests/test_parallel.py)
 }
 
 

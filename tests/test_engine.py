@@ -59,7 +59,7 @@ def count_traces():
 
     def listener(event, duration, **_):
         if event == "/jax/core/compile/jaxpr_trace_duration":
-            events.append(event)
+            events.append((event, _))
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:

@@ -38,6 +38,7 @@ def test_buckets():
     assert wide.seq_buckets == (4, 16, 64)
     assert (16, 64, 8) not in wide.buckets and (64, 64, 8) in wide.buckets
     assert dataclasses.replace(CONFIG, attention_backend="pallas").page_buckets == (8,)
+    assert dataclasses.replace(wide, attention_backend="xla").page_buckets == (128,)
 
 
 @pytest.mark.parametrize("field, value", [("attention_backend", "cuda"), ("page_size", 12), ("num_pages", 0)])

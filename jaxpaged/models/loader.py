@@ -1,7 +1,8 @@
 """One entry point from a model name to (config, params, tokenizer, generation config).
 
 `model` may be a built-in short name (the default, `smollm2-135m-instruct`), a
-GGUF file, a local Hugging Face folder, or a Hugging Face repo id resolved
+GGUF file, a local Hugging Face folder, a jaxpaged (Orbax) checkpoint folder
+written by `python -m jaxpaged.convert`, or a Hugging Face repo id resolved
 through huggingface_hub (local cache first, `HF_HOME` respected; downloads
 when online).
 """
@@ -19,6 +20,7 @@ import ml_dtypes
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from jaxpaged import checkpoint
 from jaxpaged.models import gguf_loader
 from jaxpaged.models.llama import LlamaConfig, Params, UnsupportedModelError
 from jaxpaged.models.weights import WeightLoadError, checkpoint_dtype, load_safetensors_params
@@ -118,13 +120,25 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
 
 def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "auto", tokenizer: str | None = None,
                revision: str | None = None, chat_template: str | None = None,
-               generation_config: str | None = None) -> LoadedModel:
-    """Load config, weights (on the default device), tokenizer and generation config."""
+               generation_config: str | None = None, mesh=None) -> LoadedModel:
+    """Load config, weights, tokenizer and generation config.
+
+    Weights land on the default device, except from a jaxpaged checkpoint, which is
+    restored straight into `param_shardings(config, mesh)` when a mesh is given
+    (other formats are read on the host and sharded later by the model runner).
+    """
     start = time.perf_counter()
     wanted = parse_dtype(dtype)
     path = resolve_model_path(model, revision)
-    gguf_file = _gguf_file(path)
     gen_path = Path(generation_config) if generation_config else None
+    if checkpoint.is_checkpoint(path):
+        config, saved_dtype = checkpoint.read_checkpoint_meta(path)
+        dtype_ = wanted or saved_dtype
+        params = checkpoint.restore_params(path, config, dtype_, mesh)
+        tok = load_hf_tokenizer(tokenizer or path, chat_template)
+        gen = load_generation_config(path, config.eos_token_ids, path=gen_path)
+        return LoadedModel(config, params, tok, gen, path, dtype_, time.perf_counter() - start)
+    gguf_file = _gguf_file(path)
     if gguf_file is not None:
         reader = gguf_loader.open_gguf(gguf_file)
         config = gguf_loader.gguf_config(reader)

@@ -1,0 +1,98 @@
+"""jaxpaged checkpoints: the params pytree in Orbax, restored straight into its shardings.
+
+A checkpoint folder (written by `python -m jaxpaged.convert`):
+    jaxpaged_config.json   {"format": 1, "dtype": "float32", "config": {LlamaConfig fields}}
+    params/                Orbax StandardCheckpointer tree (layout of jaxpaged/models/llama.py)
+    tokenizer.json, tokenizer_config.json, ...   `tokenizer.save_pretrained`
+    generation_config.json eos ids and sampling defaults
+
+Restoring passes `jax.ShapeDtypeStruct`s carrying the target shardings, so each
+device (each process, multi-host) reads only its own shards from disk; nothing
+is assembled in full on one host. The dtype may differ from the saved one
+(Orbax casts while reading).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from jaxpaged import parallel
+from jaxpaged.models.llama import Llama3RopeScaling, LlamaConfig, Params, param_shapes
+
+CONFIG_FILE = "jaxpaged_config.json"
+PARAMS_DIR = "params"
+FORMAT_VERSION = 1
+
+
+def is_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / CONFIG_FILE).is_file()
+
+
+def config_to_dict(config: LlamaConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)  # rope_scaling becomes a dict, tuples become lists in JSON
+
+
+def config_from_dict(data: dict[str, Any]) -> LlamaConfig:
+    data = dict(data)
+    if data.get("rope_scaling") is not None:
+        data["rope_scaling"] = Llama3RopeScaling(**data["rope_scaling"])
+    for key in ("rope_freq_factors", "eos_token_ids"):
+        if data.get(key) is not None:
+            data[key] = tuple(data[key])
+    return LlamaConfig(**data)
+
+
+def read_checkpoint_meta(path: Path) -> tuple[LlamaConfig, np.dtype]:
+    """The model config and the saved dtype, from jaxpaged_config.json."""
+    meta = json.loads((path / CONFIG_FILE).read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path / CONFIG_FILE}: format {meta.get('format')!r}, this jaxpaged reads "
+                         f"{FORMAT_VERSION}")
+    return config_from_dict(meta["config"]), np.dtype(_dtype_by_name(meta["dtype"]))
+
+
+def _dtype_by_name(name: str):
+    import ml_dtypes
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def save_params(path: Path, config: LlamaConfig, params: Params) -> None:
+    """Write params (Orbax) and jaxpaged_config.json into the folder `path` (created)."""
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = params["embed"].dtype
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path / PARAMS_DIR, params, force=True)
+    meta = {"format": FORMAT_VERSION, "dtype": np.dtype(dtype).name, "config": config_to_dict(config)}
+    (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def abstract_params(config: LlamaConfig, dtype, mesh: Mesh | None) -> Params:
+    """ShapeDtypeStructs of the params with their target shardings (one device without a mesh)."""
+    shapes = param_shapes(config)
+    is_shape = lambda s: isinstance(s, tuple)  # noqa: E731
+    if mesh is None:
+        device = SingleDeviceSharding(jax.local_devices()[0])
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype, sharding=device), shapes, is_leaf=is_shape)
+    shardings = parallel.param_shardings(config, mesh)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dtype, sharding=sh), shapes, shardings,
+                        is_leaf=is_shape)
+
+
+def restore_params(path: Path, config: LlamaConfig, dtype, mesh: Mesh | None = None) -> Params:
+    """Read the params straight into their shardings on `mesh` (or onto one device)."""
+    target = abstract_params(config, dtype, mesh)
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(Path(path).absolute() / PARAMS_DIR, target)
+
+
+__all__ = ["CONFIG_FILE", "abstract_params", "is_checkpoint", "read_checkpoint_meta", "restore_params",
+           "save_params"]

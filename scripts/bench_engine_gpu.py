@@ -1,0 +1,115 @@
+"""The engine end to end on a GPU with a Llama-3-8B-shaped model of random bf16 weights (no download).
+
+    python scripts/bench_engine_gpu.py            # on the GPU machine (part of scripts/gpu_check.sh)
+    python scripts/bench_engine_gpu.py --smoke    # tiny shapes, any device: checks the script runs
+
+Prints batch-1 decode tokens/s against the weight-read roofline (weight bytes /
+device-to-device copy bandwidth measured in the same run), then offline output
+throughput at 64 and 256 concurrent sequences (fixed lengths, EOS ignored),
+with the KV pool sized from free device memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
+from jaxpaged.models.llama import LlamaConfig, init_params  # noqa: E402
+from jaxpaged.models.loader import LoadedModel  # noqa: E402
+from jaxpaged.sampling_params import SamplingParams  # noqa: E402
+from jaxpaged.tokenizer import GenerationConfig  # noqa: E402
+
+LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                        rope_theta=500000.0, max_position_embeddings=8192)
+SMOKE = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 0.0)
+    jax.block_until_ready(copy(x))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        y = copy(x)
+    jax.block_until_ready(y)
+    return 2 * nbytes * repeats / (time.perf_counter() - start)
+
+
+def build_engine(config: LlamaConfig, args) -> LLMEngine:
+    params = init_params(config, jax.random.PRNGKey(0), jnp.bfloat16)
+    loaded = LoadedModel(config=config, params=params, tokenizer=None, generation_config=GenerationConfig(),
+                         source=Path("random-llama3-8b-shape"), dtype=np.dtype(jnp.bfloat16), load_seconds=0.0)
+    engine_args = EngineArgs(model="random", max_model_len=args.prompt_len + args.output_len + 16,
+                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             gpu_memory_utilization=0.85, kv_cache_memory=args.kv_cache_memory)
+    return LLMEngine(engine_args, loaded=loaded)
+
+
+def run(engine: LLMEngine, num_seqs: int, prompt_len: int, output_len: int, vocab: int) -> tuple[float, int]:
+    rng = np.random.default_rng(num_seqs)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    for i in range(num_seqs):
+        engine.add_request(f"{num_seqs}-{i}", {"prompt_token_ids": rng.integers(0, vocab, prompt_len).tolist()},
+                           params)
+    start, produced = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        produced += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    return time.perf_counter() - start, produced
+
+
+def decode_rate(engine: LLMEngine, prompt_len: int, output_len: int, vocab: int) -> float:
+    """Batch-1 decode tokens/s: time of output_len tokens minus that of 1 (the prefill)."""
+    one, _ = run(engine, 1, prompt_len, 1, vocab)
+    full, _ = run(engine, 1, prompt_len, output_len, vocab)
+    return (output_len - 1) / (full - one)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)  # few shapes: short warm-up
+    parser.add_argument("--kv-cache-memory", type=int, default=None)
+    parser.add_argument("--concurrency", default="64,256")
+    args = parser.parse_args(argv)
+    config = SMOKE if args.smoke else LLAMA3_8B
+    if args.smoke:
+        args.prompt_len, args.output_len, args.max_num_seqs, args.max_num_batched_tokens = 16, 8, 16, 64
+        args.kv_cache_memory, args.concurrency = args.kv_cache_memory or (64 << 20), "4,16"
+    print(f"device: {jax.devices()[0]} | jax {jax.__version__}")
+    bandwidth = copy_bandwidth(1 << (24 if args.smoke else 30))
+    start = time.perf_counter()
+    engine = build_engine(config, args)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.model.params))
+    print(f"engine ready in {time.perf_counter() - start:.1f} s; weights {weight_bytes / 2**30:.2f} GiB; "
+          f"KV pool {engine.runner_config.num_pages - 1} pages; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    rows = []
+    rate = decode_rate(engine, args.prompt_len, args.output_len, config.vocab_size)
+    roofline = bandwidth / weight_bytes
+    rows.append(("batch-1 decode", f"{rate:.1f} tok/s", f"roofline {roofline:.1f} tok/s ({rate / roofline:.0%})"))
+    for n in (int(c) for c in args.concurrency.split(",")):
+        seconds, produced = run(engine, n, args.prompt_len, args.output_len, config.vocab_size)
+        rows.append((f"{n} concurrent", f"{produced / seconds:.0f} output tok/s",
+                     f"{n} x ({args.prompt_len} in, {args.output_len} out) in {seconds:.1f} s"))
+    print("\n== engine on device (Llama-3-8B shape, random bf16 weights)" if not args.smoke else "\n== smoke")
+    for row in rows:
+        print(f"{row[0]:18s} {row[1]:>22s}   {row[2]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
