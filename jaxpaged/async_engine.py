@@ -10,6 +10,10 @@ The engine is not thread-safe, so only the engine thread ever touches it. It
 sleeps on a condition variable while there is nothing to do. A failing step
 fails only the requests in flight (finish_reason "error") and the thread keeps
 serving.
+
+Admission is bounded: beyond `AsyncLLMConfig.max_waiting_requests` sequences
+waiting in the scheduler, `add_request` raises QueueFullError at once (the
+server answers 503 with Retry-After) instead of letting the queue grow.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 from jaxpaged.engine import EngineArgs, LLMEngine
 from jaxpaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxpaged.request import RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,6 +37,25 @@ logger = logging.getLogger(__name__)
 
 class EngineShutdownError(RuntimeError):
     """The AsyncLLM was shut down while the request was queued or running."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting_requests`: retry later (nothing was queued)."""
+
+
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncLLMConfig:
+    """max_waiting_requests: most sequences (n per request) waiting to be scheduled before adds fail."""
+
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
+
+    def __post_init__(self):
+        value = self.max_waiting_requests
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"AsyncLLMConfig.max_waiting_requests={value!r}: must be an integer >= 1")
 
 
 _ABORTED = object()  # stream sentinel: the request was aborted
@@ -70,8 +94,9 @@ class _Abort:
 class AsyncLLM:
     """Asyncio front of an LLMEngine that runs in its own thread (start() is called for you)."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, config: AsyncLLMConfig | None = None):
         self.engine = engine
+        self.config = config or AsyncLLMConfig()
         self._commands: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -86,13 +111,13 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        return cls(LLMEngine(args))
+    def from_engine_args(cls, args: EngineArgs, config: AsyncLLMConfig | None = None) -> AsyncLLM:
+        return cls(LLMEngine(args), config)
 
     # ---- the asyncio side -------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> asyncio.Queue:
-        """Queue a request; the engine's ValueError (nothing queued) is raised here."""
+        """Queue a request; the engine's ValueError or QueueFullError (nothing queued) is raised here."""
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), params)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(_Add(request_id, prompt, params, sink, future))
@@ -197,6 +222,11 @@ class AsyncLLM:
     def _apply_add(self, command: _Add) -> None:
         if not command.future.set_running_or_notify_cancel():  # the caller went away before we got here
             return
+        waiting, limit = int(self.engine.stats()["num_requests_waiting"]), self.config.max_waiting_requests
+        if waiting + command.params.n > limit:
+            command.future.set_exception(QueueFullError(
+                f"{waiting} sequences are waiting (max_waiting_requests={limit}); retry later"))
+            return
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params)
         except Exception as err:  # ValueError: never servable; anything else: a bug, still the caller's
@@ -220,8 +250,7 @@ class AsyncLLM:
             outputs = self.engine.step()
         except Exception:
             self._num_step_errors += 1
-            logger.exception("engine step failed; failing the %d requests in flight", len(self._sinks))
-            self._fail_in_flight()
+            self._fail_running()
             return
         self._num_steps += 1
         for output in outputs:
@@ -233,14 +262,40 @@ class AsyncLLM:
             if output.finished:
                 del self._sinks[output.request_id]
 
-    def _fail_in_flight(self) -> None:
-        sinks, self._sinks = self._sinks, {}
+    def _fail_running(self) -> None:
+        """After a failed step: fail the requests of the running batch; the waiting ones go on.
+
+        The step's KV writes are lost, so the prefix cache is reset too (pages
+        hashed when the step was scheduled never got their contents).
+        """
+        failed = {rid: sink for rid, sink in self._sinks.items() if self._is_running(rid, sink.params.n)}
+        if not failed:  # the failure is not tied to the batch (e.g. in scheduling): fail everything
+            failed = dict(self._sinks)
+        logger.exception("engine step failed; failing the %d running requests (%d others go on)",
+                         len(failed), len(self._sinks) - len(failed))
+        for rid in failed:
+            del self._sinks[rid]
         try:
-            self.engine.abort_request(list(sinks))
+            self.engine.abort_request(list(failed))
+            self._reset_prefix_cache()
         except Exception:
             logger.exception("aborting the failed requests failed too")
-        for rid, sink in sinks.items():
+        for rid, sink in failed.items():
             sink.put(_error_output(rid, sink))
+
+    def _is_running(self, request_id: str, n: int) -> bool:
+        """Whether any sample of the request is in the scheduler's running batch (True without a scheduler)."""
+        scheduler = getattr(self.engine, "scheduler", None)
+        if scheduler is None:
+            return True
+        ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        requests = [scheduler.get_request(rid) for rid in ids]
+        return any(r is not None and r.status is RequestStatus.RUNNING for r in requests)
+
+    def _reset_prefix_cache(self) -> None:
+        scheduler = getattr(self.engine, "scheduler", None)
+        if scheduler is not None and not scheduler.pool.reset_prefix_cache():
+            logger.warning("could not reset the prefix cache after a failed step (pages still held)")
 
     def _fail_all(self, err: BaseException) -> None:
         with self._cond:
@@ -272,4 +327,4 @@ def _error_output(request_id: str, sink: _Sink) -> RequestOutput:
     return dataclasses.replace(last, outputs=outputs, finished=True)
 
 
-__all__ = ["AsyncLLM", "EngineShutdownError"]
+__all__ = ["AsyncLLM", "AsyncLLMConfig", "EngineShutdownError", "QueueFullError"]

@@ -210,10 +210,12 @@ class SamplerOutput:
     logprobs: jax.Array  # f32[S]; log-prob of token_ids under the raw model distribution
     top_token_ids: jax.Array  # i32[S, K]; raw distribution's K most likely ids, most likely first
     top_logprobs: jax.Array  # f32[S, K]
+    finite: jax.Array  # bool[S]; False when the row's raw logits hold a NaN or an inf (its token is garbage)
 
 
 jax.tree_util.register_dataclass(
-    SamplerOutput, data_fields=["token_ids", "logprobs", "top_token_ids", "top_logprobs"], meta_fields=[])
+    SamplerOutput, data_fields=["token_ids", "logprobs", "top_token_ids", "top_logprobs", "finite"],
+    meta_fields=[])
 
 
 def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
@@ -334,4 +336,5 @@ def _raw_logprobs(raw: jax.Array, token_ids: jax.Array, k: int) -> SamplerOutput
     else:
         top_values, top_ids = jax.lax.top_k(raw, k)  # f32[S, K], i32[S, K]
     return SamplerOutput(token_ids=token_ids, logprobs=sampled[:, 0],
-                         top_token_ids=top_ids.astype(jnp.int32), top_logprobs=top_values - lse)
+                         top_token_ids=top_ids.astype(jnp.int32), top_logprobs=top_values - lse,
+                         finite=jnp.all(jnp.isfinite(raw), axis=-1))

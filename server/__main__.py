@@ -11,9 +11,11 @@ import os
 import sys
 from pathlib import Path
 
+from jaxpaged.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
 from jaxpaged.engine import EngineArgs
 from jaxpaged.models.loader import DEFAULT_MODEL
 from server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
+from server.lifecycle import ShutdownConfig
 
 API_KEY_ENV = "JAXPAGED_API_KEY"
 
@@ -58,9 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.add_argument("--api-key", default=None, help="require `Authorization: "
-                   f"Bearer <key>` on /v1/*, /tokenize, /detokenize and /metrics (default: ${API_KEY_ENV})")
+                   f"Bearer <key>` on every route but /health, /version and /openapi.json (default: ${API_KEY_ENV})")
     s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="largest request "
                    "body accepted (413 beyond)")
+    s.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS, help="most "
+                   "sequences waiting to be scheduled; beyond it requests get 503 with Retry-After at once")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests may run "
+                   "on after SIGTERM/SIGINT before they are aborted (the server then exits 0)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of jaxpaged and uvicorn")
     return p
@@ -98,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         args, config = engine_args(ns), server_config(ns)
+        async_config = AsyncLLMConfig(max_waiting_requests=ns.max_waiting_requests)
+        shutdown = ShutdownConfig(grace_seconds=ns.shutdown_timeout)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -105,14 +113,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxpaged.async_engine import AsyncLLM
     from server.app import build_app
+    from server.lifecycle import FLUSH_SECONDS, GracefulServer
 
-    engine = AsyncLLM.from_engine_args(args)
+    engine = AsyncLLM.from_engine_args(args, async_config)
     logging.getLogger("server").info("serving %s as %s on http://%s:%d (API key %s)", ns.model,
                                      ", ".join(config.served_model_names), ns.host, ns.port,
                                      "required" if config.api_key else "not required")
     try:
-        uvicorn.run(build_app(engine, config), host=ns.host, port=ns.port, log_level=ns.log_level,
-                    timeout_graceful_shutdown=5)
+        uvicorn_config = uvicorn.Config(build_app(engine, config), host=ns.host, port=ns.port,
+                                        log_level=ns.log_level, timeout_graceful_shutdown=FLUSH_SECONDS)
+        GracefulServer(uvicorn_config, engine, shutdown).run()
     finally:
         engine.shutdown()
     return 0

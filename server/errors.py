@@ -11,13 +11,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxpaged.async_engine import EngineShutdownError
+from jaxpaged.async_engine import EngineShutdownError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
           413: "RequestTooLargeError", 499: "ClientClosedRequest", 500: "InternalServerError",
           503: "ServiceUnavailableError"}
+RETRY_AFTER_SECONDS = 1  # Retry-After of a 503 for a full waiting queue
 _SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+)=")
 
 
@@ -51,8 +52,8 @@ def _phrase(status: int) -> str:
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, code: str | int | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -105,6 +106,11 @@ def install_handlers(app: FastAPI) -> None:
     async def _gone(request: Request, _: ClientDisconnected):
         logger.info("client left %s %s; request aborted", request.method, request.url.path)
         return error_response(499, "client closed the request")
+
+    @app.exception_handler(QueueFullError)
+    async def _overloaded(_: Request, err: QueueFullError):
+        return error_response(503, f"the server is overloaded: {err}", code="queue_full",
+                              headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
     @app.exception_handler(EngineShutdownError)
     async def _shutdown(_: Request, err: EngineShutdownError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxpaged.async_engine import AsyncLLM
@@ -52,6 +52,7 @@ class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(engine, model_name))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc. (Linux /proc)
         labels = ["model_name"]
 
         def counter(name, doc, extra=()):

@@ -7,7 +7,8 @@ import json
 
 from server.errors import error_body
 
-GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/metrics")
+# Deny by default: with a key set, every path needs it except these (a route added later is guarded).
+PUBLIC_PATHS = frozenset({"/health", "/version", "/openapi.json"})
 
 
 async def _send_error(send, status: int, message: str, headers: tuple = ()) -> None:
@@ -63,13 +64,14 @@ def _replay(body: bytes, receive):
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches, on /v1/*, /tokenize, /detokenize, /metrics."""
+    """401 unless `Authorization: Bearer <key>` matches, on every path but PUBLIC_PATHS (/v1/*, /tokenize,
+    /detokenize, /metrics, unknown routes)."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIXES):
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers", ())).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):

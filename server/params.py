@@ -8,6 +8,10 @@ from jaxpaged.sampling_params import SamplingParams
 from server.errors import bad_request, from_value_error
 from server.protocol import SamplingFields
 
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's cap; the sampler has room for 320 (the rest: banned ids)
+MAX_STOP_TOKEN_IDS = 16  # banned until min_tokens, together with logit_bias and EOS ids
+MAX_STOP_STRINGS = 16
+
 _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
@@ -22,7 +26,8 @@ def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], vocab_
         return SamplingParams(
             n=body.n, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             logit_bias=_logit_bias(body.logit_bias, vocab_size), seed=body.seed, max_tokens=max_tokens,
-            min_tokens=body.min_tokens, stop=_stop(body.stop), stop_token_ids=tuple(body.stop_token_ids or ()),
+            min_tokens=body.min_tokens, stop=_stop(body.stop),
+            stop_token_ids=_stop_token_ids(body.stop_token_ids, vocab_size),
             ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
             **chosen)
     except ValueError as err:
@@ -35,12 +40,28 @@ def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not s for s in stops):
         raise bad_request("stop strings must be non-empty", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
     return stops
+
+
+def _stop_token_ids(ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
+    """Checked here: an id the sampler cannot ban would otherwise fail the whole engine step."""
+    ids = tuple(ids or ())
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}", "stop_token_ids")
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise bad_request(f"stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab_size})",
+                          "stop_token_ids")
+    return ids
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
     if not bias:
         return None
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}", "logit_bias")
     try:
         ids = {int(k): float(v) for k, v in bias.items()}
     except ValueError:

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
-from jaxpaged.async_engine import AsyncLLM
+from jaxpaged.async_engine import AsyncLLM, EngineShutdownError
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from server.errors import ClientDisconnected, OpenAIError, error_body, from_value_error
@@ -114,6 +114,8 @@ async def sse_stream(chunks: AsyncIterator[dict], submitted: Submitted) -> Async
             yield sse(chunk)
     except OpenAIError as err:
         yield sse(err.body())
+    except EngineShutdownError as err:  # the server is stopping: a clean end, not a crash
+        yield sse(error_body(503, f"the engine is not running: {err}"))
     except Exception as err:  # the stream has started: the status is already 200
         logger.exception("streaming failed")
         yield sse(error_body(500, f"internal server error: {type(err).__name__}: {err}"))

@@ -1,0 +1,155 @@
+"""Security: the API key guards every non-public route, bodies are capped, no request field reaches a file,
+a shell or eval, and chat templates render in transformers' sandbox."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import httpx
+import jinja2.exceptions
+import pytest
+from fastapi.routing import APIRoute
+
+import server
+from server.middleware import PUBLIC_PATHS
+from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tests.reliability.conftest import API_KEY, MODEL_NAME
+
+SERVER_DIR = Path(server.__file__).parent
+BYPASS_PATHS = ["/v1/models/", "/v1//models", "/v1/models?x=1", "/%76%31/models", "/v1/./models",
+                "/v1/../v1/models", "/v1", "/nonexistent", "/tokenize/", "/metrics/"]
+FORBIDDEN_NAMES = {"eval", "exec", "compile", "open", "__import__"}  # builtins called by bare name
+FORBIDDEN_ATTRS = {"system", "popen", "Popen", "check_output", "check_call", "execv", "execvp", "spawnv",
+                   "read_text", "read_bytes", "from_file", "open"}  # os.*, subprocess.*, Path.*, io.*
+ALLOWED = {("__main__.py", "read_text")}  # --chat-template FILE: an operator flag, never a request field
+MALICIOUS_TEMPLATES = [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.__class__.__init__.__globals__ }}",
+    "{% for c in [].__class__.__base__.__subclasses__() %}{{ c }}{% endfor %}",
+    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+]
+
+
+def _routes(app) -> list[tuple[str, str]]:
+    return [(method, route.path) for route in app.routes if isinstance(route, APIRoute)
+            for method in sorted(route.methods)]
+
+
+def test_every_non_public_route_needs_the_key(rel_keyed):
+    from server.app import build_app
+    from server.config import ServerConfig
+
+    app = build_app(rel_keyed.engine, ServerConfig(served_model_names=(MODEL_NAME,), api_key=API_KEY))
+    routes = _routes(app)
+    assert {p for _, p in routes} >= {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+                                      "/detokenize", "/metrics", "/health", "/version"}
+    with httpx.Client(base_url=rel_keyed.url, timeout=30) as client:
+        for method, path in routes:
+            if path in PUBLIC_PATHS:
+                assert client.request(method, path).status_code == 200, path
+                continue
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                            {"Authorization": f"Basic {API_KEY}"}, {"X-Api-Key": API_KEY}):
+                response = client.request(method, path, headers=headers, json={})
+                assert response.status_code == 401, (method, path, headers)
+                assert response.json()["error"]["type"] == "AuthenticationError"
+            keyed = client.request(method, path, headers={"Authorization": f"Bearer {API_KEY}"}, json={})
+            assert keyed.status_code != 401, (method, path)
+
+
+def test_path_tricks_do_not_bypass_the_key(rel_keyed):
+    with httpx.Client(base_url=rel_keyed.url, timeout=10) as client:
+        for path in BYPASS_PATHS:
+            for method in ("GET", "POST"):
+                response = client.request(method, path)
+                assert response.status_code in (401, 404, 405), (method, path, response.status_code)
+                assert response.status_code != 200
+
+
+def test_request_bodies_are_capped(rel_keyed):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    big = b'{"model": "tiny", "prompt": "' + b"x" * (70 * 1024) + b'"}'
+
+    def chunked():
+        for i in range(0, len(big), 4096):
+            yield big[i:i + 4096]
+
+    with httpx.Client(base_url=rel_keyed.url, timeout=10) as client:
+        declared = client.post("/v1/completions", content=big, headers=headers)
+        streamed = client.post("/v1/completions", content=chunked(), headers=headers)  # no Content-Length
+    for response in (declared, streamed):
+        assert response.status_code == 413 and response.json()["error"]["type"] == "RequestTooLargeError"
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(prompt="x" * 300, max_tokens=1), "prompt"),
+    (dict(prompt="hi", max_tokens=129), "prompt"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens"),
+    (dict(prompt="hi", logit_bias={str(i): 1 for i in range(301)}), "logit_bias"),
+    (dict(prompt="hi", stop_token_ids=[10**9], min_tokens=1), "stop_token_ids"),
+    (dict(prompt="hi", stop_token_ids=list(range(40)), min_tokens=1), "stop_token_ids"),
+    (dict(prompt="hi", stop=[f"s{i}" for i in range(40)]), "stop"),
+    (dict(prompt="hi", n=10**6), "n"),
+])
+def test_limits_are_400s_naming_the_field(rel, body, param):
+    response = httpx.post(rel.url + "/v1/completions", json={"model": MODEL_NAME, **body}, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def _forbidden_calls(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            attr = isinstance(func, ast.Attribute)
+            name = func.attr if attr else getattr(func, "id", "")
+            if name in (FORBIDDEN_ATTRS if attr else FORBIDDEN_NAMES) and (path.name, name) not in ALLOWED:
+                found.append(f"{path.name}:{node.lineno} {name}()")
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            found += [f"{path.name}:{node.lineno} import {n}" for n in names
+                      if n.split(".")[0] in ("subprocess", "pickle", "shelve", "marshal")]
+    return found
+
+
+def test_no_request_field_reaches_a_file_a_shell_or_eval():
+    """Static: the server code calls no eval/exec/open/subprocess (only __main__ reads --chat-template)."""
+    import jaxpaged.async_engine
+
+    files = sorted(SERVER_DIR.glob("*.py")) + [Path(inspect.getfile(jaxpaged.async_engine))]
+    assert not [hit for path in files for hit in _forbidden_calls(path)]
+    for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+        risky = {f for f in model.model_fields if any(w in f for w in ("template", "path", "file", "url", "dir"))}
+        assert not risky, (model.__name__, risky)
+
+
+def test_a_chat_template_in_the_request_is_ignored(rel):
+    body = dict(model=MODEL_NAME, temperature=0, max_tokens=6, messages=[{"role": "user", "content": "hi"}])
+    with httpx.Client(base_url=rel.url, timeout=30) as client:
+        plain = client.post("/v1/chat/completions", json=body).json()
+        for template in MALICIOUS_TEMPLATES:
+            evil = client.post("/v1/chat/completions", json={**body, "chat_template": template,
+                                                              "chat_template_kwargs": {"x": template}})
+            assert evil.status_code == 200
+            assert evil.json()["choices"] == plain["choices"]
+        tokens = client.post("/tokenize", json={"messages": body["messages"], "chat_template": "{{ 1/0 }}"})
+        assert tokens.status_code == 200 and tokens.json()["count"] > 0
+
+
+@pytest.mark.parametrize("template", MALICIOUS_TEMPLATES)
+def test_chat_templates_render_in_a_sandbox(rel, template):
+    """transformers renders chat templates in jinja2's ImmutableSandboxedEnvironment."""
+    tokenizer = rel.engine.engine.tokenizer
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}], chat_template=template, tokenize=False)
+
+
+def test_transformers_compiles_templates_in_the_immutable_sandbox():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from transformers.utils import chat_template_utils
+
+    compiled = chat_template_utils._compile_jinja_template("{{ 1 }}")
+    assert isinstance(compiled.environment, ImmutableSandboxedEnvironment)
