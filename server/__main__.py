@@ -54,8 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share KV pages of identical prompt prefixes between requests")
     e.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to shard the model over "
                    "(tensor parallelism; the engine checks what it supports)")
-    e.add_argument("--attention-backend", default="auto", help="auto, pallas or reference")
+    e.add_argument("--attention-backend", default="auto", help="auto (pallas on GPU, xla on CPU), pallas, xla "
+                   "or reference")
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    d = p.add_argument_group("multi-host (jax.distributed; see docs/distributed.md)")
+    d.add_argument("--distributed-coordinator", default=None, help="host:port of process 0's coordinator; "
+                   "every process runs this command with its own --process-id")
+    d.add_argument("--num-processes", type=int, default=1, help="processes (hosts) in the job")
+    d.add_argument("--process-id", type=int, default=0, help="this process; 0 serves HTTP and schedules, "
+                   "the others run the same steps")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -90,7 +97,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=ns.enable_prefix_caching, gpu_memory_utilization=ns.gpu_memory_utilization,
         kv_cache_memory=ns.kv_cache_memory, num_pages=ns.num_pages, attention_backend=ns.attention_backend,
         tensor_parallel_size=ns.tensor_parallel_size, chat_template=chat_template_arg(ns.chat_template),
-        generation_config=ns.generation_config)
+        generation_config=ns.generation_config, distributed_coordinator=ns.distributed_coordinator,
+        num_processes=ns.num_processes, process_id=ns.process_id)
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:
@@ -115,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     from server.app import build_app
     from server.lifecycle import FLUSH_SECONDS, GracefulServer
 
+    if args.process_id != 0:
+        return follow(args)
     engine = AsyncLLM.from_engine_args(args, async_config)
     logging.getLogger("server").info("serving %s as %s on http://%s:%d (API key %s)", ns.model,
                                      ", ".join(config.served_model_names), ns.host, ns.port,
@@ -125,6 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         GracefulServer(uvicorn_config, engine, shutdown).run()
     finally:
         engine.shutdown()
+    return 0
+
+
+def follow(args: EngineArgs) -> int:
+    """Processes other than 0: no HTTP; run the steps process 0 broadcasts until it shuts down."""
+    from jaxpaged.engine import LLMEngine
+
+    steps = LLMEngine(args).follow()
+    logging.getLogger("server").info("process %d followed %d steps; exiting", args.process_id, steps)
     return 0
 
 

@@ -1,0 +1,420 @@
+"""Serve one model with jaxpaged and its peers in turn; run the same benchmark on each; one table.
+
+    python scripts/compare_servers.py                            # jaxpaged, transformers, llama.cpp
+    python scripts/compare_servers.py --peers jaxpaged,llamacpp --num-prompts 64 --concurrency 1,32 \\
+        --input-len 128 --output-len 64 --jaxpaged-args "--max-model-len 1024 --max-num-seqs 32"
+
+Servers, all on 127.0.0.1 at consecutive ports from --base-port, one at a time (start, wait for
+it to answer, run `scripts/benchmark_serving.py` once per --concurrency value, stop its whole
+process group; always stopped, also on errors and Ctrl-C):
+
+  jaxpaged      `python -m server --model smollm2-135m-instruct` (+ --jaxpaged-args); it
+                dequantises the built-in Q4_1 GGUF to float32.
+  transformers  `transformers serve --continuous-batching` (when the installed transformers has
+                it) on a float32 safetensors folder dequantised once from the same GGUF (cached
+                under --work-dir).
+  llamacpp      `python -m llama_cpp.server` from a separate venv (--llamacpp-python, e.g.
+                /tmp/llamacpp-venv/bin/python after `pip install 'llama-cpp-python[server]'`) on
+                the same GGUF rewritten in --llamacpp-precision (default f32, the precision
+                jaxpaged computes in). Its server runs one request at a time.
+
+A peer that cannot be prepared or started is listed in the table with the reason. Token counts
+use the same tokenizer (the model's) for every server. The ratios are jaxpaged / peer:
+throughput > 1 and TTFT/TPOT < 1 favour jaxpaged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Sequence
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "scripts" / "benchmark_serving.py"
+MODEL = "smollm2-135m-instruct"
+PEERS = ("jaxpaged", "transformers", "llamacpp")
+NOTES = {"llamacpp": "llama-cpp-python's server handles one request at a time"}
+
+
+@dataclasses.dataclass
+class ServerSpec:
+    """How to start one server and what to send it."""
+
+    name: str
+    command: list[str]
+    port: int
+    model_field: str           # the `model` sent in requests
+    ready_paths: tuple[str, ...] = ("/health", "/v1/models")
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    precision: str = ""
+    ignore_eos: bool = True    # False: the server rejects vLLM's ignore_eos field (422)
+
+
+@dataclasses.dataclass
+class PeerResult:
+    name: str
+    status: str = "ok"                      # ok, or why there are no figures
+    precision: str = ""
+    startup_s: float = 0.0
+    runs: list[dict] = dataclasses.field(default_factory=list)  # benchmark_serving run metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Model preparation
+# ---------------------------------------------------------------------------------------------
+
+def gguf_path() -> Path:
+    from jaxpaged.models.loader import resolve_model_path
+    return resolve_model_path(MODEL)
+
+
+def dequantise_gguf(src: Path, dst: Path, precision: str) -> Path:
+    """Rewrite `src` with every quantised tensor dequantised to float32 (or float16 for 'f16').
+
+    Metadata is copied as is except general.file_type. Cached: an existing `dst` is reused.
+    """
+    if dst.is_file():
+        return dst
+    import gguf
+    import numpy as np
+
+    target = {"f32": (gguf.GGMLQuantizationType.F32, np.float32, gguf.LlamaFileType.ALL_F32),
+              "f16": (gguf.GGMLQuantizationType.F16, np.float16, gguf.LlamaFileType.MOSTLY_F16)}[precision]
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    tmp = dst.with_suffix(".partial")
+    writer = gguf.GGUFWriter(str(tmp), arch=arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            writer.add_file_type(int(target[2]))
+            continue
+        val_type = field.types[0]
+        sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), val_type, sub_type=sub_type)
+    for tensor in reader.tensors:
+        data = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        data = data.reshape([int(d) for d in reversed(tensor.shape.tolist())])
+        if data.ndim == 1 or tensor.name.endswith("norm.weight"):
+            writer.add_tensor(tensor.name, data)  # norms and vectors stay float32 (llama.cpp's rule)
+        else:
+            writer.add_tensor(tensor.name, data.astype(target[1]), raw_dtype=target[0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(dst)
+    return dst
+
+
+def hf_folder(src: Path, dst: Path) -> Path:
+    """A float32 safetensors folder (weights + tokenizer) dequantised by transformers from the GGUF."""
+    if (dst / "model.safetensors").is_file():
+        return dst
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    model.hf_quantizer = None  # GGUF-loaded models refuse save_pretrained; the weights are plain now
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# Server specs
+# ---------------------------------------------------------------------------------------------
+
+def jaxpaged_spec(args, port: int) -> ServerSpec:
+    cmd = [sys.executable, "-m", "server", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning", *shlex.split(args.jaxpaged_args)]
+    return ServerSpec("jaxpaged", cmd, port, MODEL, precision="float32 (dequantised from Q4_1)")
+
+
+def transformers_spec(args, port: int) -> ServerSpec:
+    exe = shutil.which("transformers") or str(Path(sys.executable).with_name("transformers"))
+    if not Path(exe).exists():
+        raise RuntimeError("the `transformers` CLI is not installed")
+    help_text = subprocess.run([exe, "serve", "--help"], capture_output=True, text=True, timeout=120).stdout
+    folder = hf_folder(gguf_path(), Path(args.work_dir) / "smollm2-135m-instruct-f32-hf")
+    cmd = [exe, "serve", str(folder), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+           "--dtype", "float32", "--log-level", "warning"]
+    if "--continuous-batching" in help_text and not args.transformers_no_cb:
+        cmd.append("--continuous-batching")
+    cmd += shlex.split(args.transformers_args)
+    mode = "continuous batching" if "--continuous-batching" in cmd else "no continuous batching"
+    # `transformers serve` answers 422 to fields it does not know (ignore_eos): EOS may end its
+    # requests early; the table's "mean out tok/req" shows whether it did.
+    return ServerSpec("transformers", cmd, port, str(folder), precision=f"float32 ({mode})", ignore_eos=False)
+
+
+def llamacpp_spec(args, port: int) -> ServerSpec:
+    python = Path(args.llamacpp_python)
+    if not python.exists():
+        raise RuntimeError(f"{python} not found: python -m venv /tmp/llamacpp-venv && "
+                           "/tmp/llamacpp-venv/bin/pip install 'llama-cpp-python[server]'")
+    probe = subprocess.run([str(python), "-c", "import llama_cpp.server, llama_cpp; print(llama_cpp.__version__)"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        raise RuntimeError(f"llama_cpp.server not importable with {python}: {probe.stderr.strip()[-300:]}")
+    src = gguf_path()
+    model = src if args.llamacpp_precision == "q4_1" else dequantise_gguf(
+        src, Path(args.work_dir) / f"smollm2-135m-instruct-{args.llamacpp_precision}.gguf", args.llamacpp_precision)
+    threads = args.llamacpp_threads or os.cpu_count() or 1
+    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--n_ctx", str(args.llamacpp_n_ctx), "--n_threads", str(threads),
+           "--n_threads_batch", str(threads),
+           "--interrupt_requests", "False",  # queue concurrent requests instead of cutting the running one
+           *shlex.split(args.llamacpp_args)]
+    return ServerSpec("llamacpp", cmd, port, "smollm2", ready_paths=("/v1/models",),
+                      precision=f"{args.llamacpp_precision} (llama.cpp {probe.stdout.strip()}, {threads} threads)")
+
+
+SPEC_BUILDERS: dict[str, Callable[[argparse.Namespace, int], ServerSpec]] = {
+    "jaxpaged": jaxpaged_spec, "transformers": transformers_spec, "llamacpp": llamacpp_spec}
+
+
+# ---------------------------------------------------------------------------------------------
+# Process control
+# ---------------------------------------------------------------------------------------------
+
+_RUNNING: list[subprocess.Popen] = []
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM the process group, then SIGKILL after `grace` seconds."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers left in the group (worker processes)
+    if proc in _RUNNING:
+        _RUNNING.remove(proc)
+
+
+def _on_signal(signum, _frame):
+    for proc in list(_RUNNING):
+        stop_process(proc, grace=5.0)
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def running_server(spec: ServerSpec, log_path: Path, timeout: float):
+    """Start `spec` in its own process group, wait until it answers; always stop it after."""
+    log = open(log_path, "w")
+    log.write(f"$ {shlex.join(spec.command)}\n")
+    log.flush()
+    proc = subprocess.Popen(spec.command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, **spec.env}, start_new_session=True)
+    _RUNNING.append(proc)
+    try:
+        started = time.monotonic()
+        wait_ready(spec, proc, timeout, log_path)
+        yield time.monotonic() - started
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def wait_ready(spec: ServerSpec, proc: subprocess.Popen, timeout: float, log_path: Path) -> None:
+    """Poll the server's ready paths until one answers 200 (bounded by `timeout`)."""
+    deadline = time.monotonic() + timeout
+    base = f"http://127.0.0.1:{spec.port}"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with code {proc.returncode} during start-up: {_tail(log_path)}")
+        for path in spec.ready_paths:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + path, timeout=2).status_code == 200:
+                    return
+        time.sleep(1.0)
+    raise RuntimeError(f"not ready after {timeout:.0f}s: {_tail(log_path)}")
+
+
+def _tail(path: Path, chars: int = 400) -> str:
+    with contextlib.suppress(OSError):
+        return " | ".join(path.read_text(errors="replace")[-chars:].splitlines())
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark runs
+# ---------------------------------------------------------------------------------------------
+
+def bench_argv(args, spec: ServerSpec, out_json: Path) -> list[str]:
+    argv = ["--base-url", f"http://127.0.0.1:{spec.port}", "--model", spec.model_field, "--tokenizer", MODEL,
+            "--endpoint", args.endpoint, "--dataset", args.dataset, "--num-prompts", str(args.num_prompts),
+            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+            "--range-ratio", str(args.range_ratio), "--seed", str(args.seed),
+            "--max-concurrency", args.concurrency, "--request-rate", str(args.request_rate),
+            "--num-warmups", str(args.num_warmups), "--save-json", str(out_json), "--label", spec.name]
+    if args.dataset == "sharegpt":
+        argv += ["--dataset-path", args.dataset_path]
+    if args.dataset == "prefix":
+        argv += ["--num-prefixes", str(args.num_prefixes), "--prefix-len", str(args.prefix_len)]
+    if spec.ignore_eos and not args.no_ignore_eos:
+        argv.append("--ignore-eos")
+    return argv + shlex.split(args.bench_args)
+
+
+def run_peer(args, name: str, port: int, out_dir: Path) -> PeerResult:
+    """Prepare, start, benchmark and stop one server; failures become the result's status."""
+    result = PeerResult(name)
+    try:
+        spec = SPEC_BUILDERS[name](args, port)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        result.status = f"not available: {type(err).__name__}: {err}"[:300]
+        return result
+    result.precision = spec.precision
+    print(f"[compare] starting {name}: {shlex.join(spec.command)}", flush=True)
+    out_json = out_dir / f"{name}.json"
+    try:
+        with running_server(spec, out_dir / f"{name}.log", args.startup_timeout) as startup:
+            result.startup_s = startup
+            print(f"[compare] {name} ready after {startup:.0f}s; benchmarking", flush=True)
+            proc = subprocess.run([sys.executable, str(BENCH), *bench_argv(args, spec, out_json)],
+                                  cwd=REPO, timeout=args.bench_timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"benchmark_serving exited with {proc.returncode}")
+        result.runs = json.loads(out_json.read_text())["runs"]
+        for run in result.runs:
+            run.pop("requests", None)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        result.status = f"failed: {type(err).__name__}: {err}"[:300]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Table
+# ---------------------------------------------------------------------------------------------
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def format_table(results: list[PeerResult]) -> str:
+    """Markdown: one row per (server, concurrency), ratios jaxpaged / server."""
+    ours = next((r for r in results if r.name == "jaxpaged" and r.status == "ok"), None)
+    by_c = {run["max_concurrency"]: run for run in (ours.runs if ours else [])}
+    head = ("| server | concurrency | ok/failed | out tok/s | peak tok/s | median TTFT ms | median TPOT ms "
+            "| mean out tok/req | usage mismatches | jaxpaged/peer tok/s | jaxpaged/peer TTFT | jaxpaged/peer TPOT |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for res in results:
+        if res.status != "ok":
+            lines.append(f"| {res.name} | - | {res.status} |" + " |" * 9)
+            continue
+        for run in res.runs:
+            c = run["max_concurrency"]
+            mine = by_c.get(c)
+            ratios = (["-", "-", "-"] if res.name == "jaxpaged" or mine is None else
+                      [_ratio(mine["output_throughput"], run["output_throughput"]),
+                       _ratio(mine["median_ttft_ms"], run["median_ttft_ms"]),
+                       _ratio(mine["median_tpot_ms"], run["median_tpot_ms"])])
+            lines.append(f"| {res.name} | {c or 'inf'} | {run['completed']}/{run['failed']} "
+                         f"| {run['output_throughput']:.1f} | {run['peak_output_throughput']:.1f} "
+                         f"| {run['median_ttft_ms']:.0f} | {run['median_tpot_ms']:.1f} "
+                         f"| {run['mean_output_tokens_per_request']:.1f} | {run['output_token_mismatches']} "
+                         f"| {' | '.join(ratios)} |")
+    notes = [f"- {r.name}: {r.precision or '?'}; ready after {r.startup_s:.0f}s"
+             + (f"; {NOTES[r.name]}" if r.name in NOTES else "") for r in results if r.status == "ok"]
+    return "\n".join(lines + [""] + notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--peers", default=",".join(PEERS), help="comma list of " + ", ".join(PEERS))
+    p.add_argument("--base-port", type=int, default=18300, help="servers use consecutive ports from here")
+    p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "jaxpaged" / "bench"),
+                   help="converted model files (cached)")
+    p.add_argument("--out-dir", default=None, help="server logs and benchmark JSON (default: a new folder "
+                                                   "under --work-dir)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for each server")
+    p.add_argument("--bench-timeout", type=float, default=1800.0, help="seconds for each server's benchmark")
+    g = p.add_argument_group("workload (passed to benchmark_serving.py)")
+    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    g.add_argument("--dataset", choices=("random", "sharegpt", "prefix"), default="random")
+    g.add_argument("--dataset-path", default=None)
+    g.add_argument("--num-prompts", type=int, default=64)
+    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--range-ratio", type=float, default=0.0)
+    g.add_argument("--num-prefixes", type=int, default=4)
+    g.add_argument("--prefix-len", type=int, default=512)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--concurrency", default="1,32", help="--max-concurrency of benchmark_serving")
+    g.add_argument("--request-rate", default="inf")
+    g.add_argument("--num-warmups", type=int, default=2)
+    g.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests (default: ignore_eos)")
+    g.add_argument("--bench-args", default="", help="more benchmark_serving.py flags")
+    g = p.add_argument_group("servers")
+    g.add_argument("--jaxpaged-args", default="--max-model-len 1024 --max-num-seqs 32 --max-num-batched-tokens 256",
+                   help="flags for python -m server")
+    g.add_argument("--transformers-args", default="", help="flags for transformers serve")
+    g.add_argument("--transformers-no-cb", action="store_true", help="do not pass --continuous-batching")
+    g.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python",
+                   help="python with llama-cpp-python[server] installed")
+    g.add_argument("--llamacpp-precision", choices=("f32", "f16", "q4_1"), default="f32")
+    g.add_argument("--llamacpp-n-ctx", type=int, default=2048)
+    g.add_argument("--llamacpp-threads", type=int, default=None, help="default: all cores")
+    g.add_argument("--llamacpp-args", default="", help="more flags for llama_cpp.server")
+    args = p.parse_args(argv)
+    unknown = [x for x in args.peers.split(",") if x not in PEERS]
+    if unknown:
+        p.error(f"unknown peers {unknown}; choose from {', '.join(PEERS)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[PeerResult]:
+    args = parse_args(argv)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = Path(args.out_dir or Path(args.work_dir) / f"compare-{stamp}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    results = []
+    try:
+        for i, name in enumerate(args.peers.split(",")):
+            results.append(run_peer(args, name, args.base_port + i, out_dir))
+            print(f"[compare] {name}: {results[-1].status}", flush=True)
+    finally:
+        for proc in list(_RUNNING):
+            stop_process(proc, grace=5.0)
+    table = format_table(results)
+    print(f"\n## compare_servers {stamp} (logs and JSON in {out_dir})\n\n{table}", flush=True)
+    (out_dir / "table.md").write_text(table + "\n")
+    (out_dir / "results.json").write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=2,
+                                                     default=str))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""scripts/benchmark_serving.py against a real jaxpaged server (uvicorn in a thread, tiny checkpoint)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxpaged.async_engine import AsyncLLM
+from jaxpaged.engine import EngineArgs, LLMEngine
+from server.app import build_app
+from server.config import ServerConfig
+from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, serve
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_serving.py"
+NUM_PROMPTS = 16
+# The tiny tokenizer is bytes without merges: allowing only printable ASCII output makes the
+# streamed text re-tokenise to exactly the generated ids (no partial UTF-8, no special tokens).
+ASCII_ONLY = {str(i): -100 for i in [*range(32), *range(127, 260)]}
+SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+                "request_throughput", "output_throughput", "peak_output_throughput", "total_token_throughput",
+                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+                "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "total_output_tokens_server",
+                "output_token_mismatches")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("benchmark_serving", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_checkpoints):
+    engine = LLMEngine(EngineArgs(model=str(tiny_checkpoints["gqa4"]), **ENGINE_ARGS))
+    llm = AsyncLLM(engine)
+    try:
+        with serve(build_app(llm, ServerConfig(served_model_names=(MODEL_NAME,)))) as url:
+            yield url
+    finally:
+        llm.shutdown()
+
+
+def _argv(url: str, checkpoint: Path, tmp_path: Path, *extra: str) -> list[str]:
+    return ["--base-url", url, "--model", MODEL_NAME, "--tokenizer", str(checkpoint),
+            "--dataset", "random", "--random-source", "words", "--input-len", "6", "--output-len", "8",
+            "--range-ratio", "0.5", "--num-prompts", str(NUM_PROMPTS), "--ignore-eos",
+            "--extra-body", json.dumps({"logit_bias": ASCII_ONLY}), "--disable-tqdm",
+            "--save-json", str(tmp_path / "out.json"), *extra]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_benchmark_against_live_server(bench, server_url, tiny_checkpoints, tmp_path, capsys, endpoint):
+    out = bench.main(_argv(server_url, tiny_checkpoints["gqa4"], tmp_path, "--endpoint", endpoint,
+                           "--max-concurrency", "4"))
+    printed = capsys.readouterr().out
+    for label in ("Successful requests:", "Failed requests:", "Benchmark duration (s):", "Total input tokens:",
+                  "Total generated tokens:", "Request throughput (req/s):", "Output token throughput (tok/s):",
+                  "Peak output token throughput (tok/s):", "Total Token throughput (tok/s):",
+                  "Mean TTFT (ms):", "Median TTFT (ms):", "P99 TTFT (ms):", "Mean TPOT (ms):",
+                  "Median TPOT (ms):", "P99 TPOT (ms):", "Mean ITL (ms):", "Median ITL (ms):", "P99 ITL (ms):"):
+        assert label in printed, label
+
+    (run,) = out["runs"]
+    saved = json.loads((tmp_path / "out.json").read_text())
+    for key in SUMMARY_KEYS:
+        assert key in run and key in saved and key in saved["runs"][0], key
+    assert saved["args"]["num_prompts"] == NUM_PROMPTS
+    assert run["completed"] == NUM_PROMPTS and run["failed"] == 0, run["errors"]
+    assert run["max_concurrency"] == 4
+
+    requests = saved["requests"] if "requests" in saved else saved["runs"][0]["requests"]
+    assert len(requests) == NUM_PROMPTS
+    # ignore_eos: every request ran to its max_tokens; the tokenizer count agrees with the server's usage
+    assert run["server_usage_requests"] == NUM_PROMPTS
+    assert run["total_output_tokens"] == run["total_output_tokens_server"]
+    assert run["output_token_mismatches"] == 0
+    assert all(r["output_tokens"] == r["usage_completion_tokens"] == r["output_len_requested"] for r in requests)
+    assert all(0 < r["ttft"] < r["latency"] for r in requests)
+    assert math.isclose(run["output_throughput"], run["total_output_tokens"] / run["duration"], rel_tol=1e-9)
+    assert run["peak_output_throughput"] > 0
+    assert run["mean_ttft_ms"] <= run["mean_e2el_ms"]
+
+
+def test_sweep_and_prefix_workload(bench, server_url, tiny_checkpoints, tmp_path):
+    out = bench.main(_argv(server_url, tiny_checkpoints["gqa4"], tmp_path, "--dataset", "prefix",
+                           "--num-prefixes", "2", "--prefix-len", "5", "--max-concurrency", "1,8",
+                           "--request-rate", "200"))
+    assert [r["max_concurrency"] for r in out["runs"]] == [1, 8]
+    assert all(r["completed"] == NUM_PROMPTS for r in out["runs"])
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert len(saved["runs"]) == 2 and "completed" not in saved  # sweep: metrics per run only
+
+
+def test_unreachable_server_counts_failures(bench, tiny_checkpoints, tmp_path):
+    from tests.server.conftest import free_port
+    url = f"http://127.0.0.1:{free_port()}"
+    out = bench.main(_argv(url, tiny_checkpoints["gqa4"], tmp_path, "--num-warmups", "0", "--num-prompts", "3"))
+    (run,) = out["runs"]
+    assert run["completed"] == 0 and run["failed"] == 3 and run["errors"]
+
+
+def test_workloads_offline(bench, tiny_checkpoints, tmp_path):
+    tok = bench.get_tokenizer(str(tiny_checkpoints["gqa4"]))
+    reqs = bench.sample_random(tok, 8, 20, 10, 0.5, seed=1)
+    assert len(reqs) == 8 and all(10 <= r.prompt_len <= 30 and 5 <= r.output_len <= 15 for r in reqs)
+    assert [r.prompt for r in reqs] == [r.prompt for r in bench.sample_random(tok, 8, 20, 10, 0.5, seed=1)]
+    prefixed = bench.sample_prefix(tok, 6, 2, 30, 5, 4, 0.0, seed=0, source="words")
+    assert prefixed[0].prompt[:30] == prefixed[2].prompt[:30] != prefixed[1].prompt[:30]
+    data = [{"conversations": [{"from": "human", "value": "hello there, how are you " * (i + 1)},
+                               {"from": "gpt", "value": "fine thanks " * (i + 1)}]} for i in range(5)]
+    (tmp_path / "sg.json").write_text(json.dumps(data))
+    share = bench.sample_sharegpt(tok, str(tmp_path / "sg.json"), 3, seed=0)
+    assert len(share) == 3 and all(r.output_len > 4 and r.prompt_len > 4 for r in share)
+    with pytest.raises(SystemExit, match="usable"):
+        bench.sample_sharegpt(tok, str(tmp_path / "sg.json"), 50, seed=0)
