@@ -172,7 +172,9 @@ class LLMEngine:
                              "max_model_len")
         return RunnerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                             max_model_len=max_model_len, page_size=args.block_size, num_pages=num_pages,
-                            attention_backend=args.attention_backend)
+                            attention_backend=args.attention_backend,
+                            # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes
+                            min_token_bucket=16 if on_gpu else 1)
 
     def _pages_from_memory(self, on_gpu: bool) -> int:
         # Each device holds 1/tp of every page (its KV heads); the budget is per device.
