@@ -124,9 +124,14 @@ class RunnerConfig:
 
     @property
     def buckets(self) -> tuple[tuple[int, int, int], ...]:
-        """Every (T, S, P) step shape; S <= T since each sequence feeds >= 1 token."""
+        """Every (T, S, P) step shape `bucket_for` can return.
+
+        S bucket s serves num_seqs in (previous S bucket, s]; as num_seqs <= num_tokens,
+        it pairs with a T bucket t only if that range starts below t.
+        """
+        lower = dict(zip(self.seq_buckets, (0,) + self.seq_buckets[:-1]))
         return tuple((t, s, p) for t in self.token_buckets for s in self.seq_buckets for p in self.page_buckets
-                     if s <= t or s == self.seq_buckets[0])
+                     if lower[s] < t)
 
     def bucket_for(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
         t = next(b for b in self.token_buckets if b >= num_tokens)

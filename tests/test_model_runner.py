@@ -36,7 +36,13 @@ def test_buckets():
     wide = dataclasses.replace(CONFIG, max_model_len=2048, max_num_batched_tokens=512, max_num_seqs=64)
     assert wide.page_buckets == (8, 16, 32, 64, 128)
     assert wide.seq_buckets == (4, 16, 64)
-    assert (16, 64, 8) not in wide.buckets and (64, 64, 8) in wide.buckets
+    assert (16, 64, 8) not in wide.buckets and (64, 64, 8) in wide.buckets and (32, 64, 8) in wide.buckets
+    small = dataclasses.replace(CONFIG, min_token_bucket=1)
+    assert small.token_buckets == (1, 2, 4, 8, 16, 32, 64)
+    assert [(t, s) for t, s, _ in small.buckets] == [(1, 4), (2, 4), (4, 4), (8, 4), (8, 16), (16, 4), (16, 16),
+                                                     (32, 4), (32, 16), (64, 4), (64, 16)]
+    # every shape bucket_for can produce is compiled at warm-up
+    assert {small.bucket_for(t, s, 1) for t in range(1, 65) for s in range(1, min(t, 16) + 1)} <= set(small.buckets)
     assert dataclasses.replace(CONFIG, attention_backend="pallas").page_buckets == (8,)
     assert dataclasses.replace(wide, attention_backend="xla").page_buckets == (128,)
 
