@@ -147,8 +147,9 @@ def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "auto", tokenizer: st
         tok = load_hf_tokenizer(tokenizer, chat_template) if tokenizer else load_gguf_tokenizer(reader, chat_template)
         gen = load_generation_config(None, config.eos_token_ids, path=gen_path)
     else:
-        config = _read_hf_config(path)
-        dtype_ = wanted or _hf_dtype(path)
+        hf = _read_hf_config(path)
+        config = LlamaConfig.from_hf_dict(hf)
+        dtype_ = wanted or _hf_dtype(path, hf)
         params = load_safetensors_params(path, config, dtype_)
         tok = load_hf_tokenizer(tokenizer or path, chat_template)
         gen = load_generation_config(path, config.eos_token_ids, path=gen_path)
@@ -169,16 +170,15 @@ def _gguf_file(path: Path) -> Path | None:
                              f"{'several' if ggufs else 'no'} .gguf files")
 
 
-def _read_hf_config(folder: Path) -> LlamaConfig:
+def _read_hf_config(folder: Path) -> dict:
     try:
-        hf = json.loads((folder / "config.json").read_text())
+        return json.loads((folder / "config.json").read_text())
     except json.JSONDecodeError as err:
         raise UnsupportedModelError(f"{folder / 'config.json'}: invalid JSON ({err})") from None
-    return LlamaConfig.from_hf_dict(hf)
 
 
-def _hf_dtype(folder: Path) -> np.dtype:
-    hf = json.loads((folder / "config.json").read_text())
+def _hf_dtype(folder: Path, hf: dict) -> np.dtype:
+    """dtype='auto': config.json's torch_dtype/dtype, else what the tensors are stored as."""
     name = hf.get("torch_dtype") or hf.get("dtype")
     return DTYPES[name] if name in DTYPES else checkpoint_dtype(folder)
 

@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
@@ -80,13 +81,19 @@ def _open(path: Path):
         raise WeightLoadError(f"{path}: not a valid safetensors file ({err})") from None
 
 
+_SAFETENSORS_DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
+                       "F32": np.dtype(np.float32), "F64": np.dtype(np.float64)}
+
+
 def checkpoint_dtype(folder: Path) -> np.dtype:
-    """The floating dtype the checkpoint stores (for dtype='auto')."""
+    """The floating dtype the checkpoint stores (for dtype='auto'), from a header: no tensor is read."""
     files = safetensors_files(folder)
-    name = next(n for n in files if n.endswith("embed_tokens.weight")) if any(
-        n.endswith("embed_tokens.weight") for n in files) else next(iter(files))
+    name = next((n for n in files if n.endswith("embed_tokens.weight")), next(iter(files)))
     with _open(files[name]) as f:
-        return _read(f, name, files[name]).dtype
+        stored = f.get_slice(name).get_dtype()
+    if stored not in _SAFETENSORS_DTYPES:
+        raise WeightLoadError(f"{files[name]}: tensor {name!r} is stored as {stored}; choose a float dtype")
+    return _SAFETENSORS_DTYPES[stored]
 
 
 def _read(handle, name: str, path: Path) -> np.ndarray:

@@ -52,3 +52,23 @@ def test_missing_shard_is_a_clear_error(tmp_path):
     victim.unlink()
     with pytest.raises(WeightLoadError, match="missing"):
         load_model(str(folder))
+
+
+def test_auto_dtype_falls_back_to_stored_tensors(tmp_path):
+    """No dtype in config.json: 'auto' takes the dtype the tensors are stored in (read from the header)."""
+    import json
+
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    from jaxpaged.models.weights import checkpoint_dtype
+
+    folder = make_tiny_checkpoint(tmp_path / "bf16", "mha")
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    hf = json.loads((folder / "config.json").read_text())
+    hf.pop("dtype", None), hf.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps(hf))
+    assert checkpoint_dtype(folder) == np.dtype(ml_dtypes.bfloat16)
+    loaded = load_model(str(folder))
+    assert {leaf.dtype for leaf in jax.tree.leaves(loaded.params)} == {np.dtype(ml_dtypes.bfloat16)}
