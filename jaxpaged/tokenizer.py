@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: importing it imports torch
 
-from jaxpaged.models.gguf_loader import metadata_value
+if TYPE_CHECKING:  # the gguf package is needed only to read GGUF files
+    from gguf import GGUFReader
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -81,6 +81,7 @@ def load_hf_tokenizer(source: str | Path, chat_template: str | None = None) -> P
 
 def load_gguf_tokenizer(reader: GGUFReader, chat_template: str | None = None) -> PreTrainedTokenizerFast:
     """Build the tokenizer a GGUF file describes (byte-level BPE: Llama 3, SmolLM2, ...)."""
+    from jaxpaged.models.gguf_loader import metadata_value  # pylint: disable=import-outside-toplevel
     kind = metadata_value(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, "

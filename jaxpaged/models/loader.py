@@ -21,7 +21,6 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from jaxpaged import checkpoint
-from jaxpaged.models import gguf_loader
 from jaxpaged.models.llama import LlamaConfig, Params, UnsupportedModelError
 from jaxpaged.models.weights import WeightLoadError, checkpoint_dtype, load_safetensors_params
 from jaxpaged.tokenizer import (GenerationConfig, load_generation_config, load_gguf_tokenizer,
@@ -140,6 +139,8 @@ def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "auto", tokenizer: st
         return LoadedModel(config, params, tok, gen, path, dtype_, time.perf_counter() - start)
     gguf_file = _gguf_file(path)
     if gguf_file is not None:
+        # Imported here: the `gguf` package is needed only for GGUF files.
+        from jaxpaged.models import gguf_loader  # pylint: disable=import-outside-toplevel
         reader = gguf_loader.open_gguf(gguf_file)
         config = gguf_loader.gguf_config(reader)
         dtype_ = wanted or gguf_loader.gguf_checkpoint_dtype(reader)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -47,3 +49,16 @@ def test_missing_repo_offline_says_where_it_looked(tmp_path, monkeypatch):
 def test_nonsense_name_is_a_clear_error():
     with pytest.raises(ModelNotFoundError, match="not a built-in model"):
         resolve_model_path("./no/such/dir")
+
+
+def test_safetensors_path_runs_without_the_gguf_package(tiny_checkpoints):
+    """The GPU image has no `gguf`: only GGUF files may need it."""
+    code = ("import sys\n"
+            "sys.modules['gguf'] = None  # any `import gguf` now raises ImportError\n"
+            "from jaxpaged import LLM, SamplingParams\n"
+            f"llm = LLM({str(tiny_checkpoints['gqa4'])!r}, max_model_len=64, max_num_seqs=2,\n"
+            "          max_num_batched_tokens=16)\n"
+            "out = llm.generate(['Hi'], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)\n"
+            "assert len(out[0].outputs[0].token_ids) == 2\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

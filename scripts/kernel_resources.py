@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""What the Pallas attention kernel needs on an H200, worked out on a CPU.
+
+For each of `bench_kernels.py`'s GPU cases (Llama-3-8B attention, bf16,
+page_size 16) the kernel is lowered for CUDA, compiled by the `triton`
+package for sm_90 (see `pallas_kernels/cuda_compile.py`), and its resources
+read off the cubin. Per row: the tiling the heuristics chose, grid size,
+shared memory, registers, spills, how many blocks fit on one SM (the lower
+of the register and shared-memory limits) and how many waves the grid takes
+on 132 SMs. No timing: that needs the GPU (`scripts/gpu_check.sh`).
+
+  pip install triton   # a test dependency; on a CPU machine
+  python scripts/kernel_resources.py
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_kernels import configs  # noqa: E402
+from pallas_kernels import cuda_compile, ragged_paged_attention  # noqa: E402
+from pallas_kernels.ragged_paged_attention import (  # noqa: E402
+    choose_config, num_tiles_bound)
+
+# Hopper (sm_90) per-SM limits.
+SMS, REGS_PER_SM, SMEM_PER_SM, MAX_WARPS, MAX_BLOCKS = 132, 65536, 233472, 64, 32
+SMEM_RESERVED_PER_BLOCK = 1024
+HQ, KVH, D, PS = 32, 8, 128, 16
+
+
+def blocks_per_sm(k) -> int:
+  """Resident blocks per SM, as the CUDA occupancy calculator counts them."""
+  regs_per_warp = math.ceil(k.registers * 32 / 256) * 256
+  by_regs = REGS_PER_SM // (regs_per_warp * k.num_warps)
+  by_smem = SMEM_PER_SM // (k.shared_bytes + SMEM_RESERVED_PER_BLOCK)
+  return min(by_regs, by_smem, MAX_WARPS // k.num_warps, MAX_BLOCKS)
+
+
+def case_row(name, seqs):
+  t, s = sum(q for q, _ in seqs), len(seqs)
+  p = max(-(-kv // PS) for _, kv in seqs)
+  cfg = choose_config(t, s, HQ // KVH, PS, p, KVH)
+  grid = KVH * num_tiles_bound(t, s, cfg.block_q) * cfg.num_splits
+  sds = jax.ShapeDtypeStruct
+  pool = sds((KVH, 1 + s * p, PS, D), jnp.bfloat16)
+  args = (sds((t, HQ, D), jnp.bfloat16), pool, pool, sds((s,), jnp.int32),
+          sds((s, p), jnp.int32), sds((s + 1,), jnp.int32),
+          sds((), jnp.int32))
+  fn = functools.partial(ragged_paged_attention, sm_scale=D ** -0.5,
+                         backend="pallas")
+  [k] = cuda_compile.compile_for_cuda(fn, *args)
+  occ = blocks_per_sm(k)
+  return (f"{name:36s} {cfg.rows:4d} {cfg.pages_per_block * PS:4d} "
+          f"{cfg.num_splits:3d} {k.num_warps:3d} {grid:6d} "
+          f"{k.shared_bytes / 1024:7.1f} {k.registers:5d} {k.spill_bytes:6d} "
+          f"{occ:5d} {grid / (occ * SMS):6.2f}")
+
+
+def main():
+  print(f"jax {jax.__version__}; target sm_90 (H200, {SMS} SMs); "
+        f"Llama-3-8B attention Hq={HQ} KVH={KVH} D={D}, bf16, page {PS}")
+  print(f"{'case':36s} {'rows':>4s} {'blkK':>4s} {'spl':>3s} {'wrp':>3s} "
+        f"{'grid':>6s} {'smemKB':>7s} {'regs':>5s} {'spill':>6s} "
+        f"{'blk/SM':>5s} {'waves':>6s}")
+  batches, contexts, mixed = configs(smoke=False)
+  cases = [(f"decode b={b} ctx={c}", [(1, c)] * b)
+           for b in batches for c in contexts] + list(mixed.items())
+  for name, seqs in cases:
+    print(case_row(name, seqs), flush=True)
+
+
+if __name__ == "__main__":
+  main()
