@@ -55,6 +55,8 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's context length (capped at 2048 on CPU)
     max_num_seqs: int | None = None  # default: 256 on GPU, 64 on CPU
     max_num_batched_tokens: int | None = None  # default: 2048 on GPU, 512 on CPU
+    # requests fed a prefill chunk in one step; default 16 on GPU, 4 on CPU (bounds attention's prefill tiles)
+    max_num_partial_prefills: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
@@ -76,7 +78,8 @@ class EngineArgs:
         _ = self.distributed  # validates the multi-host fields
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "num_pages"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",
+                     "kv_cache_memory", "num_pages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -129,7 +132,8 @@ class LLMEngine:
             num_pages=self.runner_config.num_pages, page_size=args.block_size,
             max_num_seqs=self.runner_config.max_num_seqs,
             max_num_batched_tokens=self.runner_config.max_num_batched_tokens,
-            max_model_len=self.runner_config.max_model_len, enable_prefix_caching=args.enable_prefix_caching))
+            max_model_len=self.runner_config.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+            max_num_partial_prefills=self.runner_config.max_prefill_seqs))
         self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh)
         self._rng = np.random.default_rng(args.seed)
         self._parents: dict[str, _Parent] = {}
@@ -174,7 +178,9 @@ class LLMEngine:
                             max_model_len=max_model_len, page_size=args.block_size, num_pages=num_pages,
                             attention_backend=args.attention_backend,
                             # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes
-                            min_token_bucket=16 if on_gpu else 1)
+                            min_token_bucket=16 if on_gpu else 1,
+                            max_prefill_seqs=min(args.max_num_partial_prefills or (16 if on_gpu else 4),
+                                                 max_num_seqs))
 
     def _pages_from_memory(self, on_gpu: bool) -> int:
         # Each device holds 1/tp of every page (its KV heads); the budget is per device.

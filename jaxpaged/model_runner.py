@@ -71,6 +71,13 @@ def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Static attention settings of the jitted step (see ragged_paged_attention)."""
+    backend: str
+    max_prefill_seqs: int | None = None  # most sequences fed > 1 token in a step
+
+
+@dataclasses.dataclass(frozen=True)
 class RunnerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -81,6 +88,7 @@ class RunnerConfig:
     min_token_bucket: int = 16
     min_seq_bucket: int = 4
     min_page_bucket: int = 8
+    max_prefill_seqs: int | None = None  # the scheduler's max_num_partial_prefills; None: no cap
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -90,12 +98,18 @@ class RunnerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_prefill_seqs is not None and self.max_prefill_seqs < 1:
+            raise ValueError(f"max_prefill_seqs={self.max_prefill_seqs} must be >= 1 or None")
 
     @property
     def backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+    @property
+    def attention(self) -> AttentionConfig:
+        return AttentionConfig(self.backend, self.max_prefill_seqs)
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -140,22 +154,25 @@ class RunnerConfig:
         return t, s, p
 
 
-def _attend_paged(q, k, v, k_pool, v_pool, step: StepInput, layer, *, sm_scale: float, backend: str):
+def _attend_paged(q, k, v, k_pool, v_pool, step: StepInput, layer, *, sm_scale: float,
+                  attention: AttentionConfig):
     """Write this step's k/v [T, K, D] into the pool, then attend q [T, H, D] -> (o, k_pool, v_pool)."""
     kp, vp = write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer)
     o = ragged_paged_attention(q, kp, vp, step.kv_lens, step.page_table, step.cu_q_lens,
-                               step.num_seqs, sm_scale=sm_scale, layer=layer, backend=backend)
+                               step.num_seqs, sm_scale=sm_scale, layer=layer, backend=attention.backend,
+                               max_prefill_seqs=attention.max_prefill_seqs)
     return o, kp, vp
 
 
-def paged_forward(config: LlamaConfig, backend: str, params: Params, kv: KVPool,
+def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Params, kv: KVPool,
                   step: StepInput, mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
     """Logits f32[S, V] at each sequence's last fed token, and the updated pool.
 
     With a mesh, attention runs per tensor-parallel shard (local heads, local pool slice).
     """
     cos, sin = rope_cos_sin(config, step.positions)  # [T, D]
-    attend_paged = functools.partial(_attend_paged, sm_scale=1.0 / math.sqrt(config.head_dim), backend=backend)
+    attend_paged = functools.partial(_attend_paged, sm_scale=1.0 / math.sqrt(config.head_dim),
+                                     attention=attention)
     if mesh is not None:
         attend_paged = parallel.shard_attention(attend_paged, mesh)
 
@@ -236,6 +253,10 @@ class ModelRunner:
         """Pack one step's scheduled requests into padded host arrays."""
         ps = self.config.page_size
         num_tokens = sum(e.num_tokens for e in entries)
+        cap = self.config.max_prefill_seqs
+        if cap is not None and sum(e.num_tokens > 1 for e in entries) > cap:
+            raise ValueError(f"{sum(e.num_tokens > 1 for e in entries)} requests are fed more than one token "
+                             f"but attention was compiled for at most max_prefill_seqs={cap}")
         max_pages = max(len(e.page_ids) for e in entries)
         t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, len(entries), max_pages)
         token_ids = np.zeros(t_bucket, np.int32)
@@ -285,11 +306,11 @@ class ModelRunner:
 
     def _run(self, step: StepInput) -> jax.Array:
         if self.mesh is None:
-            logits, self.kv = self._step(self.model_config, self.config.backend, self.params, self.kv, step)
+            logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv, step)
             return logits
         rep = parallel.replicated(self.mesh)
         step = jax.tree.map(lambda x: parallel.put_global(x, rep), step)
-        logits, self.kv = self._step(self.model_config, self.config.backend, self.params, self.kv, step,
+        logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv, step,
                                      self.mesh)
         return logits.addressable_data(0)  # replicated: this process's full copy, sampled locally
 

@@ -15,6 +15,10 @@ token budget (max_num_batched_tokens):
    min(remaining, budget). A waiting request that can't get pages waits, and
    so do the ones behind it. `max_num_seqs` caps the number of running requests.
 
+`max_num_partial_prefills` caps the requests fed more than one token in a step
+(in either phase; a running request over the cap just waits a step), so that
+attention can size its prefill tiles for a few sequences, not for all of them.
+
 `num_computed_tokens` advances at SCHEDULE time (as in vLLM v1): after
 `schedule()` it counts the tokens whose KV is in the pool or is written by the
 step just scheduled, and the pages those tokens fill are registered in the
@@ -45,6 +49,9 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0: no cap on one request's prefill chunk
+    # Most requests fed more than one token in a step (prefill chunks); None: no cap. Attention
+    # sizes its prefill tiles for this many sequences (see ragged_paged_attention's max_prefill_seqs).
+    max_num_partial_prefills: int | None = None
 
     def __post_init__(self):
         def bad(field: str, why: str) -> None:
@@ -63,6 +70,9 @@ class SchedulerConfig:
             bad("enable_prefix_caching", "must be a bool")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             bad("long_prefill_token_threshold", "must be an integer >= 0 (0 disables it)")
+        cap = self.max_num_partial_prefills
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            bad("max_num_partial_prefills", "must be an integer >= 1, or None for no cap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,12 +220,20 @@ class Scheduler:
             num_remaining = threshold
         return min(num_remaining, budget)
 
+    def _prefill_slot_free(self, num_new: int, scheduled: list) -> bool:
+        """Whether a chunk of num_new tokens fits under max_num_partial_prefills this step."""
+        cap = self.config.max_num_partial_prefills
+        if num_new <= 1 or cap is None:
+            return True
+        return sum(entry.num_tokens > 1 for entry in scheduled) < cap
+
     def _schedule_running(self, budget: int, scheduled: list, preempted: list) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new == 0:  # its sampled token hasn't come back yet
+            # 0: its sampled token hasn't come back yet; or its prefill waits for a free slot
+            if num_new == 0 or not self._prefill_slot_free(num_new, scheduled):
                 index += 1
                 continue
             while self.pool.allocate(request, num_new) is None:
@@ -234,7 +252,8 @@ class Scheduler:
             request = self.waiting[0]
             prefix = self.pool.find_cached_prefix(request)
             num_new = self._chunk_size(request.num_tokens - prefix.num_tokens, budget)
-            if self.pool.allocate(request, num_new, prefix) is None:
+            if not self._prefill_slot_free(num_new, scheduled) or \
+                    self.pool.allocate(request, num_new, prefix) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING:

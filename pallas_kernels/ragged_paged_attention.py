@@ -66,15 +66,27 @@ def num_tiles_bound(num_tokens: int, num_slots: int, block_q: int) -> int:
   return max(1, min(num_tokens, bound))
 
 
-def tile_schedule(cu_q_lens, kv_lens, num_seqs, *, block_q, num_tiles):
-  """Maps tiles 0..NT-1 to (sequence, query range); jittable."""
-  s = kv_lens.shape[0]
+def clamped_cu_q_lens(cu_q_lens, num_seqs):
+  """cu_q_lens [S+1] with entries past num_seqs (may hold anything) set to
+  the packed total, so every slot past num_seqs has q_len 0."""
   num_seqs = jnp.asarray(num_seqs, jnp.int32)
-  # Entries past num_seqs may hold anything: clamp them to the packed total.
-  cu = jnp.where(jnp.arange(s + 1) <= num_seqs, cu_q_lens,
-                 cu_q_lens[num_seqs])                         # [S+1]
+  s1 = cu_q_lens.shape[0]
+  return jnp.where(jnp.arange(s1) <= num_seqs, cu_q_lens, cu_q_lens[num_seqs])
+
+
+def tile_schedule(cu_q_lens, kv_lens, num_seqs, *, block_q, num_tiles,
+                  include=None):
+  """Maps tiles 0..NT-1 to (sequence, query range); jittable.
+
+  include: optional bool [S]; sequences where it is False get no tiles (their
+  queries keep their packed offsets, so the caller fills them elsewhere).
+  """
+  s = kv_lens.shape[0]
+  cu = clamped_cu_q_lens(cu_q_lens, num_seqs)                 # [S+1]
   q_lens = cu[1:] - cu[:-1]                                   # [S]
   tiles_per_seq = (q_lens + block_q - 1) // block_q           # [S]
+  if include is not None:
+    tiles_per_seq = jnp.where(include, tiles_per_seq, 0)
   tile_end = jnp.cumsum(tiles_per_seq)                        # [S]
   tile_begin = tile_end - tiles_per_seq                       # [S]
   t = jnp.arange(num_tiles, dtype=jnp.int32)                  # [NT]
@@ -107,8 +119,7 @@ def scatter_tiles_to_tokens(o_tiles, cu_q_lens, num_seqs, sched, num_tokens):
   block_q = o_tiles.shape[1]
   s = sched.tile_begin.shape[0]
   num_seqs = jnp.asarray(num_seqs, jnp.int32)
-  cu = jnp.where(jnp.arange(s + 1) <= num_seqs, cu_q_lens,
-                 cu_q_lens[num_seqs])                         # [S+1]
+  cu = clamped_cu_q_lens(cu_q_lens, num_seqs)                 # [S+1]
   t = jnp.arange(num_tokens, dtype=jnp.int32)                 # [T]
   seq = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right"), s - 1)
   j = t - cu[seq]                                             # pos in chunk
@@ -182,22 +193,25 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table,
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_table,
                                cu_q_lens, num_seqs, *, sm_scale, layer=None,
-                               block_q=None, pages_per_block=None):
+                               block_q=None, pages_per_block=None,
+                               include=None, num_tiles=None):
   """The reference's math with an online softmax over blocks of pages.
 
   A while loop runs ceil(longest live kv_len / block) times, so the work and
   the gathered K/V follow the batch's real context, not the page table's
   static width P (which can then be the full max_model_len / page_size).
+  include/num_tiles: as in `_pallas_forward`.
   """
   t, hq, d = q.shape
   kvh, n, ps, _ = k_pages.shape[-4:]
   s, p = page_table.shape
   g = hq // kvh
   bq = block_q or (1 if t <= s else 16)
-  ppb = min(pages_per_block or max(1, 256 // ps), p)
-  nt = num_tiles_bound(t, s, bq)
+  # Keys per block: 64 for decode tiles, 128 for prefill tiles (CPU-tuned).
+  ppb = min(pages_per_block or max(1, (64 if bq == 1 else 128) // ps), p)
+  nt = num_tiles or num_tiles_bound(t, s, bq)
   sched = tile_schedule(cu_q_lens, kv_lens, num_seqs, block_q=bq,
-                        num_tiles=nt)
+                        num_tiles=nt, include=include)
   qt = gather_q_tiles(q, sched, bq).reshape(nt, bq, kvh, g, d)
   pt = jnp.pad(page_table, ((0, 0), (0, -p % ppb)))[sched.seq]  # [NT, Pp]
   u = jnp.arange(bq, dtype=jnp.int32)
@@ -374,15 +388,19 @@ def _pallas_call(q_tiles, k_flat, v_flat, page_table, sched, layer, *,
 
 def _pallas_forward(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                     num_seqs, *, sm_scale, layer, cfg, interpret,
-                    poison_output):
-  """Tiles the batch, runs the kernel, scatters tiles back to tokens."""
+                    poison_output, include=None, num_tiles=None):
+  """Tiles the batch, runs the kernel, scatters tiles back to tokens.
+
+  include/num_tiles: run only the sequences `include` marks, in at most
+  `num_tiles` tiles (default: a bound for the whole batch).
+  """
   t, hq, d = q.shape
   kvh, n, ps, _ = k_pages.shape[-4:]
   s, p = page_table.shape
   g, bq = hq // kvh, cfg.block_q
-  nt = num_tiles_bound(t, s, bq)
+  nt = num_tiles or num_tiles_bound(t, s, bq)
   sched = tile_schedule(cu_q_lens, kv_lens, num_seqs, block_q=bq,
-                        num_tiles=nt)
+                        num_tiles=nt, include=include)
   qt = gather_q_tiles(q, sched, bq).reshape(nt, bq, kvh, g, d)
   qt = qt.transpose(2, 0, 1, 3, 4).reshape(kvh, nt, bq * g, d)
   qt = jnp.pad(qt, ((0, 0), (0, 0), (0, cfg.rows - bq * g), (0, 0)))
@@ -461,12 +479,14 @@ def _check_pallas_shapes(head_dim, page_size, cfg):
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "backend", "interpret", "block_q", "pages_per_block",
-    "num_splits", "num_warps", "num_stages", "poison_output"))
+    "num_splits", "num_warps", "num_stages", "max_prefill_seqs",
+    "poison_output"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
                            cu_q_lens, num_seqs, *, sm_scale, layer=None,
                            backend="auto", interpret=False, block_q=None,
                            pages_per_block=None, num_splits=None,
-                           num_warps=None, num_stages=2, poison_output=False):
+                           num_warps=None, num_stages=2,
+                           max_prefill_seqs=None, poison_output=False):
   """Causal attention for a packed, ragged batch over a paged KV pool.
 
   Args:
@@ -484,6 +504,12 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
     interpret: run the Pallas kernel in interpret mode (CPU testing).
     block_q, pages_per_block, num_splits, num_warps, num_stages: kernel
       tiling overrides (see choose_config); ignored by the reference.
+      Without block_q, a batch with T > S runs as two calls (decodes in
+      small tiles, prefill chunks in tall ones).
+    max_prefill_seqs: static promise that at most this many sequences have
+      more than one query (the scheduler's cap on prefills per step). It
+      bounds the prefill tiles of a T > S batch; sequences beyond it would
+      get no output, so callers must enforce it. None: no promise.
     poison_output: testing aid, kernel outputs start NaN-filled (aliased).
 
   Returns:
@@ -491,26 +517,65 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   """
   _validate(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer,
             backend)
+  if max_prefill_seqs is not None and (
+      not isinstance(max_prefill_seqs, int) or max_prefill_seqs < 1):
+    raise ValueError("max_prefill_seqs must be a positive int or None, got "
+                     f"{max_prefill_seqs!r}.")
   if backend == "auto":
     backend = "pallas" if jax.default_backend() == "gpu" else "xla"
   sm_scale = float(sm_scale)
-  if backend == "xla":
-    return ragged_paged_attention_xla(
-        q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, layer=layer, block_q=block_q,
-        pages_per_block=pages_per_block)
   if backend == "reference":
     return ragged_paged_attention_reference(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
         sm_scale=sm_scale, layer=layer)
+  t, s = q.shape[0], page_table.shape[0]
+  prefill_seqs = min(s, max_prefill_seqs or s)
+  split = block_q is None and t > s
+  if backend == "xla":
+    run = functools.partial(
+        ragged_paged_attention_xla, q, k_pages, v_pages, kv_lens, page_table,
+        cu_q_lens, num_seqs, sm_scale=sm_scale, layer=layer,
+        pages_per_block=pages_per_block)
+    if not split:
+      return run(block_q=block_q)
+    return _split_decode_prefill(
+        run, cu_q_lens, num_seqs, t, decode_block_q=1,
+        decode_kw=dict(block_q=1),
+        prefill_kw=dict(block_q=16,
+                        num_tiles=num_tiles_bound(t, prefill_seqs, 16)))
   kvh, _, ps, d = k_pages.shape[-4:]
-  cfg = choose_config(
-      q.shape[0], page_table.shape[0], q.shape[1] // kvh, ps,
-      page_table.shape[1], kvh, block_q=block_q,
+  config = functools.partial(
+      choose_config, group=q.shape[1] // kvh, page_size=ps,
+      max_pages=page_table.shape[1], num_kv_heads=kvh,
       pages_per_block=pages_per_block, num_splits=num_splits,
       num_warps=num_warps, num_stages=num_stages)
+  cfg = config(t, s, block_q=block_q)
   _check_pallas_shapes(d, ps, cfg)
-  return _pallas_forward(
-      q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
-      sm_scale=sm_scale, layer=layer, cfg=cfg, interpret=interpret,
+  run = functools.partial(
+      _pallas_forward, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
+      num_seqs, sm_scale=sm_scale, layer=layer, interpret=interpret,
       poison_output=poison_output)
+  if not split:   # one tiling fits the whole batch
+    return run(cfg=cfg)
+  decode_cfg = config(s, s)
+  return _split_decode_prefill(
+      run, cu_q_lens, num_seqs, t, decode_block_q=decode_cfg.block_q,
+      decode_kw=dict(cfg=decode_cfg),
+      prefill_kw=dict(cfg=cfg, num_tiles=num_tiles_bound(
+          t, prefill_seqs, cfg.block_q)))
+
+
+def _split_decode_prefill(run, cu_q_lens, num_seqs, num_tokens, *,
+                          decode_block_q, prefill_kw, decode_kw):
+  """A mixed batch in two calls: sequences with at most `decode_block_q`
+  queries (decodes) in small tiles, one per sequence; the others (prefill
+  chunks) in tall tiles. One tiling for all would pad each decode's G query
+  rows up to a prefill tile (16 tokens on CPU, 128 rows in the kernel)."""
+  s = cu_q_lens.shape[0] - 1
+  cu = clamped_cu_q_lens(cu_q_lens, num_seqs)                 # [S+1]
+  is_decode = cu[1:] - cu[:-1] <= decode_block_q              # [S]
+  out_d = run(include=is_decode, num_tiles=s, **decode_kw)
+  out_p = run(include=~is_decode, **prefill_kw)
+  tok = jnp.arange(num_tokens, dtype=jnp.int32)               # [T]
+  tok_seq = jnp.minimum(jnp.searchsorted(cu[1:], tok, side="right"), s - 1)
+  return jnp.where(is_decode[tok_seq][:, None, None], out_d, out_p)

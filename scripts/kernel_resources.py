@@ -4,7 +4,8 @@
 For each of `bench_kernels.py`'s GPU cases (Llama-3-8B attention, bf16,
 page_size 16) the kernel is lowered for CUDA, compiled by the `triton`
 package for sm_90 (see `pallas_kernels/cuda_compile.py`), and its resources
-read off the cubin. Per row: the tiling the heuristics chose, grid size,
+read off the cubin. Per kernel call: the tiling the heuristics chose, grid size
+(programs launched; in a mixed batch many exit at once, having no work),
 shared memory, registers, spills, how many blocks fit on one SM (the lower
 of the register and shared-memory limits) and how many waves the grid takes
 on 132 SMs. No timing: that needs the GPU (`scripts/gpu_check.sh`).
@@ -45,11 +46,14 @@ def blocks_per_sm(k) -> int:
   return min(by_regs, by_smem, MAX_WARPS // k.num_warps, MAX_BLOCKS)
 
 
-def case_row(name, seqs):
+def case_rows(name, seqs):
+  """One row per kernel call (a mixed batch makes a decode and a prefill
+  call, each with its own tiling)."""
   t, s = sum(q for q, _ in seqs), len(seqs)
   p = max(-(-kv // PS) for _, kv in seqs)
-  cfg = choose_config(t, s, HQ // KVH, PS, p, KVH)
-  grid = KVH * num_tiles_bound(t, s, cfg.block_q) * cfg.num_splits
+  cfgs = [choose_config(t, s, HQ // KVH, PS, p, KVH)]
+  if t > s:
+    cfgs.insert(0, choose_config(s, s, HQ // KVH, PS, p, KVH))
   sds = jax.ShapeDtypeStruct
   pool = sds((KVH, 1 + s * p, PS, D), jnp.bfloat16)
   args = (sds((t, HQ, D), jnp.bfloat16), pool, pool, sds((s,), jnp.int32),
@@ -57,12 +61,21 @@ def case_row(name, seqs):
           sds((), jnp.int32))
   fn = functools.partial(ragged_paged_attention, sm_scale=D ** -0.5,
                          backend="pallas")
-  [k] = cuda_compile.compile_for_cuda(fn, *args)
-  occ = blocks_per_sm(k)
-  return (f"{name:36s} {cfg.rows:4d} {cfg.pages_per_block * PS:4d} "
-          f"{cfg.num_splits:3d} {k.num_warps:3d} {grid:6d} "
-          f"{k.shared_bytes / 1024:7.1f} {k.registers:5d} {k.spill_bytes:6d} "
-          f"{occ:5d} {grid / (occ * SMS):6.2f}")
+  kernels = cuda_compile.compile_for_cuda(fn, *args)
+  assert len(kernels) == len(cfgs), (name, kernels)
+  rows = []
+  for i, (cfg, k) in enumerate(zip(cfgs, kernels)):
+    tiles = s if len(cfgs) == 2 and i == 0 else num_tiles_bound(
+        t, s, cfg.block_q)
+    grid = KVH * tiles * cfg.num_splits
+    occ = blocks_per_sm(k)
+    label = name if i == 0 else "  + prefill call"
+    rows.append(
+        f"{label:36s} {cfg.rows:4d} {cfg.pages_per_block * PS:4d} "
+        f"{cfg.num_splits:3d} {k.num_warps:3d} {grid:6d} "
+        f"{k.shared_bytes / 1024:7.1f} {k.registers:5d} {k.spill_bytes:6d} "
+        f"{occ:5d} {grid / (occ * SMS):6.2f}")
+  return rows
 
 
 def main():
@@ -75,7 +88,7 @@ def main():
   cases = [(f"decode b={b} ctx={c}", [(1, c)] * b)
            for b in batches for c in contexts] + list(mixed.items())
   for name, seqs in cases:
-    print(case_row(name, seqs), flush=True)
+    print("\n".join(case_rows(name, seqs)), flush=True)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: 256 on GPU, 64 on CPU)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step "
                    "(default: 2048 on GPU, 512 on CPU)")
+    e.add_argument("--max-num-partial-prefills", type=int, default=None, help="most requests fed a prefill "
+                   "chunk in one step (default: 16 on GPU, 4 on CPU)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of accelerator memory "
                    "the server may use (weights + KV cache)")
     e.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (overrides "
@@ -93,7 +95,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=ns.model, tokenizer=ns.tokenizer, revision=ns.revision, dtype=ns.dtype, seed=ns.seed,
         max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_num_partial_prefills=ns.max_num_partial_prefills, block_size=ns.block_size,
         enable_prefix_caching=ns.enable_prefix_caching, gpu_memory_utilization=ns.gpu_memory_utilization,
         kv_cache_memory=ns.kv_cache_memory, num_pages=ns.num_pages, attention_backend=ns.attention_backend,
         tensor_parallel_size=ns.tensor_parallel_size, chat_template=chat_template_arg(ns.chat_template),

@@ -73,6 +73,20 @@ def _byte_of(char: str) -> int:
     return table[char]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """After each test module, drop JAX's caches of compiled programs.
+
+    Every XLA:CPU executable holds its own memory mappings, and jitted functions
+    (the kernels' public entry points among them) keep every executable they ever
+    compiled. Kept for the whole run, they reach the kernel's vm.max_map_count
+    (65530 here) and LLVM's JIT aborts ("Unable to allocate section memory").
+    Live engines keep working: a dropped program recompiles from the persistent cache.
+    """
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")

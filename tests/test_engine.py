@@ -111,7 +111,8 @@ def test_shared_prefix_shares_pages(tiny):
     rng = np.random.default_rng(3)
     prefix = rng.integers(0, 256, size=200).tolist()
     prompts = [prefix + rng.integers(0, 256, size=20).tolist() for _ in range(8)]
-    engine = make_engine(tiny, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8, num_pages=200)
+    engine = make_engine(tiny, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=8, num_pages=200,
+                         max_num_partial_prefills=8)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
     engine.step()  # all eight prefilled in one step

@@ -47,7 +47,8 @@ def test_buckets():
     assert dataclasses.replace(wide, attention_backend="xla").page_buckets == (128,)
 
 
-@pytest.mark.parametrize("field, value", [("attention_backend", "cuda"), ("page_size", 12), ("num_pages", 0)])
+@pytest.mark.parametrize("field, value", [("attention_backend", "cuda"), ("page_size", 12), ("num_pages", 0),
+                                          ("max_prefill_seqs", 0)])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         dataclasses.replace(CONFIG, **{field: value})
@@ -66,6 +67,28 @@ def test_prepare_packs_exact_arrays(tiny):
     assert step.cu_q_lens.tolist() == [0, 3, 4, 4, 4]
     assert step.logits_indices.tolist() == [2, 3, 0, 0]
     assert int(step.num_seqs) == 2
+
+
+def test_mixed_step_under_max_prefill_seqs_matches_plain_forward(tiny):
+    """Two prefill chunks and three decodes in one T > S step, with attention sized for 2 prefills
+    (the CPU path; the kernel's own split is tested in tests/pallas_kernels)."""
+    config = dataclasses.replace(CONFIG, attention_backend="xla", max_prefill_seqs=2)
+    runner = ModelRunner(tiny.config, tiny.params, config)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (9, 30, 17, 5, 12)]
+    pages = [[1], [2, 3], [4, 5], [6], [7]]
+    for i in (0, 3, 4):  # the decodes' prompts, all but the last token, one step each
+        runner.execute(runner.prepare([entry(f"d{i}", prompts[i][:-1], 0, pages[i], samples=False)]))
+    step = runner.prepare([entry("d0", prompts[0][-1:], 8, pages[0]), entry("p1", prompts[1], 0, pages[1]),
+                           entry("d3", prompts[3][-1:], 4, pages[3]), entry("p2", prompts[2], 0, pages[2]),
+                           entry("d4", prompts[4][-1:], 11, pages[4])])
+    assert step.token_ids.shape[0] > step.kv_lens.shape[0]  # T > S: the split attention path
+    logits = runner.execute(step)
+    for row, i in enumerate((0, 1, 3, 2, 4)):
+        plain = forward_jit(tiny.config, tiny.params, jnp.asarray([prompts[i]]))[0, -1]
+        np.testing.assert_allclose(np.asarray(logits[row]), np.asarray(plain), atol=1e-4)
+    with pytest.raises(ValueError, match="max_prefill_seqs=2"):
+        runner.prepare([entry(f"p{i}", prompts[i][:3], 0, pages[i], samples=False) for i in range(3)])
 
 
 def test_chunked_prefill_over_cached_prefix_matches_plain_forward(tiny):

@@ -95,6 +95,8 @@ def shape(out: SchedulerOutput):
         (dict(max_model_len=0), "max_model_len"),
         (dict(enable_prefix_caching=1), "enable_prefix_caching"),
         (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+        (dict(max_num_partial_prefills=0), "max_num_partial_prefills"),
+        (dict(max_num_partial_prefills=True), "max_num_partial_prefills"),
     ],
 )
 def test_config_validation(kwargs, match):
@@ -183,6 +185,41 @@ def test_decodes_before_new_prefills():
     out, _ = step(sched, runner)
     # "pre" is now running and was admitted after "dec": running order is admission order.
     assert shape(out) == [("dec", 4, 1, True), ("pre", 7, 7, False)]
+
+
+def test_max_num_partial_prefills_caps_multi_token_chunks_per_step():
+    cfg = config(max_num_batched_tokens=64, max_num_partial_prefills=2, long_prefill_token_threshold=4)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    sched.add_request(make("a", range(10, 16), max_tokens=3, ignore_eos=True))  # 6-token prompt
+    sched.add_request(make("b", range(20, 21), max_tokens=3, ignore_eos=True))  # 1 token: not a "partial"
+    sched.add_request(make("c", range(30, 33), max_tokens=3, ignore_eos=True))
+    sched.add_request(make("d", range(40, 43), max_tokens=3, ignore_eos=True))
+    out, _ = step(sched, runner)
+    # a and c take both slots; b's single token is free; d waits (FCFS: the queue stops at d).
+    assert shape(out) == [("a", 0, 4, False), ("b", 0, 1, True), ("c", 0, 3, True)]
+    assert [r.request_id for r in sched.waiting] == ["d"]
+    out, _ = step(sched, runner)
+    # a's second chunk and d fill the two slots; b and c decode.
+    assert shape(out) == [("a", 4, 2, True), ("b", 1, 1, True), ("c", 3, 1, True), ("d", 0, 3, True)]
+    out, _ = step(sched, runner)
+    assert shape(out) == [("a", 6, 1, True), ("b", 2, 1, True), ("c", 4, 1, True), ("d", 3, 1, True)]
+
+
+def test_a_running_prefill_over_the_cap_waits_a_step():
+    cfg = config(max_num_batched_tokens=64, max_num_partial_prefills=2, long_prefill_token_threshold=2)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    sched.add_request(make("a", range(10, 16), max_tokens=2, ignore_eos=True))
+    sched.add_request(make("b", range(20, 26), max_tokens=2, ignore_eos=True))
+    out, _ = step(sched, runner)
+    assert shape(out) == [("a", 0, 2, False), ("b", 0, 2, False)]
+    sched.config = dataclasses.replace(cfg, max_num_partial_prefills=1)  # two running prefills, one slot
+    out, _ = step(sched, runner)
+    assert shape(out) == [("a", 2, 2, False)]  # b keeps its pages and waits
+    out, _ = step(sched, runner)
+    assert shape(out) == [("a", 4, 2, True)]
+    out, _ = step(sched, runner)
+    assert shape(out) == [("a", 6, 1, True), ("b", 2, 2, False)]
+    assert sched.get_request("a") is None and sched.get_request("b").page_ids == [2]  # a finished
 
 
 def test_max_num_seqs_caps_running_requests():
@@ -438,7 +475,8 @@ def workloads(draw):
     cfg = SchedulerConfig(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=budget, max_model_len=64,
                           enable_prefix_caching=prefix_caching,
-                          long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3])))
+                          long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3])),
+                          max_num_partial_prefills=draw(st.sampled_from([None, None, 1, 2])))
     return cfg, specs
 
 
@@ -470,6 +508,8 @@ def test_random_workloads_finish_with_reference_outputs(workload):
         assert out.num_scheduled_tokens > 0, "no progress with unfinished requests"
         assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(out.scheduled_requests) <= cfg.max_num_seqs
+        partial = sum(e.num_tokens > 1 for e in out.scheduled_requests)
+        assert partial <= (cfg.max_num_partial_prefills or partial)
     else:
         pytest.fail("workload did not finish")
     for r in requests.values():

@@ -169,6 +169,36 @@ def test_decode_next_to_long_chunk_over_cached_prefix(interpret):
   check(b, interpret)
 
 
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_mixed_batch_split_at_the_decode_tile_boundary(group, interpret):
+  """A mixed batch runs decodes and prefill chunks as two kernel calls; the
+  split is at the decode tile's query count (16 rows // G). Chunks of exactly
+  that many queries, and one more, sit on either side of it."""
+  bq_d = max(16, 1 << (group - 1).bit_length()) // group
+  rng = np.random.default_rng(group)
+  b = make_batch(rng, [1, bq_d, bq_d + 1, 40, 1, 2],
+                 [33, 100, 17 + bq_d, 300, 16, 2], group=group, num_slots=8)
+  assert b.q.shape[0] > 8   # T > S: the split path
+  check(b, interpret)
+  # Every slot just past the boundary (the decode call has one tile a slot).
+  b = make_batch(rng, [bq_d + 1] * 7 + [bq_d], [64] * 7 + [bq_d],
+                 group=group, num_slots=8)
+  check(b, interpret)
+
+
+@pytest.mark.parametrize("num_prefills", [1, 3])
+def test_max_prefill_seqs_bounds_the_prefill_tiles(num_prefills, interpret):
+  """With the scheduler's promise of at most N multi-query sequences, the
+  prefill call gets only N sequences' worth of tiles, wherever they sit."""
+  rng = np.random.default_rng(num_prefills)
+  q_lens = [1] * 8
+  kv_lens = [40 + 9 * i for i in range(8)]
+  for i in rng.choice(8, num_prefills, replace=False):
+    q_lens[i], kv_lens[i] = 37, kv_lens[i] + 36
+  b = make_batch(rng, q_lens, kv_lens, num_slots=16)
+  check(b, interpret, max_prefill_seqs=num_prefills)
+
+
 def test_padding_slots_and_tokens(interpret):
   """num_seqs < S; junk cu_q_lens / kv_lens / tables in padding slots."""
   rng = np.random.default_rng(3)
@@ -282,6 +312,8 @@ def test_validation_errors():
     f(q, kp, vp, kvl, pt, cu[:-1], ns)
   with pytest.raises(ValueError, match="layer"):
     f(q, kp, vp, kvl, pt, cu, ns, layer=jnp.int32(0))
+  with pytest.raises(ValueError, match="max_prefill_seqs"):
+    f(q, kp, vp, kvl, pt, cu, ns, max_prefill_seqs=0)
   with pytest.raises(ValueError, match="power-of-two head_dim"):
     d = 48
     f(q[..., :d], kp[..., :d], vp[..., :d], kvl, pt, cu, ns,
