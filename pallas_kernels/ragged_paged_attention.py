@@ -338,6 +338,35 @@ def choose_config(num_tokens, num_slots, group, page_size, max_pages,
   return KernelConfig(bq, rows, ppb, num_splits, warps, num_stages)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+  """One pallas_call of a batch: its tiling and static number of tiles."""
+  cfg: KernelConfig
+  num_tiles: int
+  decodes_only: bool  # runs only sequences of at most cfg.block_q queries
+
+
+def plan_kernel_calls(num_tokens, num_slots, group, page_size, max_pages,
+                      num_kv_heads, *, block_q=None, pages_per_block=None,
+                      num_splits=None, num_warps=None, num_stages=2,
+                      max_prefill_seqs=None) -> tuple[KernelCall, ...]:
+  """The kernel calls a (T, S) batch makes: one tiling for all, or, for
+  T > S without block_q, a decode call (one tile a sequence) and a prefill
+  call sized for min(S, max_prefill_seqs) sequences (see docs/kernels.md)."""
+  config = functools.partial(
+      choose_config, group=group, page_size=page_size, max_pages=max_pages,
+      num_kv_heads=num_kv_heads, pages_per_block=pages_per_block,
+      num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+  cfg = config(num_tokens, num_slots, block_q=block_q)
+  if block_q is not None or num_tokens <= num_slots:
+    return (KernelCall(cfg, num_tiles_bound(num_tokens, num_slots,
+                                            cfg.block_q), False),)
+  prefill_seqs = min(num_slots, max_prefill_seqs or num_slots)
+  return (KernelCall(config(num_slots, num_slots), num_slots, True),
+          KernelCall(cfg, num_tiles_bound(num_tokens, prefill_seqs,
+                                          cfg.block_q), False))
+
+
 def _merge_splits(o, lse):
   """Flash-decoding merge in f32: o [NS, ..., R, D], lse [NS, ..., R]."""
   w = jnp.exp(lse - lse.max(axis=0, keepdims=True))            # [NS, ..., R]
@@ -387,18 +416,17 @@ def _pallas_call(q_tiles, k_flat, v_flat, page_table, sched, layer, *,
 
 
 def _pallas_forward(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
-                    num_seqs, *, sm_scale, layer, cfg, interpret,
-                    poison_output, include=None, num_tiles=None):
+                    num_seqs, *, sm_scale, layer, cfg, num_tiles, interpret,
+                    poison_output, include=None):
   """Tiles the batch, runs the kernel, scatters tiles back to tokens.
 
-  include/num_tiles: run only the sequences `include` marks, in at most
-  `num_tiles` tiles (default: a bound for the whole batch).
+  include: run only the sequences it marks; num_tiles: a static bound on
+  their tiles (see plan_kernel_calls).
   """
   t, hq, d = q.shape
   kvh, n, ps, _ = k_pages.shape[-4:]
-  s, p = page_table.shape
-  g, bq = hq // kvh, cfg.block_q
-  nt = num_tiles or num_tiles_bound(t, s, bq)
+  p = page_table.shape[1]
+  g, bq, nt = hq // kvh, cfg.block_q, num_tiles
   sched = tile_schedule(cu_q_lens, kv_lens, num_seqs, block_q=bq,
                         num_tiles=nt, include=include)
   qt = gather_q_tiles(q, sched, bq).reshape(nt, bq, kvh, g, d)
@@ -529,40 +557,38 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
         sm_scale=sm_scale, layer=layer)
   t, s = q.shape[0], page_table.shape[0]
-  prefill_seqs = min(s, max_prefill_seqs or s)
-  split = block_q is None and t > s
   if backend == "xla":
     run = functools.partial(
         ragged_paged_attention_xla, q, k_pages, v_pages, kv_lens, page_table,
         cu_q_lens, num_seqs, sm_scale=sm_scale, layer=layer,
         pages_per_block=pages_per_block)
-    if not split:
+    if block_q is not None or t <= s:
       return run(block_q=block_q)
+    prefill_seqs = min(s, max_prefill_seqs or s)
     return _split_decode_prefill(
         run, cu_q_lens, num_seqs, t, decode_block_q=1,
-        decode_kw=dict(block_q=1),
+        decode_kw=dict(block_q=1, num_tiles=s),
         prefill_kw=dict(block_q=16,
                         num_tiles=num_tiles_bound(t, prefill_seqs, 16)))
   kvh, _, ps, d = k_pages.shape[-4:]
-  config = functools.partial(
-      choose_config, group=q.shape[1] // kvh, page_size=ps,
-      max_pages=page_table.shape[1], num_kv_heads=kvh,
+  calls = plan_kernel_calls(
+      t, s, q.shape[1] // kvh, ps, page_table.shape[1], kvh, block_q=block_q,
       pages_per_block=pages_per_block, num_splits=num_splits,
-      num_warps=num_warps, num_stages=num_stages)
-  cfg = config(t, s, block_q=block_q)
-  _check_pallas_shapes(d, ps, cfg)
+      num_warps=num_warps, num_stages=num_stages,
+      max_prefill_seqs=max_prefill_seqs)
+  for call in calls:
+    _check_pallas_shapes(d, ps, call.cfg)
   run = functools.partial(
       _pallas_forward, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
       num_seqs, sm_scale=sm_scale, layer=layer, interpret=interpret,
       poison_output=poison_output)
-  if not split:   # one tiling fits the whole batch
-    return run(cfg=cfg)
-  decode_cfg = config(s, s)
+  if len(calls) == 1:   # one tiling fits the whole batch
+    return run(cfg=calls[0].cfg, num_tiles=calls[0].num_tiles)
+  decode, prefill = calls
   return _split_decode_prefill(
-      run, cu_q_lens, num_seqs, t, decode_block_q=decode_cfg.block_q,
-      decode_kw=dict(cfg=decode_cfg),
-      prefill_kw=dict(cfg=cfg, num_tiles=num_tiles_bound(
-          t, prefill_seqs, cfg.block_q)))
+      run, cu_q_lens, num_seqs, t, decode_block_q=decode.cfg.block_q,
+      decode_kw=dict(cfg=decode.cfg, num_tiles=decode.num_tiles),
+      prefill_kw=dict(cfg=prefill.cfg, num_tiles=prefill.num_tiles))
 
 
 def _split_decode_prefill(run, cu_q_lens, num_seqs, num_tokens, *,
@@ -574,7 +600,7 @@ def _split_decode_prefill(run, cu_q_lens, num_seqs, num_tokens, *,
   s = cu_q_lens.shape[0] - 1
   cu = clamped_cu_q_lens(cu_q_lens, num_seqs)                 # [S+1]
   is_decode = cu[1:] - cu[:-1] <= decode_block_q              # [S]
-  out_d = run(include=is_decode, num_tiles=s, **decode_kw)
+  out_d = run(include=is_decode, **decode_kw)   # num_tiles: S, one a seq
   out_p = run(include=~is_decode, **prefill_kw)
   tok = jnp.arange(num_tokens, dtype=jnp.int32)               # [T]
   tok_seq = jnp.minimum(jnp.searchsorted(cu[1:], tok, side="right"), s - 1)

@@ -29,8 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_kernels import configs  # noqa: E402
 from pallas_kernels import cuda_compile, ragged_paged_attention  # noqa: E402
-from pallas_kernels.ragged_paged_attention import (  # noqa: E402
-    choose_config, num_tiles_bound)
+from pallas_kernels.ragged_paged_attention import plan_kernel_calls  # noqa: E402
 
 # Hopper (sm_90) per-SM limits.
 SMS, REGS_PER_SM, SMEM_PER_SM, MAX_WARPS, MAX_BLOCKS = 132, 65536, 233472, 64, 32
@@ -51,9 +50,7 @@ def case_rows(name, seqs):
   call, each with its own tiling)."""
   t, s = sum(q for q, _ in seqs), len(seqs)
   p = max(-(-kv // PS) for _, kv in seqs)
-  cfgs = [choose_config(t, s, HQ // KVH, PS, p, KVH)]
-  if t > s:
-    cfgs.insert(0, choose_config(s, s, HQ // KVH, PS, p, KVH))
+  calls = plan_kernel_calls(t, s, HQ // KVH, PS, p, KVH)
   sds = jax.ShapeDtypeStruct
   pool = sds((KVH, 1 + s * p, PS, D), jnp.bfloat16)
   args = (sds((t, HQ, D), jnp.bfloat16), pool, pool, sds((s,), jnp.int32),
@@ -62,12 +59,11 @@ def case_rows(name, seqs):
   fn = functools.partial(ragged_paged_attention, sm_scale=D ** -0.5,
                          backend="pallas")
   kernels = cuda_compile.compile_for_cuda(fn, *args)
-  assert len(kernels) == len(cfgs), (name, kernels)
+  assert len(kernels) == len(calls), (name, kernels)
   rows = []
-  for i, (cfg, k) in enumerate(zip(cfgs, kernels)):
-    tiles = s if len(cfgs) == 2 and i == 0 else num_tiles_bound(
-        t, s, cfg.block_q)
-    grid = KVH * tiles * cfg.num_splits
+  for i, (call, k) in enumerate(zip(calls, kernels)):
+    cfg = call.cfg
+    grid = KVH * call.num_tiles * cfg.num_splits
     occ = blocks_per_sm(k)
     label = name if i == 0 else "  + prefill call"
     rows.append(
