@@ -254,8 +254,9 @@ class ModelRunner:
         ps = self.config.page_size
         num_tokens = sum(e.num_tokens for e in entries)
         cap = self.config.max_prefill_seqs
-        if cap is not None and sum(e.num_tokens > 1 for e in entries) > cap:
-            raise ValueError(f"{sum(e.num_tokens > 1 for e in entries)} requests are fed more than one token "
+        num_multi = sum(e.num_tokens > 1 for e in entries)
+        if cap is not None and num_multi > cap:
+            raise ValueError(f"{num_multi} requests are fed more than one token "
                              f"but attention was compiled for at most max_prefill_seqs={cap}")
         max_pages = max(len(e.page_ids) for e in entries)
         t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, len(entries), max_pages)
