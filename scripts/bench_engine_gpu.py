@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-cache-memory", type=int, default=None)
     parser.add_argument("--concurrency", default="64,256")
     args = parser.parse_args(argv)
+    if not args.smoke and jax.default_backend() != "gpu":
+        parser.error(f"needs a GPU (backend is {jax.default_backend()!r}); use --smoke elsewhere")
     config = SMOKE if args.smoke else LLAMA3_8B
     if args.smoke:
         args.prompt_len, args.output_len, args.max_num_seqs, args.max_num_batched_tokens = 16, 8, 16, 64

@@ -2,12 +2,11 @@
 # The GPU machine's software, rehearsed on a CPU: Python 3.12, JAX 0.11.2 and
 # only flax, transformers and safetensors (no gguf, fastapi, torch), as the H200
 # image has. Runs, in a venv of its own (.venv-jax011/):
-#   1. the kernel tests in interpret mode, CUDA lowering under an abstract H200
-#      and the sm_90 Triton compile (triton is added here: the image lacks it,
-#      which only skips the compile tests there),
-#   2. scripts/bench_kernels.py --smoke and scripts/bench_engine_gpu.py --smoke,
-#      the two scripts scripts/gpu_check.sh runs, so a missing module or an API
-#      that JAX 0.11 changed fails here rather than in scarce GPU time.
+#   scripts/gpu_check.sh --smoke: the kernel tests in interpret mode, CUDA
+#   lowering under an abstract H200 and the sm_90 Triton compile (triton is
+#   added here; on the GPU the real compile replaces it), then the benchmark
+#   scripts at tiny sizes, so a missing module or an API that JAX 0.11 changed
+#   fails here rather than in scarce GPU time.
 # Usage: bash scripts/check_gpu_image_cpu.sh   (needs python3.12, e.g. pyenv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +35,7 @@ fi
   transformers safetensors pytest hypothesis "triton==3.9.0"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 "$VENV/bin/python" -c "import jax; print('jax', jax.__version__)"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/pallas_kernels
-"$VENV/bin/python" scripts/bench_kernels.py --smoke
-"$VENV/bin/python" scripts/bench_engine_gpu.py --smoke
+# The GPU check itself, at smoke sizes: kernel tests (interpret mode, CUDA
+# lowering, sm_90 compile), both benchmark scripts and the sweep, the summary.
+PYTHON="$VENV/bin/python" bash scripts/gpu_check.sh --smoke
 echo "check_gpu_image_cpu: PASS"
