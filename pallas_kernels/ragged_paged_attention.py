@@ -60,6 +60,16 @@ class TileSchedule:
   tile_begin: jax.Array  # [S] first tile of each sequence
 
 
+def _count_at_or_below(sorted_ends, values):
+  """searchsorted(side='right') without a loop: one [len(values), S] compare.
+
+  jnp.searchsorted's default binary search is a while loop, which XLA:GPU
+  steps from the host (a sync per level: ~0.3 ms a call measured on an H200
+  at S=16); S is at most a few hundred here, so comparing all is cheaper."""
+  return jnp.searchsorted(sorted_ends, values, side="right",
+                          method="compare_all")
+
+
 def num_tiles_bound(num_tokens: int, num_slots: int, block_q: int) -> int:
   """Static bound on sum_s ceil(q_len_s / bq) given sum_s q_len_s <= T."""
   bound = (num_tokens + num_slots * (block_q - 1)) // block_q
@@ -91,7 +101,7 @@ def tile_schedule(cu_q_lens, kv_lens, num_seqs, *, block_q, num_tiles,
   tile_begin = tile_end - tiles_per_seq                       # [S]
   t = jnp.arange(num_tiles, dtype=jnp.int32)                  # [NT]
   seq = jnp.minimum(
-      jnp.searchsorted(tile_end, t, side="right"), s - 1).astype(jnp.int32)
+      _count_at_or_below(tile_end, t), s - 1).astype(jnp.int32)
   q_off = (t - tile_begin[seq]) * block_q                     # [NT]
   live = t < tile_end[-1]
   q_len = jnp.where(live, jnp.clip(q_lens[seq] - q_off, 0, block_q), 0)
@@ -121,13 +131,28 @@ def scatter_tiles_to_tokens(o_tiles, cu_q_lens, num_seqs, sched, num_tokens):
   num_seqs = jnp.asarray(num_seqs, jnp.int32)
   cu = clamped_cu_q_lens(cu_q_lens, num_seqs)                 # [S+1]
   t = jnp.arange(num_tokens, dtype=jnp.int32)                 # [T]
-  seq = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right"), s - 1)
+  seq = jnp.minimum(_count_at_or_below(cu[1:], t), s - 1)
   j = t - cu[seq]                                             # pos in chunk
   tile = jnp.clip(sched.tile_begin[seq] + j // block_q, 0,
                   o_tiles.shape[0] - 1)
   out = o_tiles[tile, jnp.clip(j % block_q, 0, block_q - 1)]  # [T, Hq, D]
   live = t < cu[num_seqs]
   return jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _f32_precision(dtype):
+  """HIGHEST for f32 inputs: GPU dots (XLA's and Triton's) otherwise run f32
+  as TF32 (~1e-3 error); None keeps bf16/f16 on their native MMA path."""
+  return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def _kernel_precision(dtype, interpret):
+  """The kernel's dots. Compiled for the GPU, f32 inputs run as TF32 on the
+  tensor cores (~1e-3 error, XLA's default for f32 on GPUs too): an IEEE f32
+  dot falls back to FMAs and 3xTF32 needs 255 registers, and both spill at
+  D=128 (sm_90 build, tests/pallas_kernels/test_cuda_compile.py). In
+  interpret mode f32 is exact; bf16/f16 always use their native MMA."""
+  return _f32_precision(dtype) if interpret else None
 
 
 def _flat_page_ids(page_ids, layer, num_kv_heads, num_pages):
@@ -219,6 +244,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_table,
   q_live = u[None, :] < sched.q_len[:, None]                   # [NT, bq]
   longest = jnp.max(jnp.where(sched.q_len > 0, sched.kv_len, 0))
   num_blocks = (longest + ppb * ps - 1) // (ppb * ps)
+  hi = _f32_precision(q.dtype)
 
   def block(b, carry):
     m, l, acc = carry                       # [NT,KVH,G,bq], idem, [..., D]
@@ -230,14 +256,15 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_table,
     kv_live = kpos[None, :] < sched.kv_len[:, None]             # [NT, K]
     mask = (q_live[:, :, None] & (kpos[None, None, :] <= qpos[:, :, None])
             & kv_live[:, None, :])[:, None, None]               # [NT,1,1,bq,K]
-    logits = jnp.einsum("nuhgd,hnkd->nhguk", qt, k,
+    logits = jnp.einsum("nuhgd,hnkd->nhguk", qt, k, precision=hi,
                         preferred_element_type=jnp.float32) * sm_scale
     logits = jnp.where(mask, logits, MASK_VALUE)
     m_new = jnp.maximum(m, logits.max(-1))
     probs = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.)
     alpha = jnp.exp(m - m_new)
     v = jnp.where(kv_live[None, :, :, None], v, jnp.zeros((), v.dtype))
-    pv = jnp.einsum("nhguk,hnkd->nhgud", probs, v.astype(jnp.float32))
+    pv = jnp.einsum("nhguk,hnkd->nhgud", probs, v.astype(jnp.float32),
+                    precision=hi)
     return m_new, l * alpha + probs.sum(-1), acc * alpha[..., None] + pv
 
   init = (jnp.full((nt, kvh, g, bq), MASK_VALUE, jnp.float32),
@@ -256,7 +283,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_table,
 
 def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, layer_ref, pt_ref,
                 q_ref, k_ref, v_ref, *refs, sm_scale, group, pages_per_block,
-                num_pages, num_kv_heads, num_splits, num_aliased):
+                num_pages, num_kv_heads, num_splits, num_aliased, precision):
   """One program: KV head h, query tile i, KV split c.
 
   q_ref [R, D] (row r = token r // G, head r % G of the group),
@@ -283,7 +310,7 @@ def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, layer_ref, pt_ref,
     k = k_ref[ids].reshape(block_k, d)                  # [K, D]
     v = v_ref[ids].reshape(block_k, d)
     kpos = b * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * sm_scale
     mask = row_live & (kpos <= row_pos) & (kpos < kv_end)  # [R, K]
     s = jnp.where(mask, s, MASK_VALUE)
@@ -292,7 +319,8 @@ def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, layer_ref, pt_ref,
     p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
     kpos_col = b * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
     v = jnp.where(kpos_col < kv_end, v, jnp.zeros((), v.dtype))  # no NaN*0
-    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.dot(p.astype(v.dtype), v, precision=precision,
+                 preferred_element_type=jnp.float32)
     return acc * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
 
   init = (jnp.zeros((rows, d), jnp.float32),
@@ -402,7 +430,8 @@ def _pallas_call(q_tiles, k_flat, v_flat, page_table, sched, layer, *,
   kernel = functools.partial(
       _rpa_kernel, sm_scale=sm_scale, group=group,
       pages_per_block=cfg.pages_per_block, num_pages=num_pages,
-      num_kv_heads=num_kv_heads, num_splits=ns, num_aliased=len(aliases))
+      num_kv_heads=num_kv_heads, num_splits=ns, num_aliased=len(aliases),
+      precision=_kernel_precision(q_tiles.dtype, interpret))
   outs = pl.pallas_call(
       kernel, grid=(kvh, nt, ns), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, input_output_aliases=aliases, interpret=interpret,
@@ -603,5 +632,5 @@ def _split_decode_prefill(run, cu_q_lens, num_seqs, num_tokens, *,
   out_d = run(include=is_decode, **decode_kw)   # num_tiles: S, one a seq
   out_p = run(include=~is_decode, **prefill_kw)
   tok = jnp.arange(num_tokens, dtype=jnp.int32)               # [T]
-  tok_seq = jnp.minimum(jnp.searchsorted(cu[1:], tok, side="right"), s - 1)
+  tok_seq = jnp.minimum(_count_at_or_below(cu[1:], tok), s - 1)
   return jnp.where(is_decode[tok_seq][:, None, None], out_d, out_p)

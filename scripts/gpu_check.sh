@@ -16,8 +16,14 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
-SMOKE=() MODE=gpu SCALE=1
-if [ "${1:-}" = "--smoke" ]; then SMOKE=(--smoke) MODE=interpret SCALE=4; fi
+SMOKE=() MODE=gpu SCALE=1 SWEEP=1
+for arg in "$@"; do
+  case $arg in
+    --smoke) SMOKE=(--smoke) MODE=interpret SCALE=4 ;;
+    --skip-sweep) SWEEP=0 ;;
+    *) echo "usage: gpu_check.sh [--smoke] [--skip-sweep]" >&2; exit 2 ;;
+  esac
+done
 DIR="${OUT:-$(mktemp -d)}"
 mkdir -p "$DIR"
 LOG="$DIR/gpu_check.log"
@@ -28,7 +34,8 @@ section() {  # section NAME TIMEOUT CMD...: runs CMD, records PASS/FAIL
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
   echo "== $name (limit ${limit}s, $(date -u +%TZ))"
-  timeout $((limit * SCALE)) "$@"
+  # SIGINT first: pytest then still prints which tests failed and why.
+  timeout -s INT -k 20 $((limit * SCALE)) "$@"
   rc=$?
   local verdict=PASS
   [ $rc -eq 124 ] && verdict="TIMEOUT" || { [ $rc -ne 0 ] && verdict="FAIL(rc=$rc)"; }
@@ -65,7 +72,8 @@ if os.path.exists(sweep):
     print(f"  {name:36s} {b['us']:8.1f} us {b['pct']:5.1f} %copy "
           f"x{base / b['us']:4.2f} {b['variant'] or 'default'}")
 PYEOF
-  grep -E "^(=+ )?[0-9]+ (passed|failed)|[0-9]+ passed|[0-9]+ failed" "$LOG" | tail -n 1
+  grep -E "^(FAILED|ERROR) " "$LOG" | cut -c1-160 | head -n 12
+  grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -n 1
   sed -n '/== engine on device/,$p' "$LOG" | head -n 5
   cat "$RESULTS"
 }
@@ -87,15 +95,18 @@ PYEOF
 
   section "kernel benchmarks" 180 "$PY" scripts/bench_kernels.py "${SMOKE[@]}" \
     --json "$DIR/bench_kernels.jsonl" || status=1
-  section "tiling sweep" 110 "$PY" scripts/bench_kernels.py --sweep "${SMOKE[@]}" \
-    --rounds 7 --json "$DIR/sweep.jsonl" || status=1
+  if [ $SWEEP -eq 1 ]; then
+    section "tiling sweep" 110 "$PY" scripts/bench_kernels.py --sweep \
+      "${SMOKE[@]}" --rounds 7 --json "$DIR/sweep.jsonl" || status=1
+  fi
 
   local xdist=()
-  "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 4)
+  "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
   # Several test processes share the GPU: no process takes 75% of it up front.
-  XLA_PYTHON_CLIENT_PREALLOCATE=false section "kernel tests ($MODE)" 120 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false section "kernel tests ($MODE)" 150 \
     "$PY" -m pytest tests/pallas_kernels -q -p no:cacheprovider \
-    --kernel-mode=$MODE "${xdist[@]}" --durations=8 || status=1
+    --kernel-mode=$MODE "${xdist[@]}" -rfE --tb=short --durations=8 \
+    || status=1
 
   section "engine end to end" 150 "$PY" scripts/bench_engine_gpu.py "${SMOKE[@]}" \
     || status=1

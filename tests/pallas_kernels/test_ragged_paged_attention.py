@@ -26,6 +26,15 @@ except ImportError:  # GPU machine may lack it
   hypothesis = None
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
+TF32_TOL = 1e-2  # the compiled kernel runs f32 dots as TF32 on the GPU
+
+
+def tolerance(dtype, backend, interpret):
+  """Max abs error vs the float64 oracle for this dtype and path."""
+  dtype = jnp.dtype(dtype).type
+  if dtype == jnp.float32 and backend == "pallas" and not interpret:
+    return TF32_TOL
+  return TOL[dtype]
 
 
 @dataclasses.dataclass
@@ -122,7 +131,6 @@ def run(b: Batch, backend, interpret=True, **kw):
 
 def check(b: Batch, interpret, tol=None, **kw):
   """Kernel and reference both match the oracle; padding rows exactly 0."""
-  tol = tol or TOL[jnp.dtype(b.q.dtype).type]
   want = oracle(b)
   live = int(b.cu_q_lens[b.num_seqs])
   for backend in BACKENDS:
@@ -130,7 +138,8 @@ def check(b: Batch, interpret, tol=None, **kw):
     assert not np.isnan(got).any(), f"{backend}: NaN in output"
     assert np.all(got[live:] == 0), f"{backend}: padding rows not zero"
     err = np.abs(got - want).max()
-    assert err <= tol, f"{backend}: max abs err {err} > {tol}"
+    limit = tol or tolerance(b.q.dtype, backend, interpret)
+    assert err <= limit, f"{backend}: max abs err {err} > {limit}"
   return want
 
 
@@ -272,7 +281,8 @@ def test_inside_jit_and_scan_over_layers(interpret):
     outs = np.asarray(step(ns, backend))
     for layer in range(2):
       want = oracle(dataclasses.replace(b, layer=layer))
-      assert np.abs(outs[layer] - want).max() <= 2e-5
+      limit = tolerance(jnp.float32, backend, interpret)
+      assert np.abs(outs[layer] - want).max() <= limit
 
 
 def test_auto_backend_is_xla_off_gpu():
