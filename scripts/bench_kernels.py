@@ -36,16 +36,19 @@ from pallas_kernels.ragged_paged_attention import plan_kernel_calls  # noqa: E40
 def timeit(fn, *args, rounds, inner, warmup=2):
   """(median device seconds per call of fn(*args), its output).
 
-  One jitted program makes `inner` calls in a row, unrolled (an XLA:GPU
-  while loop syncs with the host each iteration, ~20 us); each call's q
-  depends on the previous output, so none is merged or hoisted. Timed is
-  device work plus kernel launches, not Python dispatch.
+  One jitted program makes `inner` calls in a row, unrolled: an XLA:GPU
+  while loop syncs with the host each iteration (~20 us). Each call's q
+  depends on the sum of the whole previous output, so no call is merged,
+  hoisted or cut short (a dependency on one element let XLA compute only
+  that element of the pure-XLA reference). Timed is device work plus kernel
+  launches (and one small reduction a call), not Python dispatch.
   """
   @jax.jit
   def chained(q, *rest):  # arrays as arguments: closures would be constants
     out = jnp.zeros_like(q)
     for _ in range(inner):
-      out = fn(q + jnp.ravel(out)[0] * 0, *rest).astype(q.dtype)
+      dep = (jnp.sum(out, dtype=jnp.float32) * 0).astype(q.dtype)
+      out = fn(q + dep, *rest).astype(q.dtype)
     return out
 
   for _ in range(warmup):
@@ -59,10 +62,20 @@ def timeit(fn, *args, rounds, inner, warmup=2):
 
 
 def copy_bandwidth(nbytes, rounds, inner):
-  """Bytes read + written per second by a device-to-device elementwise copy."""
-  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+  """Bytes read + written per second by a device-to-device elementwise copy:
+  back-to-back calls of one jitted program (at 1 GiB, dispatch is hidden)."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (nbytes // 2,), jnp.bfloat16)
   f = jax.jit(lambda a: a * 2)       # one read + one write of nbytes
-  return 2 * nbytes / timeit(f, x, rounds=rounds, inner=inner)[0]
+  for _ in range(2):
+    jax.block_until_ready(f(x))
+  times = []
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    for _ in range(inner):
+      y = f(x)
+    jax.block_until_ready(y)
+    times.append((time.perf_counter() - t0) / inner)
+  return 2 * nbytes / statistics.median(times)
 
 
 def make_step(rng, *, hq, kvh, d, ps, seqs, dtype):

@@ -105,7 +105,7 @@ PYEOF
   # Several test processes share the GPU: no process takes 75% of it up front.
   XLA_PYTHON_CLIENT_PREALLOCATE=false section "kernel tests ($MODE)" 150 \
     "$PY" -m pytest tests/pallas_kernels -q -p no:cacheprovider \
-    --kernel-mode=$MODE "${xdist[@]}" -rfE --tb=short --durations=8 \
+    --kernel-mode=$MODE "${xdist[@]}" -rfEs --tb=short --durations=8 \
     || status=1
 
   section "engine end to end" 150 "$PY" scripts/bench_engine_gpu.py "${SMOKE[@]}" \
