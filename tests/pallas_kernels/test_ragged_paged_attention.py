@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import scatter_tiles_to_tokens
+from pallas_kernels.ragged_paged_attention import tile_schedule
 
 try:
   import hypothesis
@@ -376,3 +378,21 @@ def test_llama3_8b_shapes_bf16(num_slots, interpret):
   b = make_batch(rng, [1, 1, 40, 1], [300, 17, 200, 64], kvh=8, group=4,
                  d=128, num_slots=num_slots, dtype=jnp.bfloat16)
   check(b, interpret)
+
+
+def test_tile_lookup_has_no_loop():
+  """The tile schedule and the scatter back to tokens run without a while
+  loop: XLA:GPU syncs with the host at each iteration of one (a binary
+  searchsorted cost ~0.3 ms a call on an H200, docs/benchmarks.md)."""
+  cu = jnp.array([0, 1, 9, 10, 10], jnp.int32)
+  kv_lens = jnp.array([5, 30, 7, 0], jnp.int32)
+
+  def lookup(cu, kv_lens):
+    sched = tile_schedule(cu, kv_lens, 3, block_q=4, num_tiles=5)
+    o_tiles = jnp.ones((5, 4, 2, 8), jnp.float32)
+    return scatter_tiles_to_tokens(o_tiles, cu, 3, sched, 12)
+
+  text = jax.jit(lookup).lower(cu, kv_lens).as_text()
+  assert "while" not in text and "stablehlo.case" not in text
+  out = np.asarray(jax.jit(lookup)(cu, kv_lens))
+  assert np.all(out[:10] == 1) and np.all(out[10:] == 0)
