@@ -70,6 +70,13 @@ def _count_at_or_below(sorted_ends, values):
                           method="compare_all")
 
 
+def _seq_of_token(cu, num_tokens):
+  """[T] sequence slot of each packed token, from clamped cu_q_lens [S+1];
+  padding tokens (past the live total) map to the last slot."""
+  t = jnp.arange(num_tokens, dtype=jnp.int32)
+  return jnp.minimum(_count_at_or_below(cu[1:], t), cu.shape[0] - 2)
+
+
 def num_tiles_bound(num_tokens: int, num_slots: int, block_q: int) -> int:
   """Static bound on sum_s ceil(q_len_s / bq) given sum_s q_len_s <= T."""
   bound = (num_tokens + num_slots * (block_q - 1)) // block_q
@@ -127,11 +134,10 @@ def gather_q_tiles(q, sched: TileSchedule, block_q: int):
 def scatter_tiles_to_tokens(o_tiles, cu_q_lens, num_seqs, sched, num_tokens):
   """o_tiles [NT, bq, Hq, D] -> out [T, Hq, D]; padding tokens exactly 0."""
   block_q = o_tiles.shape[1]
-  s = sched.tile_begin.shape[0]
   num_seqs = jnp.asarray(num_seqs, jnp.int32)
   cu = clamped_cu_q_lens(cu_q_lens, num_seqs)                 # [S+1]
   t = jnp.arange(num_tokens, dtype=jnp.int32)                 # [T]
-  seq = jnp.minimum(_count_at_or_below(cu[1:], t), s - 1)
+  seq = _seq_of_token(cu, num_tokens)
   j = t - cu[seq]                                             # pos in chunk
   tile = jnp.clip(sched.tile_begin[seq] + j // block_q, 0,
                   o_tiles.shape[0] - 1)
@@ -626,11 +632,9 @@ def _split_decode_prefill(run, cu_q_lens, num_seqs, num_tokens, *,
   queries (decodes) in small tiles, one per sequence; the others (prefill
   chunks) in tall tiles. One tiling for all would pad each decode's G query
   rows up to a prefill tile (16 tokens on CPU, 128 rows in the kernel)."""
-  s = cu_q_lens.shape[0] - 1
   cu = clamped_cu_q_lens(cu_q_lens, num_seqs)                 # [S+1]
   is_decode = cu[1:] - cu[:-1] <= decode_block_q              # [S]
   out_d = run(include=is_decode, **decode_kw)   # num_tiles: S, one a seq
   out_p = run(include=~is_decode, **prefill_kw)
-  tok = jnp.arange(num_tokens, dtype=jnp.int32)               # [T]
-  tok_seq = jnp.minimum(_count_at_or_below(cu[1:], tok), s - 1)
+  tok_seq = _seq_of_token(cu, num_tokens)                     # [T]
   return jnp.where(is_decode[tok_seq][:, None, None], out_d, out_p)

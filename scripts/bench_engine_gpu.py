@@ -22,6 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import copy_bandwidth  # noqa: E402  (one definition for both GPU scripts)
 from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
 from jaxpaged.models.llama import LlamaConfig, init_params  # noqa: E402
 from jaxpaged.models.loader import LoadedModel  # noqa: E402
@@ -33,18 +35,6 @@ LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         rope_theta=500000.0, max_position_embeddings=8192)
 SMOKE = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
-
-
-def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    copy = jax.jit(lambda a: a + 0.0)
-    jax.block_until_ready(copy(x))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        y = copy(x)
-    jax.block_until_ready(y)
-    return 2 * nbytes * repeats / (time.perf_counter() - start)
 
 
 def build_engine(config: LlamaConfig, args) -> LLMEngine:
@@ -93,7 +83,7 @@ def main(argv=None) -> int:
         args.prompt_len, args.output_len, args.max_num_seqs, args.max_num_batched_tokens = 16, 8, 16, 64
         args.kv_cache_memory, args.concurrency = args.kv_cache_memory or (64 << 20), "4,16"
     print(f"device: {jax.devices()[0]} | jax {jax.__version__}")
-    bandwidth = copy_bandwidth(1 << (24 if args.smoke else 30))
+    bandwidth = copy_bandwidth(1 << (24 if args.smoke else 30), rounds=5, inner=20)
     start = time.perf_counter()
     engine = build_engine(config, args)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.model.params))
