@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -31,6 +32,10 @@ import jax
 # Hopper: 227 KiB of shared memory per block (opt-in maximum), 255 registers.
 H200 = dict(device_kind="NVIDIA H200", num_cores=132, arch=90)
 MAX_SHARED_BYTES = 232_448
+# Hopper (sm_90) per-SM limits, for the occupancy calculation.
+REGS_PER_SM, SMEM_PER_SM, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = (
+    65536, 233_472, 64, 32)
+SMEM_RESERVED_PER_BLOCK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +48,22 @@ class CompiledKernel:
   registers: int           # per thread
   spill_bytes: int         # local memory per thread (register spills)
   ttir: str
+  ttgir: str               # after Triton's GPU passes (layouts, pipelining)
+
+  def blocks_per_sm(self) -> int:
+    """Resident blocks per SM, as the CUDA occupancy calculator counts them
+    (the lowest of the register, shared-memory, warp and block limits)."""
+    regs_per_warp = math.ceil(self.registers * 32 / 256) * 256
+    by_regs = REGS_PER_SM // (regs_per_warp * self.num_warps)
+    by_smem = SMEM_PER_SM // (self.shared_bytes + SMEM_RESERVED_PER_BLOCK)
+    return min(by_regs, by_smem, MAX_WARPS_PER_SM // self.num_warps,
+               MAX_BLOCKS_PER_SM)
+
+  def load_buffers(self) -> list[tuple[int, ...]]:
+    """Shapes of the multi-buffered shared-memory tiles Triton's software
+    pipeliner allocated for `cp.async` loads: [buffers, rows, cols] each."""
+    return [tuple(map(int, m.group(1).split("x")))
+            for m in _PIPELINE_BUFFER.finditer(self.ttgir)]
 
 
 def _abstract_gpu_mesh(device_kind: str, num_cores: int):
@@ -75,6 +96,9 @@ def _capture_ttir(out: list):
 
 
 _CALL = "custom_call @__gpu$xla.gpu.triton"
+# An empty (to be filled by async copies), mutable 3-D shared allocation.
+_PIPELINE_BUFFER = re.compile(
+    r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+x\d+x\d+)x\w+, [^>]*mutable>")
 
 
 def _int_attr(cfg: str, key: str) -> int:
@@ -156,7 +180,8 @@ def compile_ttir(ttir: str, num_warps: int, num_stages: int,
   return CompiledKernel(name=kernel.metadata.name, num_warps=num_warps,
                         num_stages=num_stages,
                         shared_bytes=int(kernel.metadata.shared),
-                        registers=regs, spill_bytes=spills, ttir=ttir)
+                        registers=regs, spill_bytes=spills, ttir=ttir,
+                        ttgir=kernel.asm["ttgir"])
 
 
 def compile_for_cuda(fn, *args, device=H200, **kwargs):

@@ -289,32 +289,46 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_table,
 
 def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, layer_ref, pt_ref,
                 q_ref, k_ref, v_ref, *refs, sm_scale, group, pages_per_block,
-                num_pages, num_kv_heads, num_splits, num_aliased, precision):
+                page_size, num_pages, num_kv_heads, num_splits, num_aliased,
+                precision):
   """One program: KV head h, query tile i, KV split c.
 
   q_ref [R, D] (row r = token r // G, head r % G of the group),
-  k_ref/v_ref [L*KVH*N, ps, D] (whole pool), pt_ref [S, P] page table.
+  k_ref/v_ref [L*KVH*N*ps, D] (whole pool, a row a token slot), pt_ref [S, P]
+  page table.
   Outputs: o [R, D] (normalised), and with splits lse [R] (f32).
   """
   o_ref, *lse_ref = refs[num_aliased:]
   h, i, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   seq, q_len, pos0, kv_len = seq_ref[i], qlen_ref[i], pos0_ref[i], kvlen_ref[i]
   rows, d = q_ref.shape
-  block_k = pages_per_block * k_ref.shape[1]
+  block_k = pages_per_block * page_size
   row_tok = lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
   row_pos, row_live = pos0 + row_tok, row_tok < q_len           # [R, 1]
   kv_end = jnp.where(q_len > 0, jnp.minimum(kv_len, pos0 + q_len), 0)
-  per_split = pl.cdiv(pl.cdiv(kv_end, block_k), num_splits)
+  num_blocks = pl.cdiv(kv_end, block_k)      # blocks of the whole sequence
+  per_split = pl.cdiv(num_blocks, num_splits)
   b_lo = c * per_split
-  b_hi = jnp.minimum(pl.cdiv(kv_end, block_k), b_lo + per_split)
+  b_hi = jnp.minimum(num_blocks, b_lo + per_split)
+  # Only the sequence's last block holds keys past kv_end (stale or NaN pool
+  # data), so only it masks V: blocks [b_lo, b_mid) run unmasked, then block
+  # b_mid masked if this split holds it (b_mid < b_hi).
+  b_mid = jnp.clip(num_blocks - 1, b_lo, jnp.maximum(b_lo, b_hi))
   page_base = (layer_ref[0] * num_kv_heads + h) * num_pages
-  q = q_ref[...]
+  last_table_block = pt_ref.shape[1] // pages_per_block - 1
 
-  def body(b, carry):
-    acc, m, l = carry                                   # [R,D], [R], [R]
-    ids = page_base + pt_ref[seq, pl.ds(b * pages_per_block, pages_per_block)]
-    k = k_ref[ids].reshape(block_k, d)                  # [K, D]
-    v = v_ref[ids].reshape(block_k, d)
+  slot = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 1)
+
+  def key_rows(b):   # [K] pool rows of block b's keys (clamped into the table)
+    b = jnp.minimum(b, last_table_block)
+    ids = pt_ref[seq, pl.ds(b * pages_per_block, pages_per_block)]  # [ppb]
+    return ((page_base + ids)[:, None] * page_size + slot).reshape(block_k)
+
+  def body(b, carry, mask_v):
+    acc, m, l, krows = carry                    # [R,D], [R], [R], [K]
+    # The next block's page ids load now, off the K/V loads' critical path.
+    krows_next = key_rows(b + 1)
+    k, v = k_ref[krows], v_ref[krows]                    # [K, D] each
     kpos = b * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * sm_scale
@@ -323,16 +337,25 @@ def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, layer_ref, pt_ref,
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-    kpos_col = b * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
-    v = jnp.where(kpos_col < kv_end, v, jnp.zeros((), v.dtype))  # no NaN*0
+    if mask_v:   # p is 0 past kv_end, but 0 * NaN is NaN
+      kpos_col = b * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+      v = jnp.where(kpos_col < kv_end, v, jnp.zeros((), v.dtype))
     pv = jnp.dot(p.astype(v.dtype), v, precision=precision,
                  preferred_element_type=jnp.float32)
-    return acc * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
+    return (acc * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1),
+            krows_next)
 
+  q = q_ref[...]
   init = (jnp.zeros((rows, d), jnp.float32),
           jnp.full((rows,), MASK_VALUE, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
-  acc, m, l = lax.fori_loop(b_lo, b_hi, body, init)
+          jnp.zeros((rows,), jnp.float32), key_rows(b_lo))
+  carry = lax.fori_loop(b_lo, b_mid, functools.partial(body, mask_v=False),
+                        init)
+  # The last block outside the loop: not pipelined, so its V mask adds no
+  # shared memory on top of the loop's buffers.
+  acc, m, l, _ = lax.cond(b_mid < b_hi,
+                          functools.partial(body, b_mid, mask_v=True),
+                          lambda carry: carry, carry)
   l_safe = jnp.where(l > 0.0, l, 1.0)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
   if lse_ref:
@@ -350,10 +373,24 @@ class KernelConfig:
   num_stages: int
 
 
+# Keys per inner block, and the shared memory the decode pipeline's K/V
+# buffers may take. Decode tiles are memory-bound: 32-key blocks with
+# (stages - 1) blocks in flight keep 4 programs a SM on an H100/H200 (sm_90
+# build at D=128 bf16: 54 KiB, 128 registers) and the loads a few blocks
+# ahead of the dots. Prefill tiles (128 rows) are compute-bound: 64-key
+# blocks, 2 stages.
+_DECODE_BLOCK_KEYS = 32
+_PREFILL_BLOCK_KEYS = 64
+_DECODE_BUFFER_BYTES = 48 * 1024
+
+
 def choose_config(num_tokens, num_slots, group, page_size, max_pages,
-                  num_kv_heads, *, block_q=None, pages_per_block=None,
-                  num_splits=None, num_warps=None, num_stages=2):
-  """Picks static tile sizes; explicit arguments override the heuristics."""
+                  num_kv_heads, *, head_dim, itemsize, block_q=None,
+                  pages_per_block=None, num_splits=None, num_warps=None,
+                  num_stages=None):
+  """Picks static tile sizes; explicit arguments override the heuristics.
+
+  head_dim, itemsize: of the KV pool (they size the pipeline's buffers)."""
   decode_like = num_tokens <= num_slots
   if block_q is not None:
     rows = max(16, _next_pow2(block_q * group))
@@ -362,7 +399,12 @@ def choose_config(num_tokens, num_slots, group, page_size, max_pages,
   else:               # prefill chunks: ~32 tokens, at most 128 rows
     rows = max(_next_pow2(group), min(128, max(16, _next_pow2(32 * group))))
   bq = block_q if block_q is not None else rows // group
-  ppb = pages_per_block or max(1, 64 // page_size)
+  keys = _DECODE_BLOCK_KEYS if decode_like else _PREFILL_BLOCK_KEYS
+  ppb = pages_per_block or max(1, keys // page_size)
+  if num_stages is None:   # one K and one V block per stage in flight
+    block_bytes = 2 * ppb * page_size * head_dim * itemsize
+    in_flight = _DECODE_BUFFER_BYTES // block_bytes if decode_like else 1
+    num_stages = 1 + max(1, min(3, in_flight))
   if num_splits is None:
     max_blocks = max(1, -(-max_pages // ppb))
     tiles = num_tiles_bound(num_tokens, num_slots, bq) * num_kv_heads
@@ -381,16 +423,18 @@ class KernelCall:
 
 
 def plan_kernel_calls(num_tokens, num_slots, group, page_size, max_pages,
-                      num_kv_heads, *, block_q=None, pages_per_block=None,
-                      num_splits=None, num_warps=None, num_stages=2,
+                      num_kv_heads, *, head_dim, itemsize, block_q=None,
+                      pages_per_block=None, num_splits=None, num_warps=None,
+                      num_stages=None,
                       max_prefill_seqs=None) -> tuple[KernelCall, ...]:
   """The kernel calls a (T, S) batch makes: one tiling for all, or, for
   T > S without block_q, a decode call (one tile a sequence) and a prefill
   call sized for min(S, max_prefill_seqs) sequences (see docs/kernels.md)."""
   config = functools.partial(
       choose_config, group=group, page_size=page_size, max_pages=max_pages,
-      num_kv_heads=num_kv_heads, pages_per_block=pages_per_block,
-      num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+      num_kv_heads=num_kv_heads, head_dim=head_dim, itemsize=itemsize,
+      pages_per_block=pages_per_block, num_splits=num_splits,
+      num_warps=num_warps, num_stages=num_stages)
   cfg = config(num_tokens, num_slots, block_q=block_q)
   if block_q is not None or num_tokens <= num_slots:
     return (KernelCall(cfg, num_tiles_bound(num_tokens, num_slots,
@@ -409,9 +453,11 @@ def _merge_splits(o, lse):
 
 
 def _pallas_call(q_tiles, k_flat, v_flat, page_table, sched, layer, *,
-                 cfg, sm_scale, group, num_pages, num_kv_heads, interpret,
-                 poison_output):
-  """q_tiles [KVH, NT, R, D] -> o [KVH, NT, R, D] (merged over splits)."""
+                 cfg, sm_scale, group, page_size, num_pages, num_kv_heads,
+                 interpret, poison_output):
+  """q_tiles [KVH, NT, R, D] -> o [KVH, NT, R, D] (merged over splits).
+
+  k_flat, v_flat [L*KVH*N*ps, D]: the pool, a row per token slot."""
   kvh, nt, rows, d = q_tiles.shape
   ns = cfg.num_splits
   meta = [sched.seq, sched.q_len, sched.pos0, sched.kv_len, layer, page_table]
@@ -435,8 +481,8 @@ def _pallas_call(q_tiles, k_flat, v_flat, page_table, sched, layer, *,
       in_specs.append(spec)
   kernel = functools.partial(
       _rpa_kernel, sm_scale=sm_scale, group=group,
-      pages_per_block=cfg.pages_per_block, num_pages=num_pages,
-      num_kv_heads=num_kv_heads, num_splits=ns, num_aliased=len(aliases),
+      pages_per_block=cfg.pages_per_block, page_size=page_size,
+      num_pages=num_pages, num_kv_heads=num_kv_heads, num_splits=ns, num_aliased=len(aliases),
       precision=_kernel_precision(q_tiles.dtype, interpret))
   outs = pl.pallas_call(
       kernel, grid=(kvh, nt, ns), in_specs=in_specs, out_specs=out_specs,
@@ -472,8 +518,8 @@ def _pallas_forward(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
   layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer,
                                       jnp.int32), (1,))
   o = _pallas_call(
-      qt, k_pages.reshape(-1, ps, d), v_pages.reshape(-1, ps, d), pt, sched,
-      layer_arr, cfg=cfg, sm_scale=sm_scale, group=g, num_pages=n,
+      qt, k_pages.reshape(-1, d), v_pages.reshape(-1, d), pt, sched,
+      layer_arr, cfg=cfg, sm_scale=sm_scale, group=g, page_size=ps, num_pages=n,
       num_kv_heads=kvh, interpret=interpret, poison_output=poison_output)
   o = o[:, :, : bq * g].reshape(kvh, nt, bq, g, d)             # [KVH,NT,bq,G,D]
   o = o.transpose(1, 2, 0, 3, 4).reshape(nt, bq, hq, d)
@@ -548,7 +594,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
                            cu_q_lens, num_seqs, *, sm_scale, layer=None,
                            backend="auto", interpret=False, block_q=None,
                            pages_per_block=None, num_splits=None,
-                           num_warps=None, num_stages=2,
+                           num_warps=None, num_stages=None,
                            max_prefill_seqs=None, poison_output=False):
   """Causal attention for a packed, ragged batch over a paged KV pool.
 
@@ -607,7 +653,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
                         num_tiles=num_tiles_bound(t, prefill_seqs, 16)))
   kvh, _, ps, d = k_pages.shape[-4:]
   calls = plan_kernel_calls(
-      t, s, q.shape[1] // kvh, ps, page_table.shape[1], kvh, block_q=block_q,
+      t, s, q.shape[1] // kvh, ps, page_table.shape[1], kvh, head_dim=d,
+      itemsize=q.dtype.itemsize, block_q=block_q,
       pages_per_block=pages_per_block, num_splits=num_splits,
       num_warps=num_warps, num_stages=num_stages,
       max_prefill_seqs=max_prefill_seqs)

@@ -182,12 +182,14 @@ def configs(smoke):
 
 
 # Tiling variants the sweep times against the heuristic's choice (None).
-SWEEP_VARIANTS = [None] + [dict(pages_per_block=k) for k in (2, 8, 16)] + [
-    dict(num_stages=k) for k in (1, 3, 4)] + [
+# The first is the default before 2026-11-29's pipelining change (64-key
+# blocks, 2 stages), the rest bracket the new decode default (32-key blocks,
+# 4 stages: 3 blocks in flight) in block size, depth, warps and splits.
+SWEEP_VARIANTS = [None, dict(pages_per_block=4, num_stages=2)] + [
+    dict(pages_per_block=k, num_stages=st)
+    for k, st in ((4, 3), (2, 3), (2, 5), (1, 6), (8, 2))] + [
     dict(num_warps=k) for k in (2, 8)] + [
-    dict(num_splits="half"), dict(num_splits="x2"), dict(num_splits="x4"),
-    dict(pages_per_block=8, num_stages=3), dict(pages_per_block=8,
-                                                num_warps=8)]
+    dict(num_splits="half"), dict(num_splits="x2"), dict(num_splits="x4")]
 
 
 def sweep_cases(smoke):
@@ -208,7 +210,8 @@ def resolve_variant(variant, args, group, ps):
     q, _, _, _, page_table, _, _ = args
     t, s, p = q.shape[0], page_table.shape[0], page_table.shape[1]
     base = plan_kernel_calls(
-        t, s, group, ps, p, args[1].shape[0],
+        t, s, group, ps, p, args[1].shape[0], head_dim=q.shape[2],
+        itemsize=q.dtype.itemsize,
         pages_per_block=variant.get("pages_per_block"))[0].cfg.num_splits
     mult = {"half": 0.5, "x2": 2, "x4": 4}[variant["num_splits"]]
     variant["num_splits"] = max(1, int(base * mult))

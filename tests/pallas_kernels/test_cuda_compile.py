@@ -121,3 +121,17 @@ def test_lower_to_ttir_pairs_each_call_with_its_config():
   found = cuda_compile.lower_to_ttir(two, *a, *b)
   assert [w for _, w, _ in found] == [4, 8, 8]   # b is split in two calls
   assert all("tt.func" in ir for ir, _, _ in found)
+
+
+def test_decode_pipeline_keeps_page_loads_in_flight(triton_available):
+  """Decode at Llama-3-8B shape: Triton's pipeliner gives the K and V page
+  gathers 3 shared-memory buffers each (3 blocks in flight while the current
+  block's dots run), and 4 programs still fit on an SM. A reshape or a mask
+  between a gather and its dot silently drops this to one buffer, and each
+  block's loads then wait for the previous block's compute (docs/kernels.md)."""
+  t, s, p, ns = PATHS["decode"]
+  args, kw = _attention_args(32, 8, 128, t, s, p)
+  kernel, = cuda_compile.compile_for_cuda(_attention(128, ns), *args, **kw)
+  assert kernel.num_stages == 4
+  assert kernel.load_buffers() == [(3, 32, 128), (3, 32, 128)]
+  assert kernel.blocks_per_sm() == 4

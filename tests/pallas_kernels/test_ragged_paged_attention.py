@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import choose_config
 from pallas_kernels.ragged_paged_attention import scatter_tiles_to_tokens
 from pallas_kernels.ragged_paged_attention import tile_schedule
 
@@ -396,3 +397,26 @@ def test_tile_lookup_has_no_loop():
   assert "while" not in text and "stablehlo.case" not in text
   out = np.asarray(jax.jit(lookup)(cu, kv_lens))
   assert np.all(out[:10] == 1) and np.all(out[10:] == 0)
+
+
+@pytest.mark.parametrize("kind, d, itemsize, page_size, want", [
+    # decode tiles: 32-key blocks, as many stages as 48 KiB of K/V holds (<=4)
+    ("decode", 128, 2, 16, (2, 4)),
+    ("decode", 64, 2, 16, (2, 4)),
+    ("decode", 128, 2, 32, (1, 4)),
+    ("decode", 128, 4, 16, (2, 2)),     # f32: 32 KiB a block, one ahead
+    ("decode", 128, 2, 64, (1, 2)),     # a page is already 64 keys
+    # prefill tiles (128 rows): 64-key blocks, 2 stages
+    ("prefill", 128, 2, 16, (4, 2)),
+    ("prefill", 64, 2, 32, (2, 2)),
+])
+def test_choose_config_blocks_and_stages(kind, d, itemsize, page_size, want):
+  t, s = (64, 64) if kind == "decode" else (512, 4)
+  cfg = choose_config(t, s, 4, page_size, 128, 8, head_dim=d,
+                      itemsize=itemsize)
+  assert (cfg.pages_per_block, cfg.num_stages) == want
+  assert cfg.rows == (16 if kind == "decode" else 128)
+  override = choose_config(t, s, 4, page_size, 128, 8, head_dim=d,
+                           itemsize=itemsize, pages_per_block=8,
+                           num_stages=3)
+  assert (override.pages_per_block, override.num_stages) == (8, 3)
