@@ -24,7 +24,8 @@ import numpy as np
 
 from jaxpaged import parallel
 from jaxpaged.detokenizer import IncrementalDetokenizer
-from jaxpaged.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_page
+from jaxpaged.model_runner import (KV_CACHE_DTYPES, ModelRunner, RunnerConfig, kv_bytes_per_page,
+                                   resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.request import Request, RequestStatus
@@ -63,6 +64,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes for the KV pool
     num_pages: int | None = None  # KV pool size in pages (incl. the null page); overrides the above
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # the KV pool's dtype (see model_runner.resolve_kv_cache_dtype)
     tensor_parallel_size: int = 1  # devices in the "tp" mesh (see jaxpaged/parallel.py)
     distributed_coordinator: str | None = None  # multi-host: "host:port" of process 0
     num_processes: int = 1  # multi-host: processes in jax.distributed
@@ -76,6 +78,8 @@ class EngineArgs:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {tuple(KV_CACHE_DTYPES)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",
@@ -142,9 +146,9 @@ class LLMEngine:
             self.warmup()
         self.startup_seconds = time.perf_counter() - start
         rc = self.runner_config
-        logger.info("jaxpaged ready in %.1f s: %s (%s), KV pool %d pages x %d tokens = %d tokens, backend %s",
-                    self.startup_seconds, self.model.source, self.model.dtype, rc.num_pages - 1, rc.page_size,
-                    (rc.num_pages - 1) * rc.page_size, rc.backend)
+        logger.info("jaxpaged ready in %.1f s: %s (%s), KV pool %d pages x %d tokens = %d tokens (%s), "
+                    "backend %s", self.startup_seconds, self.model.source, self.model.dtype, rc.num_pages - 1,
+                    rc.page_size, (rc.num_pages - 1) * rc.page_size, self.runner.kv_dtype, rc.backend)
 
     # ---- configuration ----------------------------------------------------
 
@@ -176,7 +180,7 @@ class LLMEngine:
                              "max_model_len")
         return RunnerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                             max_model_len=max_model_len, page_size=args.block_size, num_pages=num_pages,
-                            attention_backend=args.attention_backend,
+                            attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
                             # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes
                             min_token_bucket=16 if on_gpu else 1,
                             max_prefill_seqs=min(args.max_num_partial_prefills or (16 if on_gpu else 4),
@@ -184,7 +188,8 @@ class LLMEngine:
 
     def _pages_from_memory(self, on_gpu: bool) -> int:
         # Each device holds 1/tp of every page (its KV heads); the budget is per device.
-        per_page = kv_bytes_per_page(self.model.config, self.args.block_size, self.model.dtype) // \
+        kv_dtype = resolve_kv_cache_dtype(self.args.kv_cache_dtype, self.model.dtype, jax.default_backend())
+        per_page = kv_bytes_per_page(self.model.config, self.args.block_size, kv_dtype) // \
             self.args.tensor_parallel_size
         budget = self.args.kv_cache_memory
         if budget is None and on_gpu:

@@ -27,7 +27,9 @@ from bench_kernels import copy_bandwidth  # noqa: E402  (one definition for both
 from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
 from jaxpaged.models.llama import LlamaConfig, init_params  # noqa: E402
 from jaxpaged.models.loader import LoadedModel  # noqa: E402
+from jaxpaged.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
+from jaxpaged.scheduler import ScheduledRequest  # noqa: E402
 from jaxpaged.tokenizer import GenerationConfig  # noqa: E402
 
 LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -66,6 +68,45 @@ def decode_rate(engine: LLMEngine, prompt_len: int, output_len: int, vocab: int)
     return (output_len - 1) / (full - one)
 
 
+def median_ms(fn, iters: int) -> float:
+    """Median wall time of fn() in ms, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def step_breakdown(engine: LLMEngine, context: int, iters: int) -> dict[str, float]:
+    """A batch-1 decode step at `context` tokens, split into its parts (ms).
+
+    prepare: host packing of the step input; model: the jitted forward alone,
+    waited for; sample: the sampler on its logits plus the copy to the host;
+    engine step: the whole `LLMEngine.step` (scheduler, both device calls,
+    output bookkeeping) on a live request. Run with no request in flight: the
+    probe writes its K/V into pages 1.. of the free pool.
+    """
+    runner, ps = engine.runner, engine.runner_config.page_size
+    pages = tuple(range(1, context // ps + 2))
+    params = SamplingParams(temperature=0.0, max_tokens=iters + 8, ignore_eos=True, detokenize=False)
+    entry = ScheduledRequest("probe", (1,), context, pages, True, params, context)
+    step = runner.prepare([entry])
+    out = {"prepare": median_ms(lambda: runner.prepare([entry]), iters),
+           "model": median_ms(lambda: jax.block_until_ready(runner.execute(step)), iters)}
+    logits = runner.execute(step)
+    batch = make_sampling_batch([RowInfo(params=params, seed=0)], logits.shape[0], logits.shape[1])
+    out["sample"] = median_ms(lambda: jax.device_get(sample_jit(logits, batch)), iters)
+    engine.add_request("probe", {"prompt_token_ids": [1] * context}, params)
+    while engine.has_unfinished_requests() and not any(  # the prefill, up to the first token
+            o.outputs[0].token_ids for o in engine.step()):
+        pass
+    out["engine step"] = median_ms(engine.step, iters)
+    engine.abort_request("probe")
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
@@ -93,6 +134,10 @@ def main(argv=None) -> int:
     rate = decode_rate(engine, args.prompt_len, args.output_len, config.vocab_size)
     roofline = bandwidth / weight_bytes
     rows.append(("batch-1 decode", f"{rate:.1f} tok/s", f"roofline {roofline:.1f} tok/s ({rate / roofline:.0%})"))
+    parts = step_breakdown(engine, args.prompt_len, iters=5 if args.smoke else 30)
+    rows.append(("batch-1 step", f"{parts['engine step']:.2f} ms",
+                 "; ".join(f"{k} {v:.2f} ms" for k, v in parts.items() if k != "engine step")
+                 + f"; weight read {1e3 * weight_bytes / bandwidth:.2f} ms"))
     for n in (int(c) for c in args.concurrency.split(",")):
         seconds, produced = run(engine, n, args.prompt_len, args.output_len, config.vocab_size)
         rows.append((f"{n} concurrent", f"{produced / seconds:.0f} output tok/s",

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(tensor parallelism; the engine checks what it supports)")
     e.add_argument("--attention-backend", default="auto", help="auto (pallas on GPU, xla on CPU), pallas, xla "
                    "or reference")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="KV cache dtype; auto: the model's, but float32 for a bfloat16 model on CPU "
+                   "(XLA:CPU would convert the whole cache around every write)")
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     d = p.add_argument_group("multi-host (jax.distributed; see docs/distributed.md)")
     d.add_argument("--distributed-coordinator", default=None, help="host:port of process 0's coordinator; "
@@ -99,6 +102,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         max_num_partial_prefills=ns.max_num_partial_prefills, block_size=ns.block_size,
         enable_prefix_caching=ns.enable_prefix_caching, gpu_memory_utilization=ns.gpu_memory_utilization,
         kv_cache_memory=ns.kv_cache_memory, num_pages=ns.num_pages, attention_backend=ns.attention_backend,
+        kv_cache_dtype=ns.kv_cache_dtype,
         tensor_parallel_size=ns.tensor_parallel_size, chat_template=chat_template_arg(ns.chat_template),
         generation_config=ns.generation_config, distributed_coordinator=ns.distributed_coordinator,
         num_processes=ns.num_processes, process_id=ns.process_id)

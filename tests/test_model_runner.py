@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxpaged.engine import EngineArgs, LLMEngine
-from jaxpaged.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_page
+from jaxpaged.model_runner import (ModelRunner, RunnerConfig, kv_bytes_per_page, paged_forward,
+                                   resolve_kv_cache_dtype)
 from jaxpaged.models.llama import forward_jit
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
@@ -48,7 +51,7 @@ def test_buckets():
 
 
 @pytest.mark.parametrize("field, value", [("attention_backend", "cuda"), ("page_size", 12), ("num_pages", 0),
-                                          ("max_prefill_seqs", 0)])
+                                          ("max_prefill_seqs", 0), ("kv_cache_dtype", "fp8")])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         dataclasses.replace(CONFIG, **{field: value})
@@ -111,3 +114,43 @@ def test_kv_pool_sized_from_memory_budget(tiny):
     assert engine.runner.kv.k.shape == (2, 2, 50, 16, 8)
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         LLMEngine(dataclasses.replace(args, kv_cache_memory=per_page * 4), loaded=tiny)
+
+
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
+
+
+@pytest.mark.parametrize("choice, model, platform, want", [
+    ("auto", BF16, "gpu", BF16), ("auto", BF16, "cpu", F32),  # XLA:CPU has no bf16 scatter
+    ("auto", F16, "cpu", F16), ("auto", F32, "cpu", F32), ("bfloat16", BF16, "cpu", BF16),
+    ("float32", BF16, "gpu", F32), ("float16", F32, "cpu", F16)])
+def test_resolve_kv_cache_dtype(choice, model, platform, want):
+    assert resolve_kv_cache_dtype(choice, model, platform) == want
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+        resolve_kv_cache_dtype("fp8", model, platform)
+
+
+def _pool_sized_passes(config, params, num_pages, kv_dtype):
+    """Lines of the compiled CPU step that convert or copy an array of the pool's size."""
+    runner_cfg = dataclasses.replace(CONFIG, attention_backend="xla", num_pages=num_pages)
+    pool = ModelRunner(config, params, dataclasses.replace(runner_cfg, kv_cache_dtype=kv_dtype)).kv
+    step = ModelRunner(config, params, runner_cfg).prepare([entry("a", [1, 2], 0, [1])])
+    text = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,)).lower(
+        config, runner_cfg.attention, params, pool, step).compile().as_text()
+    # e.g. "%convert.7 = f32[2,2,64,16,8]{4,3,2,1,0} convert(%param.1)"
+    result = re.compile(r"= \w+\[([\d,]+)\]\S* (?:convert|copy)\(")
+    return [line for line in text.splitlines() if (m := result.search(line))
+            and np.prod([int(d) for d in m.group(1).split(",")]) == pool.k.size]
+
+
+def test_bf16_model_on_cpu_gets_an_f32_pool_written_in_place(tiny):
+    """A bf16 pool on XLA:CPU is converted to f32 and back around every layer's scatter (seconds a step at
+    a real pool size); "auto" gives a bf16 model an f32 pool there, which the step updates in place."""
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny.params)
+    assert _pool_sized_passes(tiny.config, params, 64, "bfloat16"), "the hazard this guards against is gone?"
+    assert _pool_sized_passes(tiny.config, params, 64, "auto") == []
+    runner = ModelRunner(tiny.config, params, dataclasses.replace(CONFIG, attention_backend="xla"))
+    assert runner.kv.k.dtype == jnp.float32 and runner.kv_dtype == F32
+    tokens = np.random.default_rng(0).integers(0, 256, size=20).tolist()
+    logits = runner.execute(runner.prepare([entry("a", tokens, 0, [3, 7])]))
+    plain = forward_jit(tiny.config, params, jnp.asarray([tokens]))[0, -1]
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain, np.float32), atol=0.1, rtol=0.05)
