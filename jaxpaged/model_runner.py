@@ -162,20 +162,34 @@ class RunnerConfig:
         return _geometric_buckets(min(self.min_page_bucket, self.max_pages_per_seq), self.max_pages_per_seq, 2)
 
     @property
+    def decode_seq_buckets(self) -> tuple[int, ...]:
+        """S buckets that are no T bucket (on GPU: 4, below the smallest T bucket 16).
+
+        A step of at most s tokens over s slots runs at T = s: attention then tiles it as
+        one decode-like call (T <= S), where T = 16 > S = 4 would add a prefill call.
+        """
+        return tuple(s for s in self.seq_buckets
+                     if s not in self.token_buckets and s <= self.max_num_batched_tokens)
+
+    @property
     def buckets(self) -> tuple[tuple[int, int, int], ...]:
         """Every (T, S, P) step shape `bucket_for` can return.
 
         S bucket s serves num_seqs in (previous S bucket, s]; as num_seqs <= num_tokens,
-        it pairs with a T bucket t only if that range starts below t.
+        it pairs with a T bucket t only if that range starts below t. Decode S buckets
+        also pair with T = s.
         """
         lower = dict(zip(self.seq_buckets, (0,) + self.seq_buckets[:-1]))
-        return tuple((t, s, p) for t in self.token_buckets for s in self.seq_buckets for p in self.page_buckets
-                     if lower[s] < t)
+        shapes = [(t, s) for t in self.token_buckets for s in self.seq_buckets if lower[s] < t]
+        shapes += [(s, s) for s in self.decode_seq_buckets]
+        return tuple((t, s, p) for t, s in sorted(shapes) for p in self.page_buckets)
 
     def bucket_for(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
         t = next(b for b in self.token_buckets if b >= num_tokens)
         s = next(b for b in self.seq_buckets if b >= num_seqs)
         p = next(b for b in self.page_buckets if b >= num_pages)
+        if num_tokens <= s < t:  # s is then a decode S bucket
+            t = s
         return t, s, p
 
 

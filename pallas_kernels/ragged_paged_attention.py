@@ -58,6 +58,10 @@ class TileSchedule:
   pos0: jax.Array       # kv position of the tile's first query
   kv_len: jax.Array     # kv_len of the owning sequence
   tile_begin: jax.Array  # [S] first tile of each sequence
+  # Static: tile t is packed token t (one-token tiles of every sequence, as
+  # many tiles as tokens), so moving q/o between tiles and tokens needs no
+  # gather.
+  tiles_are_tokens: bool = False
 
 
 def _count_at_or_below(sorted_ends, values):
@@ -92,11 +96,13 @@ def clamped_cu_q_lens(cu_q_lens, num_seqs):
 
 
 def tile_schedule(cu_q_lens, kv_lens, num_seqs, *, block_q, num_tiles,
-                  include=None):
+                  include=None, num_tokens=None):
   """Maps tiles 0..NT-1 to (sequence, query range); jittable.
 
   include: optional bool [S]; sequences where it is False get no tiles (their
   queries keep their packed offsets, so the caller fills them elsewhere).
+  num_tokens: T, if known; with block_q 1, no include and T tiles, tile t is
+  token t (see TileSchedule.tiles_are_tokens).
   """
   s = kv_lens.shape[0]
   cu = clamped_cu_q_lens(cu_q_lens, num_seqs)                 # [S+1]
@@ -119,11 +125,16 @@ def tile_schedule(cu_q_lens, kv_lens, num_seqs, *, block_q, num_tiles,
       pos0=(kv_lens[seq] - q_lens[seq] + q_off).astype(jnp.int32),
       kv_len=kv_lens[seq].astype(jnp.int32),
       tile_begin=tile_begin.astype(jnp.int32),
+      tiles_are_tokens=(block_q == 1 and include is None
+                        and num_tiles == num_tokens),
   )
 
 
 def gather_q_tiles(q, sched: TileSchedule, block_q: int):
   """q [T, Hq, D] -> [NT, bq, Hq, D]; dead query slots are zero."""
+  if sched.tiles_are_tokens:   # [T, 1, Hq, D]: a reshape, no gather
+    return jnp.where((sched.q_len > 0)[:, None, None, None], q[:, None],
+                     jnp.zeros((), q.dtype))
   u = jnp.arange(block_q, dtype=jnp.int32)
   tok = sched.q_start[:, None] + u[None, :]                   # [NT, bq]
   live = u[None, :] < sched.q_len[:, None]                    # [NT, bq]
@@ -133,6 +144,9 @@ def gather_q_tiles(q, sched: TileSchedule, block_q: int):
 
 def scatter_tiles_to_tokens(o_tiles, cu_q_lens, num_seqs, sched, num_tokens):
   """o_tiles [NT, bq, Hq, D] -> out [T, Hq, D]; padding tokens exactly 0."""
+  if sched.tiles_are_tokens:   # a reshape, no gather
+    return jnp.where((sched.q_len > 0)[:, None, None], o_tiles[:, 0],
+                     jnp.zeros((), o_tiles.dtype))
   block_q = o_tiles.shape[1]
   num_seqs = jnp.asarray(num_seqs, jnp.int32)
   cu = clamped_cu_q_lens(cu_q_lens, num_seqs)                 # [S+1]
@@ -189,7 +203,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table,
   bq = block_q or (1 if t <= s else 16)
   nt = num_tiles_bound(t, s, bq)
   sched = tile_schedule(cu_q_lens, kv_lens, num_seqs, block_q=bq,
-                        num_tiles=nt)
+                        num_tiles=nt, num_tokens=t)
   qt = gather_q_tiles(q, sched, bq).reshape(nt, bq, kvh, g, d)
   ids = _flat_page_ids(page_table[sched.seq], layer, kvh, n)   # [KVH, NT, P]
   k = k_pages.reshape(-1, ps, d)[ids].reshape(kvh, nt, p * ps, d)
@@ -242,7 +256,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_table,
   ppb = min(pages_per_block or max(1, (64 if bq == 1 else 128) // ps), p)
   nt = num_tiles or num_tiles_bound(t, s, bq)
   sched = tile_schedule(cu_q_lens, kv_lens, num_seqs, block_q=bq,
-                        num_tiles=nt, include=include)
+                        num_tiles=nt, include=include, num_tokens=t)
   qt = gather_q_tiles(q, sched, bq).reshape(nt, bq, kvh, g, d)
   pt = jnp.pad(page_table, ((0, 0), (0, -p % ppb)))[sched.seq]  # [NT, Pp]
   u = jnp.arange(bq, dtype=jnp.int32)
@@ -509,7 +523,7 @@ def _pallas_forward(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
   p = page_table.shape[1]
   g, bq, nt = hq // kvh, cfg.block_q, num_tiles
   sched = tile_schedule(cu_q_lens, kv_lens, num_seqs, block_q=bq,
-                        num_tiles=nt, include=include)
+                        num_tiles=nt, include=include, num_tokens=t)
   qt = gather_q_tiles(q, sched, bq).reshape(nt, bq, kvh, g, d)
   qt = qt.transpose(2, 0, 1, 3, 4).reshape(kvh, nt, bq * g, d)
   qt = jnp.pad(qt, ((0, 0), (0, 0), (0, cfg.rows - bq * g), (0, 0)))

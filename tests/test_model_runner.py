@@ -47,6 +47,12 @@ def test_buckets():
     # every shape bucket_for can produce is compiled at warm-up
     assert {small.bucket_for(t, s, 1) for t in range(1, 65) for s in range(1, min(t, 16) + 1)} <= set(small.buckets)
     assert dataclasses.replace(CONFIG, attention_backend="pallas").page_buckets == (8,)
+    # on GPU-like buckets (T from 16) a step of <= 4 tokens over <= 4 slots gets T = S = 4
+    assert CONFIG.decode_seq_buckets == (4,) and small.decode_seq_buckets == ()
+    assert [(t, s) for t, s, _ in CONFIG.buckets] == [(4, 4), (16, 4), (16, 16), (32, 4), (32, 16), (64, 4), (64, 16)]
+    assert CONFIG.bucket_for(1, 1, 1) == (4, 4, 8) and CONFIG.bucket_for(4, 2, 1) == (4, 4, 8)
+    assert CONFIG.bucket_for(5, 2, 1) == (16, 4, 8) and CONFIG.bucket_for(16, 16, 1) == (16, 16, 8)
+    assert {CONFIG.bucket_for(t, s, 1) for t in range(1, 65) for s in range(1, min(t, 16) + 1)} <= set(CONFIG.buckets)
     assert dataclasses.replace(wide, attention_backend="xla").page_buckets == (128,)
 
 
@@ -60,10 +66,14 @@ def test_config_validation(field, value):
 def test_prepare_packs_exact_arrays(tiny):
     runner = ModelRunner(tiny.config, tiny.params, CONFIG)
     step = runner.prepare([entry("a", [7, 8, 9], 14, [5, 2]), entry("b", [4], 3, [9])])
-    assert step.token_ids.tolist() == [7, 8, 9, 4] + [0] * 12
-    assert step.positions.tolist() == [14, 15, 16, 3] + [0] * 12
-    # positions 14, 15 in page 5; 16 in page 2; 3 in page 9; padding in the null page
-    assert step.slot_mapping.tolist() == [5 * 16 + 14, 5 * 16 + 15, 2 * 16 + 0, 9 * 16 + 3] + [0] * 12
+    assert step.token_ids.tolist() == [7, 8, 9, 4]  # 4 tokens over 2 <= 4 slots: T = S = 4
+    assert step.positions.tolist() == [14, 15, 16, 3]
+    # positions 14, 15 in page 5; 16 in page 2; 3 in page 9
+    assert step.slot_mapping.tolist() == [5 * 16 + 14, 5 * 16 + 15, 2 * 16 + 0, 9 * 16 + 3]
+    step = runner.prepare([entry("a", [7, 8, 9], 14, [5, 2]), entry("b", [4, 5], 3, [9])])
+    assert step.token_ids.tolist() == [7, 8, 9, 4, 5] + [0] * 11  # padding tokens in the null page
+    assert step.slot_mapping.tolist() == [5 * 16 + 14, 5 * 16 + 15, 2 * 16 + 0, 9 * 16 + 3, 9 * 16 + 4] + [0] * 11
+    step = runner.prepare([entry("a", [7, 8, 9], 14, [5, 2]), entry("b", [4], 3, [9])])
     assert step.page_table.shape == (4, 8)
     assert step.page_table[:2, :2].tolist() == [[5, 2], [9, 0]] and not step.page_table[2:].any()
     assert step.kv_lens.tolist() == [17, 4, 0, 0]

@@ -19,6 +19,7 @@ import pytest
 
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention import choose_config
+from pallas_kernels.ragged_paged_attention import gather_q_tiles
 from pallas_kernels.ragged_paged_attention import scatter_tiles_to_tokens
 from pallas_kernels.ragged_paged_attention import tile_schedule
 
@@ -420,3 +421,29 @@ def test_choose_config_blocks_and_stages(kind, d, itemsize, page_size, want):
                            itemsize=itemsize, pages_per_block=8,
                            num_stages=3)
   assert (override.pages_per_block, override.num_stages) == (8, 3)
+
+
+def test_one_token_tiles_move_q_and_o_without_a_gather():
+  """With one-token tiles and as many tiles as tokens, tile t is token t: the
+  q/o moves are reshapes, and equal the general gathers exactly (ragged
+  lengths, empty sequences, padding tokens and slots)."""
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.normal(size=(12, 4, 8)), jnp.float32)
+  cu = jnp.array([0, 3, 3, 4, 9, 9], jnp.int32)       # 9 live tokens, 3 padding
+  kv_lens = jnp.array([5, 0, 7, 40, 3], jnp.int32)
+  fast = tile_schedule(cu, kv_lens, 4, block_q=1, num_tiles=12, num_tokens=12)
+  slow = tile_schedule(cu, kv_lens, 4, block_q=1, num_tiles=12)
+  assert fast.tiles_are_tokens and not slow.tiles_are_tokens
+  assert not tile_schedule(cu, kv_lens, 4, block_q=1, num_tiles=12,
+                           num_tokens=12,
+                           include=jnp.ones(5, bool)).tiles_are_tokens
+  assert np.array_equal(fast.q_start[:9], np.arange(9))
+  np.testing.assert_array_equal(gather_q_tiles(q, fast, 1),
+                                gather_q_tiles(q, slow, 1))
+  o_tiles = jnp.asarray(rng.normal(size=(12, 1, 4, 8)), jnp.float32)
+  out = scatter_tiles_to_tokens(o_tiles, cu, 4, fast, 12)
+  np.testing.assert_array_equal(out, scatter_tiles_to_tokens(o_tiles, cu, 4,
+                                                             slow, 12))
+  assert np.all(np.asarray(out[9:]) == 0)
+  text = jax.jit(lambda q: gather_q_tiles(q, fast, 1)).lower(q).as_text()
+  assert "gather" not in text
