@@ -302,9 +302,9 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_table,
 
 
 def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, layer_ref, pt_ref,
-                q_ref, k_ref, v_ref, *refs, sm_scale, group, pages_per_block,
-                page_size, num_pages, num_kv_heads, num_splits, num_aliased,
-                precision):
+                q_ref, k_ref, v_ref, *refs, sm_scale, group, block_q,
+                pages_per_block, page_size, num_pages, num_kv_heads,
+                num_splits, num_aliased, precision):
   """One program: KV head h, query tile i, KV split c.
 
   q_ref [R, D] (row r = token r // G, head r % G of the group),
@@ -324,10 +324,15 @@ def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, layer_ref, pt_ref,
   per_split = pl.cdiv(num_blocks, num_splits)
   b_lo = c * per_split
   b_hi = jnp.minimum(num_blocks, b_lo + per_split)
-  # Only the sequence's last block holds keys past kv_end (stale or NaN pool
-  # data), so only it masks V: blocks [b_lo, b_mid) run unmasked, then block
-  # b_mid masked if this split holds it (b_mid < b_hi).
-  b_mid = jnp.clip(num_blocks - 1, b_lo, jnp.maximum(b_lo, b_hi))
+  # Blocks wholly at or before the tile's first query position need no mask:
+  # every key there is live (< kv_end) and causal for every query row (rows
+  # holding no query compute finite values nothing reads). The split's
+  # blocks [b_lo, b_mid) run unmasked in the pipelined loop; the rest,
+  # [b_mid, b_hi) (the causal diagonal and the sequence's tail, where V past
+  # kv_end may be stale NaN), at most `masked_blocks`, run one by one after
+  # it, masked. Out of the loop they are not pipelined: no extra buffers.
+  b_mid = jnp.clip((pos0 + 1) // block_k, b_lo, jnp.maximum(b_lo, b_hi))
+  masked_blocks = pl.cdiv(block_q + block_k - 2, block_k)
   page_base = (layer_ref[0] * num_kv_heads + h) * num_pages
   last_table_block = pt_ref.shape[1] // pages_per_block - 1
 
@@ -338,20 +343,22 @@ def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, layer_ref, pt_ref,
     ids = pt_ref[seq, pl.ds(b * pages_per_block, pages_per_block)]  # [ppb]
     return ((page_base + ids)[:, None] * page_size + slot).reshape(block_k)
 
-  def body(b, carry, mask_v):
+  def body(b, carry, masked):
     acc, m, l, krows = carry                    # [R,D], [R], [R], [K]
     # The next block's page ids load now, off the K/V loads' critical path.
     krows_next = key_rows(b + 1)
     k, v = k_ref[krows], v_ref[krows]                    # [K, D] each
-    kpos = b * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * sm_scale
-    mask = row_live & (kpos <= row_pos) & (kpos < kv_end)  # [R, K]
-    s = jnp.where(mask, s, MASK_VALUE)
+    if masked:
+      kpos = b * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+      mask = row_live & (kpos <= row_pos) & (kpos < kv_end)  # [R, K]
+      s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp(m - m_new)
-    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-    if mask_v:   # p is 0 past kv_end, but 0 * NaN is NaN
+    p = jnp.exp(s - m_new[:, None])
+    if masked:   # p is 0 past kv_end, but 0 * NaN is NaN: zero V there too
+      p = jnp.where(mask, p, 0.0)
       kpos_col = b * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
       v = jnp.where(kpos_col < kv_end, v, jnp.zeros((), v.dtype))
     pv = jnp.dot(p.astype(v.dtype), v, precision=precision,
@@ -363,13 +370,13 @@ def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, layer_ref, pt_ref,
   init = (jnp.zeros((rows, d), jnp.float32),
           jnp.full((rows,), MASK_VALUE, jnp.float32),
           jnp.zeros((rows,), jnp.float32), key_rows(b_lo))
-  carry = lax.fori_loop(b_lo, b_mid, functools.partial(body, mask_v=False),
+  carry = lax.fori_loop(b_lo, b_mid, functools.partial(body, masked=False),
                         init)
-  # The last block outside the loop: not pipelined, so its V mask adds no
-  # shared memory on top of the loop's buffers.
-  acc, m, l, _ = lax.cond(b_mid < b_hi,
-                          functools.partial(body, b_mid, mask_v=True),
-                          lambda carry: carry, carry)
+  for j in range(masked_blocks):
+    carry = lax.cond(b_mid + j < b_hi,
+                     functools.partial(body, b_mid + j, masked=True),
+                     lambda carry: carry, carry)
+  acc, m, l, _ = carry
   l_safe = jnp.where(l > 0.0, l, 1.0)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
   if lse_ref:
@@ -494,7 +501,7 @@ def _pallas_call(q_tiles, k_flat, v_flat, page_table, sched, layer, *,
       inputs.append(jnp.full(shp.shape, jnp.nan, shp.dtype))
       in_specs.append(spec)
   kernel = functools.partial(
-      _rpa_kernel, sm_scale=sm_scale, group=group,
+      _rpa_kernel, sm_scale=sm_scale, group=group, block_q=cfg.block_q,
       pages_per_block=cfg.pages_per_block, page_size=page_size,
       num_pages=num_pages, num_kv_heads=num_kv_heads, num_splits=ns, num_aliased=len(aliases),
       precision=_kernel_precision(q_tiles.dtype, interpret))
