@@ -85,11 +85,13 @@ def step_breakdown(engine: LLMEngine, context: int, iters: int) -> dict[str, flo
     prepare: host packing of the step input; model: the jitted forward alone,
     waited for; sample: the sampler on its logits plus the copy to the host;
     engine step: the whole `LLMEngine.step` (scheduler, both device calls,
-    output bookkeeping) on a live request. Run with no request in flight: the
-    probe writes its K/V into pages 1.. of the free pool.
+    output bookkeeping) on a live request. The direct probes' page table is
+    all null page (page 0, where padding writes anyway), so they touch no page
+    a request or the prefix cache owns. They read as many K/V bytes as a real
+    step, but from one page that stays in cache: a slight underestimate.
     """
     runner, ps = engine.runner, engine.runner_config.page_size
-    pages = tuple(range(1, context // ps + 2))
+    pages = (0,) * (context // ps + 1)
     params = SamplingParams(temperature=0.0, max_tokens=iters + 8, ignore_eos=True, detokenize=False)
     entry = ScheduledRequest("probe", (1,), context, pages, True, params, context)
     step = runner.prepare([entry])
