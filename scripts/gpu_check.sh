@@ -57,20 +57,26 @@ if rows:
     print(f"{r['name']:36s} {r['us']:8.1f} {r['pct']:6.1f} {f(r['vs_ref'])} "
           f" {f(r['vs_jax'])}")
 sweep = sys.argv[2]
+OLD_TILING = {"pages_per_block": 4, "num_stages": 2}  # default before 2026-11-29's change
 if os.path.exists(sweep):
   best = {}
   for r in map(json.loads, open(sweep)):
     d = best.setdefault(r["name"], {"default": None, "best": None})
     if not r["variant"]:
       d["default"] = r
+    if r["variant"] == OLD_TILING:
+      d["old"] = r
     if d["best"] is None or r["us"] < d["best"]["us"]:
       d["best"] = r
-  print("sweep: best tiling per row (x = default time / best time)")
+  print("sweep: best tiling per row (x = default time / best time; "
+        "vs old = old tiling's time / default's)")
   for name, d in best.items():
     base = d["default"]["us"] if d["default"] else float("nan")
     b = d["best"]
+    old = d.get("old", {}).get("us", float("nan"))
     print(f"  {name:36s} {b['us']:8.1f} us {b['pct']:5.1f} %copy "
-          f"x{base / b['us']:4.2f} {b['variant'] or 'default'}")
+          f"x{base / b['us']:4.2f} vs old x{old / base:4.2f} "
+          f"{b['variant'] or 'default'}")
 PYEOF
   grep -E "^(FAILED|ERROR) " "$LOG" | cut -c1-160 | head -n 12
   grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -n 1
