@@ -394,15 +394,20 @@ class KernelConfig:
   num_stages: int
 
 
-# Keys per inner block, and the shared memory the decode pipeline's K/V
-# buffers may take. Decode tiles are memory-bound: 32-key blocks with
-# (stages - 1) blocks in flight keep 4 programs a SM on an H100/H200 (sm_90
-# build at D=128 bf16: 54 KiB, 128 registers) and the loads a few blocks
-# ahead of the dots. Prefill tiles (128 rows) are compute-bound: 64-key
-# blocks, 2 stages.
+# Keys per inner block, and the shared memory the pipelines may take.
+# Decode tiles are memory-bound: 32-key blocks with (stages - 1) blocks in
+# flight keep 4 programs a SM on an H100/H200 (sm_90 build at D=128 bf16:
+# 54 KiB, 128 registers) and the loads a few blocks ahead of the dots.
+# Prefill tiles (128 rows, 1 program a SM by registers) are compute-bound:
+# 64-key blocks, 3 stages where Q and 3 K/V buffers fit. Their Hopper wgmma
+# dots read shared memory asynchronously, so the pipeliner keeps one buffer
+# more than the blocks in flight: at 2 stages it waits for all copies before
+# each block's dots (no overlap); at 3 the next block's copies stay in flight
+# (D=128 bf16: 128 KiB, 239 registers, no spills).
 _DECODE_BLOCK_KEYS = 32
 _PREFILL_BLOCK_KEYS = 64
 _DECODE_BUFFER_BYTES = 48 * 1024
+_PREFILL_SHARED_BYTES = 160 * 1024
 
 
 def choose_config(num_tokens, num_slots, group, page_size, max_pages,
@@ -422,10 +427,13 @@ def choose_config(num_tokens, num_slots, group, page_size, max_pages,
   bq = block_q if block_q is not None else rows // group
   keys = _DECODE_BLOCK_KEYS if decode_like else _PREFILL_BLOCK_KEYS
   ppb = pages_per_block or max(1, keys // page_size)
-  if num_stages is None:   # one K and one V block per stage in flight
-    block_bytes = 2 * ppb * page_size * head_dim * itemsize
-    in_flight = _DECODE_BUFFER_BYTES // block_bytes if decode_like else 1
-    num_stages = 1 + max(1, min(3, in_flight))
+  if num_stages is None:
+    block_bytes = 2 * ppb * page_size * head_dim * itemsize   # a K and a V block
+    if decode_like:   # (stages - 1) blocks in flight
+      num_stages = 1 + max(1, min(3, _DECODE_BUFFER_BYTES // block_bytes))
+    else:             # Q, and 3 buffers at 3 stages
+      q_bytes = rows * head_dim * itemsize
+      num_stages = 3 if 3 * block_bytes + q_bytes <= _PREFILL_SHARED_BYTES else 2
   if num_splits is None:
     max_blocks = max(1, -(-max_pages // ppb))
     tiles = num_tiles_bound(num_tokens, num_slots, bq) * num_kv_heads

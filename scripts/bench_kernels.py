@@ -183,8 +183,9 @@ def configs(smoke):
 
 # Tiling variants the sweep times against the heuristic's choice (None).
 # The first is the default before 2026-11-29's pipelining change (64-key
-# blocks, 2 stages), the rest bracket the new decode default (32-key blocks,
-# 4 stages: 3 blocks in flight) in block size, depth, warps and splits.
+# blocks, 2 stages, decode and prefill tiles alike), the rest bracket the new
+# defaults (decode: 32-key blocks, 4 stages; prefill: 64-key blocks, 3
+# stages) in block size, depth, warps and splits.
 SWEEP_VARIANTS = [None, dict(pages_per_block=4, num_stages=2)] + [
     dict(pages_per_block=k, num_stages=st)
     for k, st in ((4, 3), (2, 3), (2, 5), (1, 6), (8, 2))] + [
@@ -200,7 +201,8 @@ def sweep_cases(smoke):
           "decode b=16 ctx=8192": [(1, 8192)] * 16,
           "decode b=256 ctx=512": [(1, 512)] * 256,
           "mixed: 512 chunk/+1536 + 63 dec@2k": [(512, 2048)]
-                                                + [(1, 2048)] * 63}
+                                                + [(1, 2048)] * 63,
+          "prefill: 4x2048 fresh": [(2048, 2048)] * 4}
 
 
 def resolve_variant(variant, args, group, ps):

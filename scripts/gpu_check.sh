@@ -102,7 +102,7 @@ PYEOF
   section "kernel benchmarks" 180 "$PY" scripts/bench_kernels.py "${SMOKE[@]}" \
     --json "$DIR/bench_kernels.jsonl" || status=1
   if [ $SWEEP -eq 1 ]; then
-    section "tiling sweep" 110 "$PY" scripts/bench_kernels.py --sweep \
+    section "tiling sweep" 130 "$PY" scripts/bench_kernels.py --sweep \
       "${SMOKE[@]}" --rounds 7 --json "$DIR/sweep.jsonl" || status=1
   fi
 
@@ -114,7 +114,7 @@ PYEOF
     --kernel-mode=$MODE "${xdist[@]}" -rfEs --tb=short --durations=8 \
     || status=1
 
-  section "engine end to end" 150 "$PY" scripts/bench_engine_gpu.py "${SMOKE[@]}" \
+  section "engine end to end" 140 "$PY" scripts/bench_engine_gpu.py "${SMOKE[@]}" \
     || status=1
 
   summary

@@ -10,6 +10,7 @@ so this is a proxy; `scripts/gpu_check.sh` is the real thing.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -135,3 +136,20 @@ def test_decode_pipeline_keeps_page_loads_in_flight(triton_available):
   assert kernel.num_stages == 4
   assert kernel.load_buffers() == [(3, 32, 128), (3, 32, 128)]
   assert kernel.blocks_per_sm() == 4
+
+
+def test_prefill_pipeline_keeps_the_next_block_in_flight(triton_available):
+  """Prefill tiles at Llama-3-8B shape (wgmma dots, which read shared memory
+  asynchronously): 3 stages give 3 buffers a tensor, and the loop's wait
+  leaves the next block's copies (2 groups: K and V) in flight. At 2 stages it
+  waited for every copy before each block's dots."""
+  t, s, p, ns = PATHS["prefill"]
+  args, kw = _attention_args(32, 8, 128, t, s, p)
+  decode, prefill = cuda_compile.compile_for_cuda(_attention(128, ns), *args,
+                                                  **kw)
+  assert prefill.num_stages == 3 and prefill.num_warps == 8
+  assert prefill.load_buffers() == [(3, 64, 128), (3, 64, 128)]
+  waits = [int(n) for n in re.findall(r"async_wait [^{]*\{num = (\d+)",
+                                      prefill.ttgir)]
+  assert waits and max(waits) >= 2, waits
+  assert prefill.blocks_per_sm() == 1 and decode.blocks_per_sm() == 4

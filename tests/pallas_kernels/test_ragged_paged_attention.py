@@ -407,9 +407,11 @@ def test_tile_lookup_has_no_loop():
     ("decode", 128, 2, 32, (1, 4)),
     ("decode", 128, 4, 16, (2, 2)),     # f32: 32 KiB a block, one ahead
     ("decode", 128, 2, 64, (1, 2)),     # a page is already 64 keys
-    # prefill tiles (128 rows): 64-key blocks, 2 stages
-    ("prefill", 128, 2, 16, (4, 2)),
-    ("prefill", 64, 2, 32, (2, 2)),
+    # prefill tiles (128 rows): 64-key blocks, 3 stages if Q and 3 K/V
+    # buffers fit in 160 KiB
+    ("prefill", 128, 2, 16, (4, 3)),    # 32 KiB + 3 x 32 KiB
+    ("prefill", 64, 2, 32, (2, 3)),
+    ("prefill", 128, 4, 16, (4, 2)),    # f32: 64 KiB + 3 x 64 KiB
 ])
 def test_choose_config_blocks_and_stages(kind, d, itemsize, page_size, want):
   t, s = (64, 64) if kind == "decode" else (512, 4)
