@@ -601,8 +601,13 @@ def _validate(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer,
   _check_int_array("cu_q_lens", cu_q_lens, (s + 1,))
 
 
-def _check_pallas_shapes(head_dim, page_size, cfg):
-  """Triton needs power-of-two blocks and >= 16 wide dot operands."""
+def _check_pallas_shapes(head_dim, page_size, cfg, pool_rows):
+  """Triton needs power-of-two blocks and >= 16 wide dot operands; the
+  kernel indexes the pool's token slots (rows) with int32."""
+  if pool_rows >= 2**31:
+    raise ValueError(f"pallas backend: the pool has {pool_rows} token slots "
+                     "(layers x kv heads x pages x page_size), more than "
+                     "int32 row indices reach.")
   if head_dim < 16 or head_dim & (head_dim - 1):
     raise ValueError(f"pallas backend needs a power-of-two head_dim >= 16, "
                      f"got head_dim={head_dim}; use backend='reference'.")
@@ -688,7 +693,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
       num_warps=num_warps, num_stages=num_stages,
       max_prefill_seqs=max_prefill_seqs)
   for call in calls:
-    _check_pallas_shapes(d, ps, call.cfg)
+    _check_pallas_shapes(d, ps, call.cfg, k_pages.size // d)
   run = functools.partial(
       _pallas_forward, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
       num_seqs, sm_scale=sm_scale, layer=layer, interpret=interpret,

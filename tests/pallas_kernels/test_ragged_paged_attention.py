@@ -332,6 +332,11 @@ def test_validation_errors():
     d = 48
     f(q[..., :d], kp[..., :d], vp[..., :d], kvl, pt, cu, ns,
       backend="pallas", interpret=True)
+  huge = jax.ShapeDtypeStruct((1, 2**27, 16, 16), jnp.float32)  # 2^31 slots
+  with pytest.raises(ValueError, match="int32 row indices"):
+    jax.eval_shape(functools.partial(f, backend="pallas", interpret=True),
+                   jax.ShapeDtypeStruct((2, 1, 16), jnp.float32), huge, huge,
+                   kvl, pt, cu, ns)
 
 
 def _random_layout_case(interpret, seqs, pad_slots, group, ps):
