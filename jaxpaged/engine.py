@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxpaged import parallel
 from jaxpaged.detokenizer import IncrementalDetokenizer
-from jaxpaged.model_runner import (KV_CACHE_DTYPES, ModelRunner, RunnerConfig, kv_bytes_per_page,
+from jaxpaged.model_runner import (ModelRunner, RunnerConfig, check_kv_cache_dtype, kv_bytes_per_page,
                                    resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -78,8 +78,7 @@ class EngineArgs:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {tuple(KV_CACHE_DTYPES)}")
+        check_kv_cache_dtype(self.kv_cache_dtype)  # before the model loads
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",

@@ -40,6 +40,11 @@ ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: choose one of {tuple(KV_CACHE_DTYPES)}")
+
+
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype, platform: str) -> np.dtype:
     """The KV pool's dtype. "auto" is the model's, except bf16 on CPU, which gets f32.
 
@@ -48,8 +53,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype, platform: str) -> n
     (SmolLM2-135M, 1 GiB pool: 5.1 s a step in bf16, 39 ms in f32). The CPU attention
     path computes in f32 anyway; the price is half as many pages for the same bytes.
     """
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: choose one of {tuple(KV_CACHE_DTYPES)}")
+    check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype != "auto":
         return np.dtype(KV_CACHE_DTYPES[kv_cache_dtype])
     if np.dtype(model_dtype) == np.dtype(jnp.bfloat16) and platform == "cpu":
@@ -112,8 +116,7 @@ class RunnerConfig:
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {tuple(KV_CACHE_DTYPES)}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.page_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"page_size (block_size)={self.page_size}: choose 8, 16, 32, 64 or 128")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_pages"):

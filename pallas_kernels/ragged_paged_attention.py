@@ -428,12 +428,13 @@ def choose_config(num_tokens, num_slots, group, page_size, max_pages,
   keys = _DECODE_BLOCK_KEYS if decode_like else _PREFILL_BLOCK_KEYS
   ppb = pages_per_block or max(1, keys // page_size)
   if num_stages is None:
-    block_bytes = 2 * ppb * page_size * head_dim * itemsize   # a K and a V block
+    block_bytes = 2 * ppb * page_size * head_dim * itemsize   # K and V blocks
     if decode_like:   # (stages - 1) blocks in flight
       num_stages = 1 + max(1, min(3, _DECODE_BUFFER_BYTES // block_bytes))
     else:             # Q, and 3 buffers at 3 stages
       q_bytes = rows * head_dim * itemsize
-      num_stages = 3 if 3 * block_bytes + q_bytes <= _PREFILL_SHARED_BYTES else 2
+      fits = 3 * block_bytes + q_bytes <= _PREFILL_SHARED_BYTES
+      num_stages = 3 if fits else 2
   if num_splits is None:
     max_blocks = max(1, -(-max_pages // ppb))
     tiles = num_tiles_bound(num_tokens, num_slots, bq) * num_kv_heads
@@ -448,7 +449,6 @@ class KernelCall:
   """One pallas_call of a batch: its tiling and static number of tiles."""
   cfg: KernelConfig
   num_tiles: int
-  decodes_only: bool  # runs only sequences of at most cfg.block_q queries
 
 
 def plan_kernel_calls(num_tokens, num_slots, group, page_size, max_pages,
@@ -467,11 +467,11 @@ def plan_kernel_calls(num_tokens, num_slots, group, page_size, max_pages,
   cfg = config(num_tokens, num_slots, block_q=block_q)
   if block_q is not None or num_tokens <= num_slots:
     return (KernelCall(cfg, num_tiles_bound(num_tokens, num_slots,
-                                            cfg.block_q), False),)
+                                            cfg.block_q)),)
   prefill_seqs = min(num_slots, max_prefill_seqs or num_slots)
-  return (KernelCall(config(num_slots, num_slots), num_slots, True),
+  return (KernelCall(config(num_slots, num_slots), num_slots),
           KernelCall(cfg, num_tiles_bound(num_tokens, prefill_seqs,
-                                          cfg.block_q), False))
+                                          cfg.block_q)))
 
 
 def _merge_splits(o, lse):
@@ -511,7 +511,8 @@ def _pallas_call(q_tiles, k_flat, v_flat, page_table, sched, layer, *,
   kernel = functools.partial(
       _rpa_kernel, sm_scale=sm_scale, group=group, block_q=cfg.block_q,
       pages_per_block=cfg.pages_per_block, page_size=page_size,
-      num_pages=num_pages, num_kv_heads=num_kv_heads, num_splits=ns, num_aliased=len(aliases),
+      num_pages=num_pages, num_kv_heads=num_kv_heads, num_splits=ns,
+      num_aliased=len(aliases),
       precision=_kernel_precision(q_tiles.dtype, interpret))
   outs = pl.pallas_call(
       kernel, grid=(kvh, nt, ns), in_specs=in_specs, out_specs=out_specs,

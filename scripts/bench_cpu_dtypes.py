@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from jaxpaged.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_page  # noqa: E402
+from jaxpaged.model_runner import (ModelRunner, RunnerConfig, kv_bytes_per_page,  # noqa: E402
+                                   resolve_kv_cache_dtype)
 from jaxpaged.models.llama import LlamaConfig, init_params  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
 from jaxpaged.scheduler import ScheduledRequest  # noqa: E402
@@ -35,9 +36,7 @@ ROWS = [("float32", "auto"), ("bfloat16", "bfloat16"), ("bfloat16", "auto")]  # 
 def step_ms(weights: str, kv_cache_dtype: str, budget: int, steps: int) -> tuple[float, str, int]:
     """(median ms a decode step, the pool's dtype, pages) for one configuration."""
     params = init_params(SMOLLM2_135M, jax.random.PRNGKey(0), jnp.dtype(weights))
-    probe = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, page_size=16,
-                         num_pages=2, attention_backend="xla", kv_cache_dtype=kv_cache_dtype)
-    kv_dtype = probe.kv_dtype(params["embed"].dtype)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, params["embed"].dtype, jax.default_backend())
     pages = budget // kv_bytes_per_page(SMOLLM2_135M, 16, kv_dtype)
     runner = ModelRunner(SMOLLM2_135M, params, RunnerConfig(
         max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, page_size=16, num_pages=pages,
