@@ -33,16 +33,13 @@ from pallas_kernels import ragged_paged_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention import plan_kernel_calls  # noqa: E402
 
 
-def timeit(fn, *args, rounds, inner, warmup=2):
-  """(median device seconds per call of fn(*args), its output).
-
-  One jitted program makes `inner` calls in a row, unrolled: an XLA:GPU
-  while loop syncs with the host each iteration (~20 us). Each call's q
-  depends on the sum of the whole previous output, so no call is merged,
-  hoisted or cut short (a dependency on one element let XLA compute only
-  that element of the pure-XLA reference). Timed is device work plus kernel
-  launches (and one small reduction a call), not Python dispatch.
-  """
+def chain(fn, inner):
+  """One jitted program making `inner` calls of fn in a row, unrolled: an
+  XLA:GPU while loop syncs with the host each iteration (~20 us). Each call's
+  q depends on the sum of the whole previous output, so no call is merged,
+  hoisted or cut short (a dependency on one element let XLA compute only that
+  element of the pure-XLA reference). Timed is device work plus kernel
+  launches (and one small reduction a call), not Python dispatch."""
   @jax.jit
   def chained(q, *rest):  # arrays as arguments: closures would be constants
     out = jnp.zeros_like(q)
@@ -50,21 +47,48 @@ def timeit(fn, *args, rounds, inner, warmup=2):
       dep = (jnp.sum(out, dtype=jnp.float32) * 0).astype(q.dtype)
       out = fn(q + dep, *rest).astype(q.dtype)
     return out
+  return chained
 
-  for _ in range(warmup):
-    out = jax.block_until_ready(chained(*args))
-  times = []
+
+def time_interleaved(fns, args, *, rounds, inner, warmup_s=0.2):
+  """{name: (median device seconds per call, last output)} of each fns[name]
+  on args; names whose program fails to build map to the exception.
+
+  All programs are built first and the device is kept busy for warmup_s;
+  then each round times every program once, in turn. A GPU left idle during
+  compiles runs slower for a while, which had fallen on whichever variant was
+  timed first (2026-11-29: the same tiling 8% apart in two runs)."""
+  progs, outs, result = {}, {}, {}
+  for name, fn in fns.items():
+    try:
+      progs[name] = chain(fn, inner)
+      outs[name] = jax.block_until_ready(progs[name](*args))
+    except Exception as e:  # pylint: disable=broad-except
+      progs.pop(name)
+      result[name] = e
+  t0 = time.perf_counter()
+  while True:   # at least one warm call of each
+    for prog in progs.values():
+      jax.block_until_ready(prog(*args))
+    if time.perf_counter() - t0 >= warmup_s:
+      break
+  times = {name: [] for name in progs}
   for _ in range(rounds):
-    t0 = time.perf_counter()
-    jax.block_until_ready(chained(*args))
-    times.append((time.perf_counter() - t0) / inner)
-  return statistics.median(times), out   # out: the last call, fn(*args)
+    for name, prog in progs.items():
+      t0 = time.perf_counter()
+      outs[name] = jax.block_until_ready(prog(*args))
+      times[name].append((time.perf_counter() - t0) / inner)
+  for name in progs:
+    result[name] = (statistics.median(times[name]), outs[name])
+  return result
 
 
 def copy_bandwidth(nbytes, rounds, inner):
   """Bytes read + written per second by a device-to-device elementwise copy:
-  back-to-back calls of one jitted program (at 1 GiB, dispatch is hidden)."""
-  x = jax.random.normal(jax.random.PRNGKey(1), (nbytes // 2,), jnp.bfloat16)
+  back-to-back calls of one jitted program (at 1 GiB, dispatch is hidden).
+  f32, not bf16: on an H200, XLA's bf16 elementwise kernel stops near
+  3.3 TB/s (1 GiB, 2026-11-29) while f32 ones and a plain copy reach ~4.1."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (nbytes // 4,), jnp.float32)
   f = jax.jit(lambda a: a * 2)       # one read + one write of nbytes
   for _ in range(2):
     jax.block_until_ready(f(x))
@@ -133,22 +157,31 @@ def bench_row(name, args, needed, *, sm_scale, decode, opts, copy_bw, jpa):
       interpret=opts.smoke))
   ref = jax.jit(functools.partial(
       ragged_paged_attention, sm_scale=sm_scale, backend="reference"))
-  timing = dict(rounds=opts.rounds, inner=opts.inner)
-  t_ours, out = timeit(ours, *args, **timing)
+  fns = {"ours": ours}
+  if not opts.skip_reference:
+    fns["ref"] = ref
+  if decode and jpa is not None:
+    fns["jpa"] = jpa
+  timed = time_interleaved(fns, args, rounds=opts.rounds, inner=opts.inner)
+  if isinstance(timed["ours"], Exception):
+    raise timed["ours"]
+  t_ours, out = timed["ours"]
   if opts.skip_reference:
-    t_ref, ref_out = None, jax.jit(ref)(*args)
+    t_ref, ref_out = None, ref(*args)
+  elif isinstance(timed["ref"], Exception):
+    raise timed["ref"]
   else:
-    t_ref, ref_out = timeit(ref, *args, **timing)
+    t_ref, ref_out = timed["ref"]
   ref_out = ref_out.astype(jnp.float32)
   err = float(jnp.abs(out.astype(jnp.float32) - ref_out).max())
   t_jpa = None
-  if decode and jpa is not None:
-    try:
-      t_jpa, jout = timeit(jpa, *args, **timing)
-      err = max(err, float(jnp.abs(jout.astype(jnp.float32) - ref_out).max()))
-    except Exception as e:  # pylint: disable=broad-except
-      print(f"  [{name}] jax paged_attention failed: {type(e).__name__}: "
-            f"{str(e)[:200]}")
+  if isinstance(timed.get("jpa"), Exception):
+    e = timed["jpa"]
+    print(f"  [{name}] jax paged_attention failed: {type(e).__name__}: "
+          f"{str(e)[:200]}")
+  elif "jpa" in timed:
+    t_jpa, jout = timed["jpa"]
+    err = max(err, float(jnp.abs(jout.astype(jnp.float32) - ref_out).max()))
   gbs = needed / t_ours / 1e9
   row = dict(name=name, us=t_ours * 1e6, gbs=gbs,
              pct=100 * needed / t_ours / copy_bw,
@@ -181,24 +214,33 @@ def configs(smoke):
   return [1, 16, 64, 256], [512, 2048, 8192], mixed
 
 
-# Tiling variants the sweep times against the heuristic's choice (None).
-# The first is the default before 2026-11-29's pipelining change (64-key
-# blocks, 2 stages, decode and prefill tiles alike), the rest bracket the new
-# defaults (decode: 32-key blocks, 4 stages; prefill: 64-key blocks, 3
-# stages) in block size, depth, warps and splits.
-SWEEP_VARIANTS = [None, dict(pages_per_block=4, num_stages=2)] + [
-    dict(pages_per_block=k, num_stages=st)
-    for k, st in ((4, 3), (2, 3), (2, 5), (1, 6), (8, 2))] + [
-    dict(num_warps=k) for k in (2, 8)] + [
-    dict(num_splits="half"), dict(num_splits="x2"), dict(num_splits="x4")]
+# Tiling variants the sweep times against the heuristic's choice, by label.
+# "old" is the default before 2026-11-29's pipelining change (64-key blocks,
+# 2 stages); the rest bracket today's defaults (decode: 32-key blocks, 4
+# stages, 4 warps; prefill: 64-key blocks, 3 stages, 8 warps) in warps, block
+# size, depth and splits. Warp counts are decode-tile choices: rows with
+# prefill tiles skip them. On 2026-11-29, 2 decode warps came out 5-15%
+# faster than 4 on long rows in one run and within noise in the next, where
+# b=64 ctx=512 ran 50% slower (docs/benchmarks.md): the short rows settle it.
+SWEEP_VARIANTS = {
+    "default": {},
+    "old": dict(pages_per_block=4, num_stages=2),
+    "warps 2": dict(num_warps=2),
+    "ppb 4 st 3": dict(pages_per_block=4, num_stages=3),
+    "ppb 8 st 2": dict(pages_per_block=8, num_stages=2),
+    "ppb 8 st 3": dict(pages_per_block=8, num_stages=3),
+    "splits half": dict(num_splits="half"),
+    "splits x2": dict(num_splits="x2"),
+}
 
 
 def sweep_cases(smoke):
   if smoke:
     return {"decode b=4 ctx=200": [(1, 200)] * 4}
   return {"decode b=64 ctx=2048": [(1, 2048)] * 64,
+          "decode b=64 ctx=512": [(1, 512)] * 64,
+          "decode b=1 ctx=512": [(1, 512)],
           "decode b=1 ctx=8192": [(1, 8192)],
-          "decode b=16 ctx=8192": [(1, 8192)] * 16,
           "decode b=256 ctx=512": [(1, 512)] * 256,
           "mixed: 512 chunk/+1536 + 63 dec@2k": [(512, 2048)]
                                                 + [(1, 2048)] * 63,
@@ -227,23 +269,27 @@ def run_sweep(opts, copy_bw, rng, shapes, dtype, out_rows):
   for name, seqs in sweep_cases(opts.smoke).items():
     args, needed = make_step(rng, hq=hq, kvh=kvh, d=d, ps=ps, seqs=seqs,
                              dtype=dtype)
-    base = None
-    for variant in SWEEP_VARIANTS:
-      try:
-        kw = resolve_variant(variant, args, hq // kvh, ps)
-        fn = jax.jit(functools.partial(
-            ragged_paged_attention, sm_scale=d ** -0.5, backend="pallas",
-            interpret=opts.smoke, **kw))
-        t, _ = timeit(fn, *args, rounds=opts.rounds, inner=opts.inner)
-      except Exception as e:  # pylint: disable=broad-except
-        print(f"  {name} {kw}: failed: {type(e).__name__}: {str(e)[:160]}")
+    fns, kws = {}, {}
+    for label, variant in SWEEP_VARIANTS.items():
+      if "num_warps" in variant and not name.startswith("decode"):
+        continue   # a prefill tile's warps: not what these variants probe
+      kws[label] = resolve_variant(variant, args, hq // kvh, ps)
+      fns[label] = functools.partial(
+          ragged_paged_attention, sm_scale=d ** -0.5, backend="pallas",
+          interpret=opts.smoke, **kws[label])
+    timed = time_interleaved(fns, args, rounds=opts.rounds, inner=opts.inner)
+    base = timed["default"][0]
+    for label, kw in kws.items():
+      if isinstance(timed[label], Exception):
+        e = timed[label]
+        print(f"  {name} {label}: failed: {type(e).__name__}: {str(e)[:160]}")
         continue
-      base = base or t
-      print(f"  {name:34s} {str(kw or 'default'):44s} {t * 1e6:9.1f} us "
+      t = timed[label][0]
+      print(f"  {name:34s} {label:12s} {str(kw or ''):44s} {t * 1e6:9.1f} us "
             f"{100 * needed / t / copy_bw:5.1f} %copy  x default "
             f"{base / t:5.2f}", flush=True)
-      out_rows.append(dict(kind="sweep", name=name, variant=kw, us=t * 1e6,
-                           pct=100 * needed / t / copy_bw))
+      out_rows.append(dict(kind="sweep", name=name, label=label, variant=kw,
+                           us=t * 1e6, pct=100 * needed / t / copy_bw))
     del args
 
 

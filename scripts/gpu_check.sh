@@ -16,12 +16,14 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
-SMOKE=() MODE=gpu SCALE=1 SWEEP=1
+SMOKE=() MODE=gpu SCALE=1 SWEEP=1 ENGINE=1
 for arg in "$@"; do
   case $arg in
     --smoke) SMOKE=(--smoke) MODE=interpret SCALE=4 ;;
     --skip-sweep) SWEEP=0 ;;
-    *) echo "usage: gpu_check.sh [--smoke] [--skip-sweep]" >&2; exit 2 ;;
+    --skip-engine) ENGINE=0 ;;
+    *) echo "usage: gpu_check.sh [--smoke] [--skip-sweep] [--skip-engine]" >&2
+       exit 2 ;;
   esac
 done
 DIR="${OUT:-$(mktemp -d)}"
@@ -57,15 +59,12 @@ if rows:
     print(f"{r['name']:36s} {r['us']:8.1f} {r['pct']:6.1f} {f(r['vs_ref'])} "
           f" {f(r['vs_jax'])}")
 sweep = sys.argv[2]
-OLD_TILING = {"pages_per_block": 4, "num_stages": 2}  # default before 2026-11-29's change
 if os.path.exists(sweep):
   best = {}
   for r in map(json.loads, open(sweep)):
     d = best.setdefault(r["name"], {"default": None, "best": None})
-    if not r["variant"]:
-      d["default"] = r
-    if r["variant"] == OLD_TILING:
-      d["old"] = r
+    if r["label"] in ("default", "old"):
+      d[r["label"]] = r
     if d["best"] is None or r["us"] < d["best"]["us"]:
       d["best"] = r
   print("sweep: best tiling per row (x = default time / best time; "
@@ -76,7 +75,7 @@ if os.path.exists(sweep):
     old = d.get("old", {}).get("us", float("nan"))
     print(f"  {name:36s} {b['us']:8.1f} us {b['pct']:5.1f} %copy "
           f"x{base / b['us']:4.2f} vs old x{old / base:4.2f} "
-          f"{b['variant'] or 'default'}")
+          f"{b['label']} {b['variant'] or ''}")
 PYEOF
   grep -E "^(FAILED|ERROR) " "$LOG" | cut -c1-160 | head -n 12
   grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -n 1
@@ -114,8 +113,10 @@ PYEOF
     --kernel-mode=$MODE "${xdist[@]}" -rfEs --tb=short --durations=8 \
     || status=1
 
-  section "engine end to end" 140 "$PY" scripts/bench_engine_gpu.py "${SMOKE[@]}" \
-    || status=1
+  if [ $ENGINE -eq 1 ]; then
+    section "engine end to end" 140 "$PY" scripts/bench_engine_gpu.py \
+      "${SMOKE[@]}" || status=1
+  fi
 
   summary
   echo "== gpu_check done: $([ $status -eq 0 ] && echo PASS || echo FAIL)"

@@ -133,7 +133,7 @@ def test_decode_pipeline_keeps_page_loads_in_flight(triton_available):
   t, s, p, ns = PATHS["decode"]
   args, kw = _attention_args(32, 8, 128, t, s, p)
   kernel, = cuda_compile.compile_for_cuda(_attention(128, ns), *args, **kw)
-  assert kernel.num_stages == 4
+  assert kernel.num_stages == 4 and kernel.num_warps == 4
   assert kernel.load_buffers() == [(3, 32, 128), (3, 32, 128)]
   assert kernel.blocks_per_sm() == 4
 
