@@ -351,6 +351,15 @@ class ModelRunner:
         if self.multi_process and parallel.is_leader():
             parallel.broadcast_step(None, empty_step)
 
+    def lower(self, step: StepInput) -> jax.stages.Lowered:
+        """The jitted step lowered at `step`'s shapes, to read its HLO or compile it with XLA options
+        (`.compile(compiler_options={...})`). The compiled program takes (params, kv, step), donates
+        kv and returns (logits, kv)."""
+        static = (self.model_config, self.config.attention)
+        if self.mesh is None:
+            return self._step.lower(*static, self.params, self.kv, step)
+        return self._step.lower(*static, self.params, self.kv, step, self.mesh)
+
     def _run(self, step: StepInput) -> jax.Array:
         if self.mesh is None:
             logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv, step)

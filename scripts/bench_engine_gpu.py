@@ -79,11 +79,28 @@ def median_ms(fn, iters: int) -> float:
     return 1e3 * float(np.median(times))
 
 
+# Lets a cuBLAS gemm read a layer's weights in place from the stacked params the layer scan slices
+# (scripts/bench_layer_scan.py asks whether XLA copies them otherwise).
+DSF = {"xla_gpu_enable_dynamic_slice_fusion": True}
+
+
+def model_with_options(runner, step, options: dict, iters: int) -> float:
+    """Median ms of the runner's forward at `step`, compiled with XLA `options`. The pool is donated:
+    each call's updated pool goes back to the runner, as `execute` does."""
+    compiled = runner.lower(step).compile(compiler_options=options)
+
+    def call():
+        logits, runner.kv = compiled(runner.params, runner.kv, step)
+        jax.block_until_ready(logits)
+    return median_ms(call, iters)
+
+
 def step_breakdown(engine: LLMEngine, context: int, iters: int) -> dict[str, float]:
     """A batch-1 decode step at `context` tokens, split into its parts (ms).
 
     prepare: host packing of the step input; model: the jitted forward alone,
-    waited for; sample: the sampler on its logits plus the copy to the host;
+    waited for (and compiled with XLA's dynamic-slice fusion); sample: the sampler on its logits
+    plus the copy to the host;
     engine step: the whole `LLMEngine.step` (scheduler, both device calls,
     output bookkeeping) on a live request. The direct probes' page table is
     all null page (page 0, where padding writes anyway), so they touch no page
@@ -97,6 +114,10 @@ def step_breakdown(engine: LLMEngine, context: int, iters: int) -> dict[str, flo
     step = runner.prepare([entry])
     out = {"prepare": median_ms(lambda: runner.prepare([entry]), iters),
            "model": median_ms(lambda: jax.block_until_ready(runner.execute(step)), iters)}
+    try:
+        out["model with dynamic-slice fusion"] = model_with_options(runner, step, DSF, iters)
+    except Exception as e:  # pylint: disable=broad-except  (an XLA without the option)
+        print(f"model with {DSF}: failed: {type(e).__name__}: {str(e)[:200]}")
     logits = runner.execute(step)
     batch = make_sampling_batch([RowInfo(params=params, seed=0)], logits.shape[0], logits.shape[1])
     out["sample"] = median_ms(lambda: jax.device_get(sample_jit(logits, batch)), iters)

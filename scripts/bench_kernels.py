@@ -50,9 +50,12 @@ def chain(fn, inner):
   return chained
 
 
-def time_interleaved(fns, args, *, rounds, inner, warmup_s=0.2):
+def time_interleaved(fns, args, *, rounds, inner, warmup_s=0.2,
+                     compiler_options=None, programs=None):
   """{name: (median device seconds per call, last output)} of each fns[name]
   on args; names whose program fails to build map to the exception.
+  compiler_options: {name: XLA options} to compile that name's program with;
+  programs: a dict that receives each name's compiled (chained) program.
 
   All programs are built first and the device is kept busy for warmup_s;
   then each round times every program once, in turn. A GPU left idle during
@@ -61,7 +64,8 @@ def time_interleaved(fns, args, *, rounds, inner, warmup_s=0.2):
   progs, outs, result = {}, {}, {}
   for name, fn in fns.items():
     try:
-      progs[name] = chain(fn, inner)
+      progs[name] = chain(fn, inner).lower(*args).compile(
+          compiler_options=(compiler_options or {}).get(name))
       outs[name] = jax.block_until_ready(progs[name](*args))
     except Exception as e:  # pylint: disable=broad-except
       progs.pop(name)
@@ -72,6 +76,8 @@ def time_interleaved(fns, args, *, rounds, inner, warmup_s=0.2):
       jax.block_until_ready(prog(*args))
     if time.perf_counter() - t0 >= warmup_s:
       break
+  if programs is not None:
+    programs.update(progs)
   times = {name: [] for name in progs}
   for _ in range(rounds):
     for name, prog in progs.items():

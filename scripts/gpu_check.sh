@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# One-command GPU check for pallas_kernels (JAX 0.11.x, no registry access):
+# One-command GPU check for pallas_kernels and the engine (JAX 0.11.x, no
+# registry access), each section under its own time limit so one stuck part
+# cannot eat the others:
 #   1. kernel benchmarks (scripts/bench_kernels.py): the decode grid and mixed
 #      batches vs the pure-JAX path and JAX's paged_attention,
-#   2. a tiling sweep of our kernel on a few rows (bench_kernels.py --sweep),
+#   2. the layer-scan probe (scripts/bench_layer_scan.py): does the scan over
+#      stacked weights copy each layer's weights?
 #   3. kernel tests compiled for the GPU (pytest --kernel-mode=gpu),
 #   4. the engine end to end (scripts/bench_engine_gpu.py),
-# then a short summary table. The figures come first: they are what a lent
-# GPU is for, and each section has its own time limit so one stuck part
-# cannot eat the others. Logs and JSON rows go to $OUT when it is set.
-# Usage: bash scripts/gpu_check.sh           (on the GPU machine)
+#   5. a tiling sweep of our kernel on a few rows (bench_kernels.py --sweep),
+#      in whatever is left of the time budget,
+# then a short summary table. Logs, JSON rows and the probe's HLO go to $OUT
+# when it is set.
+# Usage: bash scripts/gpu_check.sh [--budget SECONDS]   (on the GPU machine;
+#          the whole run ends within the budget, default 570)
 #        bash scripts/gpu_check.sh --smoke   (any machine: tiny sizes, kernels
 #        in interpret mode; scripts/check_gpu_image_cpu.sh runs it in CI)
 set -u -o pipefail
@@ -16,15 +21,17 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
-SMOKE=() MODE=gpu SCALE=1 SWEEP=1 ENGINE=1
-for arg in "$@"; do
-  case $arg in
+SMOKE=() MODE=gpu SCALE=1 SWEEP=1 ENGINE=1 BUDGET=570
+usage="usage: gpu_check.sh [--smoke] [--budget SECONDS] [--skip-sweep] [--skip-engine]"
+while [ $# -gt 0 ]; do
+  case $1 in
     --smoke) SMOKE=(--smoke) MODE=interpret SCALE=4 ;;
+    --budget) BUDGET=${2:?$usage}; shift ;;
     --skip-sweep) SWEEP=0 ;;
     --skip-engine) ENGINE=0 ;;
-    *) echo "usage: gpu_check.sh [--smoke] [--skip-sweep] [--skip-engine]" >&2
-       exit 2 ;;
+    *) echo "$usage" >&2; exit 2 ;;
   esac
+  shift
 done
 DIR="${OUT:-$(mktemp -d)}"
 mkdir -p "$DIR"
@@ -79,6 +86,7 @@ if os.path.exists(sweep):
 PYEOF
   grep -E "^(FAILED|ERROR) " "$LOG" | cut -c1-160 | head -n 12
   grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -n 1
+  sed -n '/== layer scan probe/,/^== /p' "$LOG" | grep -E "^ +[0-9]+ " | cut -c1-120
   sed -n '/== engine on device/,$p' "$LOG" | head -n 5
   cat "$RESULTS"
 }
@@ -98,24 +106,30 @@ for mod in ("pytest", "hypothesis", "xdist", "flax", "transformers"):
         print(f"{mod}: NOT installed")
 PYEOF
 
-  section "kernel benchmarks" 180 "$PY" scripts/bench_kernels.py "${SMOKE[@]}" \
+  section "kernel benchmarks" 150 "$PY" scripts/bench_kernels.py "${SMOKE[@]}" \
     --json "$DIR/bench_kernels.jsonl" || status=1
-  if [ $SWEEP -eq 1 ]; then
-    section "tiling sweep" 130 "$PY" scripts/bench_kernels.py --sweep \
-      "${SMOKE[@]}" --rounds 7 --json "$DIR/sweep.jsonl" || status=1
-  fi
+  section "layer scan probe" 80 "$PY" scripts/bench_layer_scan.py "${SMOKE[@]}" \
+    --hlo "$DIR/layer_scan_hlo.txt" || status=1
 
   local xdist=()
   "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
   # Several test processes share the GPU: no process takes 75% of it up front.
-  XLA_PYTHON_CLIENT_PREALLOCATE=false section "kernel tests ($MODE)" 150 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false section "kernel tests ($MODE)" 130 \
     "$PY" -m pytest tests/pallas_kernels -q -p no:cacheprovider \
     --kernel-mode=$MODE "${xdist[@]}" -rfEs --tb=short --durations=8 \
     || status=1
 
   if [ $ENGINE -eq 1 ]; then
-    section "engine end to end" 140 "$PY" scripts/bench_engine_gpu.py \
+    section "engine end to end" 120 "$PY" scripts/bench_engine_gpu.py \
       "${SMOKE[@]}" || status=1
+  fi
+  # The sweep takes what is left; stopped at its limit, it still writes the rows it timed.
+  local left=$(( (BUDGET * SCALE - SECONDS - 15) / SCALE ))
+  if [ $SWEEP -eq 1 ] && [ $left -ge 30 ]; then
+    section "tiling sweep" $left "$PY" scripts/bench_kernels.py --sweep \
+      "${SMOKE[@]}" --rounds 7 --json "$DIR/sweep.jsonl" || status=1
+  elif [ $SWEEP -eq 1 ]; then
+    echo "== tiling sweep skipped: ${left}s left of the ${BUDGET}s budget"
   fi
 
   summary

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.engine import EngineArgs, LLMEngine
-from jaxpaged.model_runner import (ModelRunner, RunnerConfig, kv_bytes_per_page, paged_forward,
+from jaxpaged.model_runner import (ModelRunner, RunnerConfig, kv_bytes_per_page,
                                    resolve_kv_cache_dtype)
 from jaxpaged.models.llama import forward_jit
 from jaxpaged.models.loader import load_model
@@ -126,6 +126,22 @@ def test_kv_pool_sized_from_memory_budget(tiny):
         LLMEngine(dataclasses.replace(args, kv_cache_memory=per_page * 4), loaded=tiny)
 
 
+def test_lowered_step_compiles_with_xla_options(tiny):
+    """`lower` gives the exact step `execute` runs, to read or to compile with XLA options (the GPU benchmark
+    tries dynamic-slice fusion this way): same logits, and the pool goes in donated and comes back."""
+    tokens = np.random.default_rng(1).integers(0, 256, size=20).tolist()
+    want_runner = ModelRunner(tiny.config, tiny.params, CONFIG)
+    want = want_runner.execute(want_runner.prepare([entry("a", tokens, 0, [3, 7])]))
+    runner = ModelRunner(tiny.config, tiny.params, CONFIG)
+    step = runner.prepare([entry("a", tokens, 0, [3, 7])])
+    compiled = runner.lower(step).compile(compiler_options={"xla_gpu_enable_dynamic_slice_fusion": True})
+    logits, kv = compiled(runner.params, runner.kv, step)
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(want[0]), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(kv.k), np.asarray(want_runner.kv.k))
+    with pytest.raises(Exception, match="No such compile option"):
+        runner.lower(step).compile(compiler_options={"xla_no_such_option": True})
+
+
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 
 
@@ -141,11 +157,10 @@ def test_resolve_kv_cache_dtype(choice, model, platform, want):
 
 def _pool_sized_passes(config, params, num_pages, kv_dtype):
     """Lines of the compiled CPU step that convert or copy an array of the pool's size."""
-    runner_cfg = dataclasses.replace(CONFIG, attention_backend="xla", num_pages=num_pages)
-    pool = ModelRunner(config, params, dataclasses.replace(runner_cfg, kv_cache_dtype=kv_dtype)).kv
-    step = ModelRunner(config, params, runner_cfg).prepare([entry("a", [1, 2], 0, [1])])
-    text = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,)).lower(
-        config, runner_cfg.attention, params, pool, step).compile().as_text()
+    runner_cfg = dataclasses.replace(CONFIG, attention_backend="xla", num_pages=num_pages, kv_cache_dtype=kv_dtype)
+    runner = ModelRunner(config, params, runner_cfg)
+    pool = runner.kv
+    text = runner.lower(runner.prepare([entry("a", [1, 2], 0, [1])])).compile().as_text()
     # e.g. "%convert.7 = f32[2,2,64,16,8]{4,3,2,1,0} convert(%param.1)"
     result = re.compile(r"= \w+\[([\d,]+)\]\S* (?:convert|copy)\(")
     return [line for line in text.splitlines() if (m := result.search(line))
