@@ -213,7 +213,10 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
                   step: StepInput, mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
     """Logits f32[S, V] at each sequence's last fed token, and the updated pool.
 
-    With a mesh, attention runs per tensor-parallel shard (local heads, local pool slice).
+    params["layers"] is either stacked ({name: [L, ...]}, scanned: one layer compiled) or a list of L
+    per-layer dicts (a Python loop: L layers compiled, but no weight is sliced out of a stack, which
+    XLA:GPU may copy before each gemm; docs/benchmarks.md). With a mesh, attention runs per
+    tensor-parallel shard (local heads, local pool slice).
     """
     cos, sin = rope_cos_sin(config, step.positions)  # [T, D]
     attend_paged = functools.partial(_attend_paged, sm_scale=1.0 / math.sqrt(config.head_dim),
@@ -232,9 +235,14 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
         h, (k_pool, v_pool) = decoder_layer(config, layer_params, h, cos, sin, attend)
         return (h, k_pool, v_pool), None
 
-    layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
-    h = embed_tokens(params, step.token_ids)  # [T, E]
-    (h, k, v), _ = jax.lax.scan(body, (h, kv.k, kv.v), (params["layers"], layers))
+    carry = (embed_tokens(params, step.token_ids), kv.k, kv.v)  # h [T, E], the pool
+    if isinstance(params["layers"], Sequence):
+        for layer, layer_params in enumerate(params["layers"]):
+            carry, _ = body(carry, (layer_params, jnp.int32(layer)))
+    else:
+        layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
+        carry, _ = jax.lax.scan(body, carry, (params["layers"], layers))
+    h, k, v = carry
     logits = lm_logits(config, params, h[step.logits_indices])  # [S, V]
     return logits, KVPool(k, v)
 
@@ -351,14 +359,13 @@ class ModelRunner:
         if self.multi_process and parallel.is_leader():
             parallel.broadcast_step(None, empty_step)
 
-    def lower(self, step: StepInput) -> jax.stages.Lowered:
-        """The jitted step lowered at `step`'s shapes, to read its HLO or compile it with XLA options
-        (`.compile(compiler_options={...})`). The compiled program takes (params, kv, step), donates
-        kv and returns (logits, kv)."""
-        static = (self.model_config, self.config.attention)
-        if self.mesh is None:
-            return self._step.lower(*static, self.params, self.kv, step)
-        return self._step.lower(*static, self.params, self.kv, step, self.mesh)
+    def lower(self, step: StepInput, params: Params | None = None) -> jax.stages.Lowered:
+        """The jitted step lowered at `step`'s shapes (and `params`' layout, by default the runner's),
+        to read its HLO or compile it with XLA options (`.compile(compiler_options={...})`). The
+        compiled program takes (params, kv, step), donates kv and returns (logits, kv)."""
+        args = (self.model_config, self.config.attention, self.params if params is None else params,
+                self.kv, step)
+        return self._step.lower(*args) if self.mesh is None else self._step.lower(*args, self.mesh)
 
     def _run(self, step: StepInput) -> jax.Array:
         if self.mesh is None:

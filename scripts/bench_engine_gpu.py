@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import copy_bandwidth  # noqa: E402  (one definition for both GPU scripts)
 from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
-from jaxpaged.models.llama import LlamaConfig, init_params  # noqa: E402
+from jaxpaged.models.llama import LlamaConfig, init_params, unstack_layers  # noqa: E402
 from jaxpaged.models.loader import LoadedModel  # noqa: E402
 from jaxpaged.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
@@ -84,13 +84,14 @@ def median_ms(fn, iters: int) -> float:
 DSF = {"xla_gpu_enable_dynamic_slice_fusion": True}
 
 
-def model_with_options(runner, step, options: dict, iters: int) -> float:
-    """Median ms of the runner's forward at `step`, compiled with XLA `options`. The pool is donated:
-    each call's updated pool goes back to the runner, as `execute` does."""
-    compiled = runner.lower(step).compile(compiler_options=options)
+def model_variant(runner, step, iters: int, *, options: dict | None = None, params=None) -> float:
+    """Median ms of the runner's forward at `step`, compiled with XLA `options` and/or run on another
+    layout of the params. The pool is donated: each call's pool goes back to the runner, as in `execute`."""
+    params = runner.params if params is None else params
+    compiled = runner.lower(step, params).compile(compiler_options=options)
 
     def call():
-        logits, runner.kv = compiled(runner.params, runner.kv, step)
+        logits, runner.kv = compiled(params, runner.kv, step)
         jax.block_until_ready(logits)
     return median_ms(call, iters)
 
@@ -99,25 +100,17 @@ def step_breakdown(engine: LLMEngine, context: int, iters: int) -> dict[str, flo
     """A batch-1 decode step at `context` tokens, split into its parts (ms).
 
     prepare: host packing of the step input; model: the jitted forward alone,
-    waited for (and compiled with XLA's dynamic-slice fusion); sample: the sampler on its logits
-    plus the copy to the host;
+    waited for; sample: the sampler on its logits plus the copy to the host;
     engine step: the whole `LLMEngine.step` (scheduler, both device calls,
     output bookkeeping) on a live request. The direct probes' page table is
     all null page (page 0, where padding writes anyway), so they touch no page
     a request or the prefix cache owns. They read as many K/V bytes as a real
     step, but from one page that stays in cache: a slight underestimate.
     """
-    runner, ps = engine.runner, engine.runner_config.page_size
-    pages = (0,) * (context // ps + 1)
-    params = SamplingParams(temperature=0.0, max_tokens=iters + 8, ignore_eos=True, detokenize=False)
-    entry = ScheduledRequest("probe", (1,), context, pages, True, params, context)
-    step = runner.prepare([entry])
+    runner = engine.runner
+    step, entry, params = probe_step(engine, context, iters)
     out = {"prepare": median_ms(lambda: runner.prepare([entry]), iters),
            "model": median_ms(lambda: jax.block_until_ready(runner.execute(step)), iters)}
-    try:
-        out["model with dynamic-slice fusion"] = model_with_options(runner, step, DSF, iters)
-    except Exception as e:  # pylint: disable=broad-except  (an XLA without the option)
-        print(f"model with {DSF}: failed: {type(e).__name__}: {str(e)[:200]}")
     logits = runner.execute(step)
     batch = make_sampling_batch([RowInfo(params=params, seed=0)], logits.shape[0], logits.shape[1])
     out["sample"] = median_ms(lambda: jax.device_get(sample_jit(logits, batch)), iters)
@@ -128,6 +121,34 @@ def step_breakdown(engine: LLMEngine, context: int, iters: int) -> dict[str, flo
     out["engine step"] = median_ms(engine.step, iters)
     engine.abort_request("probe")
     return out
+
+
+def probe_step(engine: LLMEngine, context: int, iters: int):
+    """(step input, its ScheduledRequest, its SamplingParams) of a batch-1 decode at `context` whose
+    page table is all null page."""
+    pages = (0,) * (context // engine.runner_config.page_size + 1)
+    params = SamplingParams(temperature=0.0, max_tokens=iters + 8, ignore_eos=True, detokenize=False)
+    entry = ScheduledRequest("probe", (1,), context, pages, True, params, context)
+    return engine.runner.prepare([entry]), entry, params
+
+
+def forward_variants(engine: LLMEngine, context: int, iters: int):
+    """Yields (name, ms or the exception) of the batch-1 forward compiled with XLA's dynamic-slice
+    fusion, then on per-layer weights (a transient copy of the layers; every layer compiled)."""
+    runner = engine.runner
+    step, _, _ = probe_step(engine, context, iters)
+    variants = {"dynamic-slice fusion": lambda: model_variant(runner, step, iters, options=DSF),
+                "per-layer weights": lambda: model_variant(runner, step, iters,
+                                                           params=unstack_layers(runner.params))}
+    for name, time_it in variants.items():
+        try:
+            yield name, time_it()
+        except Exception as e:  # pylint: disable=broad-except  (an XLA without the option; memory)
+            yield name, e
+
+
+def show_row(name: str, value: str, note: str) -> None:
+    print(f"{name:18s} {value:>22s}   {note}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -153,21 +174,24 @@ def main(argv=None) -> int:
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.model.params))
     print(f"engine ready in {time.perf_counter() - start:.1f} s; weights {weight_bytes / 2**30:.2f} GiB; "
           f"KV pool {engine.runner_config.num_pages - 1} pages; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    rows = []
+    print("\n== engine on device (Llama-3-8B shape, random bf16 weights)" if not args.smoke else "\n== smoke")
     rate = decode_rate(engine, args.prompt_len, args.output_len, config.vocab_size)
     roofline = bandwidth / weight_bytes
-    rows.append(("batch-1 decode", f"{rate:.1f} tok/s", f"roofline {roofline:.1f} tok/s ({rate / roofline:.0%})"))
-    parts = step_breakdown(engine, args.prompt_len, iters=5 if args.smoke else 30)
-    rows.append(("batch-1 step", f"{parts['engine step']:.2f} ms",
-                 "; ".join(f"{k} {v:.2f} ms" for k, v in parts.items() if k != "engine step")
-                 + f"; weight read {1e3 * weight_bytes / bandwidth:.2f} ms"))
+    show_row("batch-1 decode", f"{rate:.1f} tok/s", f"roofline {roofline:.1f} tok/s ({rate / roofline:.0%})")
     for n in (int(c) for c in args.concurrency.split(",")):
         seconds, produced = run(engine, n, args.prompt_len, args.output_len, config.vocab_size)
-        rows.append((f"{n} concurrent", f"{produced / seconds:.0f} output tok/s",
-                     f"{n} x ({args.prompt_len} in, {args.output_len} out) in {seconds:.1f} s"))
-    print("\n== engine on device (Llama-3-8B shape, random bf16 weights)" if not args.smoke else "\n== smoke")
-    for row in rows:
-        print(f"{row[0]:18s} {row[1]:>22s}   {row[2]}")
+        show_row(f"{n} concurrent", f"{produced / seconds:.0f} output tok/s",
+             f"{n} x ({args.prompt_len} in, {args.output_len} out) in {seconds:.1f} s")
+    iters = 5 if args.smoke else 30
+    parts = step_breakdown(engine, args.prompt_len, iters)
+    show_row("batch-1 step", f"{parts['engine step']:.2f} ms",
+             "; ".join(f"{k} {v:.2f} ms" for k, v in parts.items() if k != "engine step")
+             + f"; weight read {1e3 * weight_bytes / bandwidth:.2f} ms")
+    # Last, each printed when done: they compile the step again (per-layer weights: every layer).
+    for name, ms in forward_variants(engine, args.prompt_len, iters):
+        show_row("batch-1 model", f"{ms:.2f} ms" if isinstance(ms, float) else "failed",
+                 f"{name} (default {parts['model']:.2f} ms)" if isinstance(ms, float)
+                 else f"{name}: {type(ms).__name__}: {str(ms)[:160]}")
     return 0
 
 

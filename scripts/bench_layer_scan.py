@@ -37,7 +37,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_engine_gpu import DSF, LLAMA3_8B, SMOKE  # noqa: E402
 from bench_kernels import copy_bandwidth, time_interleaved  # noqa: E402
-from jaxpaged.models.llama import decoder_layer, param_shapes, rope_cos_sin  # noqa: E402
+from jaxpaged.models.llama import (decoder_layer, param_shapes, rope_cos_sin,  # noqa: E402
+                                   unstack_layers)
 
 # What the compiled program holds, counted on its HLO text.
 HLO_COUNTS = {"dynamic-slice": r"\bdynamic-slice\(", "copy": r"\bcopy(-start)?\(",
@@ -101,8 +102,7 @@ def main(argv=None):
   dtype = jnp.float32 if opts.smoke else jnp.bfloat16
   copy_bw = copy_bandwidth(1 << (20 if opts.smoke else 30), rounds=5, inner=10)
   stacked = init_layers(config, jax.random.PRNGKey(0), dtype)
-  per_layer = [jax.tree.map(lambda x, i=i: x[i], stacked)
-               for i in range(config.num_hidden_layers)]
+  per_layer = unstack_layers({"layers": stacked})["layers"]
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(stacked))
   print(f"jax {jax.__version__} | {jax.devices()[0]} | {config.num_hidden_layers} layers, "
         f"{weight_bytes / 2**30:.2f} GiB of layer weights | copy {copy_bw / 1e9:.0f} GB/s")

@@ -87,7 +87,7 @@ PYEOF
   grep -E "^(FAILED|ERROR) " "$LOG" | cut -c1-160 | head -n 12
   grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -n 1
   sed -n '/== layer scan probe/,/^== /p' "$LOG" | grep -E "^ +[0-9]+ " | cut -c1-120
-  sed -n '/== engine on device/,$p' "$LOG" | head -n 5
+  sed -n '/== engine on device/,/^== /p' "$LOG" | sed '1!{/^== /d}' | head -n 7
   cat "$RESULTS"
 }
 
@@ -108,7 +108,7 @@ PYEOF
 
   section "kernel benchmarks" 150 "$PY" scripts/bench_kernels.py "${SMOKE[@]}" \
     --json "$DIR/bench_kernels.jsonl" || status=1
-  section "layer scan probe" 80 "$PY" scripts/bench_layer_scan.py "${SMOKE[@]}" \
+  section "layer scan probe" 120 "$PY" scripts/bench_layer_scan.py "${SMOKE[@]}" \
     --hlo "$DIR/layer_scan_hlo.txt" || status=1
 
   local xdist=()
@@ -120,7 +120,7 @@ PYEOF
     || status=1
 
   if [ $ENGINE -eq 1 ]; then
-    section "engine end to end" 120 "$PY" scripts/bench_engine_gpu.py \
+    section "engine end to end" 150 "$PY" scripts/bench_engine_gpu.py \
       "${SMOKE[@]}" || status=1
   fi
   # The sweep takes what is left; stopped at its limit, it still writes the rows it timed.

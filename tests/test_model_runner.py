@@ -13,7 +13,7 @@ import pytest
 from jaxpaged.engine import EngineArgs, LLMEngine
 from jaxpaged.model_runner import (ModelRunner, RunnerConfig, kv_bytes_per_page,
                                    resolve_kv_cache_dtype)
-from jaxpaged.models.llama import forward_jit
+from jaxpaged.models.llama import forward_jit, unstack_layers
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import ScheduledRequest
@@ -140,6 +140,22 @@ def test_lowered_step_compiles_with_xla_options(tiny):
     np.testing.assert_array_equal(np.asarray(kv.k), np.asarray(want_runner.kv.k))
     with pytest.raises(Exception, match="No such compile option"):
         runner.lower(step).compile(compiler_options={"xla_no_such_option": True})
+
+
+def test_per_layer_weights_match_the_scanned_stack(tiny):
+    """Per-layer weights (a list, looped over: nothing sliced out of a stack) give the scanned stack's
+    logits and pool, and their step has no loop left."""
+    tokens = np.random.default_rng(2).integers(0, 256, size=20).tolist()
+    stacked = ModelRunner(tiny.config, tiny.params, CONFIG)
+    per_layer = ModelRunner(tiny.config, unstack_layers(tiny.params), CONFIG)
+    assert len(per_layer.params["layers"]) == tiny.config.num_hidden_layers
+    step = stacked.prepare([entry("a", tokens, 0, [3, 7])])
+    assert "stablehlo.while" in stacked.lower(step).as_text()
+    assert "stablehlo.while" not in per_layer.lower(step).as_text()
+    want, got = stacked.execute(step), per_layer.execute(step)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(per_layer.kv.k), np.asarray(stacked.kv.k))
+    np.testing.assert_array_equal(np.asarray(per_layer.kv.v), np.asarray(stacked.kv.v))
 
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)

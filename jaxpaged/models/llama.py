@@ -285,6 +285,16 @@ def param_shapes(config: LlamaConfig) -> Params:
     return shapes
 
 
+def unstack_layers(params: Params) -> Params:
+    """The same params with "layers" as a list of per-layer dicts (copies every layer weight).
+
+    The engine's step takes either layout (jaxpaged.model_runner.paged_forward): stacked layers are
+    scanned, per-layer ones looped over, so no weight is sliced out of a stack."""
+    stacked = params["layers"]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    return dict(params, layers=[jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)])
+
+
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     """Random params (normal, std 0.02; norms at 1) for tests and benchmarks."""
     shapes = param_shapes(config)
