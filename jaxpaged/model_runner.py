@@ -284,6 +284,9 @@ class ModelRunner:
         self.mesh = mesh
         if mesh is not None:
             parallel.check_tensor_parallel(model_config, mesh.shape[parallel.TP])
+            if isinstance(params["layers"], Sequence):
+                raise ValueError("per-layer weights (a list of layers, see llama.unstack_layers) run on one "
+                                 "device; a tensor-parallel mesh takes the stacked layout")
         self.dtype = params["embed"].dtype
         self.kv_dtype = config.kv_dtype(self.dtype)
         self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.kv_dtype, mesh)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpaged import parallel
 from jaxpaged.engine import EngineArgs, LLMEngine
 from jaxpaged.model_runner import (ModelRunner, RunnerConfig, kv_bytes_per_page,
                                    resolve_kv_cache_dtype)
@@ -156,6 +157,8 @@ def test_per_layer_weights_match_the_scanned_stack(tiny):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(per_layer.kv.k), np.asarray(stacked.kv.k))
     np.testing.assert_array_equal(np.asarray(per_layer.kv.v), np.asarray(stacked.kv.v))
+    with pytest.raises(ValueError, match="a tensor-parallel mesh takes the stacked layout"):
+        ModelRunner(tiny.config, unstack_layers(tiny.params), CONFIG, parallel.make_mesh(1))
 
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
