@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     for n in (int(c) for c in args.concurrency.split(",")):
         seconds, produced = run(engine, n, args.prompt_len, args.output_len, config.vocab_size)
         show_row(f"{n} concurrent", f"{produced / seconds:.0f} output tok/s",
-             f"{n} x ({args.prompt_len} in, {args.output_len} out) in {seconds:.1f} s")
+                 f"{n} x ({args.prompt_len} in, {args.output_len} out) in {seconds:.1f} s")
     iters = 5 if args.smoke else 30
     parts = step_breakdown(engine, args.prompt_len, iters)
     show_row("batch-1 step", f"{parts['engine step']:.2f} ms",

@@ -31,18 +31,8 @@ from bench_kernels import configs  # noqa: E402
 from pallas_kernels import cuda_compile, ragged_paged_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention import plan_kernel_calls  # noqa: E402
 
-# Hopper (sm_90) per-SM limits.
-SMS, REGS_PER_SM, SMEM_PER_SM, MAX_WARPS, MAX_BLOCKS = 132, 65536, 233472, 64, 32
-SMEM_RESERVED_PER_BLOCK = 1024
+SMS = cuda_compile.H200["num_cores"]
 HQ, KVH, D, PS = 32, 8, 128, 16
-
-
-def blocks_per_sm(k) -> int:
-  """Resident blocks per SM, as the CUDA occupancy calculator counts them."""
-  regs_per_warp = math.ceil(k.registers * 32 / 256) * 256
-  by_regs = REGS_PER_SM // (regs_per_warp * k.num_warps)
-  by_smem = SMEM_PER_SM // (k.shared_bytes + SMEM_RESERVED_PER_BLOCK)
-  return min(by_regs, by_smem, MAX_WARPS // k.num_warps, MAX_BLOCKS)
 
 
 def case_rows(name, seqs, overrides):
