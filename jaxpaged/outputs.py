@@ -23,10 +23,13 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
+    # seconds between the steps that gave the request tokens (appended by the engine; whatever the output kind)
+    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def time_to_first_token(self) -> float | None:
