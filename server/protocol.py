@@ -7,7 +7,7 @@ ranges are SamplingParams' own checks, mapped to 400s by the handlers.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -93,5 +93,3 @@ class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 
-
-FinishReason = Literal["stop", "length", "abort", "error"]
