@@ -36,7 +36,7 @@ from jaxpaged.model_runner import (FaultInjector, ModelRunner, ModelRunnerOutput
                                    check_kv_cache_dtype, kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxpaged.request import Request, RequestStatus
+from jaxpaged.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.validation import validate_request
@@ -342,7 +342,7 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int):
+    def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int) -> StopVerdict | None:
         """Record one sampled token (logprobs, text) and decide whether it ends the request.
 
         None: it goes on; else (status, stop_reason) for Scheduler.update_from_output. Token-level
