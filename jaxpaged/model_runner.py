@@ -60,7 +60,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype, platform: str) -> n
 
     XLA:CPU has no bf16 scatter: it converts the whole pool to f32 and back around
     each layer's KV write, so a decode step costs two passes over the pool per layer
-    (SmolLM2-135M, 1 GiB pool: 5.1 s a step in bf16, 39 ms in f32). The CPU attention
+    (over 100x an f32 pool's step: docs/benchmarks.md, "the KV cache dtype"). The CPU attention
     path computes in f32 anyway; the price is half as many pages for the same bytes.
     """
     check_kv_cache_dtype(kv_cache_dtype)
