@@ -290,6 +290,7 @@ class ModelRunner:
         self.dtype = params["embed"].dtype
         self.kv_dtype = config.kv_dtype(self.dtype)
         self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.kv_dtype, mesh)
+        self._followers_released = False
         if mesh is None:
             self.params = params
             self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,))
@@ -358,8 +359,9 @@ class ModelRunner:
         return steps
 
     def stop_followers(self) -> None:
-        """Process 0: release the followers from `follow`."""
-        if self.multi_process and parallel.is_leader():
+        """Process 0: release the followers from `follow` (once; later calls do nothing)."""
+        if self.multi_process and parallel.is_leader() and not self._followers_released:
+            self._followers_released = True
             parallel.broadcast_step(None, empty_step)
 
     def lower(self, step: StepInput, params: Params | None = None) -> jax.stages.Lowered:
