@@ -18,13 +18,12 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from jaxpaged import checkpoint
 from jaxpaged.models.llama import LlamaConfig, Params, UnsupportedModelError
 from jaxpaged.models.weights import WeightLoadError, checkpoint_dtype, load_safetensors_params
-from jaxpaged.tokenizer import (GenerationConfig, load_generation_config, load_gguf_tokenizer,
-                                load_hf_tokenizer)
+from jaxpaged.tokenizer import (GenerationConfig, PreTrainedTokenizerBase, load_generation_config,
+                                load_gguf_tokenizer, load_hf_tokenizer)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
