@@ -291,6 +291,7 @@ class ModelRunner:
         self.kv_dtype = config.kv_dtype(self.dtype)
         self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.kv_dtype, mesh)
         self._followers_released = False
+        self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (T, S, P) -> step; warmup()
         if mesh is None:
             self.params = params
             self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,))
@@ -373,23 +374,35 @@ class ModelRunner:
         return self._step.lower(*args) if self.mesh is None else self._step.lower(*args, self.mesh)
 
     def _run(self, step: StepInput) -> jax.Array:
+        """The step's program compiled by `warmup` (else the jitted step, compiling on first use)."""
+        compiled = self._compiled.get((len(step.token_ids), *step.page_table.shape))
         if self.mesh is None:
-            logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv, step)
+            if compiled is not None:
+                logits, self.kv = compiled(self.params, self.kv, step)
+            else:
+                logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv,
+                                             step)
             return logits
         rep = parallel.replicated(self.mesh)
         step = jax.tree.map(lambda x: parallel.put_global(x, rep), step)
-        logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv, step,
-                                     self.mesh)
+        if compiled is not None:
+            logits, self.kv = compiled(self.params, self.kv, step)
+        else:
+            logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv, step,
+                                         self.mesh)
         return logits.addressable_data(0)  # replicated: this process's full copy, sampled locally
 
     def warmup(self) -> float:
-        """Compile every (T, P) bucket now, so serving never compiles; returns seconds.
+        """Compile every (T, S, P) bucket ahead of time, so serving never compiles; returns seconds.
 
-        Every process warms up the same shapes in the same order, without broadcasting.
+        Nothing runs: each shape is lowered and compiled (a persistent-cache hit loads the
+        program instead), and `_run` calls the compiled programs. Logs each shape as it
+        starts, so a cold start shows its progress. Every process compiles the same shapes.
         """
-        start = time.perf_counter()
-        for t, s, p in self.config.buckets:
-            jax.block_until_ready(self._run(empty_step(t, s, p)))
+        start, buckets = time.perf_counter(), self.config.buckets
+        for i, (t, s, p) in enumerate(buckets, 1):
+            logger.info("compiling step shape %d/%d: (T, S, P) = (%d, %d, %d)", i, len(buckets), t, s, p)
+            self._compiled[(t, s, p)] = self.lower(empty_step(t, s, p)).compile()
         seconds = time.perf_counter() - start
-        logger.info("compiled %d step shapes (T, S, P) in %.1f s", len(self.config.buckets), seconds)
+        logger.info("compiled %d step shapes (T, S, P) in %.1f s", len(buckets), seconds)
         return seconds
