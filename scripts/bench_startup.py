@@ -1,12 +1,14 @@
 """Start-up time of `python -m server`: a cold start (empty caches), then warm ones, with a breakdown.
 
     python scripts/bench_startup.py                        # the default model, 1 cold + 2 warm starts
-    python scripts/bench_startup.py --warm-runs 3 --tree /work/main -- --max-model-len 1024
+    python scripts/bench_startup.py --tree /old/checkout --tree . --warm-runs 1   # before/after, one table
+    python scripts/bench_startup.py --warm-runs 3 -- --max-model-len 1024
 
-Each start runs `python -m server` (from --tree, default this checkout) as a subprocess with
-XDG_CACHE_HOME pointing at one fresh folder (so the compilation cache and the model cache start
-empty, as on a fresh machine, and are warm for the later starts), polls GET /health until it answers
-200, then stops the server (SIGTERM) and waits for it to exit. Arguments after `--` go to the server.
+Each start runs `python -m server` (from --tree, default this checkout; several --tree run one after
+the other) as a subprocess with XDG_CACHE_HOME pointing at a fresh folder per tree (so the compilation
+cache and the model cache start empty, as on a fresh machine, and are warm for the later starts), polls
+GET /health until it answers 200, then stops the server (SIGTERM) and waits for it to exit. Arguments
+after `--` go to the server.
 
 The breakdown comes from the server's own log lines (stderr), timed as they arrive:
   imports       spawn -> the server's "starting" line (interpreter, jax, transformers, server imports)
@@ -120,24 +122,26 @@ def main(argv: list[str] | None = None) -> int:
     server_args = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tree", type=Path, default=REPO, help="checkout whose `python -m server` is started")
+    p.add_argument("--tree", type=Path, action="append", help="checkout whose `python -m server` is started "
+                   "(repeat to compare checkouts; default: this one)")
     p.add_argument("--warm-runs", type=int, default=2, help="starts after the cold one")
-    p.add_argument("--cache-home", type=Path, default=None, help="XDG_CACHE_HOME for the runs (default: a "
-                   "fresh temporary folder, removed after); it must be empty for a cold start")
     p.add_argument("--timeout", type=float, default=900, help="seconds one start may take")
     p.add_argument("--show-log", action="store_true", help="print each start's server log")
     args = p.parse_args(own)
-    with tempfile.TemporaryDirectory(prefix="jaxpaged-startup-") as tmp:
-        cache_home = args.cache_home or Path(tmp)
-        runs = []
-        for i in range(1 + args.warm_runs):
-            label = "cold" if i == 0 else f"warm {i}"
-            run = start_once(args.tree.resolve(), cache_home, server_args, args.timeout)
-            print(f"{label}: {run['total']:.1f} s to /health 200 (exit {run['exit']})", flush=True)
-            if args.show_log:
-                print("\n".join("    " + line for line in run["log"]))
-            runs.append((label, run))
-    print(f"\n{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, tree {args.tree.resolve()}, server args "
+    trees = [t.resolve() for t in args.tree or [REPO]]
+    runs = []
+    for n, tree in enumerate(trees):
+        prefix = f"{tree.name} " if len(trees) > 1 else ""
+        with tempfile.TemporaryDirectory(prefix="jaxpaged-startup-") as cache_home:
+            for i in range(1 + args.warm_runs):
+                label = prefix + ("cold" if i == 0 else f"warm {i}")
+                run = start_once(tree, Path(cache_home), server_args, args.timeout)
+                print(f"{label}: {run['total']:.1f} s to /health 200 (exit {run['exit']}), load average "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
+                if args.show_log:
+                    print("\n".join("    " + line for line in run["log"]))
+                runs.append((label, run))
+    print(f"\n{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, trees {', '.join(map(str, trees))}, server args "
           f"{server_args or '(defaults)'}, load average {os.getloadavg()[0]:.1f}")
     print(table(runs))
     return 0

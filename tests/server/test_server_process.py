@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # `python -m server <args>` with torch hidden, as on a serving machine (torch is a test-only dependency).
 NO_TORCH_SERVER = ("import runpy, sys; sys.modules['torch'] = None; sys.argv[0] = 'server'; "
                    "runpy.run_module('server', run_name='__main__', alter_sys=True)")
+# XDG_CACHE_HOME of the server processes: their compilation cache persists between test runs.
+CACHE_HOME = Path.home() / ".cache" / "jaxpaged" / "server-tests"
 ENGINE = ["--max-model-len", "128", "--num-pages", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
           "--block-size", "16"]
 READY = re.compile(r"INFO jaxpaged\.engine: jaxpaged ready in [\d.]+ s .*KV pool (\d+) pages x (\d+) tokens = "
@@ -65,9 +67,9 @@ def complete(url: str) -> dict:
     return response.json()
 
 
-def test_server_logs_its_ready_line_and_no_torch_advice(tiny_checkpoints, tmp_path):
+def test_server_logs_its_ready_line_and_no_torch_advice(tiny_checkpoints):
     port = free_port()
-    proc = start_server(tiny_checkpoints["gqa4"], port, tmp_path)
+    proc = start_server(tiny_checkpoints["gqa4"], port, CACHE_HOME / "single")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, [proc])
@@ -81,20 +83,20 @@ def test_server_logs_its_ready_line_and_no_torch_advice(tiny_checkpoints, tmp_pa
     assert ready, stderr[-3000:]
     pages, page_size, tokens, backend = ready.groups()
     assert (int(pages), int(page_size), int(tokens), backend) == (63, 16, 63 * 16, "xla")  # page 0: the null page
-    assert "INFO jaxpaged.model_runner: compiling step shape 1/" in stderr  # progress of the cold compile
+    assert "INFO jaxpaged.model_runner: compiling step shape 1/" in stderr  # progress while it compiles
     assert "INFO server: serving" in stderr
     assert "PyTorch was not found" not in stderr
     assert "Unable to initialize backend" not in stderr  # JAX's INFO noise stays out at --log-level info
 
 
-def test_multihost_followers_exit_when_the_server_stops(tiny_checkpoints, tmp_path):
+def test_multihost_followers_exit_when_the_server_stops(tiny_checkpoints):
     """Process 0 serves HTTP, process 1 follows (jax.distributed, 1 CPU device each, tp=2); SIGTERM to
     process 0: both exit 0 (the follower is released by LLMEngine.shutdown, reached from AsyncLLM.shutdown)."""
     port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
     multihost = ["--tensor-parallel-size", "2", "--num-processes", "2", "--distributed-coordinator", coordinator]
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    procs = [start_server(tiny_checkpoints["gqa8"], port, tmp_path / str(i), *multihost, "--process-id", str(i),
-                          env=env) for i in range(2)]
+    procs = [start_server(tiny_checkpoints["gqa8"], port, CACHE_HOME / f"process{i}", *multihost,
+                          "--process-id", str(i), env=env) for i in range(2)]
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, procs)
