@@ -45,6 +45,7 @@ from pallas_kernels import ragged_paged_attention, write_kv_inner
 
 logger = logging.getLogger(__name__)
 
+_WARMUP_BARRIER_SECONDS = 1800.0  # multi-host: how long a process waits for the others to finish warming up
 ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
@@ -466,6 +467,9 @@ class ModelRunner:
         logger.info("compiled %d step shapes (T, S, P) in %.1f s", len(buckets), seconds)
         start = time.perf_counter()
         self.warmup_sampler()
+        if self.multi_process:  # processes finish compiling at different times: meet, then run a step together
+            parallel.barrier("jaxpaged-warmup", _WARMUP_BARRIER_SECONDS)
+            jax.block_until_ready(self._run(empty_step(*buckets[0])))  # also sets up the cross-process collectives
         return {"compile": seconds, "sampler": time.perf_counter() - start}
 
     def warmup_sampler(self) -> None:
