@@ -12,7 +12,6 @@ kv_lens [S]; page_table [S, P]; cu_q_lens [S+1]; G = Hq // KVH.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

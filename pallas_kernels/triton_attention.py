@@ -206,13 +206,14 @@ def kv_block_ranges(pos0, q_len, kv_len, window, split, *, block_q, block_k,
 
 def masked_block_bounds(block_q, block_k, windowed):
   """Static bounds on the masked blocks of kv_block_ranges: (before, after)
-  the unmasked ones. After: the diagonal spans block_q - 1 positions past
-  the tile's first query; a window narrower than that diagonal can push the
-  unmasked range's start past it, adding at most one block."""
+  the unmasked ones. The tile's queries span block_q - 1 positions, so both
+  the causal diagonal (after) and the window's lower edge (before) cover at
+  most cdiv(block_q + block_k - 2, block_k) blocks. Where the two edges
+  cross (a window narrower than the tile), the unmasked range is empty and
+  the blocks after it are fewer still (tests/pallas_kernels/
+  test_triton_attention.py checks the bounds exhaustively)."""
   diagonal = pl.cdiv(block_q + block_k - 2, block_k)
-  if not windowed:
-    return 0, diagonal
-  return diagonal, diagonal + 1
+  return (diagonal if windowed else 0), diagonal
 
 
 def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, scalar_ref, pt_ref,

@@ -47,6 +47,23 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_table,
   return run_planned_calls(run, calls, cu_q_lens, num_seqs, t)
 
 
+def tile_blocks(sched, window, block_k):
+  """(first block of each tile [NT] or 0, loop length): tile i reads blocks
+  first[i] .. first[i] + loop length - 1, which cover its keys up to its
+  last query from the first block holding a key in its first query's window
+  (block 0 without a window); blocks past its end are masked."""
+  live_tile = sched.q_len > 0
+  tile_end = jnp.where(live_tile, jnp.minimum(sched.kv_len,
+                                              sched.pos0 + sched.q_len), 0)
+  if window is None:
+    first_block = 0
+  else:
+    first_block = jnp.maximum(sched.pos0 - window + 1, 0) // block_k  # [NT]
+  last_block = (tile_end + block_k - 1) // block_k             # [NT]
+  num_blocks = jnp.max(jnp.where(live_tile, last_block - first_block, 0))
+  return first_block, num_blocks
+
+
 def _xla_forward(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                  num_seqs, *, sm_scale, layer, sliding_window, cfg, num_tiles,
                  include=None):
@@ -64,15 +81,9 @@ def _xla_forward(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
   u = jnp.arange(bq, dtype=jnp.int32)
   qpos = sched.pos0[:, None] + u[None, :]                      # [NT, bq]
   q_live = u[None, :] < sched.q_len[:, None]                   # [NT, bq]
-  live_tile = sched.q_len > 0
-  tile_end = jnp.where(live_tile, sched.kv_len, 0)             # [NT]
-  if sliding_window is None:
-    window, first_block = None, 0
-  else:   # the first block holding a key in the tile's first query's window
-    window = effective_window(sliding_window)
-    first_block = jnp.maximum(sched.pos0 - window + 1, 0) // block_k  # [NT]
-  last_block = (tile_end + block_k - 1) // block_k             # [NT]
-  num_blocks = jnp.max(jnp.where(live_tile, last_block - first_block, 0))
+  window = (None if sliding_window is None
+            else effective_window(sliding_window))
+  first_block, num_blocks = tile_blocks(sched, window, block_k)
   hi = f32_precision(q.dtype)
 
   def block(j, carry):
