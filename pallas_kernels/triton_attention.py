@@ -190,16 +190,19 @@ def kv_block_ranges(pos0, q_len, kv_len, window, split, *, block_q, block_k,
   kv_end = jnp.where(q_len > 0, jnp.minimum(kv_len, pos0 + q_len), 0)
   num_blocks = pl.cdiv(kv_end, block_k)      # blocks of the whole sequence
   if window is None:
-    first = full_lo = 0
+    per_split = pl.cdiv(num_blocks, num_splits)
+    lo = split * per_split
   else:
     first = jnp.maximum(pos0 - window + 1, 0) // block_k
-    pos_last = pos0 + q_len - 1              # the tile's last query
-    full_lo = pl.cdiv(jnp.maximum(pos_last - window + 1, 0), block_k)
-  per_split = pl.cdiv(jnp.maximum(num_blocks - first, 0), num_splits)
-  lo = first + split * per_split
+    per_split = pl.cdiv(jnp.maximum(num_blocks - first, 0), num_splits)
+    lo = first + split * per_split
   hi = jnp.minimum(num_blocks, lo + per_split)
   top = jnp.maximum(lo, hi)
-  mid_lo = jnp.clip(full_lo, lo, top)
+  mid_lo = lo
+  if window is not None:   # from the first block wholly in the last query's
+    pos_last = pos0 + q_len - 1   # window
+    full_lo = pl.cdiv(jnp.maximum(pos_last - window + 1, 0), block_k)
+    mid_lo = jnp.clip(full_lo, lo, top)
   mid_hi = jnp.clip((pos0 + 1) // block_k, mid_lo, top)
   return lo, mid_lo, mid_hi, hi
 
@@ -289,13 +292,24 @@ def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, scalar_ref, pt_ref,
     return carry
 
   q = q_ref[...]
-  carry = (jnp.zeros((rows, d), jnp.float32),
-           jnp.full((rows,), MASK_VALUE, jnp.float32),
-           jnp.zeros((rows,), jnp.float32), key_rows(lo))
-  carry = masked_blocks(carry, lo, mid_lo, before)
-  carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(body, masked=False),
-                        carry)
-  acc, m, l, _ = masked_blocks(carry, mid_hi, hi, after)
+  init = (jnp.zeros((rows, d), jnp.float32),
+          jnp.full((rows,), MASK_VALUE, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+  unmasked = functools.partial(body, masked=False)
+  if windowed:
+    # All masked blocks first (the online softmax takes blocks in any
+    # order): after the loop nothing but the accumulators stays live. Held
+    # across the loop, the window's values cost a register and a 4th
+    # program an SM (sm_90 decode build: 129 registers).
+    carry = init + (key_rows(lo),)
+    carry = masked_blocks(carry, lo, mid_lo, before)
+    carry = carry[:3] + (key_rows(mid_hi),)
+    carry = masked_blocks(carry, mid_hi, hi, after)
+    carry = carry[:3] + (key_rows(mid_lo),)
+    acc, m, l, _ = lax.fori_loop(mid_lo, mid_hi, unmasked, carry)
+  else:
+    carry = lax.fori_loop(lo, mid_hi, unmasked, init + (key_rows(lo),))
+    acc, m, l, _ = masked_blocks(carry, mid_hi, hi, after)
   l_safe = jnp.where(l > 0.0, l, 1.0)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
   if lse_ref:
