@@ -4,7 +4,9 @@ One query token at a time: find its sequence and position, gather that
 sequence's whole page-table row of keys and values, and take a masked softmax
 in float32 at full precision. It shares no code with the kernels (no tiles,
 no blocks, no planning), so their bugs cannot hide in it. Jittable (traced
-num_seqs, layer and sliding_window); slow and memory-hungry by design.
+num_seqs, layer and sliding_window); slow and memory-hungry by design: it
+gathers a whole page-table row per token (all tokens at once where they fit
+in _GATHER_BUDGET, else in groups).
 
 Shapes: q [T, Hq, D]; k_pages, v_pages [KVH, N, ps, D] or [L, KVH, N, ps, D];
 kv_lens [S]; page_table [S, P]; cu_q_lens [S+1]; G = Hq // KVH.
@@ -12,12 +14,13 @@ kv_lens [S]; page_table [S, P]; cu_q_lens [S+1]; G = Hq // KVH.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Tokens attended together (vmapped) per step of the map over tokens: bounds
-# the gathered K/V at this many sequences' rows.
-_TOKENS_PER_STEP = 16
+# Gathered K (and V) elements held at once: all tokens in one vmap when they
+# fit (no loop in the program), else a lax.map over groups of tokens.
+_GATHER_BUDGET = 1 << 26
 
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table,
@@ -43,7 +46,12 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table,
     return _attend_one(q_t, k_pages, v_pages, page_table[s], kv_lens[s], p,
                        window, sm_scale)
 
-  out = lax.map(attend, (q, seq, pos), batch_size=_TOKENS_PER_STEP)
+  row = k_pages.shape[0] * page_table.shape[1] * k_pages.shape[2] * q.shape[2]
+  per_step = max(1, _GATHER_BUDGET // row)   # tokens whose K rows fit
+  if per_step >= q.shape[0]:
+    out = jax.vmap(attend)((q, seq, pos))
+  else:
+    out = lax.map(attend, (q, seq, pos), batch_size=per_step)
   return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
 
 
