@@ -60,10 +60,10 @@ import json, os, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 if rows:
   print(f"copy bandwidth {rows[0]['copy_gbs']:.0f} GB/s (read + write)")
-  print(f"{'case':36s} {'us':>8s} {'%copy':>6s} {'xref':>6s} {'xjaxpa':>7s}")
+  print(f"{'case':44s} {'us':>8s} {'%copy':>6s} {'xxla':>6s} {'xjaxpa':>7s}")
   f = lambda v: f"{v:6.2f}" if v is not None else "     -"
   for r in rows:
-    print(f"{r['name']:36s} {r['us']:8.1f} {r['pct']:6.1f} {f(r['vs_ref'])} "
+    print(f"{r['name']:44s} {r['us']:8.1f} {r['pct']:6.1f} {f(r['vs_xla'])} "
           f" {f(r['vs_jax'])}")
 sweep = sys.argv[2]
 if os.path.exists(sweep):
