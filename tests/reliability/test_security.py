@@ -60,12 +60,59 @@ def test_every_non_public_route_needs_the_key(rel_keyed):
 
 
 def test_path_tricks_do_not_bypass_the_key(rel_keyed):
+    """Deny by default: every path but the public ones is a 401 first, before routing (never a 404/405 that
+    tells a caller what exists, never a 200)."""
     with httpx.Client(base_url=rel_keyed.url, timeout=10) as client:
         for path in BYPASS_PATHS:
             for method in ("GET", "POST"):
                 response = client.request(method, path)
-                assert response.status_code in (401, 404, 405), (method, path, response.status_code)
-                assert response.status_code != 200
+                assert response.status_code == 401, (method, path, response.status_code)
+                assert response.json()["error"]["type"] == "AuthenticationError"
+
+
+def _raw_status(url: str, method: str, target: str) -> int:
+    """The status of a request whose target is sent byte for byte (httpx would normalize dot segments)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url)
+    with socket.create_connection((host.hostname, host.port), timeout=10) as sock:
+        sock.sendall(f"{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        head = sock.recv(4096).decode("latin-1")
+    return int(head.split(" ", 2)[1])
+
+
+RAW_TARGETS = ["/health/../v1/models", "/health/%2e%2e/v1/models", "/health%2F..%2Fv1%2Fmodels", "//health",
+               "/HEALTH", "/health/", "/version/../metrics", "/openapi.json/../tokenize", "/./v1/models",
+               "/v1/models/.", "/v1/models%00", "/v1%2fmodels", "/metrics;x", "http://x/v1/models",
+               "/admin", "/docs", "/redoc", "/health%3F"]
+
+
+def test_raw_path_tricks_do_not_bypass_the_key(rel_keyed):
+    """Dot segments, encoded slashes, case, absolute-form targets reach the server unnormalized: all 401."""
+    for target in RAW_TARGETS:
+        for method in ("GET", "POST"):
+            status = _raw_status(rel_keyed.url, method, target)
+            assert status == 401, (method, target, status)
+
+
+def test_a_route_added_later_needs_the_key(rel_keyed):
+    """Deny by default covers routes the app gains after the middleware was written."""
+    from fastapi.testclient import TestClient
+
+    from server.app import build_app
+    from server.config import ServerConfig
+
+    app = build_app(rel_keyed.engine, ServerConfig(served_model_names=(MODEL_NAME,), api_key=API_KEY))
+
+    @app.get("/internal/added-later")
+    async def added_later():
+        return {"secret": 42}
+
+    with TestClient(app) as client:
+        assert client.get("/internal/added-later").status_code == 401
+        keyed = client.get("/internal/added-later", headers={"Authorization": f"Bearer {API_KEY}"})
+        assert keyed.status_code == 200 and keyed.json() == {"secret": 42}
 
 
 def test_request_bodies_are_capped(rel_keyed):
