@@ -137,6 +137,24 @@ def test_request_bodies_are_capped(rel_keyed):
         assert response.status_code == 413 and response.json()["error"]["type"] == "RequestTooLargeError"
 
 
+def test_a_huge_declared_body_is_refused_before_it_is_read(rel_keyed):
+    """A Content-Length over the cap is a 413 at once, from the headers alone: nothing waits for 10 GB."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(rel_keyed.url)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {10 ** 10}\r\n\r\n{{\"prompt\": ")
+    with socket.create_connection((url.hostname, url.port), timeout=5) as sock:
+        sock.sendall(head.encode())
+        try:
+            answer = sock.recv(4096).decode("latin-1")
+        except TimeoutError:
+            answer = "(no answer within 5 s)"
+    assert answer.startswith("HTTP/1.1 413"), answer[:200]
+    assert "RequestTooLargeError" in answer
+
+
 @pytest.mark.parametrize("body, param", [
     (dict(prompt="x" * 300, max_tokens=1), "prompt"),
     (dict(prompt="hi", max_tokens=129), "prompt"),
