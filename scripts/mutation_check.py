@@ -106,6 +106,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m("no-subprocess-engine", "No file / shell / eval from requests", "jaxpaged/models/llama.py",
        "\nimport jax\n", "\nimport jax\nimport subprocess  # noqa: F401\n",
        SEC + "test_no_request_field_reaches_a_file_a_shell_or_eval"),
+    _m("template-unsandboxed", "Chat-template sandbox", "server/chat.py",
+       "        text = ctx.tokenizer.apply_chat_template(conversation(messages), tokenize=False,\n"
+       "                                                 add_generation_prompt=add_generation_prompt)",
+       "        text = jinja2.Template(ctx.tokenizer.chat_template).render(\n"
+       "            messages=conversation(messages), add_generation_prompt=add_generation_prompt)",
+       SEC + "test_a_malicious_model_template_is_a_400_over_http"),
     _m("validation-422", "Errors never leak as 5xx for bad input (400, never 422)", "server/errors.py",
        "        message, param = _validation_message(err)\n        return error_response(400, message, param)",
        "        message, param = _validation_message(err)\n        return error_response(422, message, param)",

@@ -221,6 +221,22 @@ def test_chat_templates_render_in_a_sandbox(rel, template):
         tokenizer.apply_chat_template([{"role": "user", "content": "x"}], chat_template=template, tokenize=False)
 
 
+def test_a_malicious_model_template_is_a_400_over_http(rel):
+    """The chat endpoint renders the model's own template in the sandbox too: a template reaching for Python
+    internals is refused (400), never rendered."""
+    tokenizer = rel.engine.engine.tokenizer
+    body = dict(model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    saved = tokenizer.chat_template
+    try:
+        for template in MALICIOUS_TEMPLATES:
+            tokenizer.chat_template = template
+            response = httpx.post(rel.url + "/v1/chat/completions", json=body, timeout=30)
+            assert response.status_code == 400, (template, response.text[:300])
+            assert "chat template" in response.json()["error"]["message"]
+    finally:
+        tokenizer.chat_template = saved
+
+
 def test_transformers_compiles_templates_in_the_immutable_sandbox():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from transformers.utils import chat_template_utils
