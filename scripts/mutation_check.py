@@ -96,7 +96,7 @@ MUTATIONS: tuple[Mutation, ...] = (
        SEC + "test_limits_are_400s_naming_the_field"),
     _m("logit-bias-size", "Per-request sizes the sampler must hold", "server/params.py",
        "if len(bias) > MAX_LOGIT_BIAS_ENTRIES:", "if False:",
-       SEC + "test_limits_are_400s_naming_the_field"),
+       SEC + "test_logit_bias_is_capped_for_a_real_vocabulary"),
     _m("waiting-queue-bound", "Waiting queue", "jaxpaged/async_engine.py",
        "if waiting + command.params.n > limit:", "if False:",
        REL + "test_load.py::test_full_queue_answers_503_with_retry_after_at_once_then_recovers"),

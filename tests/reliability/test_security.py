@@ -171,6 +171,22 @@ def test_limits_are_400s_naming_the_field(rel, body, param):
     assert response.json()["error"]["param"] == param
 
 
+def test_logit_bias_is_capped_for_a_real_vocabulary():
+    """The tiny model's 260 ids cannot make 301 valid entries (the HTTP case above trips the vocabulary check);
+    with SmolLM2's 49152 ids, 301 valid entries must still be a 400 before they reach the sampler's table."""
+    from server.errors import OpenAIError
+    from server.params import MAX_LOGIT_BIAS_ENTRIES, build_sampling_params
+
+    def params(entries: int):
+        body = CompletionRequest(prompt="x", logit_bias={str(i): 1.0 for i in range(entries)})
+        return build_sampling_params(body, {}, 49152, max_tokens=4, logprobs=None)
+
+    assert len(params(MAX_LOGIT_BIAS_ENTRIES).logit_bias) == MAX_LOGIT_BIAS_ENTRIES
+    with pytest.raises(OpenAIError) as err:
+        params(MAX_LOGIT_BIAS_ENTRIES + 1)
+    assert err.value.status == 400 and err.value.param == "logit_bias"
+
+
 def _forbidden_calls(path: Path) -> list[str]:
     found, rel = [], path.relative_to(ROOT).as_posix()
     for node in ast.walk(ast.parse(path.read_text())):
