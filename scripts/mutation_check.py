@@ -331,7 +331,8 @@ def main(argv=None) -> int:
         unknown = set(wanted) - {m.name for m in MUTATIONS}
         if unknown:
             parser.error(f"unknown mutations: {sorted(unknown)}")
-        mutations = tuple(m for m in MUTATIONS if m.name in wanted)
+        by_name = {m.name: m for m in MUTATIONS}
+        mutations = tuple(by_name[name] for name in wanted)  # in the order given
     if args.list:
         for m in mutations:
             print(f"{m.name:28s} {m.guard:45s} {m.path}")
