@@ -29,6 +29,8 @@ ALLOWED = {
     ("jaxpaged/models/loader.py", "read_text"): "config.json of the --model folder",
     ("jaxpaged/models/weights.py", "read_text"): "the safetensors index of the --model folder",
     ("jaxpaged/tokenizer.py", "read_text"): "--generation-config / the model's generation_config.json",
+    ("jaxpaged/models/model_cache.py", "read_bytes"): "jaxpaged's own loader sources (part of the cache key)",
+    ("jaxpaged/models/model_cache.py", "read_text"): "meta.json of the GGUF cache entry (the server's cache dir)",
 }
 SCANNED = ("jaxpaged", "server")  # every .py file below these, recursively (files added later too)
 MALICIOUS_TEMPLATES = [
