@@ -1,0 +1,75 @@
+"""Every registered family against transformers: config parsing, logits (f32, 1e-4), greedy generation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from jaxpaged.models.llama import LlamaConfig, UnsupportedModelError, forward_jit
+from jaxpaged.models.loader import load_model
+from tests.models.tiny_families import FAMILY_VARIANTS, load_hf_model, make_family_checkpoint
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {v: make_family_checkpoint(root / v, v) for v in FAMILY_VARIANTS}
+
+
+@pytest.mark.parametrize("variant", sorted(FAMILY_VARIANTS))
+def test_logits_match_transformers(family_checkpoints, variant):
+    import torch
+    folder = family_checkpoints[variant]
+    loaded = load_model(str(folder), dtype="float32")
+    token_ids = np.random.default_rng(1).integers(0, loaded.config.vocab_size, size=24).tolist()
+    ours = np.asarray(forward_jit(loaded.config, loaded.params, jnp.asarray([token_ids]))[0])
+    with torch.no_grad():
+        theirs = load_hf_model(folder)(torch.tensor([token_ids])).logits[0].numpy()
+    assert ours.shape == theirs.shape == (24, loaded.config.vocab_size)
+    assert np.abs(ours - theirs).max() <= 1e-4
+
+
+def test_family_fields(family_checkpoints):
+    cfg = {v: load_model(str(f)).config for v, f in family_checkpoints.items()}
+    assert cfg["qwen2"].architecture == "qwen2" and cfg["qwen2"].attention_bias and not cfg["qwen2"].qk_norm
+    assert cfg["qwen3"].qk_norm and not cfg["qwen3"].attention_bias and cfg["qwen3"].head_dim == 32
+    assert cfg["mistral"].sliding_window is None and not cfg["mistral"].has_sliding_window
+    assert cfg["mistral_window"].sliding_window == 5 and cfg["mistral_window"].all_layers_windowed
+    g = cfg["gemma3"]
+    assert g.windowed_layers == (True, False, True) and not g.all_layers_windowed
+    assert (g.rope_theta, g.local_rope_theta, g.query_pre_attn_scalar) == (1e6, 1e4, 24.0)
+    assert g.norm_weight_offset == 1.0 and g.scale_embeddings and g.sandwich_norms and g.hidden_act == "gelu_tanh"
+    assert g.tie_word_embeddings
+
+
+def _hf(arch, model_type, **kw):
+    return dict(architectures=[arch], model_type=model_type, vocab_size=32, hidden_size=16, intermediate_size=32,
+                num_hidden_layers=2, num_attention_heads=2, **kw)
+
+
+@pytest.mark.parametrize("hf, match", [
+    (_hf("Gemma3ForCausalLM", "gemma3_text", final_logit_softcapping=30.0), "final_logit_softcapping"),
+    (_hf("Gemma3ForCausalLM", "gemma3_text", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (_hf("Gemma3ForCausalLM", "gemma3_text", sliding_window=4, layer_types=["chunked_attention"] * 2),
+     "chunked_attention"),
+    (_hf("MistralForCausalLM", "mistral", attention_bias=True), "attention_bias"),
+    (_hf("Gemma2ForCausalLM", "gemma2"), "Gemma2ForCausalLM.*supports LlamaForCausalLM, MistralForCausalLM, "
+     "Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM"),
+    (_hf("LlamaForCausalLM", "llama", hidden_act="relu"), "hidden_act"),
+])
+def test_unsupported_configs_are_clear_errors(hf, match):
+    with pytest.raises(UnsupportedModelError, match=match):
+        LlamaConfig.from_hf_dict(hf)
+
+
+def test_gemma3_old_style_pattern_and_qwen_window_flag():
+    g = LlamaConfig.from_hf_dict(_hf("Gemma3ForCausalLM", "gemma3_text", num_key_value_heads=1, sliding_window=8,
+                                     sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=1e4))
+    assert g.windowed_layers == (True, False) and g.local_rope_theta == 1e4 and g.rope_theta == 1e6
+    off = LlamaConfig.from_hf_dict(_hf("Qwen2ForCausalLM", "qwen2", sliding_window=8, use_sliding_window=False))
+    assert not off.has_sliding_window
+    on = LlamaConfig.from_hf_dict(_hf("Qwen2ForCausalLM", "qwen2", sliding_window=8, use_sliding_window=True,
+                                      layer_types=["full_attention", "sliding_attention"]))
+    assert on.windowed_layers == (False, True)
