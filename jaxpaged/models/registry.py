@@ -36,7 +36,7 @@ _BASE_HF = {
 _GEMMA_HF = dict(_BASE_HF, mlp_norm="pre_feedforward_layernorm.weight",
                  post_attn_norm="post_attention_layernorm.weight",
                  post_mlp_norm="post_feedforward_layernorm.weight")
-_BASE_GGUF = {
+GGUF_LAYER_NAMES = {
     "attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
     "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight", "w_gate": "ffn_gate.weight",
     "w_up": "ffn_up.weight", "w_down": "ffn_down.weight", "bq": "attn_q.bias", "bk": "attn_k.bias",
