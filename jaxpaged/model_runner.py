@@ -206,7 +206,7 @@ def _attend_paged(q, k, v, k_pool, v_pool, step: StepInput, layer, window, *, sm
     kp, vp = write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer)
     o = ragged_paged_attention(q.astype(kp.dtype), kp, vp, step.kv_lens, step.page_table, step.cu_q_lens,
                                step.num_seqs, sm_scale=sm_scale, layer=layer, backend=attention.backend,
-                               max_prefill_seqs=attention.max_prefill_seqs, sliding_window=window)
+                               max_num_partial_prefills=attention.max_prefill_seqs, sliding_window=window)
     return o.astype(q.dtype), kp, vp
 
 

@@ -30,7 +30,7 @@ import numpy as np
 # Import the checkout's package even where the install is stale or absent.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from pallas_kernels import ragged_paged_attention  # noqa: E402
-from pallas_kernels.ragged_paged_attention import plan_kernel_calls  # noqa: E402
+from pallas_kernels.tiling import plan_kernel_calls  # noqa: E402
 
 
 def chain(fn, inner):
