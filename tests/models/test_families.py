@@ -73,3 +73,31 @@ def test_gemma3_old_style_pattern_and_qwen_window_flag():
     on = LlamaConfig.from_hf_dict(_hf("Qwen2ForCausalLM", "qwen2", sliding_window=8, use_sliding_window=True,
                                       layer_types=["full_attention", "sliding_attention"]))
     assert on.windowed_layers == (False, True)
+
+
+GEN_ARGS = dict(dtype="float32", seed=0, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                num_pages=64, block_size=8, warmup=False)
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    import torch
+    model.generation_config.eos_token_id = None  # run the full n tokens, as ignore_eos does
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("variant", sorted(FAMILY_VARIANTS))
+def test_engine_greedy_batch_equals_transformers_generate(family_checkpoints, variant):
+    """Mixed lengths (1 to 30 tokens, longer than the windows of 4 and 5), chunked prefill (16 tokens a
+    step), pages of 8 tokens: the engine's greedy batch equals transformers' generate, prompt by prompt."""
+    from jaxpaged import LLM, SamplingParams
+    folder = family_checkpoints[variant]
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (1, 13, 30, 6, 21)]
+    llm = LLM(model=str(folder), **GEN_ARGS)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf = load_hf_model(folder)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 12), (variant, len(prompt))
