@@ -101,3 +101,30 @@ def test_engine_greedy_batch_equals_transformers_generate(family_checkpoints, va
     hf = load_hf_model(folder)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 12), (variant, len(prompt))
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "gemma3"])
+def test_tensor_parallel_2_matches_1(family_checkpoints, variant):
+    """Biases shard with their heads (Qwen2); q/k and sandwich norms replicate, windows per layer (Gemma 3)."""
+    from tests.test_parallel import run_worker
+    prompts = [[1, 2, 3, 4, 5], list(range(40, 60))]
+    result = run_worker("serve", {"model": str(family_checkpoints[variant]), "tps": [1, 2], "prompts": prompts,
+                                  "max_tokens": 8}, devices=2)
+    assert result["2"]["tokens"] == result["1"]["tokens"]
+    np.testing.assert_allclose(result["2"]["logits"], result["1"]["logits"], atol=1e-4, rtol=0)
+    shards = result["2"]["shards"]
+    for name in (["bq", "bk", "bv"] if variant == "qwen2" else ["q_norm", "post_mlp_norm"]):
+        leaf = shards[f"['layers']['{name}']"]
+        expected = [leaf["bytes"] // 2] * 2 if name.startswith("b") else [leaf["bytes"]] * 2
+        assert leaf["device_bytes"] == expected, name
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "gemma3"])
+def test_orbax_conversion_round_trip(family_checkpoints, variant, tmp_path):
+    from jaxpaged.convert import save_model
+    loaded = load_model(str(family_checkpoints[variant]), dtype="float32")
+    restored = load_model(str(save_model(loaded, tmp_path / "ckpt")))
+    assert restored.config == loaded.config
+    tokens = jnp.asarray([list(range(3, 20))])
+    np.testing.assert_array_equal(np.asarray(forward_jit(restored.config, restored.params, tokens)),
+                                  np.asarray(forward_jit(loaded.config, loaded.params, tokens)))
