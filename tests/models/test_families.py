@@ -128,3 +128,24 @@ def test_orbax_conversion_round_trip(family_checkpoints, variant, tmp_path):
     tokens = jnp.asarray([list(range(3, 20))])
     np.testing.assert_array_equal(np.asarray(forward_jit(restored.config, restored.params, tokens)),
                                   np.asarray(forward_jit(loaded.config, loaded.params, tokens)))
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
+def test_gguf_of_the_family_matches_transformers(family_checkpoints, variant, tmp_path):
+    """llama.cpp-style F32 qwen2/qwen3 GGUF files (biases, q/k norms, explicit head_dim, no Q/K
+    permutation) against transformers on the checkpoint they were written from (its GGUF reader
+    misses qwen3's head_dim); the qwen2 pre-tokenizer splits digits one by one."""
+    import torch
+    from tests.models.tiny_families import make_family_gguf
+    path = make_family_gguf(family_checkpoints[variant], tmp_path / f"{variant}.gguf", variant)
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.config.architecture == variant
+    token_ids = np.random.default_rng(2).integers(0, 256, size=20).tolist()
+    ours = np.asarray(forward_jit(loaded.config, loaded.params, jnp.asarray([token_ids]))[0])
+    with torch.no_grad():
+        theirs = load_hf_model(family_checkpoints[variant])(torch.tensor([token_ids])).logits[0].numpy()
+    assert np.abs(ours - theirs).max() <= 1e-4
+    tok = loaded.tokenizer
+    assert tok.decode(tok("abc 12345 def")["input_ids"]) == "abc 12345 def"
+    pieces = [p for p, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str("ab 123")]
+    assert pieces == ["ab", "\u0120", "1", "2", "3"]  # Llama 3's split would keep "123" whole

@@ -54,3 +54,54 @@ def load_hf_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def make_family_gguf(checkpoint: Path, out: Path, arch: str) -> Path:
+    """Write a tiny qwen2/qwen3 checkpoint as a llama.cpp-style F32 GGUF (no Q/K permutation: llama.cpp
+    permutes only the llama arch), byte-level tokenizer with the `qwen2` pre-tokenizer."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from jaxpaged.models.registry import GGUF_LAYER_NAMES, family
+    from tests.conftest import TINY_CHAT_TEMPLATE, TINY_SPECIALS
+
+    hf = json.loads((checkpoint / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_block_count(hf["num_hidden_layers"])
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_head_count(hf["num_attention_heads"])
+    writer.add_head_count_kv(hf["num_key_value_heads"])
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    vocab = sorted(tiny_tokenizer().get_vocab().items(), key=lambda kv: kv[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list([t for t, _ in vocab])
+    writer.add_token_types([3 if t in TINY_SPECIALS else 1 for t, _ in vocab])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(hf["bos_token_id"])
+    writer.add_eos_token_id(hf["eos_token_id"])
+    writer.add_chat_template(TINY_CHAT_TEMPLATE)
+    hf_to_gguf = {suffix: GGUF_LAYER_NAMES[key] for key, suffix in family(arch).hf_layer_names.items()}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for name, w in load_file(str(checkpoint / "model.safetensors")).items():
+        if name.startswith("model.layers."):
+            i, suffix = name.split(".", 3)[2], name.split(".", 3)[3]
+            name = f"blk.{i}.{hf_to_gguf[suffix]}"
+        else:
+            name = top[name]
+        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
