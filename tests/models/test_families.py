@@ -149,3 +149,28 @@ def test_gguf_of_the_family_matches_transformers(family_checkpoints, variant, tm
     assert tok.decode(tok("abc 12345 def")["input_ids"]) == "abc 12345 def"
     pieces = [p for p, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str("ab 123")]
     assert pieces == ["ab", "\u0120", "1", "2", "3"]  # Llama 3's split would keep "123" whole
+
+
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
+def test_mixed_window_paged_step_lowers_for_cuda(backend):
+    """The Gemma 3 shaped paged step (per-layer windows and RoPE bases scanned) lowers for the GPU
+    from this CPU, with the Triton kernel or the XLA path."""
+    import jax
+    from jaxpaged.model_runner import AttentionConfig, KVPool, StepInput, paged_forward
+    from jaxpaged.models.llama import param_shapes
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=64, architecture="gemma3",
+                         qk_norm=True, norm_weight_offset=1.0, scale_embeddings=True, hidden_act="gelu_tanh",
+                         sandwich_norms=True, query_pre_attn_scalar=64.0, sliding_window=32,
+                         layer_windowed=(True, False, True), local_rope_theta=1e4, tie_word_embeddings=True)
+    sds = jax.ShapeDtypeStruct
+    params = jax.tree.map(lambda s: sds(s, jnp.bfloat16), param_shapes(config),
+                          is_leaf=lambda s: isinstance(s, tuple))
+    pool = sds((3, 1, 64, 16, 64), jnp.bfloat16)
+    t, s, p = 32, 4, 8
+    i32 = lambda *shape: sds(shape, jnp.int32)  # noqa: E731
+    step = StepInput(i32(t), i32(t), i32(t), i32(s, p), i32(s), i32(s + 1), i32(), i32(s))
+    lowered = jax.jit(paged_forward, static_argnums=(0, 1)).trace(
+        config, AttentionConfig(backend, max_prefill_seqs=2), params, KVPool(pool, pool), step
+    ).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text()
