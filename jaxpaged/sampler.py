@@ -37,11 +37,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.extend.random import threefry2x32_p
+
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_BIAS_ENTRIES = 320  # OpenAI allows 300 logit_bias entries; the rest is room for banned ids
 GREEDY_TEMPERATURE_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it sample greedily
 _PRNG_IMPL = "threefry2x32"
+PREFILTER_K = 256  # candidates per row of the sort-free top_k / top_p / min_p cut
 _U32_MASK = 0xFFFFFFFF
 
 
@@ -218,9 +221,17 @@ jax.tree_util.register_dataclass(
     meta_fields=[])
 
 
-def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
-    """Sample one token per row of logits f32[S, V] (pure; jit with num_top_logprobs static)."""
+def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = MAX_LOGPROBS,
+           prefilter_k: int = PREFILTER_K) -> SamplerOutput:
+    """Sample one token per row of logits f32[S, V] (pure; jit with the keyword arguments static).
+
+    num_top_logprobs: how many raw top log-probs to return (0 skips their top-k pass).
+    prefilter_k: candidates per row of the sort-free filter (see `_random_sample`); any value gives
+    the same samples, only the cost differs.
+    """
     _check_shapes(logits, batch, num_top_logprobs)
+    if not isinstance(prefilter_k, int) or prefilter_k < 1:
+        raise ValueError(f"prefilter_k={prefilter_k!r}: must be an integer >= 1")
     raw = logits.astype(jnp.float32)
     processed = process_logits(raw, batch)
     greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # i32[S]; ties: lowest id
@@ -228,11 +239,17 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = M
     token_ids = jax.lax.cond(
         jnp.all(is_greedy),
         lambda: greedy_ids,
-        lambda: jnp.where(is_greedy, greedy_ids, _random_sample(processed, batch, is_greedy)))
+        lambda: jnp.where(is_greedy, greedy_ids, _random_sample(processed, batch, is_greedy, prefilter_k)))
     return _raw_logprobs(raw, token_ids, num_top_logprobs)
 
 
-sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs",))
+sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs", "prefilter_k"))
+
+
+def num_top_logprobs_for(requested: Sequence[int | None]) -> int:
+    """The static num_top_logprobs a step needs: MAX_LOGPROBS when any row asks for logprobs, else 0
+    (two compile variants; the engine warms up both)."""
+    return MAX_LOGPROBS if any(k is not None for k in requested) else 0
 
 
 def process_logits(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -276,54 +293,143 @@ def _apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     return logits - batch.presence_penalty[:, None] * in_output.astype(jnp.float32)
 
 
-def _random_sample(processed: jax.Array, batch: SamplingBatch, is_greedy: jax.Array) -> jax.Array:
-    """i32[S]: temperature, min_p / top_k / top_p masks, then Gumbel-max with each row's key."""
+def _random_sample(processed: jax.Array, batch: SamplingBatch, is_greedy: jax.Array, kp: int) -> jax.Array:
+    """i32[S]: temperature, then the min_p / top_k / top_p cut, then Gumbel-max with each row's key.
+
+    No sort of the vocabulary. The cut is a per-row threshold (keep logits >= it), read off the
+    row's kp largest logits (`lax.top_k`) when they decide it (`_prefilter_threshold`), else found
+    by bisection over the whole row (`_bisect_threshold`, only when some row needs it). A row whose
+    kept tokens are all among its kp candidates draws Gumbel noise at those ids only; the others
+    (e.g. temperature-only rows) draw it over the whole vocabulary, in a branch taken only when
+    some row needs it. Either way a row's sample is argmax(kept logits + its noise), ties to the
+    lowest id: the same token as one full-vocabulary pass.
+    """
+    S, V = processed.shape
+    kp = min(kp, V)
     temperature = jnp.where(is_greedy, 1.0, batch.temperature)[:, None]  # f32[S, 1]
-    scaled = _min_p_mask(processed / temperature, batch.min_p)
-    needs_sort = jnp.any((batch.top_k > 0) | (batch.top_p < 1.0))
-    scaled = jax.lax.cond(needs_sort, _top_k_top_p_mask, lambda x, k, p: x, scaled, batch.top_k, batch.top_p)
-    noise = _gumbel_noise(batch.key_data, batch.steps, processed.shape[-1])
-    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    scaled = processed / temperature  # f32[S, V]
+    row_max = jnp.max(scaled, axis=-1)  # f32[S]
+    min_p_threshold = row_max + jnp.log(batch.min_p)  # f32[S]; -inf when off
+    scaled = jnp.where(scaled >= min_p_threshold[:, None], scaled, -jnp.inf)
+    values, ids = jax.lax.top_k(scaled, kp)  # f32[S, kp] descending, i32[S, kp]
+    threshold, exact = _prefilter_threshold(scaled, values, batch.top_k, batch.top_p, V)
+    random_rows = ~is_greedy
+    threshold = jax.lax.cond(
+        jnp.any(random_rows & ~exact),
+        lambda: jnp.where(exact, threshold, _bisect_threshold(scaled, batch.top_k, batch.top_p)),
+        lambda: threshold)
+    threshold = jnp.maximum(threshold, min_p_threshold)  # f32[S]
+    # every token >= threshold is a candidate when threshold > the last candidate (or kp == V)
+    covered = (threshold > values[:, -1]) | (kp == V)  # bool[S]
+    from_candidates = _gumbel_argmax(values, ids, threshold, batch.key_data, batch.steps)
+    return jax.lax.cond(
+        jnp.any(random_rows & ~covered),
+        lambda: jnp.where(covered, from_candidates, _gumbel_argmax(
+            scaled, jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (S, V)), threshold, batch.key_data,
+            batch.steps)),
+        lambda: from_candidates)
 
 
-def _min_p_mask(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
-    """Keep tokens with prob >= min_p * max prob, i.e. logit >= max logit + log(min_p)."""
-    threshold = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]  # f32[S, 1]; -inf when off
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+def _prefilter_threshold(scaled: jax.Array, values: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                         V: int) -> tuple[jax.Array, jax.Array]:
+    """(f32[S] threshold of the top_k then top_p cut, bool[S] whether it is exact) from each row's
+    kp largest logits `values` f32[S, kp] (descending).
 
-
-def _top_k_top_p_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Keep the top_k highest logits, then the smallest head of those whose mass reaches top_p.
-
-    Both cuts are per-row thresholds read off one descending sort (ties at a
-    threshold are all kept, as in vLLM).
+    top_k cut: the k-th largest logit (ties all kept). top_p cut, on the top_k survivors: the
+    smallest head, in descending order, whose exclusive cumulative probability is below top_p,
+    ended at its last logit (ties kept), as in vLLM. Exact when top_k <= kp and that head ends
+    inside the candidates. The normaliser sums the whole row (no sort).
     """
-    V = scaled.shape[-1]
-    desc = -jnp.sort(-scaled, axis=-1)  # f32[S, V], descending
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)  # i32[S]
-    k_threshold = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)  # f32[S, 1]
-    desc = jnp.where(desc >= k_threshold, desc, -jnp.inf)
-    probs = jax.nn.softmax(desc, axis=-1)  # f32[S, V]
-    mass_before = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))  # f32[S, V], exclusive
+    kp = values.shape[-1]
+    k_on = (top_k > 0) & (top_k < V)
+    k_index = jnp.clip(top_k - 1, 0, kp - 1)[:, None]  # i32[S, 1]
+    k_threshold = jnp.where(k_on, jnp.take_along_axis(values, k_index, axis=-1)[:, 0], -jnp.inf)  # f32[S]
+    row_max = values[:, :1]  # f32[S, 1]
+    kept = scaled >= k_threshold[:, None]
+    normaliser = jnp.sum(jnp.where(kept, jnp.exp(scaled - row_max), 0.0), axis=-1, keepdims=True)
+    probs = jnp.where(values >= k_threshold[:, None], jnp.exp(values - row_max), 0.0) / normaliser
+    mass = jnp.cumsum(probs, axis=-1)  # f32[S, kp]; inclusive
+    mass_before = jnp.pad(mass[:, :-1], ((0, 0), (1, 0)))  # exclusive
+    p_on = top_p < 1.0
     num_kept = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)  # i32[S]
-    p_threshold = jnp.take_along_axis(desc, (num_kept - 1)[:, None], axis=-1)  # f32[S, 1]
-    p_threshold = jnp.where(top_p[:, None] >= 1.0, -jnp.inf, p_threshold)
-    return jnp.where(scaled >= jnp.maximum(k_threshold, p_threshold), scaled, -jnp.inf)
+    p_threshold = jnp.take_along_axis(values, (num_kept - 1)[:, None], axis=-1)[:, 0]
+    p_threshold = jnp.where(p_on, p_threshold, -jnp.inf)
+    exact = (~k_on | (top_k <= kp)) & (~p_on | (mass[:, -1] >= top_p) | (kp == V))
+    return jnp.maximum(k_threshold, p_threshold), exact
 
 
-def _gumbel_noise(key_data: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
-    """f32[S, V] standard Gumbel noise; row s depends only on (key_data[s], steps[s]) and V.
+def _sortable(x: jax.Array) -> jax.Array:
+    """u32 keys in the order of the f32 values x (-inf lowest; NaN-free rows)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
-    Built from raw threefry bits (not jax.random.gumbel) so the stream is
-    pinned to the bit generator: u = (top 23 bits + 1/2) / 2**23 in (0, 1).
+
+def _unsortable(keys: jax.Array) -> jax.Array:
+    bits = jnp.where(keys >> 31 == 1, keys & jnp.uint32(0x7FFFFFFF), ~keys)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest_key(keys: jax.Array, predicate) -> jax.Array:
+    """u32[S]: per row, the largest t in [min key, max key] with predicate(t) (bool[S]); predicate must
+    hold at the row's min key and be monotone (true up to some t, false above). 32 halvings."""
+    lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)  # u32[S]; predicate(lo) holds
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + ((hi - lo) >> 1) + ((hi - lo) & 1)  # in (lo, hi] while lo < hi (no overflow)
+        ok = predicate(mid)
+        open_ = lo < hi
+        return jnp.where(open_ & ok, mid, lo), jnp.where(open_ & ~ok, mid - 1, hi)
+
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return lo
+
+
+def _bisect_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """f32[S]: the exact top_k then top_p threshold of `_prefilter_threshold`, by bisection over
+    the whole row (O(V) per halving, no sort): the largest logit keeping >= k tokens, then the
+    largest keeping probability mass >= top_p of the top_k survivors."""
+    S, V = scaled.shape
+    keys = _sortable(scaled)  # i32[S, V]
+    k_on = (top_k > 0) & (top_k < V)
+    k = jnp.where(k_on, top_k, 1)[:, None]
+    k_key = _largest_key(keys, lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k[:, 0])
+    k_key = jnp.where(k_on, k_key, jnp.min(keys, axis=-1))
+    kept = keys >= k_key[:, None]
+    weights = jnp.where(kept, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)  # f32[S, V]
+    target = top_p * jnp.sum(weights, axis=-1)  # f32[S]
+    p_key = _largest_key(keys, lambda t: jnp.sum(jnp.where(keys >= t[:, None], weights, 0.0), axis=-1) >= target)
+    p_key = jnp.where(top_p < 1.0, jnp.maximum(p_key, k_key), k_key)
+    return jnp.where(k_on | (top_p < 1.0), _unsortable(p_key), -jnp.inf)
+
+
+def _gumbel_argmax(values: jax.Array, ids: jax.Array, threshold: jax.Array, key_data: jax.Array,
+                   steps: jax.Array) -> jax.Array:
+    """i32[S]: per row, the id of max(values + Gumbel noise at ids) over values >= threshold; ties to
+    the lowest id. values f32[S, C] at token ids i32[S, C] (C candidates, or the whole row)."""
+    noise = _gumbel_noise_at(key_data, steps, ids)  # f32[S, C]
+    scores = jnp.where(values >= threshold[:, None], values + noise, -jnp.inf)
+    best = jnp.max(scores, axis=-1, keepdims=True)
+    big = jnp.iinfo(jnp.int32).max
+    return jnp.min(jnp.where(scores == best, ids, big), axis=-1).astype(jnp.int32)
+
+
+def _gumbel_noise_at(key_data: jax.Array, steps: jax.Array, ids: jax.Array) -> jax.Array:
+    """f32[S, C] standard Gumbel noise of each row's vocabulary stream at token ids i32[S, C].
+
+    Token t's noise depends only on (key_data[s], steps[s], t): threefry2x32 of the row's key
+    fold_in(key, step) on the counter (0, t), its two words xor-ed (jax.random.bits' layout over a
+    vocabulary-sized vector), u = (top 23 bits + 1/2) / 2**23 in (0, 1), -log(-log(u)).
     """
-    def row(data, step):
-        key = jax.random.fold_in(jax.random.wrap_key_data(data, impl=_PRNG_IMPL), step)
-        bits = jax.random.bits(key, (vocab_size,), jnp.uint32)  # u32[V]
+    def row(data, step, row_ids):
+        key = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(data, impl=_PRNG_IMPL), step))
+        counters = row_ids.astype(jnp.uint32)
+        hi, lo = threefry2x32_p.bind(key[0], key[1], jnp.zeros_like(counters), counters)
+        bits = hi ^ lo  # u32[C]
         u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
         return -jnp.log(-jnp.log(u))
 
-    return jax.vmap(row)(key_data, steps)
+    return jax.vmap(row)(key_data, steps, ids)
 
 
 def _raw_logprobs(raw: jax.Array, token_ids: jax.Array, k: int) -> SamplerOutput:
