@@ -44,6 +44,8 @@ from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 MAX_BIAS_ENTRIES = 320  # OpenAI allows 300 logit_bias entries; the rest is room for banned ids
 GREEDY_TEMPERATURE_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it sample greedily
 _PRNG_IMPL = "threefry2x32"
+# Above any Gumbel noise the stream draws: u <= 1 - 2**-24, so -log(-log(u)) <= 16.64
+GUMBEL_MAX = 17.0
 PREFILTER_K = 256  # candidates per row of the sort-free top_k / top_p / min_p cut
 _U32_MASK = 0xFFFFFFFF
 
@@ -296,54 +298,72 @@ def _apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
 def _random_sample(processed: jax.Array, batch: SamplingBatch, is_greedy: jax.Array, kp: int) -> jax.Array:
     """i32[S]: temperature, then the min_p / top_k / top_p cut, then Gumbel-max with each row's key.
 
-    No sort of the vocabulary. The cut is a per-row threshold (keep logits >= it), read off the
-    row's kp largest logits (`lax.top_k`) when they decide it (`_prefilter_threshold`), else found
-    by bisection over the whole row (`_bisect_threshold`, only when some row needs it). A row whose
-    kept tokens are all among its kp candidates draws Gumbel noise at those ids only; the others
-    (e.g. temperature-only rows) draw it over the whole vocabulary, in a branch taken only when
-    some row needs it. Either way a row's sample is argmax(kept logits + its noise), ties to the
-    lowest id: the same token as one full-vocabulary pass.
+    No sort of the vocabulary: each row's kp largest logits (`lax.top_k`) are its candidates. The
+    cut is a per-row threshold (keep logits >= it) read off them when they decide it
+    (`_prefilter_threshold`), else found by bisection over the row (`_bisect_threshold`). A row's
+    Gumbel noise is drawn at its candidate ids; its best candidate score is its sample when no
+    other token can beat it: every kept token is a candidate, or the score exceeds the last
+    candidate's logit + the largest noise the stream can draw (GUMBEL_MAX). Rows left over (flat
+    distributions, e.g. temperature-only) draw noise over the whole vocabulary, in a branch taken
+    only when some row needs it. Either way the sample is argmax(kept logits + the row's noise),
+    ties to the lowest id: the same token as one full-vocabulary pass.
     """
     S, V = processed.shape
     kp = min(kp, V)
     temperature = jnp.where(is_greedy, 1.0, batch.temperature)[:, None]  # f32[S, 1]
     scaled = processed / temperature  # f32[S, V]
-    row_max = jnp.max(scaled, axis=-1)  # f32[S]
-    min_p_threshold = row_max + jnp.log(batch.min_p)  # f32[S]; -inf when off
+    min_p_threshold = jnp.max(scaled, axis=-1) + jnp.log(batch.min_p)  # f32[S]; -inf when off
     scaled = jnp.where(scaled >= min_p_threshold[:, None], scaled, -jnp.inf)
-    values, ids = jax.lax.top_k(scaled, kp)  # f32[S, kp] descending, i32[S, kp]
-    threshold, exact = _prefilter_threshold(scaled, values, batch.top_k, batch.top_p, V)
+    values, ids = _top_k(scaled, kp)  # f32[S, kp] descending, i32[S, kp]
+    threshold, exact, bisect = _prefilter_threshold(scaled, values, batch.top_k, batch.top_p, V)
     random_rows = ~is_greedy
-    threshold = jax.lax.cond(
-        jnp.any(random_rows & ~exact),
-        lambda: jnp.where(exact, threshold, _bisect_threshold(scaled, batch.top_k, batch.top_p)),
-        lambda: threshold)
-    threshold = jnp.maximum(threshold, min_p_threshold)  # f32[S]
-    # every token >= threshold is a candidate when threshold > the last candidate (or kp == V)
-    covered = (threshold > values[:, -1]) | (kp == V)  # bool[S]
-    from_candidates = _gumbel_argmax(values, ids, threshold, batch.key_data, batch.steps)
-    return jax.lax.cond(
-        jnp.any(random_rows & ~covered),
-        lambda: jnp.where(covered, from_candidates, _gumbel_argmax(
-            scaled, jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (S, V)), threshold, batch.key_data,
-            batch.steps)),
-        lambda: from_candidates)
+
+    def bisected(rows, threshold):  # threshold, exact on `rows`
+        return jax.lax.cond(
+            jnp.any(random_rows & rows),
+            lambda: jnp.where(rows, _bisect_threshold(scaled, batch.top_k, batch.top_p), threshold),
+            lambda: threshold)
+
+    threshold = jnp.maximum(bisected(bisect, threshold), min_p_threshold)  # f32[S]
+    exact = exact | bisect
+    token_ids, best = _gumbel_argmax(values, ids, threshold, batch.key_data, batch.steps)
+    last = values[:, -1]  # f32[S]; no other token's logit is above it
+    covered = (exact & (threshold > last)) | (best > last + GUMBEL_MAX) | (kp == V)  # bool[S]
+
+    def full_vocabulary():
+        full_threshold = jnp.maximum(bisected(~covered & ~exact, threshold), min_p_threshold)
+        all_ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (S, V))
+        full_ids, _ = _gumbel_argmax(scaled, all_ids, full_threshold, batch.key_data, batch.steps)
+        return jnp.where(covered, token_ids, full_ids)
+
+    return jax.lax.cond(jnp.any(random_rows & ~covered), full_vocabulary, lambda: token_ids)
+
+
+def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k behind an optimization barrier: XLA:CPU runs TopK as a partial sort only while
+    the two outputs reach their users untouched; once it folds a slice of the values into a user
+    it sorts whole rows instead (S=32, V=49k: 800 ms instead of 13)."""
+    return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
 
 
 def _prefilter_threshold(scaled: jax.Array, values: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                         V: int) -> tuple[jax.Array, jax.Array]:
-    """(f32[S] threshold of the top_k then top_p cut, bool[S] whether it is exact) from each row's
-    kp largest logits `values` f32[S, kp] (descending).
+                         V: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The top_k then top_p cut read off each row's kp largest logits `values` f32[S, kp] (descending):
+    (f32[S] threshold, bool[S] exact, bool[S] needs bisection).
 
     top_k cut: the k-th largest logit (ties all kept). top_p cut, on the top_k survivors: the
     smallest head, in descending order, whose exclusive cumulative probability is below top_p,
-    ended at its last logit (ties kept), as in vLLM. Exact when top_k <= kp and that head ends
-    inside the candidates. The normaliser sums the whole row (no sort).
+    ended at its last logit (ties kept), as in vLLM. The normaliser sums the whole row (no sort).
+    Exact when top_k <= kp and that head ends inside the candidates. When it does not (mass left
+    over), or top_k > kp without top_p, the true cut lies at or below the last candidate: the
+    threshold returned then keeps exactly the candidates the true cut keeps. top_k > kp with top_p
+    on needs bisection.
     """
     kp = values.shape[-1]
     k_on = (top_k > 0) & (top_k < V)
+    k_exact = ~k_on | (top_k <= kp)
     k_index = jnp.clip(top_k - 1, 0, kp - 1)[:, None]  # i32[S, 1]
-    k_threshold = jnp.where(k_on, jnp.take_along_axis(values, k_index, axis=-1)[:, 0], -jnp.inf)  # f32[S]
+    k_threshold = jnp.where(k_on & k_exact, jnp.take_along_axis(values, k_index, axis=-1)[:, 0], -jnp.inf)
     row_max = values[:, :1]  # f32[S, 1]
     kept = scaled >= k_threshold[:, None]
     normaliser = jnp.sum(jnp.where(kept, jnp.exp(scaled - row_max), 0.0), axis=-1, keepdims=True)
@@ -351,11 +371,11 @@ def _prefilter_threshold(scaled: jax.Array, values: jax.Array, top_k: jax.Array,
     mass = jnp.cumsum(probs, axis=-1)  # f32[S, kp]; inclusive
     mass_before = jnp.pad(mass[:, :-1], ((0, 0), (1, 0)))  # exclusive
     p_on = top_p < 1.0
+    p_exact = ~p_on | (mass[:, -1] >= top_p) | (kp == V)
     num_kept = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)  # i32[S]
     p_threshold = jnp.take_along_axis(values, (num_kept - 1)[:, None], axis=-1)[:, 0]
-    p_threshold = jnp.where(p_on, p_threshold, -jnp.inf)
-    exact = (~k_on | (top_k <= kp)) & (~p_on | (mass[:, -1] >= top_p) | (kp == V))
-    return jnp.maximum(k_threshold, p_threshold), exact
+    p_threshold = jnp.where(p_on & p_exact, p_threshold, -jnp.inf)
+    return jnp.maximum(k_threshold, p_threshold), k_exact & p_exact, ~k_exact & p_on
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -404,14 +424,14 @@ def _bisect_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
 
 
 def _gumbel_argmax(values: jax.Array, ids: jax.Array, threshold: jax.Array, key_data: jax.Array,
-                   steps: jax.Array) -> jax.Array:
-    """i32[S]: per row, the id of max(values + Gumbel noise at ids) over values >= threshold; ties to
-    the lowest id. values f32[S, C] at token ids i32[S, C] (C candidates, or the whole row)."""
+                   steps: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(i32[S] id, f32[S] score): per row, max(values + Gumbel noise at ids) over values >= threshold,
+    ties to the lowest id. values f32[S, C] at token ids i32[S, C] (C candidates, or the whole row)."""
     noise = _gumbel_noise_at(key_data, steps, ids)  # f32[S, C]
     scores = jnp.where(values >= threshold[:, None], values + noise, -jnp.inf)
-    best = jnp.max(scores, axis=-1, keepdims=True)
+    best = jnp.max(scores, axis=-1)
     big = jnp.iinfo(jnp.int32).max
-    return jnp.min(jnp.where(scores == best, ids, big), axis=-1).astype(jnp.int32)
+    return jnp.min(jnp.where(scores == best[:, None], ids, big), axis=-1).astype(jnp.int32), best
 
 
 def _gumbel_noise_at(key_data: jax.Array, steps: jax.Array, ids: jax.Array) -> jax.Array:
@@ -440,7 +460,7 @@ def _raw_logprobs(raw: jax.Array, token_ids: jax.Array, k: int) -> SamplerOutput
         top_values = jnp.zeros((raw.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((raw.shape[0], 0), jnp.int32)
     else:
-        top_values, top_ids = jax.lax.top_k(raw, k)  # f32[S, K], i32[S, K]
+        top_values, top_ids = _top_k(raw, k)  # f32[S, K], i32[S, K]
     return SamplerOutput(token_ids=token_ids, logprobs=sampled[:, 0],
                          top_token_ids=top_ids.astype(jnp.int32), top_logprobs=top_values - lse,
                          finite=jnp.all(jnp.isfinite(raw), axis=-1))
