@@ -22,14 +22,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpaged import parallel
+from jaxpaged import parallel, sampler
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.model_runner import (ModelRunner, RunnerConfig, check_kv_cache_dtype, kv_bytes_per_page,
                                    resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.request import Request, RequestStatus
-from jaxpaged.sampler import RowInfo, make_sampling_batch, sample_jit
+from jaxpaged.sampler import RowInfo, make_sampling_batch, num_top_logprobs_for, sample_jit
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 
@@ -203,12 +203,8 @@ class LLMEngine:
         """Compile every step shape and every sampler shape now; none are compiled later."""
         start = time.perf_counter()
         self.runner.warmup()
-        vocab = self.model.config.vocab_size
-        penalized = RowInfo(params=SamplingParams(repetition_penalty=1.1), seed=0)
         for s in self.runner_config.seq_buckets:
-            logits = jax.device_put(np.zeros((s, vocab), np.float32))  # as the runner hands it over
-            for rows in ((), (penalized,)):
-                jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, s, vocab)))
+            sampler.warmup(s, self.model.config.vocab_size)
         return time.perf_counter() - start
 
     # ---- requests ---------------------------------------------------------
@@ -301,7 +297,9 @@ class LLMEngine:
         logits = self.runner.execute(self.runner.prepare(entries))
         if self.fault_injector is not None:
             logits = self.fault_injector(entries, logits)
-        sampled = jax.device_get(sample_jit(logits, self._sampling_batch(entries, logits.shape)))
+        top_logprobs = num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless asked
+        sampled = jax.device_get(sample_jit(logits, self._sampling_batch(entries, logits.shape),
+                                            num_top_logprobs=top_logprobs))
         nonfinite = {e.request_id for i, e in enumerate(entries) if e.samples and not sampled.finite[i]}
         self.scheduler.finish_requests(nonfinite, "error")  # NaN/inf logits fail only their own request
         new_tokens = {e.request_id: [int(sampled.token_ids[i])] for i, e in enumerate(entries) if e.samples}

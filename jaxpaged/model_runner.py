@@ -83,6 +83,11 @@ class StepInput:
     logits_indices: jax.Array  # i32[S]  each sequence's last fed token
 
 
+def cpu_compiler_options() -> dict[str, str]:
+    """XLA:CPU options the runner compiles its step with (on CPU; none on GPU). See docs/benchmarks.md."""
+    return {}
+
+
 def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
     """lo, lo*ratio, ... below hi, then hi itself."""
     buckets, b = [], lo

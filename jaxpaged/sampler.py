@@ -5,17 +5,20 @@ turns one `RowInfo` per live slot into a `SamplingBatch`, a pytree of fixed
 shape numpy arrays (S = num_rows, the padded batch bucket). Rows beyond
 `len(rows)` are padding: greedy and neutral, their results are garbage.
 
-Device side: `sample(logits, batch)` (jitted: `sample_jit`) processes each
-row like vLLM does:
+Device side: `sample(logits, batch)` (its parts jitted; the host picks which
+run from the batch and a few flags) processes each row like vLLM does:
 
   1. logit_bias and banned ids (-inf), one fixed-width scatter [S, B];
   2. repetition penalty (HF: positive logits / p, negative * p) for tokens in
      the prompt or the output; frequency and presence penalties (OpenAI) on
      the output counts. Only when the batch carries the dense count arrays;
   3. greedy rows (temperature < GREEDY_TEMPERATURE_EPS) take argmax here;
-  4. random rows: logits / temperature, then the min_p, top_k and top_p masks
-     (each on what the previous left; the [S, V] sort runs only when some
-     row has top_k or top_p on), then Gumbel-max with the row's key.
+  4. random rows: logits / temperature, then the min_p, top_k and top_p cuts
+     (each on what the previous left) as one per-row threshold, then
+     Gumbel-max with the row's key. No sort of the vocabulary: the row's 256
+     largest logits decide the threshold and the token whenever they can
+     (almost always on a language model's rows); bisection over the row and
+     noise over the whole vocabulary run only for rows that need them.
 
 Randomness: a row's key is fold_in(PRNGKey(seed), step) under threefry2x32,
 whatever the default PRNG implementation is, and its noise depends only on
@@ -23,14 +26,17 @@ that key and V, so a seeded request samples the same tokens in any batch, in
 any row. Log-probs are those of the RAW model distribution (vLLM v1's
 default): log_softmax of the unmodified logits.
 
-Compile variants of `sample_jit` at one (S, V, B): with and without the
-penalty arrays (`output_counts`/`prompt_mask` None or not), times each static
-`num_top_logprobs`. Parameter values never cause a recompile.
+Compile variants at one (S, V, B) (`warmup` compiles them all): greedy and
+random parts with and without the penalty arrays (`output_counts`/
+`prompt_mask` None or not), times each `num_top_logprobs` (0 when no row asks
+for logprobs: `num_top_logprobs_for`), and the two fallbacks. Parameter
+values never cause a recompile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -225,33 +231,123 @@ jax.tree_util.register_dataclass(
 
 def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = MAX_LOGPROBS,
            prefilter_k: int = PREFILTER_K) -> SamplerOutput:
-    """Sample one token per row of logits f32[S, V] (pure; jit with the keyword arguments static).
+    """Sample one token per row of logits f32[S, V]; every device part is jitted.
 
     num_top_logprobs: how many raw top log-probs to return (0 skips their top-k pass).
-    prefilter_k: candidates per row of the sort-free filter (see `_random_sample`); any value gives
-    the same samples, only the cost differs.
+    prefilter_k: candidates per row of the sort-free filter (see `_candidate_sample`); any value
+    gives the same samples, only the cost differs.
+
+    The host picks the parts: all-greedy batches run `_greedy_sample` only; others run
+    `_candidate_sample`, then `_bisect_thresholds` and `_full_vocabulary_sample` only when some
+    random row needs them (XLA:CPU charges an untaken lax.cond branch of this size ~60 ms a call
+    at S=32, V=49k, so the branches are separate programs, decided from a few flags).
     """
     _check_shapes(logits, batch, num_top_logprobs)
     if not isinstance(prefilter_k, int) or prefilter_k < 1:
         raise ValueError(f"prefilter_k={prefilter_k!r}: must be an integer >= 1")
-    raw = logits.astype(jnp.float32)
-    processed = process_logits(raw, batch)
-    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # i32[S]; ties: lowest id
-    is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # bool[S]
-    token_ids = jax.lax.cond(
-        jnp.all(is_greedy),
-        lambda: greedy_ids,
-        lambda: jnp.where(is_greedy, greedy_ids, _random_sample(processed, batch, is_greedy, prefilter_k)))
-    return _raw_logprobs(raw, token_ids, num_top_logprobs)
+    random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch: free)
+    if not random_rows.any():
+        return _greedy_sample(logits, batch, num_top_logprobs)
+    out, scaled, threshold, flags = _candidate_sample(logits, batch, num_top_logprobs, prefilter_k)
+    covered, exact = np.asarray(flags)  # bool[2, S]
+    full = random_rows & ~covered
+    if not full.any():
+        return out
+    inexact = full & ~exact
+    if inexact.any():
+        threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, inexact)
+    return _full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps, full)
 
 
-sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs", "prefilter_k"))
+sample_jit = sample  # the former name: `sample` jits its own parts
 
 
 def num_top_logprobs_for(requested: Sequence[int | None]) -> int:
-    """The static num_top_logprobs a step needs: MAX_LOGPROBS when any row asks for logprobs, else 0
+    """The num_top_logprobs a step needs: MAX_LOGPROBS when any row asks for logprobs, else 0
     (two compile variants; the engine warms up both)."""
     return MAX_LOGPROBS if any(k is not None for k in requested) else 0
+
+
+def warmup(num_rows: int, vocab_size: int, num_top_logprobs: Sequence[int] = (0, MAX_LOGPROBS)) -> None:
+    """Compile every part of `sample` at (num_rows, vocab_size): greedy and random batches, with and
+    without penalty arrays, each num_top_logprobs, and both fallbacks. Nothing compiles later."""
+    logits = jax.device_put(np.zeros((num_rows, vocab_size), np.float32))  # as the runner hands it over
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+        for penalties in (False, True):
+            p = dataclasses.replace(params, repetition_penalty=1.1) if penalties else params
+            batch = make_sampling_batch([RowInfo(p, seed=0)], num_rows, vocab_size)
+            for k in num_top_logprobs:
+                jax.block_until_ready(sample(logits, batch, num_top_logprobs=k))
+    batch = make_sampling_batch([RowInfo(SamplingParams(temperature=1.0), seed=0)], num_rows, vocab_size)
+    out, scaled, threshold, _ = _candidate_sample(logits, batch, MAX_LOGPROBS, PREFILTER_K)
+    rows = np.ones(num_rows, bool)
+    threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, rows)
+    jax.block_until_ready(_full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps,
+                                                  rows))
+
+
+def compiled_variants() -> int:
+    """How many programs the sampler's parts have compiled so far (tests: no recompiles)."""
+    return sum(f._cache_size() for f in (_greedy_sample, _candidate_sample, _bisect_thresholds,
+                                         _full_vocabulary_sample))
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _greedy_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int) -> SamplerOutput:
+    raw = logits.astype(jnp.float32)
+    return _raw_logprobs(raw, _argmax(process_logits(raw, batch)), num_top_logprobs)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _candidate_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int, kp: int):
+    """Greedy rows: argmax. Random rows: temperature, the min_p / top_k / top_p cut, Gumbel-max over
+    each row's kp largest logits (no sort of the vocabulary).
+
+    Returns (SamplerOutput, scaled f32[S, V] (the tempered, min_p-cut logits), threshold f32[S],
+    flags bool[2, S] = (covered, exact)). The cut is a per-row threshold (keep logits >= it) read off
+    the candidates (`_prefilter_threshold`; `exact` when they decide it). A random row's token is
+    final when no other token can beat its best candidate score (`covered`): every kept token is a
+    candidate, or the score exceeds the last candidate's logit + the largest noise the stream can
+    draw (GUMBEL_MAX). Other rows are resampled by `_full_vocabulary_sample`; either way a row's
+    sample is argmax(kept logits + its noise), ties to the lowest id.
+    """
+    S, V = logits.shape
+    kp = min(kp, V)
+    raw = logits.astype(jnp.float32)
+    processed = process_logits(raw, batch)
+    is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # bool[S]
+    temperature = jnp.where(is_greedy, 1.0, batch.temperature)[:, None]  # f32[S, 1]
+    scaled = processed / temperature  # f32[S, V]
+    min_p_threshold = jnp.max(scaled, axis=-1) + jnp.log(batch.min_p)  # f32[S]; -inf when off
+    scaled = jnp.where(scaled >= min_p_threshold[:, None], scaled, -jnp.inf)
+    values, ids = _top_k(scaled, kp)  # f32[S, kp] descending, i32[S, kp]
+    threshold, exact, valid = _prefilter_threshold(scaled, values, batch.top_k, batch.top_p, V)
+    threshold = jnp.maximum(threshold, min_p_threshold)  # f32[S]
+    token_ids, best = _gumbel_argmax(values, ids, threshold, batch.key_data, batch.steps)
+    last = values[:, -1]  # f32[S]; no other token's logit is above it
+    covered = (exact & (threshold > last)) | (valid & (best > last + GUMBEL_MAX)) | (kp == V)  # bool[S]
+    token_ids = jnp.where(is_greedy, _argmax(processed), token_ids)
+    return _raw_logprobs(raw, token_ids, num_top_logprobs), scaled, threshold, jnp.stack([covered, exact])
+
+
+@jax.jit
+def _bisect_thresholds(scaled, threshold, top_k, top_p, min_p, rows):
+    """f32[S]: threshold with `rows` (bool[S]) replaced by the exact cut, found by bisection."""
+    min_p_threshold = jnp.max(scaled, axis=-1) + jnp.log(min_p)
+    exact = jnp.maximum(_bisect_threshold(scaled, top_k, top_p), min_p_threshold)
+    return jnp.where(rows, exact, threshold)
+
+
+@functools.partial(jax.jit, donate_argnums=(1,))
+def _full_vocabulary_sample(logits, out: SamplerOutput, scaled, threshold, key_data, steps, rows) -> SamplerOutput:
+    """`out` with `rows` (bool[S]) resampled: Gumbel noise over the whole vocabulary."""
+    S, V = scaled.shape
+    all_ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (S, V))
+    full_ids, _ = _gumbel_argmax(scaled, all_ids, threshold, key_data, steps)
+    token_ids = jnp.where(rows, full_ids, out.token_ids)
+    raw = logits.astype(jnp.float32)
+    logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - _logsumexp(raw)[:, 0]
+    return dataclasses.replace(out, token_ids=token_ids, logprobs=logprobs)
 
 
 def process_logits(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -295,48 +391,20 @@ def _apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     return logits - batch.presence_penalty[:, None] * in_output.astype(jnp.float32)
 
 
-def _random_sample(processed: jax.Array, batch: SamplingBatch, is_greedy: jax.Array, kp: int) -> jax.Array:
-    """i32[S]: temperature, then the min_p / top_k / top_p cut, then Gumbel-max with each row's key.
+def _argmax(x: jax.Array) -> jax.Array:
+    """i32[S]: jnp.argmax over the last axis (first maximum), as two vectorised reductions: XLA:CPU
+    runs argmax's (value, index) reduction element by element (S=32, V=49k: 35 ms instead of 2).
+    A row without a maximum (NaN) gets the last id."""
+    best = jnp.max(x, axis=-1, keepdims=True)
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(x == best, ids, x.shape[-1] - 1), axis=-1)
 
-    No sort of the vocabulary: each row's kp largest logits (`lax.top_k`) are its candidates. The
-    cut is a per-row threshold (keep logits >= it) read off them when they decide it
-    (`_prefilter_threshold`), else found by bisection over the row (`_bisect_threshold`). A row's
-    Gumbel noise is drawn at its candidate ids; its best candidate score is its sample when no
-    other token can beat it: every kept token is a candidate, or the score exceeds the last
-    candidate's logit + the largest noise the stream can draw (GUMBEL_MAX). Rows left over (flat
-    distributions, e.g. temperature-only) draw noise over the whole vocabulary, in a branch taken
-    only when some row needs it. Either way the sample is argmax(kept logits + the row's noise),
-    ties to the lowest id: the same token as one full-vocabulary pass.
-    """
-    S, V = processed.shape
-    kp = min(kp, V)
-    temperature = jnp.where(is_greedy, 1.0, batch.temperature)[:, None]  # f32[S, 1]
-    scaled = processed / temperature  # f32[S, V]
-    min_p_threshold = jnp.max(scaled, axis=-1) + jnp.log(batch.min_p)  # f32[S]; -inf when off
-    scaled = jnp.where(scaled >= min_p_threshold[:, None], scaled, -jnp.inf)
-    values, ids = _top_k(scaled, kp)  # f32[S, kp] descending, i32[S, kp]
-    threshold, exact, bisect = _prefilter_threshold(scaled, values, batch.top_k, batch.top_p, V)
-    random_rows = ~is_greedy
 
-    def bisected(rows, threshold):  # threshold, exact on `rows`
-        return jax.lax.cond(
-            jnp.any(random_rows & rows),
-            lambda: jnp.where(rows, _bisect_threshold(scaled, batch.top_k, batch.top_p), threshold),
-            lambda: threshold)
-
-    threshold = jnp.maximum(bisected(bisect, threshold), min_p_threshold)  # f32[S]
-    exact = exact | bisect
-    token_ids, best = _gumbel_argmax(values, ids, threshold, batch.key_data, batch.steps)
-    last = values[:, -1]  # f32[S]; no other token's logit is above it
-    covered = (exact & (threshold > last)) | (best > last + GUMBEL_MAX) | (kp == V)  # bool[S]
-
-    def full_vocabulary():
-        full_threshold = jnp.maximum(bisected(~covered & ~exact, threshold), min_p_threshold)
-        all_ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (S, V))
-        full_ids, _ = _gumbel_argmax(scaled, all_ids, full_threshold, batch.key_data, batch.steps)
-        return jnp.where(covered, token_ids, full_ids)
-
-    return jax.lax.cond(jnp.any(random_rows & ~covered), full_vocabulary, lambda: token_ids)
+def _logsumexp(x: jax.Array) -> jax.Array:
+    """f32[S, 1]: jax.nn.logsumexp over the last axis for rows with a finite maximum (others: NaN or
+    inf; their tokens are flagged), in two passes instead of its four."""
+    best = jnp.max(x, axis=-1, keepdims=True)
+    return best + jnp.log(jnp.sum(jnp.exp(x - best), axis=-1, keepdims=True))
 
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -349,15 +417,15 @@ def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def _prefilter_threshold(scaled: jax.Array, values: jax.Array, top_k: jax.Array, top_p: jax.Array,
                          V: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The top_k then top_p cut read off each row's kp largest logits `values` f32[S, kp] (descending):
-    (f32[S] threshold, bool[S] exact, bool[S] needs bisection).
+    (f32[S] threshold, bool[S] exact, bool[S] valid on the candidates).
 
     top_k cut: the k-th largest logit (ties all kept). top_p cut, on the top_k survivors: the
     smallest head, in descending order, whose exclusive cumulative probability is below top_p,
     ended at its last logit (ties kept), as in vLLM. The normaliser sums the whole row (no sort).
     Exact when top_k <= kp and that head ends inside the candidates. When it does not (mass left
     over), or top_k > kp without top_p, the true cut lies at or below the last candidate: the
-    threshold returned then keeps exactly the candidates the true cut keeps. top_k > kp with top_p
-    on needs bisection.
+    threshold returned then keeps exactly the candidates the true cut keeps (`valid`); with top_k > kp
+    and top_p on it does not (bisection decides).
     """
     kp = values.shape[-1]
     k_on = (top_k > 0) & (top_k < V)
@@ -375,7 +443,7 @@ def _prefilter_threshold(scaled: jax.Array, values: jax.Array, top_k: jax.Array,
     num_kept = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)  # i32[S]
     p_threshold = jnp.take_along_axis(values, (num_kept - 1)[:, None], axis=-1)[:, 0]
     p_threshold = jnp.where(p_on & p_exact, p_threshold, -jnp.inf)
-    return jnp.maximum(k_threshold, p_threshold), k_exact & p_exact, ~k_exact & p_on
+    return jnp.maximum(k_threshold, p_threshold), k_exact & p_exact, k_exact | ~p_on
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -454,7 +522,7 @@ def _gumbel_noise_at(key_data: jax.Array, steps: jax.Array, ids: jax.Array) -> j
 
 def _raw_logprobs(raw: jax.Array, token_ids: jax.Array, k: int) -> SamplerOutput:
     """Log-probs under log_softmax(raw) of the sampled ids and of the raw top-k."""
-    lse = jax.nn.logsumexp(raw, axis=-1, keepdims=True)  # f32[S, 1]
+    lse = _logsumexp(raw)  # f32[S, 1]
     sampled = jnp.take_along_axis(raw, token_ids[:, None], axis=-1) - lse  # f32[S, 1]
     if k == 0:
         top_values = jnp.zeros((raw.shape[0], 0), jnp.float32)

@@ -15,6 +15,7 @@ from scipy import stats
 
 from jaxpaged.sampler import (MAX_BIAS_ENTRIES, RowInfo, SamplerOutput, SamplingBatch, make_sampling_batch,
                               process_logits, sample, sample_jit, seed_key_data, step_key)
+from jaxpaged.sampler import compiled_variants, warmup
 from jaxpaged.sampling_params import SamplingParams as SP
 
 S, V = 8, 64
@@ -348,23 +349,28 @@ def test_random_params_outputs_are_sane(data):
 # ---- compiles ------------------------------------------------------------------
 
 
-def test_no_recompile_across_param_values():
-    logits = jnp.asarray(logits_of(12))
+@pytest.mark.parametrize("vocab", [V, 1024])
+def test_warmup_compiles_every_part_no_recompile_across_param_values(vocab):
+    """After `warmup`, no batch compiles anything: greedy, random, penalties, logprobs on or off,
+    and (vocab 1024 > the prefilter's 256) the bisection and full-vocabulary fallbacks."""
+    logits = jnp.asarray(logits_of(12, vocab=vocab, scale=0.1))  # flat rows: the fallbacks run
+    warmup(S, vocab)
+    before = compiled_variants()
 
-    def call(rows):
-        jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, S, V)))
-        return sample_jit._cache_size()
+    def call(rows, k=20):
+        jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, S, vocab), num_top_logprobs=k))
+        return compiled_variants()
 
-    before = call([RowInfo(SP(temperature=0.0), seed=0)])
     variants = [
+        [RowInfo(SP(temperature=0.0), seed=0)],
         [RowInfo(SP(temperature=0.9, top_k=7, top_p=0.5, min_p=0.1, logit_bias=((3, 1.0),)), seed=5, step=9)],
         [RowInfo(SP(temperature=2.0), seed=2**40, banned_token_ids=(1, 2))] * S,
+        [RowInfo(SP(temperature=1.0, top_k=500, top_p=0.99), seed=1)] * 3,
         [RowInfo(SP(temperature=0.0, top_p=0.2), seed=1)] * 3,
+        [RowInfo(SP(repetition_penalty=1.2), seed=0, prompt_token_ids=[1])],
+        [RowInfo(SP(presence_penalty=-1.0, temperature=0.0), seed=3, output_token_ids=[4])],
     ]
-    assert all(call(rows) == before for rows in variants)
-    with_penalties = call([RowInfo(SP(repetition_penalty=1.2), seed=0, prompt_token_ids=[1])])
-    assert call([RowInfo(SP(presence_penalty=-1.0, temperature=0.0), seed=3, output_token_ids=[4])]) \
-        == with_penalties <= before + 1
+    assert all(call(rows, k) == before for rows in variants for k in (0, 20))
     assert isinstance(make_sampling_batch([], S, V), SamplingBatch)
 
 
