@@ -94,7 +94,7 @@ def forward_parts(engine: LLMEngine, steps: int, xla_options: bool) -> dict[str,
             .lower(cfg, att, runner.params, runner.kv, step).compile()
 
     write_only = functools.partial(_patched_forward, _write_only)
-    out["matmuls"] = timed(compile_forward(write_only, model_runner.cpu_compiler_options()))
+    out["matmuls"] = timed(compile_forward(write_only, _engine_options()))
     out["attention"] = out["forward"] - out["matmuls"]
     if xla_options:
         for name, opts in OPTION_SETS.items():
@@ -110,6 +110,11 @@ def forward_parts(engine: LLMEngine, steps: int, xla_options: bool) -> dict[str,
         batch = make_sampling_batch(rows, logits.shape[0], logits.shape[1])
         out[f"sampler {name}"] = median_ms(lambda: sample_jit(logits, batch, num_top_logprobs=0), steps)
     return out  # the step scheduled here is dropped: the engine is not stepped again
+
+
+def _engine_options() -> dict:
+    """The runner's own XLA options (none in checkouts from before they existed)."""
+    return getattr(model_runner, "cpu_compiler_options", dict)()
 
 
 def _patched_forward(attend, config, attention, params, kv, step):
@@ -129,7 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument("--xla-options", action="store_true", help="also time the forward per XLA option set")
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.default_backend()}; SmolLM2-135M f32, decode at context ~{args.context}, "
-          f"median of {args.steps}; engine compiler options {model_runner.cpu_compiler_options()}")
+          f"median of {args.steps}; engine compiler options {_engine_options()}")
     for batch in args.batch:
         engine = LLMEngine(EngineArgs(model="smollm2-135m-instruct", dtype="float32", max_num_seqs=max(batch, 4),
                                       max_model_len=512, warmup=False))
