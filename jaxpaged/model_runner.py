@@ -83,9 +83,25 @@ class StepInput:
     logits_indices: jax.Array  # i32[S]  each sequence's last fed token
 
 
-def cpu_compiler_options() -> dict[str, str]:
-    """XLA:CPU options the runner compiles its step with (on CPU; none on GPU). See docs/benchmarks.md."""
-    return {}
+# XLA:CPU library fusions for dots (YNNPACK, a dot with its elementwise neighbours). jaxlib 0.10.2's
+# default already sends each dot and reduction to YNNPACK one by one; this setting fused the step's
+# dots with their neighbours and was the fastest set measured (docs/benchmarks.md, "XLA:CPU options").
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+
+
+@functools.cache
+def cpu_compiler_options(platform: str | None = None) -> dict[str, str]:
+    """XLA options the runner compiles its step with: CPU_COMPILER_OPTIONS on CPU when this jaxlib
+    accepts them (checked once on a tiny program; else none, with a warning), none on other platforms."""
+    if (platform or jax.default_backend()) != "cpu":
+        return {}
+    try:
+        x = np.ones((2, 2), np.float32)
+        jax.jit(lambda a: a @ a, compiler_options=CPU_COMPILER_OPTIONS).lower(x).compile()
+    except Exception as err:  # an XLA that does not know the option
+        logger.warning("XLA:CPU does not take %s (%s); compiling with its defaults", CPU_COMPILER_OPTIONS, err)
+        return {}
+    return dict(CPU_COMPILER_OPTIONS)
 
 
 def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
@@ -297,13 +313,15 @@ class ModelRunner:
         self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.kv_dtype, mesh)
         if mesh is None:
             self.params = params
-            self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,))
+            self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,),
+                                 compiler_options=cpu_compiler_options())
             return
         shardings = parallel.param_shardings(model_config, mesh)
         self.params = parallel.shard_params(params, shardings)
         pool = parallel.kv_pool_sharding(mesh)
         rep = parallel.replicated(mesh)
         self._step = jax.jit(paged_forward, static_argnums=(0, 1, 5), donate_argnums=(3,),
+                             compiler_options=cpu_compiler_options(),
                              in_shardings=(shardings, KVPool(pool, pool), rep),
                              out_shardings=(rep, KVPool(pool, pool)))
 
