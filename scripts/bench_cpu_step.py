@@ -105,11 +105,16 @@ def forward_parts(engine: LLMEngine, steps: int, xla_options: bool) -> dict[str,
                 print(f"  {name}: not accepted ({type(e).__name__}: {str(e)[:100]})")
     logits = runner.execute(step)
     for name, params in SETTINGS.items():  # the batch's real logits, each row with its own seed and step
-        rows = [RowInfo(params=params, seed=i, step=engine._child_to_parent[e.request_id][1].request
-                        .num_output_tokens) for i, e in enumerate(entries)]
+        rows = [RowInfo(params=params, seed=i, step=_num_output_tokens(engine, e)) for i, e in enumerate(entries)]
         batch = make_sampling_batch(rows, logits.shape[0], logits.shape[1])
         out[f"sampler {name}"] = median_ms(lambda: sample_jit(logits, batch, num_top_logprobs=0), steps)
     return out  # the step scheduled here is dropped: the engine is not stepped again
+
+
+def _num_output_tokens(engine, entry) -> int:
+    if hasattr(entry, "num_output_tokens"):
+        return entry.num_output_tokens
+    return engine._child_to_parent[entry.request_id][1].request.num_output_tokens  # before the runner seam
 
 
 def _engine_options() -> dict:

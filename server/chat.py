@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from server.choices import ChoiceState, chat_logprobs, final_text, take_delta
+from server.choices import ChoiceStream, chat_logprobs
 from server.context import ServingContext
 from server.errors import bad_request
 from server.params import build_sampling_params, check_stream_options, stream_usage_requested
@@ -95,7 +95,7 @@ def _choice(body: ChatCompletionRequest, comp: CompletionOutput) -> dict:
     logprobs = None
     if comp.logprobs is not None:
         logprobs = chat_logprobs(comp.token_ids, comp.logprobs, body.top_logprobs or 0)
-    message = {"role": "assistant", "content": final_text(comp, body.include_stop_str_in_output)}
+    message = {"role": "assistant", "content": comp.text}
     return {"index": comp.index, "message": message, "logprobs": logprobs, "finish_reason": comp.finish_reason,
             "stop_reason": comp.stop_reason}
 
@@ -111,11 +111,11 @@ def _chunk(head: dict, index: int, delta: dict, logprobs: Any = None, finish_rea
 async def _chunks(body: ChatCompletionRequest, submitted: Submitted, head: dict) -> AsyncIterator[dict]:
     for index in range(body.n):
         yield _chunk(head, index, {"role": "assistant", "content": ""})
-    states = [ChoiceState() for _ in range(body.n)]
+    states = [ChoiceStream() for _ in range(body.n)]
     final: RequestOutput | None = None
     async for _, out in submitted.outputs():
         for comp in out.outputs:
-            delta = take_delta(comp, states[comp.index], body.include_stop_str_in_output)
+            delta = states[comp.index].take(comp)
             if delta is None:
                 continue
             logprobs = None
