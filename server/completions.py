@@ -51,8 +51,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     model = ctx.model_name(body.model)
     _validate(body, ctx)
     prompts = _prompts(body.prompt)
-    params = build_sampling_params(body, ctx.defaults, ctx.vocab_size, max_tokens=body.max_tokens,
-                                   logprobs=body.logprobs)
+    params = build_sampling_params(body, ctx.defaults, max_tokens=body.max_tokens, logprobs=body.logprobs)
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     submitted = ctx.submitted()
     for i, prompt in enumerate(prompts):
