@@ -35,12 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpaged import parallel
+from jaxpaged import parallel, sampler
 
 from jaxpaged.models.llama import (LlamaConfig, Params, cos_sin, decoder_layer, embed_tokens,
                                    layer_constants, lm_logits)
-from jaxpaged.sampler import RowInfo, SamplerOutput, make_sampling_batch, sample_jit
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampler import RowInfo, SamplerOutput, make_sampling_batch, num_top_logprobs_for, sample_jit
 from jaxpaged.scheduler import ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
 
@@ -94,11 +93,33 @@ class StepInput:
     logits_indices: jax.Array  # i32[S]  each sequence's last fed token
 
 
+# XLA:CPU library fusions for dots (YNNPACK, a dot with its elementwise neighbours). jaxlib 0.10.2's
+# default already sends each dot and reduction to YNNPACK one by one; this setting fused the step's
+# dots with their neighbours and was the fastest set measured (docs/benchmarks.md, "XLA:CPU options").
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+
+
+@functools.cache
+def cpu_compiler_options(platform: str | None = None) -> dict[str, str]:
+    """XLA options the runner compiles its step with: CPU_COMPILER_OPTIONS on CPU when this jaxlib
+    accepts them (checked once on a tiny program; else none, with a warning), none on other platforms."""
+    if (platform or jax.default_backend()) != "cpu":
+        return {}
+    try:
+        x = np.ones((2, 2), np.float32)
+        jax.jit(lambda a: a @ a, compiler_options=CPU_COMPILER_OPTIONS).lower(x).compile()
+    except Exception as err:  # an XLA that does not know the option
+        logger.warning("XLA:CPU does not take %s (%s); compiling with its defaults", CPU_COMPILER_OPTIONS, err)
+        return {}
+    return dict(CPU_COMPILER_OPTIONS)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelRunnerOutput:
     """What one step sampled, on the host: row r belongs to req_ids[r] (the entries that sample, in order).
 
-    K = MAX_LOGPROBS: the raw distribution's top ids and log-probs, most likely first.
+    K = MAX_LOGPROBS when some row of the step asks for logprobs, else 0 (the sampler skips its top-k
+    pass): the raw distribution's top ids and log-probs, most likely first.
     """
 
     req_ids: tuple[str, ...]
@@ -359,13 +380,15 @@ class ModelRunner:
         self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (T, S, P) -> step; warmup()
         if mesh is None:
             self.params = params
-            self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,))
+            self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,),
+                                 compiler_options=cpu_compiler_options())
             return
         shardings = parallel.param_shardings(model_config, mesh)
         self.params = parallel.shard_params(params, shardings)
         pool = parallel.kv_pool_sharding(mesh)
         rep = parallel.replicated(mesh)
         self._step = jax.jit(paged_forward, static_argnums=(0, 1, 5), donate_argnums=(3,),
+                             compiler_options=cpu_compiler_options(),
                              in_shardings=(shardings, KVPool(pool, pool), rep),
                              out_shardings=(rep, KVPool(pool, pool)))
 
@@ -409,7 +432,9 @@ class ModelRunner:
         if self.fault_injector is not None:
             logits = self.fault_injector(entries, logits)
         batch = make_sampling_batch([sampling_row(e) for e in entries], logits.shape[0], logits.shape[1])
-        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sample_jit(logits, batch)))
+        top = num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
+        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sample_jit(logits, batch,
+                                                                                 num_top_logprobs=top)))
 
     def execute(self, step: StepInput) -> jax.Array:
         """Run one step; returns logits f32[S, V] on device (rows past num_seqs are padding).
@@ -483,10 +508,6 @@ class ModelRunner:
         return {"compile": seconds, "sampler": time.perf_counter() - start}
 
     def warmup_sampler(self) -> None:
-        """Compile the sampler at every S bucket, with and without the penalty arrays."""
-        vocab = self.model_config.vocab_size
-        penalized = RowInfo(params=SamplingParams(repetition_penalty=1.1), seed=0)
+        """Compile every part of the sampler at every S bucket (see sampler.warmup)."""
         for s in self.config.seq_buckets:
-            logits = jax.device_put(np.zeros((s, vocab), np.float32))  # as the forward hands it over
-            for rows in ((), (penalized,)):
-                jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, s, vocab)))
+            sampler.warmup(s, self.model_config.vocab_size)

@@ -5,17 +5,20 @@ turns one `RowInfo` per live slot into a `SamplingBatch`, a pytree of fixed
 shape numpy arrays (S = num_rows, the padded batch bucket). Rows beyond
 `len(rows)` are padding: greedy and neutral, their results are garbage.
 
-Device side: `sample(logits, batch)` (jitted: `sample_jit`) processes each
-row like vLLM does:
+Device side: `sample(logits, batch)` (its parts jitted; the host picks which
+run from the batch and a few flags) processes each row like vLLM does:
 
   1. logit_bias and banned ids (-inf), one fixed-width scatter [S, B];
   2. repetition penalty (HF: positive logits / p, negative * p) for tokens in
      the prompt or the output; frequency and presence penalties (OpenAI) on
      the output counts. Only when the batch carries the dense count arrays;
   3. greedy rows (temperature < GREEDY_TEMPERATURE_EPS) take argmax here;
-  4. random rows: logits / temperature, then the min_p, top_k and top_p masks
-     (each on what the previous left; the [S, V] sort runs only when some
-     row has top_k or top_p on), then Gumbel-max with the row's key.
+  4. random rows: logits / temperature, then the min_p, top_k and top_p cuts
+     (each on what the previous left) as one per-row threshold, then
+     Gumbel-max with the row's key. No sort of the vocabulary: the row's 256
+     largest logits decide the threshold and the token whenever they can
+     (almost always on a language model's rows); bisection over the row and
+     noise over the whole vocabulary run only for rows that need them.
 
 Randomness: a row's key is fold_in(PRNGKey(seed), step) under threefry2x32,
 whatever the default PRNG implementation is, and its noise depends only on
@@ -23,25 +26,33 @@ that key and V, so a seeded request samples the same tokens in any batch, in
 any row. Log-probs are those of the RAW model distribution (vLLM v1's
 default): log_softmax of the unmodified logits.
 
-Compile variants of `sample_jit` at one (S, V, B): with and without the
-penalty arrays (`output_counts`/`prompt_mask` None or not), times each static
-`num_top_logprobs`. Parameter values never cause a recompile.
+Compile variants at one (S, V, B) (`warmup` compiles them all): greedy and
+random parts with and without the penalty arrays (`output_counts`/
+`prompt_mask` None or not), times each `num_top_logprobs` (0 when no row asks
+for logprobs: `num_top_logprobs_for`), and the two fallbacks. Parameter
+values never cause a recompile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.extend.random import threefry2x32_p
+
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_BIAS_ENTRIES = 320  # OpenAI allows 300 logit_bias entries; the rest is room for banned ids
 GREEDY_TEMPERATURE_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it sample greedily
 _PRNG_IMPL = "threefry2x32"
+# Above any Gumbel noise the stream draws: u <= 1 - 2**-24, so -log(-log(u)) <= 16.64
+GUMBEL_MAX = 17.0
+PREFILTER_K = 256  # candidates per row of the sort-free top_k / top_p / min_p cut
 _U32_MASK = 0xFFFFFFFF
 
 
@@ -218,21 +229,125 @@ jax.tree_util.register_dataclass(
     meta_fields=[])
 
 
-def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
-    """Sample one token per row of logits f32[S, V] (pure; jit with num_top_logprobs static)."""
+def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = MAX_LOGPROBS,
+           prefilter_k: int = PREFILTER_K) -> SamplerOutput:
+    """Sample one token per row of logits f32[S, V]; every device part is jitted.
+
+    num_top_logprobs: how many raw top log-probs to return (0 skips their top-k pass).
+    prefilter_k: candidates per row of the sort-free filter (see `_candidate_sample`); any value
+    gives the same samples, only the cost differs.
+
+    The host picks the parts: all-greedy batches run `_greedy_sample` only; others run
+    `_candidate_sample`, then `_bisect_thresholds` and `_full_vocabulary_sample` only when some
+    random row needs them (XLA:CPU charges an untaken lax.cond branch of this size ~60 ms a call
+    at S=32, V=49k, so the branches are separate programs, decided from a few flags).
+    """
     _check_shapes(logits, batch, num_top_logprobs)
+    if not isinstance(prefilter_k, int) or prefilter_k < 1:
+        raise ValueError(f"prefilter_k={prefilter_k!r}: must be an integer >= 1")
+    random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch: free)
+    if not random_rows.any():
+        return _greedy_sample(logits, batch, num_top_logprobs)
+    out, scaled, threshold, flags = _candidate_sample(logits, batch, num_top_logprobs, prefilter_k)
+    covered, exact = np.asarray(flags)  # bool[2, S]
+    full = random_rows & ~covered
+    if not full.any():
+        return out
+    inexact = full & ~exact
+    if inexact.any():
+        threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, inexact)
+    return _full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps, full)
+
+
+sample_jit = sample  # the former name: `sample` jits its own parts
+
+
+def num_top_logprobs_for(requested: Sequence[int | None]) -> int:
+    """The num_top_logprobs a step needs: MAX_LOGPROBS when any row asks for logprobs, else 0
+    (two compile variants; the engine warms up both)."""
+    return MAX_LOGPROBS if any(k is not None for k in requested) else 0
+
+
+def warmup(num_rows: int, vocab_size: int, num_top_logprobs: Sequence[int] = (0, MAX_LOGPROBS)) -> None:
+    """Compile every part of `sample` at (num_rows, vocab_size): greedy and random batches, with and
+    without penalty arrays, each num_top_logprobs, and both fallbacks. Nothing compiles later."""
+    logits = jax.device_put(np.zeros((num_rows, vocab_size), np.float32))  # as the runner hands it over
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+        for penalties in (False, True):
+            p = dataclasses.replace(params, repetition_penalty=1.1) if penalties else params
+            batch = make_sampling_batch([RowInfo(p, seed=0)], num_rows, vocab_size)
+            for k in num_top_logprobs:
+                jax.block_until_ready(sample(logits, batch, num_top_logprobs=k))
+    batch = make_sampling_batch([RowInfo(SamplingParams(temperature=1.0), seed=0)], num_rows, vocab_size)
+    out, scaled, threshold, _ = _candidate_sample(logits, batch, MAX_LOGPROBS, PREFILTER_K)
+    rows = np.ones(num_rows, bool)
+    threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, rows)
+    jax.block_until_ready(_full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps,
+                                                  rows))
+
+
+def compiled_variants() -> int:
+    """How many programs the sampler's parts have compiled so far (tests: no recompiles)."""
+    return sum(f._cache_size() for f in (_greedy_sample, _candidate_sample, _bisect_thresholds,
+                                         _full_vocabulary_sample))
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _greedy_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int) -> SamplerOutput:
+    raw = logits.astype(jnp.float32)
+    return _raw_logprobs(raw, _argmax(process_logits(raw, batch)), num_top_logprobs)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _candidate_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int, kp: int):
+    """Greedy rows: argmax. Random rows: temperature, the min_p / top_k / top_p cut, Gumbel-max over
+    each row's kp largest logits (no sort of the vocabulary).
+
+    Returns (SamplerOutput, scaled f32[S, V] (the tempered, min_p-cut logits), threshold f32[S],
+    flags bool[2, S] = (covered, exact)). The cut is a per-row threshold (keep logits >= it) read off
+    the candidates (`_prefilter_threshold`; `exact` when they decide it). A random row's token is
+    final when no other token can beat its best candidate score (`covered`): every kept token is a
+    candidate, or the score exceeds the last candidate's logit + the largest noise the stream can
+    draw (GUMBEL_MAX). Other rows are resampled by `_full_vocabulary_sample`; either way a row's
+    sample is argmax(kept logits + its noise), ties to the lowest id.
+    """
+    S, V = logits.shape
+    kp = min(kp, V)
     raw = logits.astype(jnp.float32)
     processed = process_logits(raw, batch)
-    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # i32[S]; ties: lowest id
     is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # bool[S]
-    token_ids = jax.lax.cond(
-        jnp.all(is_greedy),
-        lambda: greedy_ids,
-        lambda: jnp.where(is_greedy, greedy_ids, _random_sample(processed, batch, is_greedy)))
-    return _raw_logprobs(raw, token_ids, num_top_logprobs)
+    temperature = jnp.where(is_greedy, 1.0, batch.temperature)[:, None]  # f32[S, 1]
+    scaled = processed / temperature  # f32[S, V]
+    min_p_threshold = jnp.max(scaled, axis=-1) + jnp.log(batch.min_p)  # f32[S]; -inf when off
+    scaled = jnp.where(scaled >= min_p_threshold[:, None], scaled, -jnp.inf)
+    values, ids = _top_k(scaled, kp)  # f32[S, kp] descending, i32[S, kp]
+    threshold, exact, valid = _prefilter_threshold(scaled, values, batch.top_k, batch.top_p, V)
+    threshold = jnp.maximum(threshold, min_p_threshold)  # f32[S]
+    token_ids, best = _gumbel_argmax(values, ids, threshold, batch.key_data, batch.steps)
+    last = values[:, -1]  # f32[S]; no other token's logit is above it
+    covered = (exact & (threshold > last)) | (valid & (best > last + GUMBEL_MAX)) | (kp == V)  # bool[S]
+    token_ids = jnp.where(is_greedy, _argmax(processed), token_ids)
+    return _raw_logprobs(raw, token_ids, num_top_logprobs), scaled, threshold, jnp.stack([covered, exact])
 
 
-sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs",))
+@jax.jit
+def _bisect_thresholds(scaled, threshold, top_k, top_p, min_p, rows):
+    """f32[S]: threshold with `rows` (bool[S]) replaced by the exact cut, found by bisection."""
+    min_p_threshold = jnp.max(scaled, axis=-1) + jnp.log(min_p)
+    exact = jnp.maximum(_bisect_threshold(scaled, top_k, top_p), min_p_threshold)
+    return jnp.where(rows, exact, threshold)
+
+
+@functools.partial(jax.jit, donate_argnums=(1,))
+def _full_vocabulary_sample(logits, out: SamplerOutput, scaled, threshold, key_data, steps, rows) -> SamplerOutput:
+    """`out` with `rows` (bool[S]) resampled: Gumbel noise over the whole vocabulary."""
+    S, V = scaled.shape
+    all_ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (S, V))
+    full_ids, _ = _gumbel_argmax(scaled, all_ids, threshold, key_data, steps)
+    token_ids = jnp.where(rows, full_ids, out.token_ids)
+    raw = logits.astype(jnp.float32)
+    logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - _logsumexp(raw)[:, 0]
+    return dataclasses.replace(out, token_ids=token_ids, logprobs=logprobs)
 
 
 def process_logits(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -276,65 +391,144 @@ def _apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     return logits - batch.presence_penalty[:, None] * in_output.astype(jnp.float32)
 
 
-def _random_sample(processed: jax.Array, batch: SamplingBatch, is_greedy: jax.Array) -> jax.Array:
-    """i32[S]: temperature, min_p / top_k / top_p masks, then Gumbel-max with each row's key."""
-    temperature = jnp.where(is_greedy, 1.0, batch.temperature)[:, None]  # f32[S, 1]
-    scaled = _min_p_mask(processed / temperature, batch.min_p)
-    needs_sort = jnp.any((batch.top_k > 0) | (batch.top_p < 1.0))
-    scaled = jax.lax.cond(needs_sort, _top_k_top_p_mask, lambda x, k, p: x, scaled, batch.top_k, batch.top_p)
-    noise = _gumbel_noise(batch.key_data, batch.steps, processed.shape[-1])
-    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+def _argmax(x: jax.Array) -> jax.Array:
+    """i32[S]: jnp.argmax over the last axis (first maximum), as two vectorised reductions: XLA:CPU
+    runs argmax's (value, index) reduction element by element (S=32, V=49k: 35 ms instead of 2).
+    A row without a maximum (NaN) gets the last id."""
+    best = jnp.max(x, axis=-1, keepdims=True)
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(x == best, ids, x.shape[-1] - 1), axis=-1)
 
 
-def _min_p_mask(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
-    """Keep tokens with prob >= min_p * max prob, i.e. logit >= max logit + log(min_p)."""
-    threshold = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]  # f32[S, 1]; -inf when off
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+def _logsumexp(x: jax.Array) -> jax.Array:
+    """f32[S, 1]: jax.nn.logsumexp over the last axis for rows with a finite maximum (others: NaN or
+    inf; their tokens are flagged), in two passes instead of its four."""
+    best = jnp.max(x, axis=-1, keepdims=True)
+    return best + jnp.log(jnp.sum(jnp.exp(x - best), axis=-1, keepdims=True))
 
 
-def _top_k_top_p_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Keep the top_k highest logits, then the smallest head of those whose mass reaches top_p.
+def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k behind an optimization barrier: XLA:CPU runs TopK as a partial sort only while
+    the two outputs reach their users untouched; once it folds a slice of the values into a user
+    it sorts whole rows instead (S=32, V=49k: 800 ms instead of 13)."""
+    return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
 
-    Both cuts are per-row thresholds read off one descending sort (ties at a
-    threshold are all kept, as in vLLM).
+
+def _prefilter_threshold(scaled: jax.Array, values: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                         V: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The top_k then top_p cut read off each row's kp largest logits `values` f32[S, kp] (descending):
+    (f32[S] threshold, bool[S] exact, bool[S] valid on the candidates).
+
+    top_k cut: the k-th largest logit (ties all kept). top_p cut, on the top_k survivors: the
+    smallest head, in descending order, whose exclusive cumulative probability is below top_p,
+    ended at its last logit (ties kept), as in vLLM. The normaliser sums the whole row (no sort).
+    Exact when top_k <= kp and that head ends inside the candidates. When it does not (mass left
+    over), or top_k > kp without top_p, the true cut lies at or below the last candidate: the
+    threshold returned then keeps exactly the candidates the true cut keeps (`valid`); with top_k > kp
+    and top_p on it does not (bisection decides).
     """
-    V = scaled.shape[-1]
-    desc = -jnp.sort(-scaled, axis=-1)  # f32[S, V], descending
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)  # i32[S]
-    k_threshold = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)  # f32[S, 1]
-    desc = jnp.where(desc >= k_threshold, desc, -jnp.inf)
-    probs = jax.nn.softmax(desc, axis=-1)  # f32[S, V]
-    mass_before = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))  # f32[S, V], exclusive
+    kp = values.shape[-1]
+    k_on = (top_k > 0) & (top_k < V)
+    k_exact = ~k_on | (top_k <= kp)
+    k_index = jnp.clip(top_k - 1, 0, kp - 1)[:, None]  # i32[S, 1]
+    k_threshold = jnp.where(k_on & k_exact, jnp.take_along_axis(values, k_index, axis=-1)[:, 0], -jnp.inf)
+    row_max = values[:, :1]  # f32[S, 1]
+    kept = scaled >= k_threshold[:, None]
+    normaliser = jnp.sum(jnp.where(kept, jnp.exp(scaled - row_max), 0.0), axis=-1, keepdims=True)
+    probs = jnp.where(values >= k_threshold[:, None], jnp.exp(values - row_max), 0.0) / normaliser
+    mass = jnp.cumsum(probs, axis=-1)  # f32[S, kp]; inclusive
+    mass_before = jnp.pad(mass[:, :-1], ((0, 0), (1, 0)))  # exclusive
+    p_on = top_p < 1.0
+    p_exact = ~p_on | (mass[:, -1] >= top_p) | (kp == V)
     num_kept = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)  # i32[S]
-    p_threshold = jnp.take_along_axis(desc, (num_kept - 1)[:, None], axis=-1)  # f32[S, 1]
-    p_threshold = jnp.where(top_p[:, None] >= 1.0, -jnp.inf, p_threshold)
-    return jnp.where(scaled >= jnp.maximum(k_threshold, p_threshold), scaled, -jnp.inf)
+    p_threshold = jnp.take_along_axis(values, (num_kept - 1)[:, None], axis=-1)[:, 0]
+    p_threshold = jnp.where(p_on & p_exact, p_threshold, -jnp.inf)
+    return jnp.maximum(k_threshold, p_threshold), k_exact & p_exact, k_exact | ~p_on
 
 
-def _gumbel_noise(key_data: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
-    """f32[S, V] standard Gumbel noise; row s depends only on (key_data[s], steps[s]) and V.
+def _sortable(x: jax.Array) -> jax.Array:
+    """u32 keys in the order of the f32 values x (-inf lowest; NaN-free rows)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
-    Built from raw threefry bits (not jax.random.gumbel) so the stream is
-    pinned to the bit generator: u = (top 23 bits + 1/2) / 2**23 in (0, 1).
+
+def _unsortable(keys: jax.Array) -> jax.Array:
+    bits = jnp.where(keys >> 31 == 1, keys & jnp.uint32(0x7FFFFFFF), ~keys)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest_key(keys: jax.Array, predicate) -> jax.Array:
+    """u32[S]: per row, the largest t in [min key, max key] with predicate(t) (bool[S]); predicate must
+    hold at the row's min key and be monotone (true up to some t, false above). 32 halvings."""
+    lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)  # u32[S]; predicate(lo) holds
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + ((hi - lo) >> 1) + ((hi - lo) & 1)  # in (lo, hi] while lo < hi (no overflow)
+        ok = predicate(mid)
+        open_ = lo < hi
+        return jnp.where(open_ & ok, mid, lo), jnp.where(open_ & ~ok, mid - 1, hi)
+
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return lo
+
+
+def _bisect_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """f32[S]: the exact top_k then top_p threshold of `_prefilter_threshold`, by bisection over
+    the whole row (O(V) per halving, no sort): the largest logit keeping >= k tokens, then the
+    largest keeping probability mass >= top_p of the top_k survivors."""
+    S, V = scaled.shape
+    keys = _sortable(scaled)  # i32[S, V]
+    k_on = (top_k > 0) & (top_k < V)
+    k = jnp.where(k_on, top_k, 1)[:, None]
+    k_key = _largest_key(keys, lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k[:, 0])
+    k_key = jnp.where(k_on, k_key, jnp.min(keys, axis=-1))
+    kept = keys >= k_key[:, None]
+    weights = jnp.where(kept, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)  # f32[S, V]
+    target = top_p * jnp.sum(weights, axis=-1)  # f32[S]
+    p_key = _largest_key(keys, lambda t: jnp.sum(jnp.where(keys >= t[:, None], weights, 0.0), axis=-1) >= target)
+    p_key = jnp.where(top_p < 1.0, jnp.maximum(p_key, k_key), k_key)
+    return jnp.where(k_on | (top_p < 1.0), _unsortable(p_key), -jnp.inf)
+
+
+def _gumbel_argmax(values: jax.Array, ids: jax.Array, threshold: jax.Array, key_data: jax.Array,
+                   steps: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(i32[S] id, f32[S] score): per row, max(values + Gumbel noise at ids) over values >= threshold,
+    ties to the lowest id. values f32[S, C] at token ids i32[S, C] (C candidates, or the whole row)."""
+    noise = _gumbel_noise_at(key_data, steps, ids)  # f32[S, C]
+    scores = jnp.where(values >= threshold[:, None], values + noise, -jnp.inf)
+    best = jnp.max(scores, axis=-1)
+    big = jnp.iinfo(jnp.int32).max
+    return jnp.min(jnp.where(scores == best[:, None], ids, big), axis=-1).astype(jnp.int32), best
+
+
+def _gumbel_noise_at(key_data: jax.Array, steps: jax.Array, ids: jax.Array) -> jax.Array:
+    """f32[S, C] standard Gumbel noise of each row's vocabulary stream at token ids i32[S, C].
+
+    Token t's noise depends only on (key_data[s], steps[s], t): threefry2x32 of the row's key
+    fold_in(key, step) on the counter (0, t), its two words xor-ed (jax.random.bits' layout over a
+    vocabulary-sized vector), u = (top 23 bits + 1/2) / 2**23 in (0, 1), -log(-log(u)).
     """
-    def row(data, step):
-        key = jax.random.fold_in(jax.random.wrap_key_data(data, impl=_PRNG_IMPL), step)
-        bits = jax.random.bits(key, (vocab_size,), jnp.uint32)  # u32[V]
+    def row(data, step, row_ids):
+        key = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(data, impl=_PRNG_IMPL), step))
+        counters = row_ids.astype(jnp.uint32)
+        hi, lo = threefry2x32_p.bind(key[0], key[1], jnp.zeros_like(counters), counters)
+        bits = hi ^ lo  # u32[C]
         u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
         return -jnp.log(-jnp.log(u))
 
-    return jax.vmap(row)(key_data, steps)
+    return jax.vmap(row)(key_data, steps, ids)
 
 
 def _raw_logprobs(raw: jax.Array, token_ids: jax.Array, k: int) -> SamplerOutput:
     """Log-probs under log_softmax(raw) of the sampled ids and of the raw top-k."""
-    lse = jax.nn.logsumexp(raw, axis=-1, keepdims=True)  # f32[S, 1]
+    lse = _logsumexp(raw)  # f32[S, 1]
     sampled = jnp.take_along_axis(raw, token_ids[:, None], axis=-1) - lse  # f32[S, 1]
     if k == 0:
         top_values = jnp.zeros((raw.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((raw.shape[0], 0), jnp.int32)
     else:
-        top_values, top_ids = jax.lax.top_k(raw, k)  # f32[S, K], i32[S, K]
+        top_values, top_ids = _top_k(raw, k)  # f32[S, K], i32[S, K]
     return SamplerOutput(token_ids=token_ids, logprobs=sampled[:, 0],
                          top_token_ids=top_ids.astype(jnp.int32), top_logprobs=top_values - lse,
                          finite=jnp.all(jnp.isfinite(raw), axis=-1))

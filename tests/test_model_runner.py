@@ -12,8 +12,8 @@ import pytest
 
 from jaxpaged import parallel
 from jaxpaged.engine import EngineArgs, LLMEngine
-from jaxpaged.model_runner import (ModelRunner, RunnerConfig, kv_bytes_per_page,
-                                   resolve_kv_cache_dtype)
+from jaxpaged.model_runner import (CPU_COMPILER_OPTIONS, ModelRunner, RunnerConfig, cpu_compiler_options,
+                                   kv_bytes_per_page, paged_forward, resolve_kv_cache_dtype)
 from jaxpaged.models.llama import forward_jit, unstack_layers
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
@@ -139,6 +139,29 @@ def test_lowered_step_compiles_with_xla_options(tiny):
     np.testing.assert_array_equal(np.asarray(kv.k), np.asarray(want_runner.kv.k))
     with pytest.raises(Exception, match="No such compile option"):
         runner.lower(step).compile(compiler_options={"xla_no_such_option": True})
+
+
+def test_cpu_step_compiles_with_the_engine_xla_options(tiny):
+    """On CPU the runner compiles its step with CPU_COMPILER_OPTIONS (XLA:CPU library dot fusions): the
+    program is the one an explicit compile with those options gives, not XLA's default one, and its
+    logits match the plain forward. Other platforms get no options."""
+    assert cpu_compiler_options() == CPU_COMPILER_OPTIONS and cpu_compiler_options("gpu") == {}
+    runner = ModelRunner(tiny.config, tiny.params, dataclasses.replace(CONFIG, attention_backend="xla"))
+    tokens = np.random.default_rng(2).integers(0, 256, size=20).tolist()
+    step = runner.prepare([entry("a", tokens, 0, [3, 7])])
+
+    def library_fusions(text: str) -> int:
+        return text.count('"__ynn_fusion"')
+
+    def compiled_with(options):
+        return jax.jit(paged_forward, static_argnums=(0, 1), compiler_options=options).lower(
+            tiny.config, runner.config.attention, runner.params, runner.kv, step).compile().as_text()
+
+    ours = library_fusions(runner.lower(step).compile().as_text())
+    assert ours == library_fusions(compiled_with(CPU_COMPILER_OPTIONS)) != library_fusions(compiled_with({}))
+    logits = runner.execute(step)
+    plain = forward_jit(tiny.config, tiny.params, jnp.asarray([tokens]))[0, -1]
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)
 
 
 def test_per_layer_weights_match_the_scanned_stack(tiny):

@@ -15,6 +15,7 @@ from scipy import stats
 
 from jaxpaged.sampler import (MAX_BIAS_ENTRIES, RowInfo, SamplerOutput, SamplingBatch, make_sampling_batch,
                               process_logits, sample, sample_jit, seed_key_data, step_key)
+from jaxpaged.sampler import compiled_variants, warmup
 from jaxpaged.sampling_params import SamplingParams as SP
 
 S, V = 8, 64
@@ -348,21 +349,75 @@ def test_random_params_outputs_are_sane(data):
 # ---- compiles ------------------------------------------------------------------
 
 
-def test_no_recompile_across_param_values():
-    logits = jnp.asarray(logits_of(12))
+@pytest.mark.parametrize("vocab", [V, 1024])
+def test_warmup_compiles_every_part_no_recompile_across_param_values(vocab):
+    """After `warmup`, no batch compiles anything: greedy, random, penalties, logprobs on or off,
+    and (vocab 1024 > the prefilter's 256) the bisection and full-vocabulary fallbacks."""
+    logits = jnp.asarray(logits_of(12, vocab=vocab, scale=0.1))  # flat rows: the fallbacks run
+    warmup(S, vocab)
+    before = compiled_variants()
 
-    def call(rows):
-        jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, S, V)))
-        return sample_jit._cache_size()
+    def call(rows, k=20):
+        jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, S, vocab), num_top_logprobs=k))
+        return compiled_variants()
 
-    before = call([RowInfo(SP(temperature=0.0), seed=0)])
     variants = [
+        [RowInfo(SP(temperature=0.0), seed=0)],
         [RowInfo(SP(temperature=0.9, top_k=7, top_p=0.5, min_p=0.1, logit_bias=((3, 1.0),)), seed=5, step=9)],
         [RowInfo(SP(temperature=2.0), seed=2**40, banned_token_ids=(1, 2))] * S,
+        [RowInfo(SP(temperature=1.0, top_k=500, top_p=0.99), seed=1)] * 3,
         [RowInfo(SP(temperature=0.0, top_p=0.2), seed=1)] * 3,
+        [RowInfo(SP(repetition_penalty=1.2), seed=0, prompt_token_ids=[1])],
+        [RowInfo(SP(presence_penalty=-1.0, temperature=0.0), seed=3, output_token_ids=[4])],
     ]
-    assert all(call(rows) == before for rows in variants)
-    with_penalties = call([RowInfo(SP(repetition_penalty=1.2), seed=0, prompt_token_ids=[1])])
-    assert call([RowInfo(SP(presence_penalty=-1.0, temperature=0.0), seed=3, output_token_ids=[4])]) \
-        == with_penalties <= before + 1
+    assert all(call(rows, k) == before for rows in variants for k in (0, 20))
     assert isinstance(make_sampling_batch([], S, V), SamplingBatch)
+
+
+# ---- the sort-free filter draws what the sort did ------------------------------------
+
+
+def tied_logits(seed: int, rows: int = S, vocab: int = V) -> np.ndarray:
+    """Few distinct values (many exact ties), some rows all equal."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-3, 3, (rows, vocab)).astype(np.float32) * rng.choice([0.5, 1.0, 4.0])
+    x[rng.integers(0, rows)] = 1.0
+    return x
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_same_tokens_as_the_sorting_sampler(data):
+    """Same seeds, same settings, same logits: the sort-free sampler (prefilter candidates from 1 to
+    V, so the candidate path, the full-row path and the bisection fallback all run) draws exactly the
+    tokens of the previous full-sort implementation (tests/sampler_oracle.py), ties included."""
+    from tests.sampler_oracle import oracle_token_ids_jit
+
+    rows = [data.draw(random_row()) for _ in range(data.draw(st.integers(1, S)))]
+    seed = data.draw(st.integers(0, 2**31))
+    if data.draw(st.booleans()):
+        logits = tied_logits(seed)
+    else:
+        logits = logits_of(seed, scale=data.draw(st.sampled_from([0.01, 3.0, 30.0])))
+    batch = make_sampling_batch(rows, S, V)
+    expected = np.asarray(oracle_token_ids_jit(jnp.asarray(logits), batch))
+    for kp in (1, 8, V):
+        got = jax.device_get(sample_jit(jnp.asarray(logits), batch, num_top_logprobs=0, prefilter_k=kp))
+        np.testing.assert_array_equal(got.token_ids[:len(rows)], expected[:len(rows)], err_msg=f"kp={kp}")
+
+
+@pytest.mark.parametrize("params", [SP(temperature=0.8, top_p=0.95), SP(temperature=1.0, top_k=40),
+                                    SP(temperature=0.7, top_k=300, top_p=0.9, min_p=0.02),
+                                    SP(temperature=1.3), SP(temperature=1.0, top_p=0.999)])
+def test_same_tokens_as_the_sorting_sampler_large_vocabulary(params):
+    """A 4096-token vocabulary at the default prefilter (256): the candidate path on peaked rows,
+    the fallbacks on flat ones (top_k above the prefilter, mass spread past it), over many seeds."""
+    from tests.sampler_oracle import oracle_token_ids_jit
+
+    vocab, rows = 4096, 16
+    logits = np.concatenate([logits_of(7, rows // 2, vocab, scale=4.0), logits_of(8, rows // 2, vocab, scale=0.3)])
+    for seed in range(0, 96, rows):
+        batch = make_sampling_batch([RowInfo(params, seed=seed + i, step=3 * i) for i in range(rows)], rows, vocab)
+        expected = np.asarray(oracle_token_ids_jit(jnp.asarray(logits), batch))
+        got = jax.device_get(sample_jit(jnp.asarray(logits), batch, num_top_logprobs=0))
+        np.testing.assert_array_equal(got.token_ids, expected)
