@@ -17,6 +17,7 @@ from server.errors import bad_request, install_handlers
 from server.metrics import ServerMetrics
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.responses import ResponsesRequest, create_response
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
@@ -49,6 +50,10 @@ def _openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(ctx, body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(ctx, body, request)
 
 
 def _utility_routes(app: FastAPI, ctx: ServingContext) -> None:
