@@ -10,6 +10,7 @@ from fastapi.responses import Response
 import jaxpaged
 from jaxpaged.async_engine import AsyncLLM
 from server.chat import create_chat_completion, render_chat
+from server.chat_page import add_chat_page
 from server.completions import create_completion
 from server.config import ServerConfig
 from server.context import ServingContext
@@ -28,6 +29,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     install_handlers(app)
     _openai_routes(app, ctx)
     _utility_routes(app, ctx)
+    if config.enable_chat_page:
+        add_chat_page(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.api_key:  # added last = outermost: no body is read for a request without the key
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
