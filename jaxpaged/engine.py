@@ -220,6 +220,9 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        if params.prompt_logprobs is not None and self.mesh is not None:
+            raise ValueError("SamplingParams.prompt_logprobs is not supported with tensor parallelism yet "
+                             "(tensor_parallel_size > 1 or several processes)")
         text, token_ids = self._tokenize(prompt)
         now = arrival_time or time.time()
         eos = () if params.ignore_eos else self.model.generation_config.eos_token_ids
@@ -345,9 +348,8 @@ class LLMEngine:
         return verdict
 
     def _record_prompt_logprobs(self, parent: _Parent, child: _Child, chunk: PromptLogprobs) -> None:
-        """Store one step's prompt log-probs (by position: a recomputed chunk after preemption overwrites)."""
-        if child.index != 0:  # every child has the same prompt; the first one's are kept
-            return
+        """Store one step's prompt log-probs by position (a recomputed chunk, after preemption or of another
+        child, overwrites): every child computes its whole prompt, so the first to sample has them all."""
         k = parent.params.prompt_logprobs
         for j, lp in enumerate(chunk.token_logprobs):
             position = chunk.first_index + j

@@ -113,3 +113,13 @@ def test_batched_with_others_and_no_compile_after_warmup(engine, reference):
     (out,) = run(engine, SamplingParams(max_tokens=4, prompt_logprobs=1, output_kind=RequestOutputKind.FINAL_ONLY))
     check_against_reference(out.prompt_logprobs, reference, 1)
     assert model_runner.prompt_logprobs_step._cache_size() == size
+
+
+def test_prompt_logprobs_on_a_mesh_are_a_clear_error(engine, monkeypatch):
+    """The runner computes them on one device; a tensor-parallel engine refuses them, queueing nothing."""
+    monkeypatch.setattr(engine, "mesh", "a tensor-parallel mesh")
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported with tensor parallelism"):
+        engine.add_request("tp", {"prompt_token_ids": PROMPT}, SamplingParams(prompt_logprobs=1))
+    assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished_requests()
+    engine.add_request("tp", {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1))  # others still go
+    engine.abort_request("tp")
