@@ -25,7 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
         "jaxpaged's OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
         "/tokenize, /detokenize, /health, /version, /metrics). Flags follow vLLM's `vllm serve`."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m = p.add_argument_group("model")
+    _add_model_flags(p.add_argument_group("model"))
+    _add_engine_flags(p.add_argument_group("engine"))
+    _add_multihost_flags(p.add_argument_group("multi-host (jax.distributed; see docs/distributed.md)"))
+    _add_server_flags(p.add_argument_group("server"))
+    return p
+
+
+def _add_model_flags(m: argparse._ArgumentGroup) -> None:
     m.add_argument("--model", default=DEFAULT_MODEL, help="built-in short name, .gguf file, local Hugging Face "
                    "folder or HF repo id (org/name)")
     m.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients pass as `model`; the "
@@ -37,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the tokenizer's)")
     m.add_argument("--generation-config", default=None, help="path to a generation_config.json (stop ids and "
                    "sampling defaults; default: the model's)")
-    e = p.add_argument_group("engine")
+
+
+def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output) "
                    "(default: the model's)")
     e.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch "
@@ -62,13 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache dtype; auto: the model's, but float32 for a bfloat16 model on CPU "
                    "(XLA:CPU would convert the whole cache around every write)")
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
-    d = p.add_argument_group("multi-host (jax.distributed; see docs/distributed.md)")
+
+
+def _add_multihost_flags(d: argparse._ArgumentGroup) -> None:
     d.add_argument("--distributed-coordinator", default=None, help="host:port of process 0's coordinator; "
                    "every process runs this command with its own --process-id")
     d.add_argument("--num-processes", type=int, default=1, help="processes (hosts) in the job")
     d.add_argument("--process-id", type=int, default=0, help="this process; 0 serves HTTP and schedules, "
                    "the others run the same steps")
-    s = p.add_argument_group("server")
+
+
+def _add_server_flags(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.add_argument("--api-key", default=None, help="require `Authorization: "
@@ -83,7 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "deployments); the page itself is public, its requests need the API key")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of jaxpaged and uvicorn")
-    return p
 
 
 def chat_template_arg(value: str | None) -> str | None:
@@ -119,7 +131,7 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(ns.log_level)
     try:
         args, config = engine_args(ns), server_config(ns)
         async_config = AsyncLLMConfig(max_waiting_requests=ns.max_waiting_requests)
@@ -133,12 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     from server.app import build_app
     from server.lifecycle import FLUSH_SECONDS, GracefulServer
 
+    log = logging.getLogger("server")
+    log.info("python -m server: starting process %d of %d (pid %d)", args.process_id, args.num_processes,
+             os.getpid())
     if args.process_id != 0:
         return follow(args)
     engine = AsyncLLM.from_engine_args(args, async_config)
-    logging.getLogger("server").info("serving %s as %s on http://%s:%d (API key %s)", ns.model,
-                                     ", ".join(config.served_model_names), ns.host, ns.port,
-                                     "required" if config.api_key else "not required")
+    log.info("serving %s as %s on http://%s:%d (API key %s)", ns.model, ", ".join(config.served_model_names),
+             ns.host, ns.port, "required" if config.api_key else "not required")
     try:
         uvicorn_config = uvicorn.Config(build_app(engine, config), host=ns.host, port=ns.port,
                                         log_level=ns.log_level, timeout_graceful_shutdown=FLUSH_SECONDS)
@@ -146,6 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def configure_logging(level: str) -> None:
+    """The application's logging: jaxpaged's and the server's lines at `level` on stderr.
+
+    JAX's own INFO lines (e.g. "Unable to initialize backend 'tpu'" on every CPU start) are
+    left out unless --log-level is debug."""
+    level = level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "DEBUG":
+        logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
 def follow(args: EngineArgs) -> int:

@@ -75,9 +75,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     _validate(body, ctx)
     prompt = render_chat(ctx, body.messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = build_sampling_params(body, ctx.defaults, ctx.vocab_size, max_tokens=max_tokens,
-                                   logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                                   renames={"logprobs": "top_logprobs"})
+    params = build_sampling_params(body, ctx.defaults, max_tokens=max_tokens,
+                                   logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     submitted = ctx.submitted()
     await submitted.add(response_id, prompt, params, "messages")

@@ -60,8 +60,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     _validate(body, ctx)
     prompts = _prompts(body.prompt)
     # max_tokens=0 (echo only): one token is generated and dropped (_generated), the prompt alone comes back
-    params = build_sampling_params(body, ctx.defaults, ctx.vocab_size,
-                                   max_tokens=1 if body.max_tokens == 0 else body.max_tokens,
+    params = build_sampling_params(body, ctx.defaults, max_tokens=1 if body.max_tokens == 0 else body.max_tokens,
                                    logprobs=body.logprobs, prompt_logprobs=_prompt_logprobs_k(body))
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     submitted = ctx.submitted()

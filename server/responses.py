@@ -103,11 +103,10 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, request: 
     _validate(body)
     prompt = render_chat(ctx, _messages(body))
     fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, seed=body.seed, stream=body.stream)
-    params = build_sampling_params(fields, ctx.defaults, ctx.vocab_size, max_tokens=body.max_output_tokens,
-                                   logprobs=None, renames={"max_tokens": "max_output_tokens"})
+    params = build_sampling_params(fields, ctx.defaults, max_tokens=body.max_output_tokens, logprobs=None)
     rid = f"resp_{uuid.uuid4().hex}"
     submitted = ctx.submitted()
-    await submitted.add(rid, prompt, params, "input", renames={"max_tokens": "max_output_tokens"})
+    await submitted.add(rid, prompt, params, "input")
     shell = _Shell(rid, f"msg_{uuid.uuid4().hex}", model, int(time.time()), body, params.max_tokens,
                    params.temperature, params.top_p)
     if body.stream:
