@@ -32,8 +32,8 @@ import numpy as np
 from jaxpaged import parallel
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import InvalidRequestError
-from jaxpaged.model_runner import (FaultInjector, ModelRunner, ModelRunnerOutput, RunnerConfig,
-                                   check_kv_cache_dtype, kv_bytes_per_page, resolve_kv_cache_dtype)
+from jaxpaged.model_runner import (FaultInjector, ModelRunner, ModelRunnerOutput, PromptLogprobs,
+                                   RunnerConfig, check_kv_cache_dtype, kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -137,6 +137,9 @@ class _Parent:
     params: SamplingParams
     children: list[_Child]
     metrics: RequestMetrics
+    # params.prompt_logprobs: entry per prompt token (index 0: None), filled from the first child's steps
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # DELTA: they went out with the first output
 
 
 class LLMEngine:
@@ -248,12 +251,17 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        if params.prompt_logprobs is not None and self.mesh is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported with tensor parallelism yet "
+                                      "(tensor_parallel_size > 1 or several processes)", "prompt_logprobs")
         text, token_ids = self._tokenize(prompt)
         eos = () if params.ignore_eos else self.model.generation_config.eos_token_ids
         validate_request(token_ids, params, vocab_size=self.vocab_size, eos_token_ids=eos)
         now = arrival_time or time.time()
         parent = _Parent(request_id, text, token_ids, params, [],
                          RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(token_ids)
         parent.children = [self._make_child(parent, i, tuple(eos), now) for i in range(params.n)]
         for child in parent.children:  # admission checks on the first; children are identical
             try:
@@ -351,6 +359,8 @@ class LLMEngine:
             parent, _ = self._child_to_parent[entry.request_id]
             parent.metrics.first_scheduled_time = parent.metrics.first_scheduled_time or now
         result = self.runner.execute_model(out)
+        for rid, chunk in result.prompt_logprobs.items():
+            self._record_prompt_logprobs(*self._child_to_parent[rid], chunk)
         stops, touched = {}, {}
         for rid, row in result.req_id_to_index.items():
             parent, child = self._child_to_parent[rid]
@@ -390,6 +400,19 @@ class LLMEngine:
                 verdict = RequestStatus.FINISHED_STOPPED, stop_str
         return verdict
 
+    def _record_prompt_logprobs(self, parent: _Parent, child: _Child, chunk: PromptLogprobs) -> None:
+        """Store one step's prompt log-probs by position (a recomputed chunk, after preemption or of another
+        child, overwrites): every child computes its whole prompt, so the first to sample has them all."""
+        k = parent.params.prompt_logprobs
+        for j, lp in enumerate(chunk.token_logprobs):
+            position = chunk.first_index + j
+            token_id = parent.prompt_token_ids[position]
+            entry = {int(t): Logprob(float(chunk.top_logprobs[j, r]), r + 1, self._decode_token(int(t)))
+                     for r, t in enumerate(chunk.top_token_ids[j, :k])}
+            if token_id not in entry:
+                entry[token_id] = Logprob(float(lp), int(chunk.ranks[j]), self._decode_token(token_id))
+            parent.prompt_logprobs[position] = entry
+
     def _logprob_entry(self, result: ModelRunnerOutput, row: int, token_id: int, k: int) -> dict[int, Logprob]:
         top_ids = result.top_token_ids[row]
         entry = {int(t): Logprob(float(result.top_logprobs[row, r]), r + 1, self._decode_token(int(t)))
@@ -420,8 +443,12 @@ class LLMEngine:
             self._parents.pop(parent.request_id, None)
             for child in parent.children:
                 self._child_to_parent.pop(child.request.request_id, None)
+        prompt_logprobs = parent.prompt_logprobs
+        if delta and parent.prompt_logprobs_sent:
+            prompt_logprobs = None
+        parent.prompt_logprobs_sent = True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             metrics, metrics.num_cached_tokens)
+                             metrics, metrics.num_cached_tokens, prompt_logprobs)
 
     # ---- stats ------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from jaxpaged import parallel, sampler
 from jaxpaged.models.llama import (LlamaConfig, Params, cos_sin, decoder_layer, embed_tokens,
                                    layer_constants, lm_logits)
 from jaxpaged.sampler import RowInfo, SamplerOutput, make_sampling_batch, num_top_logprobs_for, sample_jit
+from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
 
@@ -128,17 +129,61 @@ class ModelRunnerOutput:
     top_token_ids: np.ndarray  # i32[R, K]
     top_logprobs: np.ndarray  # f32[R, K]
     finite: np.ndarray  # bool[R]; False: the row's logits held a NaN/inf, its token is garbage
+    # the prompt tokens this step predicted, for the requests that asked (SamplingParams.prompt_logprobs)
+    prompt_logprobs: dict[str, PromptLogprobs] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def req_id_to_index(self) -> dict[str, int]:
         return {rid: r for r, rid in enumerate(self.req_ids)}
 
     @classmethod
-    def from_sampler(cls, entries: Sequence[ScheduledRequest], sampled: SamplerOutput) -> ModelRunnerOutput:
+    def from_sampler(cls, entries: Sequence[ScheduledRequest], sampled: SamplerOutput,
+                     prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> ModelRunnerOutput:
         rows = np.array([i for i, e in enumerate(entries) if e.samples], np.int64)
         return cls(tuple(entries[i].request_id for i in rows), np.asarray(sampled.token_ids)[rows],
                    np.asarray(sampled.logprobs)[rows], np.asarray(sampled.top_token_ids)[rows],
-                   np.asarray(sampled.top_logprobs)[rows], np.asarray(sampled.finite)[rows])
+                   np.asarray(sampled.top_logprobs)[rows], np.asarray(sampled.finite)[rows],
+                   prompt_logprobs or {})
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """One request's prompt log-probabilities from one step (a chunk of its prompt), on the host.
+
+    Row j is prompt token `first_index + j` given the tokens before it (token 0 has none).
+    """
+
+    first_index: int
+    token_logprobs: np.ndarray  # f32[M]; of the prompt token under the raw model distribution
+    ranks: np.ndarray  # i32[M]; 1 + how many tokens are more likely
+    top_token_ids: np.ndarray  # i32[M, K]
+    top_logprobs: np.ndarray  # f32[M, K]
+
+
+def prompt_logprob_spans(entries: Sequence[ScheduledRequest]) -> dict[str, tuple[int, int, int, ScheduledRequest]]:
+    """For each entry asking for prompt logprobs whose chunk predicts prompt tokens:
+    (row offset of its first fed token in the step, first predicted prompt index, count, entry).
+
+    The token fed at position q predicts token q + 1; only q + 1 < num_prompt_tokens are prompt."""
+    spans, offset = {}, 0
+    for entry in entries:
+        if entry.sampling_params.prompt_logprobs is not None:
+            count = min(entry.start_position + entry.num_tokens, entry.num_prompt_tokens - 1) - entry.start_position
+            if count > 0:
+                spans[entry.request_id] = (offset, entry.start_position + 1, count, entry)
+        offset += entry.num_tokens
+    return spans
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def prompt_logprobs_step(config: LlamaConfig, params: Params, hidden: jax.Array, targets: jax.Array):
+    """hidden [T, E] (paged_forward's), targets i32[T] -> the targets' log-probs f32[T], ranks i32[T],
+    top ids i32[T, K] and top log-probs f32[T, K] (K = MAX_LOGPROBS) under the raw distribution."""
+    logprobs = jax.nn.log_softmax(lm_logits(config, params, hidden), axis=-1)  # [T, V]
+    target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]  # [T]
+    ranks = jnp.sum(logprobs > target[:, None], axis=-1, dtype=jnp.int32) + 1
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    return target, ranks, top_ids.astype(jnp.int32), top_logprobs
 
 
 FaultInjector = Callable[[Sequence[ScheduledRequest], jax.Array], jax.Array]
@@ -290,8 +335,10 @@ def _attend_paged(q, k, v, k_pool, v_pool, step: StepInput, layer, window, *, sm
 
 
 def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Params, kv: KVPool,
-                  step: StepInput, mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
-    """Logits f32[S, V] at each sequence's last fed token, and the updated pool.
+                  step: StepInput, mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, KVPool]:
+    """Logits f32[S, V] at each sequence's last fed token, the final hidden states [T, E] of every
+    fed token (before the final norm; `prompt_logprobs_step` turns rows of it into prompt
+    log-probabilities, no second forward), and the updated pool.
 
     params["layers"] is either stacked ({name: [L, ...]}, scanned: one layer compiled) or a list of L
     per-layer dicts (a Python loop: L layers compiled, but no weight is sliced out of a stack, which
@@ -326,7 +373,7 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
         carry, _ = jax.lax.scan(body, carry, (params["layers"], layers, consts))
     h, k, v = carry
     logits = lm_logits(config, params, h[step.logits_indices])  # [S, V]
-    return logits, KVPool(k, v)
+    return logits, h, KVPool(k, v)
 
 
 def allocate_kv_pool(config: LlamaConfig, num_pages: int, page_size: int, dtype,
@@ -390,7 +437,7 @@ class ModelRunner:
         self._step = jax.jit(paged_forward, static_argnums=(0, 1, 5), donate_argnums=(3,),
                              compiler_options=cpu_compiler_options(),
                              in_shardings=(shardings, KVPool(pool, pool), rep),
-                             out_shardings=(rep, KVPool(pool, pool)))
+                             out_shardings=(rep, rep, KVPool(pool, pool)))
 
     @property
     def multi_process(self) -> bool:
@@ -426,21 +473,43 @@ class ModelRunner:
         return StepInput(token_ids, positions, slots, page_table, kv_lens, cu, np.int32(len(entries)), last)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: pack, forward, (fault hook), sample the rows that sample; host-side results."""
+        """One step: pack, forward, (fault hook), sample the rows that sample; host-side results.
+
+        Entries whose params ask for prompt_logprobs also get the log-probabilities of the prompt
+        tokens this chunk predicts, from the same forward's hidden states (`prompt_logprobs_step`)."""
         entries = scheduler_output.scheduled_requests
-        logits = self.execute(self.prepare(entries))  # f32[S, V]
+        step = self.prepare(entries)
+        logits, hidden = self._forward(step)  # f32[S, V], [T, E]
         if self.fault_injector is not None:
             logits = self.fault_injector(entries, logits)
         batch = make_sampling_batch([sampling_row(e) for e in entries], logits.shape[0], logits.shape[1])
         top = num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
-        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sample_jit(logits, batch,
-                                                                                 num_top_logprobs=top)))
+        sampled = sample_jit(logits, batch, num_top_logprobs=top)
+        prompt = self._prompt_logprobs(entries, step, hidden)
+        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt)
+
+    def _prompt_logprobs(self, entries: Sequence[ScheduledRequest], step: StepInput,
+                         hidden: jax.Array) -> dict[str, PromptLogprobs]:
+        """Prompt log-probs of the entries that ask, over this step's hidden states (empty if none ask)."""
+        spans = prompt_logprob_spans(entries)
+        if not spans:
+            return {}
+        targets = np.zeros(len(step.token_ids), np.int32)  # [T]: the token each fed position predicts
+        for offset, first, count, entry in spans.values():
+            targets[offset:offset + count] = entry.prompt_token_ids[first:first + count]
+        out = jax.device_get(prompt_logprobs_step(self.model_config, self.params, hidden, targets))
+        return {rid: PromptLogprobs(first, *(a[offset:offset + count] for a in out))
+                for rid, (offset, first, count, _) in spans.items()}
 
     def execute(self, step: StepInput) -> jax.Array:
         """Run one step; returns logits f32[S, V] on device (rows past num_seqs are padding).
 
         In a multi-process run only process 0 calls this; it sends the step to the followers.
         """
+        return self._forward(step)[0]
+
+    def _forward(self, step: StepInput) -> tuple[jax.Array, jax.Array]:
+        """execute's (logits f32[S, V], hidden [T, E]) on device."""
         if self.multi_process:
             parallel.broadcast_step(step, empty_step)
         return self._run(step)
@@ -462,34 +531,36 @@ class ModelRunner:
     def lower(self, step: StepInput, params: Params | None = None) -> jax.stages.Lowered:
         """The jitted step lowered at `step`'s shapes (and `params`' layout, by default the runner's),
         to read its HLO or compile it with XLA options (`.compile(compiler_options={...})`). The
-        compiled program takes (params, kv, step), donates kv and returns (logits, kv)."""
+        compiled program takes (params, kv, step), donates kv and returns (logits, hidden, kv)."""
         args = (self.model_config, self.config.attention, self.params if params is None else params,
                 self.kv, step)
         return self._step.lower(*args) if self.mesh is None else self._step.lower(*args, self.mesh)
 
-    def _run(self, step: StepInput) -> jax.Array:
-        """The step's program compiled by `warmup` (else the jitted step, compiling on first use)."""
+    def _run(self, step: StepInput) -> tuple[jax.Array, jax.Array]:
+        """(logits, hidden) from the step's program compiled by `warmup` (else the jitted step, compiling
+        on first use)."""
         compiled = self._compiled.get((len(step.token_ids), *step.page_table.shape))
         if self.mesh is None:
             if compiled is not None:
-                logits, self.kv = compiled(self.params, self.kv, step)
+                logits, hidden, self.kv = compiled(self.params, self.kv, step)
             else:
-                logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv,
-                                             step)
-            return logits
+                logits, hidden, self.kv = self._step(self.model_config, self.config.attention, self.params,
+                                                     self.kv, step)
+            return logits, hidden
         rep = parallel.replicated(self.mesh)
         step = jax.tree.map(lambda x: parallel.put_global(x, rep), step)
         if compiled is not None:
-            logits, self.kv = compiled(self.params, self.kv, step)
+            logits, hidden, self.kv = compiled(self.params, self.kv, step)
         else:
-            logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv, step,
-                                         self.mesh)
-        return logits.addressable_data(0)  # replicated: this process's full copy, sampled locally
+            logits, hidden, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv,
+                                                 step, self.mesh)
+        # replicated: this process's full copies, sampled locally
+        return logits.addressable_data(0), hidden.addressable_data(0)
 
     def warmup(self) -> dict[str, float]:
         """Compile every (T, S, P) bucket and the sampler ahead of time, so serving never compiles.
 
-        Returns the seconds spent: {"compile": step shapes, "sampler": sampler shapes}.
+        Returns the seconds spent: {"compile": step shapes, "sampler": sampler and prompt-logprob shapes}.
         Nothing runs: each shape is lowered and compiled (a persistent-cache hit loads the
         program instead), and `_run` calls the compiled programs. Logs each shape as it
         starts, so a cold start shows its progress. Every process compiles the same shapes.
@@ -502,10 +573,19 @@ class ModelRunner:
         logger.info("compiled %d step shapes (T, S, P) in %.1f s", len(buckets), seconds)
         start = time.perf_counter()
         self.warmup_sampler()
+        if self.mesh is None:  # prompt log-probs are computed on one device only (the engine refuses them on a mesh)
+            self.warmup_prompt_logprobs()
         if self.multi_process:  # processes finish compiling at different times: meet, then run a step together
             parallel.barrier("jaxpaged-warmup", _WARMUP_BARRIER_SECONDS)
             jax.block_until_ready(self._run(empty_step(*buckets[0])))  # also sets up the cross-process collectives
         return {"compile": seconds, "sampler": time.perf_counter() - start}
+
+    def warmup_prompt_logprobs(self) -> None:
+        """Compile prompt_logprobs_step at every T bucket (it runs only for requests that ask)."""
+        for t in sorted({t for t, _, _ in self.config.buckets}):
+            hidden = jnp.zeros((t, self.model_config.hidden_size), self.dtype)
+            jax.block_until_ready(prompt_logprobs_step(self.model_config, self.params, hidden,
+                                                       np.zeros(t, np.int32)))
 
     def warmup_sampler(self) -> None:
         """Compile every part of the sampler at every S bucket (see sampler.warmup)."""

@@ -63,3 +63,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token (the first is None, nothing predicts it), its
+    # entry and the top-k; complete from the first output on (in DELTA mode only in the first output)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -11,7 +11,8 @@ token budget (max_num_batched_tokens):
    waiting queue) and the allocation retried; if that victim is the request
    itself, it stops there.
 2. then, if nothing was preempted this step, waiting requests FCFS: a
-   prefix-cache lookup sets num_computed_tokens to the hit, then a chunk of
+   prefix-cache lookup sets num_computed_tokens to the hit (none for requests
+   asking for prompt_logprobs: their whole prompt is fed), then a chunk of
    min(remaining, budget). A waiting request that can't get pages waits, and
    so do the ones behind it. `max_num_seqs` caps the number of running requests.
 
@@ -42,7 +43,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from jaxpaged.errors import InvalidRequestError
-from jaxpaged.page_pool import PagePool
+from jaxpaged.page_pool import CachedPrefix, PagePool
 from jaxpaged.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import SamplingParams
 
@@ -272,7 +273,9 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            prefix = self.pool.find_cached_prefix(request)
+            # Prompt log-probs need every prompt position fed through the model: no cached prefix.
+            prefix = CachedPrefix() if request.sampling_params.prompt_logprobs is not None else \
+                self.pool.find_cached_prefix(request)
             num_new = self._chunk_size(request.num_tokens - prefix.num_tokens, budget)
             if not self._prefill_slot_free(num_new, scheduled) or \
                     self.pool.allocate(request, num_new, prefix) is None:

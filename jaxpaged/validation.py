@@ -37,8 +37,6 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, *,
     check_token_ids(prompt_token_ids, vocab_size, "prompt")
     check_token_ids((t for t, _ in params.logit_bias or ()), vocab_size, "logit_bias")
     check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
-    if params.prompt_logprobs is not None:
-        raise InvalidRequestError("prompt_logprobs is not supported yet", "prompt_logprobs")
     # Before min_tokens the sampler bans EOS and stop token ids next to the logit_bias entries.
     banned = 0 if params.min_tokens == 0 else len(params.stop_token_ids) + \
         (0 if params.ignore_eos else len(eos_token_ids))

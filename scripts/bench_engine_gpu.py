@@ -91,7 +91,7 @@ def model_variant(runner, step, iters: int, *, options: dict | None = None, para
     compiled = runner.lower(step, params).compile(compiler_options=options)
 
     def call():
-        logits, runner.kv = compiled(params, runner.kv, step)
+        logits, _, runner.kv = compiled(params, runner.kv, step)
         jax.block_until_ready(logits)
     return median_ms(call, iters)
 

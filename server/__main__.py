@@ -92,6 +92,8 @@ def _add_server_flags(s: argparse._ArgumentGroup) -> None:
                    "sequences waiting to be scheduled; beyond it requests get 503 with Retry-After at once")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests may run "
                    "on after SIGTERM/SIGINT before they are aborted (the server then exits 0)")
+    s.add_argument("--disable-chat-page", action="store_true", help="serve no chat page at / (API-only "
+                   "deployments); the page itself is public, its requests need the API key")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of jaxpaged and uvicorn")
 
@@ -123,7 +125,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     names = tuple(dict.fromkeys([*(ns.served_model_name or []), ns.model]))
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
-    return ServerConfig(served_model_names=names, api_key=api_key, max_request_bytes=ns.max_request_bytes)
+    return ServerConfig(served_model_names=names, api_key=api_key, max_request_bytes=ns.max_request_bytes,
+                        enable_chat_page=not ns.disable_chat_page)
 
 
 def main(argv: list[str] | None = None) -> int:

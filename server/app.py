@@ -11,6 +11,7 @@ import jaxpaged
 from jaxpaged.async_engine import AsyncLLM
 from jaxpaged.validation import check_token_ids
 from server.chat import create_chat_completion, render_chat
+from server.chat_page import add_chat_page
 from server.completions import create_completion
 from server.config import ServerConfig
 from server.context import ServingContext
@@ -18,6 +19,7 @@ from server.errors import bad_request, install_handlers
 from server.metrics import ServerMetrics
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.responses import ResponsesRequest, create_response
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
@@ -28,6 +30,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     install_handlers(app)
     _openai_routes(app, ctx)
     _utility_routes(app, ctx)
+    if config.enable_chat_page:
+        add_chat_page(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.api_key:  # added last = outermost: no body is read for a request without the key
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
@@ -50,6 +54,10 @@ def _openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(ctx, body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(ctx, body, request)
 
 
 def _utility_routes(app: FastAPI, ctx: ServingContext) -> None:

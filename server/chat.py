@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from server.choices import ChoiceStream, chat_logprobs
+from server.choices import ChoiceStream, chat_logprobs, prompt_logprobs_json
 from server.context import ServingContext
 from server.errors import bad_request
 from server.params import build_sampling_params, check_stream_options, stream_usage_requested
@@ -87,7 +87,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     (out,) = await until_disconnect(request, submitted.final_outputs(), submitted.abort)
     check_finished_ok([out])
     choices = [_choice(body, comp) for comp in out.outputs]
-    return {**head, "choices": choices, "usage": usage([out]), "system_fingerprint": None}
+    extra = {} if body.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+    return {**head, "choices": choices, "usage": usage([out]), "system_fingerprint": None, **extra}
 
 
 def _choice(body: ChatCompletionRequest, comp: CompletionOutput) -> dict:

@@ -84,3 +84,28 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n
         top = sorted((e for e in entry.values() if e.rank is not None and e.rank <= top_n), key=lambda e: e.rank)
         content.append({**item(entry[token_id]), "top_logprobs": [item(e) for e in top]})
     return {"content": content}
+
+
+def echo_logprobs(prompt_logprobs: list[dict[int, Logprob] | None], token_ids: list[int], first_text: str) -> dict:
+    """The prompt's part of completions' logprobs with echo: as completion_logprobs, except the first
+    token (text `first_text`), which nothing predicts: its token_logprob and top_logprobs are null."""
+    out = completion_logprobs(token_ids[1:], prompt_logprobs[1:], len(first_text))
+    return {"tokens": [first_text] + out["tokens"], "token_logprobs": [None] + out["token_logprobs"],
+            "top_logprobs": [None] + out["top_logprobs"], "text_offset": [0] + out["text_offset"]}
+
+
+def join_logprobs(head: dict, tail: dict, offset: int) -> dict:
+    """Two completions logprobs dicts end to end; `tail`'s text offsets start at `offset`."""
+    return {"tokens": head["tokens"] + tail["tokens"],
+            "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+            "top_logprobs": head["top_logprobs"] + tail["top_logprobs"],
+            "text_offset": head["text_offset"] + [offset + o for o in tail["text_offset"]]}
+
+
+def prompt_logprobs_json(prompt_logprobs: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token_id: {logprob, rank, decoded_token}}."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": _clamp(e.logprob), "rank": e.rank, "decoded_token": e.decoded_token}
+             for t, e in entry.items()} for entry in prompt_logprobs]

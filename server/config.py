@@ -16,6 +16,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_completion_logprobs: int = 5  # OpenAI's legacy completions cap
     max_chat_logprobs: int = 20
+    enable_chat_page: bool = True  # the chat page at / (server/chat_page.py)
 
     def __post_init__(self):
         names = tuple(self.served_model_names)

@@ -8,7 +8,8 @@ import json
 from server.errors import error_body
 
 # Deny by default: with a key set, every path needs it except these (a route added later is guarded).
-PUBLIC_PATHS = frozenset({"/health", "/version", "/openapi.json"})
+# The chat page's static files are public too (no secret in them; the page asks for the key).
+PUBLIC_PATHS = frozenset({"/health", "/version", "/openapi.json", "/", "/static/chat.js", "/static/chat.css"})
 
 
 async def _send_error(send, status: int, message: str, headers: tuple = ()) -> None:

@@ -20,11 +20,12 @@ _FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeti
 
 
 def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], *, max_tokens: int | None,
-                          logprobs: int | None) -> SamplingParams:
+                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams for a request; a value SamplingParams rejects is a 400 naming the field.
 
     A stream asks the engine for DELTA outputs (only what is new each step), a plain request for
-    FINAL_ONLY (one output at the end)."""
+    FINAL_ONLY (one output at the end). prompt_logprobs: the handler's count when it needs more than
+    the body's own (completions' echo with logprobs)."""
     chosen = {k: getattr(body, k) if getattr(body, k) is not None else defaults.get(k, _FALLBACK[k])
               for k in _DEFAULTABLE}
     try:
@@ -32,7 +33,9 @@ def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], *, max
             n=body.n, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             logit_bias=_logit_bias(body.logit_bias), seed=body.seed, max_tokens=max_tokens,
             min_tokens=body.min_tokens, stop=_stop(body.stop), stop_token_ids=_stop_token_ids(body.stop_token_ids),
-            ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+            ignore_eos=body.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY, **chosen)
     except InvalidRequestError as err:

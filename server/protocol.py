@@ -45,11 +45,12 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0)  # top-k per prompt token (vLLM's)
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt alone (its logprobs)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None

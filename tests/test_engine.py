@@ -254,7 +254,6 @@ def test_page_accounting_under_random_workloads(tiny, data):
 @pytest.mark.parametrize("bad, param", [
     (dict(logit_bias={99999: 5.0}), "logit_bias"),
     (dict(stop_token_ids=[7, 260]), "stop_token_ids"),  # the tiny vocabulary is 260
-    (dict(prompt_logprobs=2), "prompt_logprobs"),  # not implemented: an error, not silence
     (dict(logit_bias={t: 1.0 for t in range(250)}, stop_token_ids=list(range(80)), min_tokens=2),
      "stop_token_ids"),  # more biased + banned ids than the sampler has room for
 ])

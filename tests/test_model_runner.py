@@ -134,7 +134,7 @@ def test_lowered_step_compiles_with_xla_options(tiny):
     runner = ModelRunner(tiny.config, tiny.params, CONFIG)
     step = runner.prepare([entry("a", tokens, 0, [3, 7])])
     compiled = runner.lower(step).compile(compiler_options={"xla_gpu_enable_dynamic_slice_fusion": True})
-    logits, kv = compiled(runner.params, runner.kv, step)
+    logits, _, kv = compiled(runner.params, runner.kv, step)
     np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(want[0]), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(kv.k), np.asarray(want_runner.kv.k))
     with pytest.raises(Exception, match="No such compile option"):

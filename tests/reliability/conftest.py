@@ -64,14 +64,14 @@ class FaultInjector:
 
 
 class FailBeforeForward:
-    """Wraps `engine.runner.execute` so a step holding a running request `request_id` raises BEFORE the model
+    """Wraps `engine.runner._forward` (what `execute_model` and `execute` run) so a step holding a running request `request_id` raises BEFORE the model
     runs: the step's pages were scheduled (and their full pages hashed into the prefix cache) but their KV was
     never written. (`fault_injector` fires after the forward, when the KV pool is already written.)"""
 
     def __init__(self, engine: LLMEngine, request_id: str):
         self.engine, self.request_id, self.raised = engine, request_id, 0
-        self._execute = engine.runner.execute
-        engine.runner.execute = self
+        self._execute = engine.runner._forward
+        engine.runner._forward = self
 
     def __call__(self, *args, **kwargs):
         request = self.engine.scheduler.get_request(self.request_id)
