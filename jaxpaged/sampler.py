@@ -8,6 +8,9 @@ shape numpy arrays (S = num_rows, the padded batch bucket). Rows beyond
 Device side: `sample(logits, batch)` (jitted: `sample_jit`) processes each
 row like vLLM does:
 
+  0. structured outputs: when the batch carries a token bitmask (i32[S, W],
+     W = ceil(V / 32), llguidance's layout; unconstrained rows all ones), tokens
+     whose bit is clear get -inf before anything else, log-probs included;
   1. logit_bias and banned ids (-inf), one fixed-width scatter [S, B];
   2. repetition penalty (HF: positive logits / p, negative * p) for tokens in
      the prompt or the output; frequency and presence penalties (OpenAI) on
@@ -24,7 +27,8 @@ any row. Log-probs are those of the RAW model distribution (vLLM v1's
 default): log_softmax of the unmodified logits.
 
 Compile variants of `sample_jit` at one (S, V, B): with and without the
-penalty arrays (`output_counts`/`prompt_mask` None or not), times each static
+penalty arrays (`output_counts`/`prompt_mask` None or not), with and without
+the token bitmask (None when no row is constrained: no cost), times each static
 `num_top_logprobs`. Parameter values never cause a recompile.
 """
 
@@ -95,6 +99,7 @@ class SamplingBatch:
     bias_values: np.ndarray  # f32[S, B]; -inf for banned ids
     output_counts: np.ndarray | None = None  # i32[S, V]; only when some row uses penalties
     prompt_mask: np.ndarray | None = None  # bool[S, V]; idem
+    token_bitmask: np.ndarray | None = None  # i32[S, W], W = ceil(V / 32); only when some row is constrained
 
     @property
     def num_rows(self) -> int:
@@ -103,6 +108,10 @@ class SamplingBatch:
     @property
     def has_penalties(self) -> bool:
         return self.output_counts is not None
+
+    @property
+    def has_token_bitmask(self) -> bool:
+        return self.token_bitmask is not None
 
 
 jax.tree_util.register_dataclass(
@@ -122,8 +131,12 @@ def step_key(seed: int, step: int) -> jax.Array:
 
 
 def make_sampling_batch(rows: Sequence[RowInfo], num_rows: int, vocab_size: int, *,
-                        max_bias_entries: int = MAX_BIAS_ENTRIES) -> SamplingBatch:
-    """Host arrays for one step: rows[i] fills slot i, slots len(rows).. are greedy padding."""
+                        max_bias_entries: int = MAX_BIAS_ENTRIES,
+                        token_bitmask: np.ndarray | None = None) -> SamplingBatch:
+    """Host arrays for one step: rows[i] fills slot i, slots len(rows).. are greedy padding.
+
+    token_bitmask: i32[num_rows, ceil(vocab_size / 32)] of allowed tokens (structured outputs), or None."""
+    _check_token_bitmask(token_bitmask, num_rows, vocab_size)
     if not isinstance(num_rows, int) or num_rows < max(1, len(rows)):
         raise ValueError(f"num_rows={num_rows!r}: must be an integer >= max(1, len(rows)={len(rows)})")
     if not isinstance(vocab_size, int) or vocab_size < 1:
@@ -147,7 +160,16 @@ def make_sampling_batch(rows: Sequence[RowInfo], num_rows: int, vocab_size: int,
         temperature=temperature.astype(f32), top_k=top_k.astype(np.int32), top_p=top_p.astype(f32),
         min_p=min_p.astype(f32), presence_penalty=presence.astype(f32), frequency_penalty=frequency.astype(f32),
         repetition_penalty=repetition.astype(f32), key_data=key_data, steps=steps, bias_ids=bias_ids,
-        bias_values=bias_values, output_counts=counts, prompt_mask=prompt_mask)
+        bias_values=bias_values, output_counts=counts, prompt_mask=prompt_mask, token_bitmask=token_bitmask)
+
+
+def _check_token_bitmask(bitmask: np.ndarray | None, S: int, V: int) -> None:
+    if bitmask is None:
+        return
+    width = (V + 31) // 32
+    if not isinstance(bitmask, np.ndarray) or bitmask.dtype != np.int32 or bitmask.shape != (S, width):
+        raise ValueError(f"token_bitmask must be an int32 numpy array of shape {(S, width)}, got "
+                         f"{getattr(bitmask, 'dtype', type(bitmask).__name__)} {getattr(bitmask, 'shape', '')}")
 
 
 # (temperature, top_k, top_p, min_p, presence, frequency, repetition) of a padding row: greedy, neutral
@@ -222,6 +244,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = M
     """Sample one token per row of logits f32[S, V] (pure; jit with num_top_logprobs static)."""
     _check_shapes(logits, batch, num_top_logprobs)
     raw = logits.astype(jnp.float32)
+    finite = jnp.all(jnp.isfinite(raw), axis=-1)  # bool[S]; before the grammar's -inf
+    raw = apply_token_bitmask(raw, batch.token_bitmask)
     processed = process_logits(raw, batch)
     greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # i32[S]; ties: lowest id
     is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # bool[S]
@@ -229,7 +253,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = M
         jnp.all(is_greedy),
         lambda: greedy_ids,
         lambda: jnp.where(is_greedy, greedy_ids, _random_sample(processed, batch, is_greedy)))
-    return _raw_logprobs(raw, token_ids, num_top_logprobs)
+    return dataclasses.replace(_raw_logprobs(raw, token_ids, num_top_logprobs), finite=finite)
 
 
 sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs",))
@@ -239,6 +263,17 @@ def process_logits(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     """f32[S, V]: logits after logit_bias, banned ids and penalties (what greedy rows take argmax of)."""
     logits = _apply_bias(logits.astype(jnp.float32), batch.bias_ids, batch.bias_values)
     return _apply_penalties(logits, batch)
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array | None) -> jax.Array:
+    """logits f32[S, V] with -inf where bitmask i32[S, W] has a clear bit (bit j of word w: token 32w + j)."""
+    if bitmask is None:
+        return logits
+    S, V = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.uint32)  # u32[32]
+    bits = (bitmask.astype(jnp.uint32)[:, :, None] >> shifts) & 1  # u32[S, W, 32]
+    allowed = bits.reshape(S, -1)[:, :V].astype(jnp.bool_)  # bool[S, V]
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _check_shapes(logits, batch: SamplingBatch, k: int) -> None:
@@ -251,6 +286,8 @@ def _check_shapes(logits, batch: SamplingBatch, k: int) -> None:
         raise ValueError(f"output_counts shape {batch.output_counts.shape} != logits shape {(S, V)}")
     if batch.prompt_mask is not None and batch.prompt_mask.shape != (S, V):
         raise ValueError(f"prompt_mask shape {batch.prompt_mask.shape} != logits shape {(S, V)}")
+    if batch.token_bitmask is not None and batch.token_bitmask.shape != (S, (V + 31) // 32):
+        raise ValueError(f"token_bitmask shape {batch.token_bitmask.shape} != {(S, (V + 31) // 32)}")
     if not isinstance(k, int) or not 0 <= k <= V:
         raise ValueError(f"num_top_logprobs={k!r}: must be an integer in [0, V={V}]")
 
