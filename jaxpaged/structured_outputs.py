@@ -148,7 +148,7 @@ class StructuredOutputManager:
         key = (spec.kind, spec.key_text)
         with self._lock:
             future = self._cache.get(key)
-            if future is not None:
+            if future is not None and not future.cancelled():
                 self._cache.move_to_end(key)
                 return future
             future = concurrent.futures.Future()

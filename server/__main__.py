@@ -14,7 +14,7 @@ from pathlib import Path
 from jaxpaged.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
 from jaxpaged.engine import EngineArgs
 from jaxpaged.models.loader import DEFAULT_MODEL
-from server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
+from server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig
 from server.lifecycle import ShutdownConfig
 
 API_KEY_ENV = "JAXPAGED_API_KEY"
@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-processes", type=int, default=1, help="processes (hosts) in the job")
     d.add_argument("--process-id", type=int, default=0, help="this process; 0 serves HTTP and schedules, "
                    "the others run the same steps")
+    t = p.add_argument_group("tool calling")
+    t.add_argument("--enable-auto-tool-choice", action="store_true", help='serve tool_choice "auto": the model '
+                   "decides whether to call a tool, and its output is parsed by --tool-call-parser")
+    t.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS), help="how tool calls are read "
+                   'from "auto" output (llama3_json: Llama 3.x\'s {"name": ..., "parameters": ...})')
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -111,7 +116,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     names = tuple(dict.fromkeys([*(ns.served_model_name or []), ns.model]))
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
-    return ServerConfig(served_model_names=names, api_key=api_key, max_request_bytes=ns.max_request_bytes)
+    return ServerConfig(served_model_names=names, api_key=api_key, max_request_bytes=ns.max_request_bytes,
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
 
 
 def main(argv: list[str] | None = None) -> int:

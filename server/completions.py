@@ -14,7 +14,8 @@ from jaxpaged.outputs import CompletionOutput, RequestOutput
 from server.choices import ChoiceState, completion_logprobs, final_text, take_delta
 from server.context import ServingContext
 from server.errors import bad_request
-from server.params import build_sampling_params, check_stream_options, stream_usage_requested
+from server.params import (build_sampling_params, check_stream_options, stream_usage_requested,
+                           structured_outputs_of)
 from server.protocol import CompletionRequest
 from server.serving import Submitted, check_finished_ok, sse_stream, until_disconnect, usage
 
@@ -51,8 +52,10 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     model = ctx.model_name(body.model)
     _validate(body, ctx)
     prompts = _prompts(body.prompt)
+    spec, param = structured_outputs_of(body)
     params = build_sampling_params(body, ctx.defaults, ctx.vocab_size, max_tokens=body.max_tokens,
-                                   logprobs=body.logprobs)
+                                   logprobs=body.logprobs, structured_outputs=spec)
+    await ctx.compile_constraint(spec, param)
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     submitted = ctx.submitted()
     for i, prompt in enumerate(prompts):

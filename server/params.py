@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 from server.errors import bad_request, from_value_error
 from server.protocol import SamplingFields
 
@@ -18,7 +18,8 @@ _FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeti
 
 def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], vocab_size: int, *,
                           max_tokens: int | None, logprobs: int | None,
-                          renames: dict[str, str] | None = None) -> SamplingParams:
+                          renames: dict[str, str] | None = None,
+                          structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams for a request; a value SamplingParams rejects is a 400 naming the field."""
     chosen = {k: getattr(body, k) if getattr(body, k) is not None else defaults.get(k, _FALLBACK[k])
               for k in _DEFAULTABLE}
@@ -29,7 +30,7 @@ def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], vocab_
             min_tokens=body.min_tokens, stop=_stop(body.stop),
             stop_token_ids=_stop_token_ids(body.stop_token_ids, vocab_size),
             ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-            **chosen)
+            structured_outputs=structured_outputs, **chosen)
     except ValueError as err:
         raise from_value_error(err, None, renames) from None
 
@@ -80,3 +81,46 @@ def stream_usage_requested(body: SamplingFields) -> bool:
 def check_stream_options(body: SamplingFields) -> None:
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs_of(body: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the field it came from (for a 400's `param`), or (None, None).
+
+    Sources: OpenAI's response_format (json_object, json_schema), vLLM's structured_outputs extra body
+    and its older guided_json / guided_regex / guided_choice / guided_grammar; at most one may be given.
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        found.append(("response_format", _response_format(rf)))
+    if body.structured_outputs is not None:
+        so = body.structured_outputs
+        fields = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                  "json_object": so.json_object}
+        found.append(("structured_outputs", {k: v for k, v in fields.items() if v not in (None, False)}))
+    for name, kind in _GUIDED.items():
+        if getattr(body, name) is not None:
+            found.append((name, {kind: getattr(body, name)}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint, got {', '.join(p for p, _ in found)}", found[1][0])
+    param, kwargs = found[0]
+    try:
+        return StructuredOutputsParams(**kwargs), param
+    except ValueError as err:
+        raise bad_request(str(err).replace("StructuredOutputsParams", param), param) from None
+
+
+def _response_format(rf) -> dict[str, Any]:
+    if rf.type == "json_object":
+        return {"json_object": True}
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+        return {"json": rf.json_schema.schema_}
+    raise bad_request(f"response_format type {rf.type!r} is not supported (text, json_object, json_schema)",
+                      "response_format")
