@@ -1,12 +1,19 @@
 """LLMEngine: requests in, one continuous-batching step at a time, outputs back.
 
-    request -> Scheduler.schedule() -> SchedulerOutput -> ModelRunner (StepInput,
-    logits) -> sampler (SamplerOutput) -> Scheduler.update_from_output ->
-    detokenizer / stop strings -> RequestOutput
+    request -> Scheduler.schedule() -> SchedulerOutput
+            -> ModelRunner.execute_model() -> ModelRunnerOutput (sampled ids, logprobs; host side)
+            -> detokenizer (text, stop strings) -> stop verdicts
+            -> Scheduler.update_from_output (appends tokens; every stop ends there)
+            -> RequestOutput, as SamplingParams.output_kind asks
+
+Outputs follow vLLM's RequestOutputKind: CUMULATIVE (everything so far), DELTA (only
+what is new: token ids, logprobs and text; a step costs O(new tokens)) or FINAL_ONLY
+(one output at the end). The finish record is the scheduler Request's (status,
+stop_reason); outputs read it from there.
 
 A request with n > 1 becomes n child requests (`<id>#<i>`, seeds seed + i) that
 share the prompt's pages through prefix caching, aggregated back into one
-RequestOutput.
+RequestOutput (in DELTA mode it holds only the children that got new tokens).
 """
 
 from __future__ import annotations
@@ -24,14 +31,13 @@ import numpy as np
 
 from jaxpaged import parallel
 from jaxpaged.detokenizer import IncrementalDetokenizer
-from jaxpaged.model_runner import (ModelRunner, RunnerConfig, check_kv_cache_dtype, kv_bytes_per_page,
-                                   resolve_kv_cache_dtype)
+from jaxpaged.model_runner import (FaultInjector, ModelRunner, ModelRunnerOutput, RunnerConfig,
+                                   check_kv_cache_dtype, kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.request import Request, RequestStatus
-from jaxpaged.sampler import RowInfo, make_sampling_batch, sample_jit
-from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -94,16 +100,14 @@ class EngineArgs:
 
 @dataclasses.dataclass
 class _Child:
-    """Engine-side state of one sample (one scheduler Request) of a user request."""
+    """Engine-side state of one sample (one scheduler Request, which holds the finish record)."""
 
     index: int
     request: Request
     detokenizer: IncrementalDetokenizer | None  # None when params.detokenize is False
-    seed: int
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0  # DELTA: output tokens already handed out
 
 
 @dataclasses.dataclass
@@ -111,15 +115,16 @@ class _Parent:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    params: SamplingParams
     children: list[_Child]
     metrics: RequestMetrics
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None, fault_injector=None):
-        # fault_injector: a test hook, fault_injector(entries, logits) -> logits, called every step after
-        # the forward; it may raise (fails the step) or corrupt rows (see docs/security.md)
-        self.fault_injector = fault_injector
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None,
+                 fault_injector: FaultInjector | None = None):
+        # fault_injector: a test hook handed to the ModelRunner (runner.fault_injector), called every step
+        # after the forward as fault_injector(entries, logits) -> logits (see docs/security.md)
         start = time.perf_counter()
         self.args = args
         if args.compilation_cache_dir:
@@ -137,7 +142,8 @@ class LLMEngine:
             max_num_batched_tokens=self.runner_config.max_num_batched_tokens,
             max_model_len=self.runner_config.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
             max_num_partial_prefills=self.runner_config.max_prefill_seqs))
-        self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh)
+        self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh,
+                                  fault_injector=fault_injector)
         self._rng = np.random.default_rng(args.seed)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
@@ -201,15 +207,7 @@ class LLMEngine:
 
     def warmup(self) -> float:
         """Compile every step shape and every sampler shape now; none are compiled later."""
-        start = time.perf_counter()
-        self.runner.warmup()
-        vocab = self.model.config.vocab_size
-        penalized = RowInfo(params=SamplingParams(repetition_penalty=1.1), seed=0)
-        for s in self.runner_config.seq_buckets:
-            logits = jax.device_put(np.zeros((s, vocab), np.float32))  # as the runner hands it over
-            for rows in ((), (penalized,)):
-                jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, s, vocab)))
-        return time.perf_counter() - start
+        return self.runner.warmup()
 
     # ---- requests ---------------------------------------------------------
 
@@ -222,18 +220,20 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         now = arrival_time or time.time()
         eos = () if params.ignore_eos else self.model.generation_config.eos_token_ids
-        parent = _Parent(request_id, text, token_ids, [], RequestMetrics(arrival_time=now,
-                                                                       num_prompt_tokens=len(token_ids)))
+        parent = _Parent(request_id, text, token_ids, params, [],
+                         RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
         for i in range(params.n):
             child_params = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             seed = child_params.seed if child_params.seed is not None else int(self._rng.integers(0, 2**63))
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            request = Request(rid, list(token_ids), child_params, eos_token_ids=tuple(eos), arrival_time=now)
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens,
-                                           stop=params.stop, min_tokens=params.min_tokens) \
+            request = Request(rid, list(token_ids), child_params, eos_token_ids=tuple(eos), seed=seed,
+                              arrival_time=now)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens) \
                 if params.detokenize else None
-            parent.children.append(_Child(i, request, detok, seed, [] if params.logprobs is not None else None))
+            parent.children.append(_Child(i, request, detok, [] if params.logprobs is not None else None))
         for child in parent.children:  # validates on the first; children are identical
             try:
                 self.scheduler.add_request(child.request)
@@ -289,93 +289,81 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return outputs of requests that got new tokens or finished."""
+        """Run one scheduling step; return the outputs it produced (see SamplingParams.output_kind)."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        entries = out.scheduled_requests
         now = time.time()
-        for entry in entries:
+        for entry in out.scheduled_requests:
             parent, _ = self._child_to_parent[entry.request_id]
             parent.metrics.first_scheduled_time = parent.metrics.first_scheduled_time or now
-        logits = self.runner.execute(self.runner.prepare(entries))
-        if self.fault_injector is not None:
-            logits = self.fault_injector(entries, logits)
-        sampled = jax.device_get(sample_jit(logits, self._sampling_batch(entries, logits.shape)))
-        nonfinite = {e.request_id for i, e in enumerate(entries) if e.samples and not sampled.finite[i]}
-        self.scheduler.finish_requests(nonfinite, "error")  # NaN/inf logits fail only their own request
-        new_tokens = {e.request_id: [int(sampled.token_ids[i])] for i, e in enumerate(entries) if e.samples}
-        self.scheduler.update_from_output(out, new_tokens)
-        touched: dict[str, _Parent] = {}
-        for i, entry in enumerate(entries):
-            if entry.samples:
-                parent, child = self._child_to_parent[entry.request_id]
-                if entry.request_id in nonfinite:
-                    child.finish_reason = "error"
-                else:
-                    self._process_token(child, sampled, i)
-                touched[parent.request_id] = parent
-        return [self._make_output(parent) for parent in touched.values()]
+        result = self.runner.execute_model(out)
+        stops, touched = {}, {}
+        for rid, row in result.req_id_to_index.items():
+            parent, child = self._child_to_parent[rid]
+            stops[rid] = self._stop_verdict(child, result, row)
+            touched.setdefault(parent.request_id, (parent, set()))[1].add(child.index)
+        sampled = {rid: [int(result.sampled_token_ids[row])] for rid, row in result.req_id_to_index.items()}
+        self.scheduler.update_from_output(out, sampled, stops)
+        now = time.time()
+        outputs = []
+        for parent, fresh in touched.values():
+            parent.metrics.first_token_time = parent.metrics.first_token_time or now
+            output = self._make_output(parent, fresh)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
-    def _sampling_batch(self, entries: Sequence[ScheduledRequest], logits_shape):
-        rows = []
-        for entry in entries:
-            _, child = self._child_to_parent[entry.request_id]
-            request = child.request
-            banned = ()
-            if request.num_output_tokens < request.sampling_params.min_tokens:
-                banned = tuple(request.eos_token_ids) + request.sampling_params.stop_token_ids
-            rows.append(RowInfo(params=entry.sampling_params, seed=child.seed, step=request.num_output_tokens,
-                                prompt_token_ids=request.prompt_token_ids,
-                                output_token_ids=request.output_token_ids, banned_token_ids=banned))
-        return make_sampling_batch(rows, logits_shape[0], logits_shape[1])
+    def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int):
+        """Record one sampled token (logprobs, text) and decide whether it ends the request.
 
-    def _process_token(self, child: _Child, sampled, row: int) -> None:
+        None: it goes on; else (status, stop_reason) for Scheduler.update_from_output. Token-level
+        stops come from Request.check_stop, stop strings from the detokenizer (they win over length).
+        """
         request = child.request
-        token_id = int(sampled.token_ids[row])
+        if not result.finite[row]:  # NaN/inf logits fail only their own request; the token is garbage
+            return RequestStatus.FINISHED_ERROR, None
+        token_id = int(result.sampled_token_ids[row])
+        verdict = request.check_stop(token_id)
         if child.logprobs is not None:
-            child.logprobs.append(self._logprob_entry(sampled, row, token_id, request.sampling_params.logprobs))
-        child.cumulative_logprob += float(sampled.logprobs[row])
-        stop_str = None
+            child.logprobs.append(self._logprob_entry(result, row, token_id, request.sampling_params.logprobs))
+        child.cumulative_logprob += float(result.logprobs[row])
         if child.detokenizer is not None:
-            stop_terminated = request.is_finished and request.finish_reason == "stop"
+            stop_terminated = verdict is not None and verdict[0] is RequestStatus.FINISHED_STOPPED
             stop_str = child.detokenizer.update([token_id], stop_terminated=stop_terminated)
-            if stop_str is None and request.is_finished:
+            if stop_str is None and verdict is not None:
                 stop_str = child.detokenizer.flush()
-        if stop_str is not None:
-            if not request.is_finished:
-                self.scheduler.finish_requests([request.request_id], "stop", stop_reason=stop_str)
-            child.finish_reason, child.stop_reason = "stop", stop_str
-        elif request.is_finished:
-            child.finish_reason, child.stop_reason = request.finish_reason, request.stop_reason
+            if stop_str is not None:
+                verdict = RequestStatus.FINISHED_STOPPED, stop_str
+        return verdict
 
-    def _logprob_entry(self, sampled, row: int, token_id: int, k: int) -> dict[int, Logprob]:
-        top_ids = sampled.top_token_ids[row]
-        entry = {int(t): Logprob(float(sampled.top_logprobs[row, r]), r + 1, self._decode_token(int(t)))
+    def _logprob_entry(self, result: ModelRunnerOutput, row: int, token_id: int, k: int) -> dict[int, Logprob]:
+        top_ids = result.top_token_ids[row]
+        entry = {int(t): Logprob(float(result.top_logprobs[row, r]), r + 1, self._decode_token(int(t)))
                  for r, t in enumerate(top_ids[:k])}
         if token_id not in entry:
             ranks = np.nonzero(top_ids == token_id)[0]
             rank = int(ranks[0]) + 1 if len(ranks) else None
-            entry[token_id] = Logprob(float(sampled.logprobs[row]), rank, self._decode_token(token_id))
+            entry[token_id] = Logprob(float(result.logprobs[row]), rank, self._decode_token(token_id))
         return entry
 
     def _decode_token(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-    def _make_output(self, parent: _Parent) -> RequestOutput:
-        now = time.time()
+    def _make_output(self, parent: _Parent, fresh: set[int]) -> RequestOutput | None:
+        """The parent's output after a step in which its children `fresh` got a token (None: nothing due)."""
+        kind = parent.params.output_kind
+        finished = all(c.request.is_finished for c in parent.children)
         metrics = parent.metrics
-        metrics.first_token_time = metrics.first_token_time or now
-        finished = all(c.finish_reason is not None for c in parent.children)
-        outputs = [CompletionOutput(
-            index=c.index, text=_text(c),
-            token_ids=list(c.request.output_token_ids), cumulative_logprob=c.cumulative_logprob,
-            logprobs=None if c.logprobs is None else list(c.logprobs),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in parent.children]
-        metrics.num_generation_tokens = sum(len(o.token_ids) for o in outputs)
+        metrics.num_generation_tokens = sum(c.request.num_output_tokens for c in parent.children)
         metrics.num_cached_tokens = max(c.request.num_cached_tokens for c in parent.children)
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        children = [c for c in parent.children if c.index in fresh] if delta else parent.children
+        outputs = [_completion(c, delta) for c in children]
         if finished:
-            metrics.finished_time = now
+            metrics.finished_time = time.time()
             self._parents.pop(parent.request_id, None)
             for child in parent.children:
                 self._child_to_parent.pop(child.request.request_id, None)
@@ -396,10 +384,18 @@ class LLMEngine:
         }
 
 
-def _text(child: _Child) -> str:
-    if child.detokenizer is None:
-        return ""
-    return child.detokenizer.get_next_output_text(child.finish_reason is not None, delta=False)
+def _completion(child: _Child, delta: bool) -> CompletionOutput:
+    """One child's CompletionOutput: everything so far, or (delta) only what is new since the last one."""
+    request = child.request
+    finished = request.is_finished
+    start = child.num_sent_tokens if delta else 0
+    token_ids = request.output_token_ids[start:]  # a copy of the new part only, in DELTA
+    logprobs = None if child.logprobs is None else child.logprobs[start:]
+    child.num_sent_tokens = request.num_output_tokens
+    text = "" if child.detokenizer is None else child.detokenizer.get_next_output_text(finished, delta=delta)
+    return CompletionOutput(index=child.index, text=text, token_ids=token_ids,
+                            cumulative_logprob=child.cumulative_logprob, logprobs=logprobs,
+                            finish_reason=request.finish_reason, stop_reason=request.stop_reason)
 
 
 __all__ = ["EngineArgs", "LLMEngine", "RequestStatus"]

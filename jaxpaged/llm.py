@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from jaxpaged.engine import EngineArgs, LLMEngine
 from jaxpaged.models.loader import DEFAULT_MODEL
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | dict[str, Any] | Sequence[int]
 
@@ -41,6 +41,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params or self.default_sampling_params(), len(prompts))
+        # Only the finished outputs are wanted: the engine builds nothing per step (vLLM does the same).
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         added = []
         try:

@@ -1,4 +1,11 @@
-"""Model runner: scheduler output -> padded step input -> one jitted paged forward.
+"""Model runner: scheduler output -> padded step input -> one jitted paged forward -> sampled tokens.
+
+`ModelRunner.execute_model(scheduler_output)` is the engine's one call per step: it
+packs the scheduled requests (`prepare`), runs the forward (`execute`), calls the
+`fault_injector(entries, logits) -> logits` test hook if one is set, samples every
+row that samples (the per-request sampler state rides on each `ScheduledRequest`:
+seed, num_output_tokens, banned ids, prompt/output ids) and returns a host-side
+`ModelRunnerOutput`.
 
 The step is a pure function of (params, KV pool, step input) returning the
 logits of each sequence's last fed token and the updated pool (donated, so it
@@ -20,7 +27,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +38,9 @@ from jaxpaged import parallel
 
 from jaxpaged.models.llama import (LlamaConfig, Params, decoder_layer, embed_tokens, lm_logits,
                                    rope_cos_sin)
-from jaxpaged.scheduler import ScheduledRequest
+from jaxpaged.sampler import RowInfo, SamplerOutput, make_sampling_batch, sample_jit
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.scheduler import ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
 
 logger = logging.getLogger(__name__)
@@ -81,6 +90,42 @@ class StepInput:
     cu_q_lens: jax.Array  # i32[S + 1]
     num_seqs: jax.Array  # i32[]
     logits_indices: jax.Array  # i32[S]  each sequence's last fed token
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What one step sampled, on the host: row r belongs to req_ids[r] (the entries that sample, in order).
+
+    K = MAX_LOGPROBS: the raw distribution's top ids and log-probs, most likely first.
+    """
+
+    req_ids: tuple[str, ...]
+    sampled_token_ids: np.ndarray  # i32[R]
+    logprobs: np.ndarray  # f32[R]; of sampled_token_ids under the raw model distribution
+    top_token_ids: np.ndarray  # i32[R, K]
+    top_logprobs: np.ndarray  # f32[R, K]
+    finite: np.ndarray  # bool[R]; False: the row's logits held a NaN/inf, its token is garbage
+
+    @functools.cached_property
+    def req_id_to_index(self) -> dict[str, int]:
+        return {rid: r for r, rid in enumerate(self.req_ids)}
+
+    @classmethod
+    def from_sampler(cls, entries: Sequence[ScheduledRequest], sampled: SamplerOutput) -> ModelRunnerOutput:
+        rows = np.array([i for i, e in enumerate(entries) if e.samples], np.int64)
+        return cls(tuple(entries[i].request_id for i in rows), np.asarray(sampled.token_ids)[rows],
+                   np.asarray(sampled.logprobs)[rows], np.asarray(sampled.top_token_ids)[rows],
+                   np.asarray(sampled.top_logprobs)[rows], np.asarray(sampled.finite)[rows])
+
+
+FaultInjector = Callable[[Sequence[ScheduledRequest], jax.Array], jax.Array]
+
+
+def sampling_row(entry: ScheduledRequest) -> RowInfo:
+    """The sampler's row for one scheduled request (a grammar mask or other per-row input joins here)."""
+    return RowInfo(params=entry.sampling_params, seed=entry.seed, step=entry.num_output_tokens,
+                   prompt_token_ids=entry.prompt_token_ids, output_token_ids=entry.output_token_ids,
+                   banned_token_ids=entry.banned_token_ids)
 
 
 def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
@@ -278,7 +323,11 @@ class ModelRunner:
     """
 
     def __init__(self, model_config: LlamaConfig, params: Params, config: RunnerConfig,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, fault_injector: FaultInjector | None = None):
+        # fault_injector: a test hook, fault_injector(entries, logits) -> logits, called by execute_model
+        # after the forward and before sampling; it may raise (fails the step) or corrupt rows
+        # (see docs/security.md)
+        self.fault_injector = fault_injector
         self.model_config = model_config
         self.config = config
         self.mesh = mesh
@@ -340,6 +389,15 @@ class ModelRunner:
         cu[len(entries) + 1:] = offset
         return StepInput(token_ids, positions, slots, page_table, kv_lens, cu, np.int32(len(entries)), last)
 
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: pack, forward, (fault hook), sample the rows that sample; host-side results."""
+        entries = scheduler_output.scheduled_requests
+        logits = self.execute(self.prepare(entries))  # f32[S, V]
+        if self.fault_injector is not None:
+            logits = self.fault_injector(entries, logits)
+        batch = make_sampling_batch([sampling_row(e) for e in entries], logits.shape[0], logits.shape[1])
+        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sample_jit(logits, batch)))
+
     def execute(self, step: StepInput) -> jax.Array:
         """Run one step; returns logits f32[S, V] on device (rows past num_seqs are padding).
 
@@ -390,4 +448,14 @@ class ModelRunner:
             jax.block_until_ready(self._run(empty_step(t, s, p)))
         seconds = time.perf_counter() - start
         logger.info("compiled %d step shapes (T, S, P) in %.1f s", len(self.config.buckets), seconds)
-        return seconds
+        self.warmup_sampler()
+        return time.perf_counter() - start
+
+    def warmup_sampler(self) -> None:
+        """Compile the sampler at every S bucket, with and without the penalty arrays."""
+        vocab = self.model_config.vocab_size
+        penalized = RowInfo(params=SamplingParams(repetition_penalty=1.1), seed=0)
+        for s in self.config.seq_buckets:
+            logits = jax.device_put(np.zeros((s, vocab), np.float32))  # as the forward hands it over
+            for rows in ((), (penalized,)):
+                jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, s, vocab)))

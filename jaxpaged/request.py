@@ -61,6 +61,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     eos_token_ids: tuple[int, ...] = ()  # from the generation config; ignored when ignore_eos
+    seed: int = 0  # the sampler's PRNG seed: params.seed, or one the engine drew
     arrival_time: float = dataclasses.field(default_factory=time.time)
     max_model_len: int | None = None  # set by Scheduler.add_request when None
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -70,7 +71,7 @@ class Request:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # filled by PagePool
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_preemptions: int = 0
-    finish_reason: str | None = None
+    # The finish record: `status` (finish_reason derives from it) and this, the stop token id or stop string.
     stop_reason: int | str | None = None
 
     def __post_init__(self):
@@ -130,40 +131,66 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop", "length", "abort", "error", or None while unfinished (derived from `status`)."""
+        return self.status.finish_reason
+
+    @property
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Ids the sampler must not pick for the next token: EOS and stop token ids before min_tokens."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return tuple(eos) + params.stop_token_ids
+
     # ---- state changes -----------------------------------------------------
 
     def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         if not status.is_finished:
             raise ValueError(f"Request {self.request_id!r}: {status} is not a finished status")
+        if self.is_finished:
+            raise RuntimeError(f"Request {self.request_id!r} is already finished ({self.status.name})")
         self.status = status
-        self.finish_reason = status.finish_reason
         self.stop_reason = stop_reason
 
-    def append_output_token(self, token_id: int) -> bool:
-        """Append one sampled token and run the stop checks; True when it finished the request.
+    def check_stop(self, token_id: int) -> tuple[RequestStatus, int | None] | None:
+        """The token-level stop that appending `token_id` would cause, or None (pure: nothing changes).
 
         Order (vLLM's): no EOS / stop-token stop before `min_tokens` outputs; EOS ids
         (unless ignore_eos; stop_reason None); stop_token_ids (stop_reason = the id);
-        max_tokens -> "length"; the max_model_len bound -> "length". Stop strings are
-        the detokenizer's job (it calls Scheduler.finish_requests).
+        max_tokens -> "length"; the max_model_len bound -> "length". Stop strings are text:
+        the engine checks them with the detokenizer and hands the verdict to
+        `Scheduler.update_from_output`, which applies every stop in one place.
+        """
+        token_id = int(token_id)
+        params = self.sampling_params
+        num_output = self.num_output_tokens + 1
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token_id
+        max_tokens = self.max_tokens
+        if max_tokens is not None and num_output >= max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        if self.max_model_len is not None and self.num_tokens + 1 >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None
+
+    def append_output_token(self, token_id: int,
+                            stop: tuple[RequestStatus, int | str | None] | None | bool = True) -> bool:
+        """Append one sampled token and finish the request if it stops; True when it finished.
+
+        `stop`: True (default) runs `check_stop`; otherwise the caller's verdict, already
+        decided (None: it goes on; (status, stop_reason): it ends so).
         """
         if self.is_finished:
             raise RuntimeError(f"Request {self.request_id!r} is already finished ({self.status.name})")
-        token_id = int(token_id)
-        self.output_token_ids.append(token_id)
-        params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                self.finish(RequestStatus.FINISHED_STOPPED)
-                return True
-            if token_id in params.stop_token_ids:
-                self.finish(RequestStatus.FINISHED_STOPPED, stop_reason=token_id)
-                return True
-        max_tokens = self.max_tokens
-        if max_tokens is not None and self.num_output_tokens >= max_tokens:
-            self.finish(RequestStatus.FINISHED_LENGTH)
-            return True
-        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
-            self.finish(RequestStatus.FINISHED_LENGTH)
-            return True
-        return False
+        verdict = self.check_stop(token_id) if stop is True else stop
+        self.output_token_ids.append(int(token_id))
+        if verdict is None:
+            return False
+        self.finish(*verdict)
+        return True

@@ -8,11 +8,25 @@ variants with `dataclasses.replace`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from typing import Any
 
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's RequestOutputKind).
+
+    CUMULATIVE: everything so far (token ids, logprobs, text) every time it grows.
+    DELTA: only what is new since the request's previous output (streaming; O(new tokens) a step).
+    FINAL_ONLY: one output, when the request finishes, with everything.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +118,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (no text, so no stop strings)
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
+    include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         # Normalise list-ish inputs so the dataclass stays hashable and frozen.
@@ -154,6 +170,8 @@ class SamplingParams:
             bad("stop", self.stop, "stop strings need detokenize=True")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "token ids must be >= 0")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", self.output_kind, "must be a RequestOutputKind")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", self.seed, "must be an integer or None")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,

@@ -27,13 +27,19 @@ children of one prompt) can share them. Runner contract that follows: within a
 step, the KV of every scheduled token is written to its slot before attention
 reads the pages (per layer), as paged attention does in vLLM and nano-vllm.
 `update_from_output()` only appends the sampled tokens and finishes requests.
+
+Stopping has one owner: `update_from_output` ends every request that stops on a
+sampled token (EOS, stop token ids, length: `Request.check_stop`; stop strings and
+non-finite logits: the engine's verdicts, passed in), and `finish_requests` ends
+the others (abort, error). Both write the one finish record (`Request.finish`:
+status and stop_reason) and free the pages (`_release`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from jaxpaged.page_pool import PagePool
 from jaxpaged.request import Request, RequestStatus
@@ -86,6 +92,13 @@ class ScheduledRequest:
     samples: bool  # the chunk reaches the end of the known tokens: sample a next token
     sampling_params: SamplingParams
     num_prompt_tokens: int  # tokens below this position are prompt (outputs follow after preemption)
+    # The sampler's per-request state (read by ModelRunner.execute_model when `samples`):
+    seed: int = 0  # PRNG seed; the key of this token is fold_in(PRNGKey(seed), num_output_tokens)
+    num_output_tokens: int = 0  # outputs before this step's sampled token
+    banned_token_ids: tuple[int, ...] = ()  # masked to -inf (EOS / stop token ids before min_tokens)
+    # The request's own lists, by reference (no copy per step; read only while this step runs), for penalties:
+    prompt_token_ids: Sequence[int] = dataclasses.field(default=(), compare=False, repr=False)
+    output_token_ids: Sequence[int] = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -187,7 +200,7 @@ class Scheduler:
         return finished
 
     def _release(self, request: Request) -> None:
-        """Take a just-finished request out of its queue and free its pages."""
+        """Take a just-finished request (its finish record written) out of its queue and free its pages."""
         if request in self.running:
             self.running.remove(request)
         else:
@@ -276,6 +289,11 @@ class Scheduler:
             samples=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_prompt_tokens=request.num_prompt_tokens,
+            seed=request.seed,
+            num_output_tokens=request.num_output_tokens,
+            banned_token_ids=request.banned_token_ids,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
         )
         request.num_computed_tokens = start + num_new
         self.pool.cache_full_pages(request)
@@ -292,14 +310,19 @@ class Scheduler:
     # ---- results -----------------------------------------------------------
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, list[int]]
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]],
+        stops: Mapping[str, tuple[RequestStatus, int | str | None] | None] | None = None,
     ) -> list[Request]:
-        """Append the sampled tokens of the entries that sample; return the requests finished now.
+        """Append the sampled tokens of the entries that sample, finish those that stop; return them.
 
-        Entries that don't sample are ignored, and so are requests finished
-        (aborted) since the step was scheduled. A sampling entry of a live request
-        without tokens is a runner bug: ValueError.
+        `stops[request_id]`, when given, is the caller's verdict on the request's (last) token,
+        replacing `Request.check_stop`: None goes on, (status, stop_reason) ends it (a stop
+        string, decided on the text; FINISHED_ERROR: the token is garbage and is not appended).
+        Entries that don't sample are ignored, and so are requests finished (aborted) since the
+        step was scheduled. A sampling entry of a live request without tokens is a runner bug:
+        ValueError.
         """
+        stops = stops or {}
         finished = []
         for entry in scheduler_output.scheduled_requests:
             request = self._requests.get(entry.request_id)
@@ -308,9 +331,14 @@ class Scheduler:
             token_ids = sampled_token_ids.get(entry.request_id)
             if not token_ids:
                 raise ValueError(f"no sampled token for request {entry.request_id!r}, whose chunk samples")
-            for token_id in token_ids:  # more than one only with speculative decoding
-                if request.append_output_token(token_id):
-                    break
+            verdict = stops.get(entry.request_id, True)
+            if verdict is not True and verdict is not None and verdict[0] is RequestStatus.FINISHED_ERROR:
+                request.finish(*verdict)
+            else:
+                for i, token_id in enumerate(token_ids):  # more than one only with speculative decoding
+                    last = i == len(token_ids) - 1
+                    if request.append_output_token(token_id, verdict if last else True):
+                        break
             if not request.is_finished:
                 continue
             self._release(request)

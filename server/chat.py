@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from server.choices import ChoiceState, chat_logprobs, final_text, take_delta
+from server.choices import ChoiceStream, chat_logprobs
 from server.context import ServingContext
 from server.errors import bad_request
 from server.params import (build_sampling_params, check_stream_options, stream_usage_requested,
@@ -102,7 +102,7 @@ def _choice(body: ChatCompletionRequest, plan: ToolPlan, comp: CompletionOutput)
     logprobs = None
     if comp.logprobs is not None:
         logprobs = chat_logprobs(comp.token_ids, comp.logprobs, body.top_logprobs or 0)
-    text = final_text(comp, body.include_stop_str_in_output)
+    text = comp.text
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish_reason = comp.finish_reason
     if plan.calls_tools:
@@ -130,12 +130,12 @@ async def _chunks(body: ChatCompletionRequest, plan: ToolPlan, submitted: Submit
                   head: dict) -> AsyncIterator[dict]:
     for index in range(body.n):
         yield _chunk(head, index, {"role": "assistant", "content": None if plan.forced else ""})
-    states = [ChoiceState() for _ in range(body.n)]
+    states = [ChoiceStream() for _ in range(body.n)]
     tool_states = [_ToolStream(plan) for _ in range(body.n)]
     final: RequestOutput | None = None
     async for _, out in submitted.outputs():
         for comp in out.outputs:
-            delta = take_delta(comp, states[comp.index], body.include_stop_str_in_output)
+            delta = states[comp.index].take(comp)
             if delta is None:
                 continue
             logprobs = None

@@ -1,4 +1,4 @@
-"""Turning cumulative CompletionOutputs into choices and streaming deltas, and logprob formats."""
+"""Streaming choices from the engine's DELTA outputs, and OpenAI's logprob formats."""
 
 from __future__ import annotations
 
@@ -12,12 +12,36 @@ _MIN_LOGPROB = -9999.0  # -inf is not JSON
 
 
 @dataclasses.dataclass
-class ChoiceState:
-    """How much of one choice a stream has sent."""
+class ChoiceStream:
+    """One choice of a stream fed the engine's DELTA outputs: tokens whose text is still held back
+    (an incomplete character, a possible stop string) wait here and go out with the next text."""
 
-    sent_chars: int = 0
-    sent_tokens: int = 0
+    sent_chars: int = 0  # characters sent so far (completions' text_offset)
     done: bool = False
+    pending_ids: list[int] = dataclasses.field(default_factory=list)
+    pending_logprobs: list[dict[int, Logprob]] | None = None
+
+    def take(self, comp: CompletionOutput) -> Delta | None:
+        """Fold in one DELTA CompletionOutput; the chunk to send, or None (nothing to send yet).
+
+        500 if the engine failed the request. Costs O(the delta)."""
+        if self.done:
+            return None
+        if comp.finish_reason == "error":
+            raise OpenAIError(500, "the engine failed while generating this request; see the server log")
+        self.pending_ids.extend(comp.token_ids)
+        if comp.logprobs is not None:
+            if self.pending_logprobs is None:
+                self.pending_logprobs = []
+            self.pending_logprobs.extend(comp.logprobs)
+        finishing = comp.finish_reason is not None
+        if not comp.text and not finishing:
+            return None
+        delta = Delta(comp.text, self.pending_ids, self.pending_logprobs, comp.finish_reason, comp.stop_reason)
+        self.sent_chars += len(comp.text)
+        self.done = finishing
+        self.pending_ids, self.pending_logprobs = [], None
+        return delta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,29 +51,6 @@ class Delta:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     stop_reason: int | str | None
-
-
-def final_text(comp: CompletionOutput, include_stop_str: bool) -> str:
-    """The choice's text, with the stop string that ended it when asked to include it."""
-    if include_stop_str and comp.finish_reason == "stop" and isinstance(comp.stop_reason, str):
-        return comp.text + comp.stop_reason
-    return comp.text
-
-
-def take_delta(comp: CompletionOutput, state: ChoiceState, include_stop_str: bool) -> Delta | None:
-    """What is new in `comp` since the last call (None: nothing to send); 500 if the engine failed it."""
-    if state.done:
-        return None
-    if comp.finish_reason == "error":
-        raise OpenAIError(500, "the engine failed while generating this request; see the server log")
-    text = final_text(comp, include_stop_str) if comp.finish_reason else comp.text
-    new_text, new_ids = text[state.sent_chars:], comp.token_ids[state.sent_tokens:]
-    finishing = comp.finish_reason is not None
-    if not new_text and not finishing:
-        return None  # tokens whose text is held back wait for the next delta
-    logprobs = None if comp.logprobs is None else comp.logprobs[state.sent_tokens:len(comp.token_ids)]
-    state.sent_chars, state.sent_tokens, state.done = len(text), len(comp.token_ids), finishing
-    return Delta(new_text, new_ids, logprobs, comp.finish_reason, comp.stop_reason)
 
 
 def _clamp(logprob: float) -> float:

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from server.choices import ChoiceState, completion_logprobs, final_text, take_delta
+from server.choices import ChoiceStream, completion_logprobs
 from server.context import ServingContext
 from server.errors import bad_request
 from server.params import (build_sampling_params, check_stream_options, stream_usage_requested,
@@ -81,21 +81,21 @@ def _choice(ctx: ServingContext, body: CompletionRequest, index: int, out: Reque
     logprobs = None
     if comp.logprobs is not None:
         logprobs = completion_logprobs(comp.token_ids, comp.logprobs, len(prefix))
-    return {"index": index, "text": prefix + final_text(comp, body.include_stop_str_in_output),
+    return {"index": index, "text": prefix + comp.text,
             "logprobs": logprobs, "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
 
 
 async def _chunks(ctx: ServingContext, body: CompletionRequest, submitted: Submitted,
                   head: dict) -> AsyncIterator[dict]:
-    states: dict[int, ChoiceState] = {}
+    states: dict[int, ChoiceStream] = {}
     finals: list[RequestOutput] = []
     async for i, out in submitted.outputs():
         for comp in out.outputs:
             index = i * body.n + comp.index
             fresh = index not in states
-            state = states.setdefault(index, ChoiceState())
+            state = states.setdefault(index, ChoiceStream())
             offset = state.sent_chars
-            delta = take_delta(comp, state, body.include_stop_str_in_output)
+            delta = state.take(comp)
             prefix = _prompt_text(ctx, out) if body.echo and fresh else ""
             if delta is None and not prefix:
                 continue

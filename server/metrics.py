@@ -102,7 +102,7 @@ class RequestTracker:
         self.closed = True
         m, out, name = self.metrics, self.last, self.metrics.model_name
         m.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
-        m.generation_tokens.labels(name).inc(sum(len(o.token_ids) for o in out.outputs))
+        m.generation_tokens.labels(name).inc(out.metrics.num_generation_tokens)
         if not out.finished:
             return
         reason = out.outputs[0].finish_reason or "unknown"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from server.errors import bad_request, from_value_error
 from server.protocol import SamplingFields
 
@@ -20,7 +20,10 @@ def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], vocab_
                           max_tokens: int | None, logprobs: int | None,
                           renames: dict[str, str] | None = None,
                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-    """SamplingParams for a request; a value SamplingParams rejects is a 400 naming the field."""
+    """SamplingParams for a request; a value SamplingParams rejects is a 400 naming the field.
+
+    A stream asks the engine for DELTA outputs (only what is new each step), a plain request for
+    FINAL_ONLY (one output at the end)."""
     chosen = {k: getattr(body, k) if getattr(body, k) is not None else defaults.get(k, _FALLBACK[k])
               for k in _DEFAULTABLE}
     try:
@@ -30,6 +33,8 @@ def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], vocab_
             min_tokens=body.min_tokens, stop=_stop(body.stop),
             stop_token_ids=_stop_token_ids(body.stop_token_ids, vocab_size),
             ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=structured_outputs, **chosen)
     except ValueError as err:
         raise from_value_error(err, None, renames) from None

@@ -131,6 +131,7 @@ def check_finished_ok(outputs: Sequence[RequestOutput]) -> None:
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
+    """Token counts of finished outputs (from their metrics: a DELTA output holds only its last tokens)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(o.metrics.num_generation_tokens for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
