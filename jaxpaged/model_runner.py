@@ -128,6 +128,17 @@ def sampling_row(entry: ScheduledRequest) -> RowInfo:
                    banned_token_ids=entry.banned_token_ids)
 
 
+def _pad_bitmask(bitmask: np.ndarray | None, S: int, num_entries: int) -> np.ndarray | None:
+    """The engine's i32[num_entries, W] grammar bitmask as the sampler's i32[S, W] (padding rows allow all)."""
+    if bitmask is None:
+        return None
+    if bitmask.ndim != 2 or bitmask.shape[0] != num_entries:
+        raise ValueError(f"grammar_bitmask has shape {bitmask.shape}; expected ({num_entries}, W)")
+    padded = np.full((S, bitmask.shape[1]), -1, np.int32)
+    padded[:num_entries] = bitmask
+    return padded
+
+
 def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
     """lo, lo*ratio, ... below hi, then hi itself."""
     buckets, b = [], lo
@@ -389,13 +400,19 @@ class ModelRunner:
         cu[len(entries) + 1:] = offset
         return StepInput(token_ids, positions, slots, page_table, kv_lens, cu, np.int32(len(entries)), last)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: pack, forward, (fault hook), sample the rows that sample; host-side results."""
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_bitmask: np.ndarray | None = None) -> ModelRunnerOutput:
+        """One step: pack, forward, (fault hook), sample the rows that sample; host-side results.
+
+        grammar_bitmask: i32[len(entries), W] allowed tokens per scheduled request (structured outputs,
+        llguidance's layout, W = ceil(V / 32)), or None when no request is constrained."""
         entries = scheduler_output.scheduled_requests
         logits = self.execute(self.prepare(entries))  # f32[S, V]
         if self.fault_injector is not None:
             logits = self.fault_injector(entries, logits)
-        batch = make_sampling_batch([sampling_row(e) for e in entries], logits.shape[0], logits.shape[1])
+        S, V = logits.shape
+        batch = make_sampling_batch([sampling_row(e) for e in entries], S, V,
+                                    token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
         return ModelRunnerOutput.from_sampler(entries, jax.device_get(sample_jit(logits, batch)))
 
     def execute(self, step: StepInput) -> jax.Array:
@@ -452,10 +469,12 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def warmup_sampler(self) -> None:
-        """Compile the sampler at every S bucket, with and without the penalty arrays."""
+        """Compile the sampler at every S bucket, with and without the penalty arrays and the token bitmask."""
         vocab = self.model_config.vocab_size
         penalized = RowInfo(params=SamplingParams(repetition_penalty=1.1), seed=0)
         for s in self.config.seq_buckets:
             logits = jax.device_put(np.zeros((s, vocab), np.float32))  # as the forward hands it over
             for rows in ((), (penalized,)):
-                jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, s, vocab)))
+                for bitmask in (None, np.full((s, (vocab + 31) // 32), -1, np.int32)):  # structured outputs
+                    batch = make_sampling_batch(rows, s, vocab, token_bitmask=bitmask)
+                    jax.block_until_ready(sample_jit(logits, batch))

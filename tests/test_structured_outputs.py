@@ -171,3 +171,145 @@ def test_bitmask_shape_is_checked_and_values_never_recompile():
         jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, S, V, token_bitmask=bm)))
     assert sample_jit._cache_size() == size
     assert json.dumps(make_sampling_batch(rows, S, V).token_bitmask) == "null"
+
+
+# ---- the engine (tiny random model, byte tokenizer: it tries everything the grammar allows) ----------------
+
+import concurrent.futures  # noqa: E402
+import dataclasses  # noqa: E402
+import re  # noqa: E402
+
+import jsonschema  # noqa: E402
+
+from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
+from jaxpaged.models.loader import load_model  # noqa: E402
+from tests.test_engine import count_traces  # noqa: E402
+
+ENGINE_ARGS = EngineArgs(model="unused", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
+                         num_pages=200, compilation_cache_dir=None)
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 2}},
+    "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_checkpoints):
+    return LLMEngine(ENGINE_ARGS, loaded=load_model(str(tiny_checkpoints["gqa4"]), dtype="float32"))
+
+
+def _run(engine: LLMEngine, params_list, prompt=(1, 2, 3, 4, 5)) -> dict:
+    for i, params in enumerate(params_list):
+        engine.add_request(f"r{i}", {"prompt_token_ids": list(prompt) + [i]}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_usable_pages
+    return done
+
+
+def _so(**kwargs) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**kwargs)
+
+
+def test_engine_outputs_obey_their_constraint(tiny_engine):
+    person = _so(json=PERSON)
+    params = [SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=person),
+              SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=100, logprobs=2, structured_outputs=person),
+              SamplingParams(temperature=1.2, top_p=0.9, seed=2, max_tokens=40,
+                             structured_outputs=_so(regex=r"[a-f]{3}-\d{2,4}")),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=40, repetition_penalty=1.3,
+                             structured_outputs=_so(choice=["red", "green", "blue"])),
+              SamplingParams(temperature=0.0, max_tokens=12)]  # unconstrained, in the same batch
+    done = _run(tiny_engine, params)
+    for out in done["r0"].outputs + done["r1"].outputs:
+        jsonschema.validate(json.loads(out.text), PERSON)
+        assert out.finish_reason == "stop"
+    assert len({o.text for o in done["r1"].outputs}) > 1  # n samples differ
+    for entry, token_id in zip(done["r1"].outputs[0].logprobs, done["r1"].outputs[0].token_ids):
+        assert np.isfinite(entry[token_id].logprob)  # of the masked distribution: disallowed ids are -inf
+        assert all(np.isfinite(e.logprob) or e.rank > 1 for e in entry.values())
+    assert re.fullmatch(r"[a-f]{3}-\d{2,4}", done["r2"].outputs[0].text)
+    assert done["r3"].outputs[0].text in ("red", "green", "blue")
+    assert done["r4"].outputs[0].finish_reason == "length"
+
+
+def test_engine_seeded_constrained_sample_reproduces_in_any_batch(tiny_engine):
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=100, structured_outputs=_so(json=PERSON))
+    alone = _run(tiny_engine, [params])["r0"].outputs[0]
+    others = [SamplingParams(temperature=0.9, seed=s, max_tokens=20) for s in range(3)]
+    mixed = _run(tiny_engine, others + [params])["r3"].outputs[0]
+    # the same prompt (r3's differs by its last id): compare with a batch where it is r0's prompt
+    again = _run(tiny_engine, [params] + others)["r0"].outputs[0]
+    assert again.token_ids == alone.token_ids
+    jsonschema.validate(json.loads(mixed.text), PERSON)
+
+
+def test_grammar_completion_stops_even_with_ignore_eos(tiny_engine):
+    """The matcher reports termination: without it, ignore_eos would run on (EOS only) to max_tokens."""
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=30, ignore_eos=True,
+                            structured_outputs=_so(choice=["yes", "no"]))
+    out = _run(tiny_engine, [params])["r0"].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert len(out.token_ids) == len(out.text)  # byte tokens: nothing after the choice
+
+
+def test_stop_strings_and_preemption_with_constraints(tiny_checkpoints):
+    loaded = load_model(str(tiny_checkpoints["gqa4"]), dtype="float32")
+    engine = LLMEngine(dataclasses.replace(ENGINE_ARGS, num_pages=14), loaded=loaded)  # small pool: preemption
+    regex = _so(regex=r"(ab|cd){20}")  # 40 tokens each: 6 pages a request, 13 in the pool
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, structured_outputs=regex) for s in range(6)]
+    params.append(SamplingParams(temperature=1.0, seed=9, max_tokens=60, stop=["cd"], structured_outputs=regex))
+    done = _run(engine, params, prompt=list(range(20, 60)))
+    assert engine.scheduler.num_preemptions > 0
+    for i in range(6):
+        assert re.fullmatch(r"(ab|cd){20}", done[f"r{i}"].outputs[0].text)
+    stopped = done["r6"].outputs[0]
+    assert stopped.finish_reason == "stop" and "cd" not in stopped.text and re.fullmatch(r"(ab)*", stopped.text)
+
+
+def test_request_waits_for_its_grammar_without_blocking_others(tiny_engine, monkeypatch):
+    pending: dict[str, concurrent.futures.Future] = {}
+    real_compile = tiny_engine.structured_outputs.compile
+
+    def held_compile(spec):  # a compile that finishes when the test says so
+        pending[spec.kind] = concurrent.futures.Future()
+        return pending[spec.kind]
+
+    monkeypatch.setattr(tiny_engine.structured_outputs, "compile", held_compile)
+    tiny_engine.add_request("slow", {"prompt_token_ids": [1, 2, 3]},
+                            SamplingParams(temperature=0.0, max_tokens=50, structured_outputs=_so(regex="[ab]{4}")))
+    tiny_engine.add_request("bad", {"prompt_token_ids": [1, 2, 3]},
+                            SamplingParams(max_tokens=5, structured_outputs=_so(choice=["x"])))
+    tiny_engine.add_request("free", {"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=0.0, max_tokens=4))
+    seen = []
+    for _ in range(6):
+        seen += tiny_engine.step()
+    assert [o.request_id for o in seen if o.finished] == ["free"]  # it ran; the other two waited
+    assert tiny_engine.scheduler.get_request("slow") is None
+    pending["choice"].set_exception(GrammarError("invalid choice constraint: test"))
+    pending["regex"].set_result(real_compile(_so(regex="[ab]{4}")).result())
+    done = {}
+    while tiny_engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in tiny_engine.step() if o.finished})
+    assert done["bad"].outputs[0].finish_reason == "error"
+    assert re.fullmatch("[ab]{4}", done["slow"].outputs[0].text)
+    with pytest.raises(GrammarError, match="Invalid type"):  # known bad at add time: nothing is queued
+        monkeypatch.setattr(tiny_engine.structured_outputs, "compile", real_compile)
+        real_compile(_so(json={"type": "nope"})).exception()
+        tiny_engine.add_request("x", {"prompt_token_ids": [1]}, SamplingParams(
+            structured_outputs=_so(json={"type": "nope"})))
+    assert not tiny_engine.has_unfinished_requests()
+
+
+def test_no_compilation_after_warmup_with_constrained_requests(tiny_engine):
+    person = _so(json=PERSON)
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=person),
+              SamplingParams(temperature=0.8, top_k=5, seed=1, logprobs=3, structured_outputs=_so(regex="[0-9]{5}")),
+              SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, max_tokens=60, structured_outputs=person),
+              SamplingParams(n=2, temperature=1.0, stop=["a"], max_tokens=10),
+              SamplingParams(temperature=0.0, max_tokens=8, logit_bias={3: 5.0})] * 2
+    with count_traces() as traces:
+        done = _run(tiny_engine, params)
+    assert traces == []
+    jsonschema.validate(json.loads(done["r0"].outputs[0].text), PERSON)
