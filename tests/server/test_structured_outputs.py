@@ -276,3 +276,20 @@ def test_no_compilation_after_warmup_with_constrained_requests(smol):
             replies = list(pool.map(lambda b: chat(smol, **b), bodies))
     assert traces == []
     assert all(r["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls") for r in replies)
+
+
+def test_readme_structured_output_examples_run(smol):
+    """The README's two examples, as printed, against this server."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Structured outputs and tool calling", 1)[1]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:2]
+    assert len(blocks) == 2
+    namespace: dict = {}
+    for block in blocks:
+        code = block.replace("http://localhost:8000/v1", smol.v1).replace('"smollm2-135m-instruct"', f'"{MODEL}"')
+        exec(compile(code, "README.md", "exec"), namespace)
+    assert type(namespace["completion"].choices[0].message.parsed).__name__ == "City"
+    assert namespace["choice"].choices[0].message.content in ("yes", "no")
+    assert namespace["call"].function.name == "get_weather" and namespace["final"].choices[0].message.content
