@@ -11,7 +11,12 @@ Stop strings are searched in the newly decoded text plus the `len(stop) - 1` cha
 it; the text is cut at the match (before the stop string, or after it with
 `include_stop_str_in_output`). For streaming, `get_next_output_text` holds back the tail of
 the text (at most `max(len(s) for s in stop) - 1` characters) that could still begin a stop
-string, so text once released is never taken back.
+string, so text once released is never taken back. The engine reads it with `delta=True` for
+`RequestOutputKind.DELTA` outputs (only the new characters are copied: O(delta) a step).
+
+The detokenizer only detects stop strings (`update` / `flush` return the one matched); the
+engine turns that into a stop verdict that `Scheduler.update_from_output` applies, so the
+request's finish record lives in one place (the scheduler `Request`).
 """
 
 from __future__ import annotations

@@ -393,7 +393,7 @@ class LLMEngine:
         now = time.time()
         outputs = failed
         for parent, fresh in touched.values():
-            parent.metrics.first_token_time = parent.metrics.first_token_time or now
+            _record_token_time(parent.metrics, now)
             output = self._make_output(parent, fresh)
             if output is not None:
                 outputs.append(output)
@@ -469,6 +469,14 @@ class LLMEngine:
             "prefix_cache_queries": pool.prefix_cache_queries,
             "prefix_cache_hits": pool.prefix_cache_hits,
         }
+
+
+def _record_token_time(metrics: RequestMetrics, now: float) -> None:
+    if metrics.first_token_time is None:
+        metrics.first_token_time = now
+    else:
+        metrics.inter_token_latencies.append(now - metrics.last_token_time)
+    metrics.last_token_time = now
 
 
 def _completion(child: _Child, delta: bool) -> CompletionOutput:

@@ -1,4 +1,10 @@
-"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes."""
+"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes.
+
+What an output holds depends on `SamplingParams.output_kind` (RequestOutputKind): CUMULATIVE
+(everything so far), DELTA (token ids, logprobs and text new since the previous output; with
+n > 1 only the samples that got a token) or FINAL_ONLY (one output, at the end). Running totals
+are in `RequestOutput.metrics` (num_generation_tokens) whatever the kind.
+"""
 
 from __future__ import annotations
 
@@ -17,10 +23,13 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
+    # seconds between the steps that gave the request tokens (appended by the engine; whatever the output kind)
+    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -34,8 +43,8 @@ class RequestMetrics:
 @dataclasses.dataclass
 class CompletionOutput:
     index: int
-    text: str  # cumulative; while unfinished, text that may still become a stop string is held back
-    token_ids: list[int]
+    text: str  # all or new (output_kind); while unfinished, text that may still become a stop string is held back
+    token_ids: list[int]  # all or new (output_kind)
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None  # per generated token, when asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

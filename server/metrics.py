@@ -7,8 +7,6 @@ and latency histograms are recorded by the handlers through `RequestTracker`.
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -83,15 +81,18 @@ class RequestTracker:
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
-        self.last_time: float | None = None
         self.last: RequestOutput | None = None
+        self.num_itl_seen = 0  # of the engine's RequestMetrics.inter_token_latencies
         self.closed = False
 
     def on_output(self, output: RequestOutput) -> None:
-        now = time.monotonic()
-        if self.last_time is not None:
-            self.metrics.itl.labels(self.metrics.model_name).observe(now - self.last_time)
-        self.last_time, self.last = now, output
+        """Observe the inter-token latencies the engine recorded since the last output (any output kind)."""
+        self.last = output
+        itl = output.metrics.inter_token_latencies
+        end = len(itl)
+        for seconds in itl[self.num_itl_seen:end]:
+            self.metrics.itl.labels(self.metrics.model_name).observe(seconds)
+        self.num_itl_seen = end
         if output.finished:
             self.close()
 

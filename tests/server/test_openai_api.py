@@ -141,6 +141,30 @@ def test_stop_string(client, endpoint):
     assert text_of(with_stop) == full[:full.index(stop) + 1]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_stop_strings_held_back_matched_and_included(client, endpoint, stream):
+    """Greedy with logit_bias {"a": +100} writes "aaaa...": "aab" is held back as "aa" until the end,
+    "aaa" matches on the 3rd token; the engine (not the server) keeps it with include_stop_str_in_output."""
+    kw = dict(model=MODEL_NAME, temperature=0, logit_bias={"97": 100}, stream=stream)
+    create = (lambda **k: client.chat.completions.create(messages=MESSAGES, **k)) if endpoint == "chat" else \
+        (lambda **k: client.completions.create(prompt="x", **k))
+
+    def result(**k):
+        r = create(**kw, **k)
+        if not stream:
+            c = r.choices[0]
+            return (c.message.content if endpoint == "chat" else c.text), c.finish_reason
+        chunks = [c.choices[0] for c in r if c.choices]
+        pieces = [(c.delta.content if endpoint == "chat" else c.text) or "" for c in chunks]
+        return "".join(pieces), chunks[-1].finish_reason
+
+    assert result(max_tokens=6, stop=["aab"], extra_body=NO_EOS) == ("aaaaaa", "length")
+    assert result(max_tokens=6, stop=["aaa"], extra_body=NO_EOS) == ("", "stop")
+    assert result(max_tokens=6, stop=["aaa"], extra_body={**NO_EOS, "include_stop_str_in_output": True}) == \
+        ("aaa", "stop")
+
+
 @pytest.mark.parametrize("prompt", ["Hello there, general", [72, 101, 108, 108, 111, 32, 33]])
 def test_greedy_over_http_equals_the_engine(client, live, prompt):
     engine = LLMEngine(dataclasses.replace(EngineArgs(model=live.model_path, **ENGINE_ARGS), warmup=False),
