@@ -25,7 +25,7 @@ from tests.server.json_schemas import SCHEMAS
 from tests.test_engine import count_traces
 
 MODEL = "smollm2"
-FAST = ("person", "recipe", "order", "contact_anyof", "tree_ref", "shape_anyof")
+FAST = ("person", "order", "contact_anyof", "tree_ref")
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {
@@ -122,18 +122,20 @@ def test_regex_choice_grammar_and_every_request_spelling(smol):
     out = post(smol, "/completions", dict(prompt="A JSON object describing a cat:", max_tokens=120, temperature=0,
                                            response_format={"type": "json_object"})).json()
     assert isinstance(json.loads(out["choices"][0]["text"]), dict)
-    schema = dict(SCHEMAS)["person"] if False else SCHEMAS[0][2]
+    schema = SCHEMAS[0][2]
     out = post(smol, "/completions", dict(prompt="A person:", max_tokens=100, temperature=0,
                                            guided_json=schema)).json()
     jsonschema.validate(json.loads(out["choices"][0]["text"]), schema)
 
 
 def test_streamed_constrained_output_equals_non_streamed(smol):
-    name, prompt, schema = SCHEMAS[2]
+    name, prompt, schema = next(s for s in SCHEMAS if s[0] == "order")
     body = {**schema_request(name, prompt, schema, True, 7), "n": 2, "logprobs": True, "top_logprobs": 2,
             "stop": ["\n\n"]}
-    whole = chat(smol, **body)
-    chunks = stream_chunks(smol, "/chat/completions", body)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # one batch: half the wall time
+        whole_future = pool.submit(chat, smol, **body)
+        chunks = stream_chunks(smol, "/chat/completions", body)
+        whole = whole_future.result()
     for choice in whole["choices"]:
         parts = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == choice["index"]]
         text = "".join(p["delta"].get("content") or "" for p in parts)
