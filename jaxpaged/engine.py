@@ -312,7 +312,7 @@ class LLMEngine:
             return None
         bitmask = np.full((len(entries), self.structured_outputs.mask_width), -1, np.int32)
         self.structured_outputs.fill_bitmask(rows, bitmask)
-        return bitmask
+        return bitmask[:, :self.structured_outputs.sampler_width]
 
     @staticmethod
     def _grammar_verdict(child: _Child, token_id: int):

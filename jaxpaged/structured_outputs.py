@@ -126,10 +126,13 @@ class StructuredOutputManager:
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size!r}: must be an integer >= 1")
         self.vocab_size = vocab_size
-        self.mask_width = bitmask_width(vocab_size)
+        # The model's V, unless the tokenizer knows more ids: an embedding padded past the tokenizer gets
+        # never-allowed ids; ids past the embedding (never sampled) are cut off by `sampler_width`.
+        n_vocab = max(vocab_size, len(tokenizer))
+        self.mask_width = bitmask_width(n_vocab)  # W of the host bitmask llguidance fills
+        self.sampler_width = bitmask_width(vocab_size)  # W of the sampler's: the first words of each row
         eos = [int(t) for t in eos_token_ids] or None
-        # The model's V, not the tokenizer's: an embedding padded past the tokenizer gets never-allowed ids.
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
         self._limits = llguidance.LLParserLimits(max_grammar_size=self.config.max_grammar_size,
                                                  verbose_errors=False)
         self._pool = concurrent.futures.ThreadPoolExecutor(self.config.num_workers,

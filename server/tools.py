@@ -40,6 +40,7 @@ class ToolPlan:
     tools: tuple[dict[str, Any], ...] = ()  # for the chat template: [{"type": "function", "function": {...}}]
     name: str | None = None  # the named function
     constraint: StructuredOutputsParams | None = None
+    parallel: bool = True  # parallel_tool_calls: False keeps one call (the schema's, or auto's first)
 
     @property
     def calls_tools(self) -> bool:
@@ -81,7 +82,7 @@ def plan_tools(body: ChatCompletionRequest, auto_enabled: bool) -> ToolPlan:
         if not auto_enabled:
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser',
                               "tool_choice")
-        return ToolPlan("auto", tools)
+        return ToolPlan("auto", tools, parallel=body.parallel_tool_calls)
     raise bad_request(f"tool_choice={choice!r}: must be none, auto, required or a named function", "tool_choice")
 
 
@@ -165,7 +166,7 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, s
         return None, [{"name": it["name"], "arguments": _dumps(it["parameters"])} for it in items]
     if plan.mode == "auto":
         calls = parse_llama3_json(text)
-        return (None, calls) if calls else (text, [])
+        return (None, calls if plan.parallel else calls[:1]) if calls else (text, [])
     return text, []
 
 

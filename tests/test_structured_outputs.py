@@ -94,6 +94,18 @@ def test_matcher_masks_advances_and_terminates(manager):
     assert not other.accept(tok("x", add_special_tokens=False)["input_ids"][0]) and other.error
 
 
+def test_tokenizer_larger_than_the_model_vocabulary():
+    """Ids the tokenizer has beyond the embedding are cut from the sampler's bitmask."""
+    small = StructuredOutputManager(tiny_tokenizer(), 200, [EOS])
+    assert small.mask_width == bitmask_width(260) and small.sampler_width == bitmask_width(200)
+    matcher = small.matcher(small.compile_blocking(StructuredOutputsParams(choice=["ok"])))
+    bitmask = np.full((1, small.mask_width), -1, np.int32)
+    small.fill_bitmask([(matcher, 0)], bitmask)
+    allowed = unpack_bitmask(bitmask[:, :small.sampler_width], 200)[0]
+    assert list(np.nonzero(allowed)[0]) == [ord("o")]
+    small.shutdown()
+
+
 def test_json_matcher_allows_eos_only_when_complete(manager):
     tok = tiny_tokenizer()
     matcher = manager.matcher(manager.compile_blocking(StructuredOutputsParams(
@@ -313,3 +325,19 @@ def test_no_compilation_after_warmup_with_constrained_requests(tiny_engine):
         done = _run(tiny_engine, params)
     assert traces == []
     jsonschema.validate(json.loads(done["r0"].outputs[0].text), PERSON)
+
+
+def test_a_token_the_grammar_rejects_fails_only_its_request(manager):
+    from jaxpaged.engine import _Child
+    from jaxpaged.request import Request, RequestStatus
+
+    def child(rid: str) -> _Child:
+        c = _Child(0, Request(rid, [1, 2]), None, None)
+        c.matcher = manager.matcher(manager.compile_blocking(_so(choice=["yes", "no"])))
+        return c
+
+    bad, good = child("bad"), child("good")
+    assert LLMEngine._grammar_verdict(bad, ord("x")) == (RequestStatus.FINISHED_ERROR, None)
+    assert LLMEngine._grammar_verdict(good, ord("y")) is None
+    assert LLMEngine._grammar_verdict(good, ord("e")) is None
+    assert LLMEngine._grammar_verdict(good, ord("s")) == (RequestStatus.FINISHED_STOPPED, None)

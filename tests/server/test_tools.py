@@ -71,6 +71,13 @@ def test_llama3_json_parser(text, calls):
     assert [(c["name"], json.loads(c["arguments"])) for c in parsed] == calls
 
 
+def test_auto_without_parallel_tool_calls_keeps_the_first_call():
+    text = '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Rome"}}'
+    for parallel, names in ((True, ["get_time", "get_weather"]), (False, ["get_time"])):
+        plan = plan_tools(body(tools=[WEATHER, CLOCK], tool_choice="auto", parallel_tool_calls=parallel), True)
+        assert [c["name"] for c in parse_calls(plan, text)[1]] == names
+
+
 def _stream(plan, pieces, finish="stop") -> list[dict]:
     state, head, chunks = _ToolStream(plan), {"id": "x"}, []
     for i, piece in enumerate(pieces):
