@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -39,7 +40,7 @@ from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from jaxpaged.structured_outputs import GrammarError, GrammarMatcher, StructuredOutputManager
+from jaxpaged.structured_outputs import GrammarMatcher, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -382,7 +383,8 @@ class LLMEngine:
         for entry in out.scheduled_requests:
             parent, _ = self._child_to_parent[entry.request_id]
             parent.metrics.first_scheduled_time = parent.metrics.first_scheduled_time or now
-        result = self.runner.execute_model(out, self._grammar_bitmask(out.scheduled_requests))
+        # the grammar bitmask is filled while the forward runs (the runner calls it after dispatching it)
+        result = self.runner.execute_model(out, functools.partial(self._grammar_bitmask, out.scheduled_requests))
         stops, touched = {}, {}
         for rid, row in result.req_id_to_index.items():
             parent, child = self._child_to_parent[rid]

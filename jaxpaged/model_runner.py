@@ -119,6 +119,7 @@ class ModelRunnerOutput:
 
 
 FaultInjector = Callable[[Sequence[ScheduledRequest], jax.Array], jax.Array]
+GrammarBitmask = np.ndarray | Callable[[], np.ndarray | None]  # see ModelRunner.execute_model
 
 
 def sampling_row(entry: ScheduledRequest) -> RowInfo:
@@ -401,13 +402,16 @@ class ModelRunner:
         return StepInput(token_ids, positions, slots, page_table, kv_lens, cu, np.int32(len(entries)), last)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      grammar_bitmask: np.ndarray | None = None) -> ModelRunnerOutput:
+                      grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
         """One step: pack, forward, (fault hook), sample the rows that sample; host-side results.
 
         grammar_bitmask: i32[len(entries), W] allowed tokens per scheduled request (structured outputs,
-        llguidance's layout, W = ceil(V / 32)), or None when no request is constrained."""
+        llguidance's layout, W = ceil(V / 32)), None when no request is constrained, or a callable
+        returning either, called once the forward is dispatched (the host fills it while the device runs)."""
         entries = scheduler_output.scheduled_requests
-        logits = self.execute(self.prepare(entries))  # f32[S, V]
+        logits = self.execute(self.prepare(entries))  # f32[S, V], dispatched (asynchronous)
+        if callable(grammar_bitmask):
+            grammar_bitmask = grammar_bitmask()
         if self.fault_injector is not None:
             logits = self.fault_injector(entries, logits)
         S, V = logits.shape
