@@ -177,7 +177,9 @@ class AsyncLLM:
         return self._thread.is_alive() and not self._stopping
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread; requests still in flight end with EngineShutdownError."""
+        """Stop the engine thread; requests still in flight end with EngineShutdownError.
+
+        The thread then shuts the engine down (multi-host: releases the followers)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -210,7 +212,15 @@ class AsyncLLM:
                 self._step()
             self._publish_stats()
         self._fail_all(EngineShutdownError("the engine was shut down"))
+        self._release_engine()
         logger.debug("engine thread stopped")
+
+    def _release_engine(self) -> None:
+        """On the engine thread, after its last step: `LLMEngine.shutdown` (multi-host: followers exit)."""
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("engine shutdown failed")
 
     def _apply(self, commands: list) -> None:
         for command in commands:

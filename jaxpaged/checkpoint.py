@@ -14,14 +14,15 @@ is assembled in full on one host. The dtype may differ from the saved one
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxpaged import parallel
@@ -64,12 +65,33 @@ def _dtype_by_name(name: str):
     return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
+@contextlib.contextmanager
+def _orbax():
+    """orbax.checkpoint, imported on first use (it costs ~1 s), without it configuring the root logger.
+
+    Orbax logs through absl, whose first log call runs `logging.basicConfig()` when the
+    root logger has no handler: a library must leave that to the application (it would
+    also make the server's own `basicConfig` a no-op). A NullHandler on the root while
+    Orbax runs stops that; it is removed again after.
+    """
+    root, guard = logging.getLogger(), logging.NullHandler()
+    unconfigured = not root.handlers
+    if unconfigured:
+        root.addHandler(guard)
+    try:
+        import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+        yield ocp
+    finally:
+        if unconfigured:
+            root.removeHandler(guard)
+
+
 def save_params(path: Path, config: LlamaConfig, params: Params) -> None:
     """Write params (Orbax) and jaxpaged_config.json into the folder `path` (created)."""
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     dtype = params["embed"].dtype
-    with ocp.StandardCheckpointer() as checkpointer:
+    with _orbax() as ocp, ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path / PARAMS_DIR, params, force=True)
     meta = {"format": FORMAT_VERSION, "dtype": np.dtype(dtype).name, "config": config_to_dict(config)}
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -90,7 +112,7 @@ def abstract_params(config: LlamaConfig, dtype, mesh: Mesh | None) -> Params:
 def restore_params(path: Path, config: LlamaConfig, dtype, mesh: Mesh | None = None) -> Params:
     """Read the params straight into their shardings on `mesh` (or onto one device)."""
     target = abstract_params(config, dtype, mesh)
-    with ocp.StandardCheckpointer() as checkpointer:
+    with _orbax() as ocp, ocp.StandardCheckpointer() as checkpointer:
         return checkpointer.restore(Path(path).absolute() / PARAMS_DIR, target)
 
 

@@ -36,6 +36,7 @@ from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.model_runner import (FaultInjector, ModelRunner, ModelRunnerOutput, RunnerConfig,
                                    check_kv_cache_dtype, kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
+from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -81,6 +82,11 @@ class EngineArgs:
     chat_template: str | None = None
     generation_config: str | None = None  # path to a generation_config.json
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
+    # programs compiling faster than this are not persisted (JAX's default, 1 s, leaves most step shapes of a
+    # small model out of the cache, so every start compiled them again); 0: persist every program
+    compilation_cache_min_compile_secs: float = 0.0
+    # a GGUF model's dequantised params and tokenizer, cached for the next start (None: no cache)
+    model_cache_dir: str | None = dataclasses.field(default_factory=default_model_cache_dir)
     warmup: bool = True
 
     def __post_init__(self):
@@ -88,6 +94,10 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
         check_kv_cache_dtype(self.kv_cache_dtype)  # before the model loads
+        if not isinstance(self.compilation_cache_min_compile_secs, (int, float)) or \
+                not 0 <= self.compilation_cache_min_compile_secs < math.inf:
+            raise ValueError(f"compilation_cache_min_compile_secs={self.compilation_cache_min_compile_secs!r} "
+                             "must be a number >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",
@@ -99,6 +109,13 @@ class EngineArgs:
     @property
     def distributed(self) -> parallel.DistributedConfig:
         return parallel.DistributedConfig(self.distributed_coordinator, self.num_processes, self.process_id)
+
+
+def _configure_compilation_cache(args: EngineArgs) -> None:
+    """JAX's persistent compilation cache (process-wide JAX settings) from the engine's arguments."""
+    if args.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", args.compilation_cache_min_compile_secs)
 
 
 @dataclasses.dataclass
@@ -131,14 +148,15 @@ class LLMEngine:
         # after the forward as fault_injector(entries, logits) -> logits (see docs/security.md)
         start = time.perf_counter()
         self.args = args
-        if args.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        _configure_compilation_cache(args)
         parallel.initialize_distributed(args.distributed)  # before any JAX computation
         self.mesh = self._make_mesh()
         self.model = loaded or load_model(args.model, dtype=args.dtype, tokenizer=args.tokenizer,
                                           revision=args.revision, chat_template=args.chat_template,
-                                          generation_config=args.generation_config, mesh=self.mesh)
+                                          generation_config=args.generation_config, mesh=self.mesh,
+                                          cache_dir=args.model_cache_dir)
         self.tokenizer = self.model.tokenizer
+        phases = {"load": time.perf_counter() - start}  # seconds per start-up phase, for the ready line
         self.runner_config = self._runner_config()
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=self.runner_config.num_pages, page_size=args.block_size,
@@ -146,8 +164,10 @@ class LLMEngine:
             max_num_batched_tokens=self.runner_config.max_num_batched_tokens,
             max_model_len=self.runner_config.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
             max_num_partial_prefills=self.runner_config.max_prefill_seqs))
+        mark = time.perf_counter()
         self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh,
                                   fault_injector=fault_injector)
+        phases["kv_pool"] = time.perf_counter() - mark
         # Structured outputs: grammars compile off this thread; a request waits for its grammar (vLLM's
         # WAITING_FOR_FSM) in _awaiting_grammar, outside the scheduler, while the others run.
         self.structured_outputs = None if self.tokenizer is None else StructuredOutputManager(
@@ -157,12 +177,14 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
         if args.warmup:
-            self.warmup()
+            phases.update(self.warmup())
         self.startup_seconds = time.perf_counter() - start
+        self.startup_phases = phases
         rc = self.runner_config
-        logger.info("jaxpaged ready in %.1f s: %s (%s), KV pool %d pages x %d tokens = %d tokens (%s), "
-                    "backend %s", self.startup_seconds, self.model.source, self.model.dtype, rc.num_pages - 1,
-                    rc.page_size, (rc.num_pages - 1) * rc.page_size, self.runner.kv_dtype, rc.backend)
+        logger.info("jaxpaged ready in %.1f s (%s): %s (%s), KV pool %d pages x %d tokens = %d tokens (%s), "
+                    "backend %s", self.startup_seconds, ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
+                    self.model.source, self.model.dtype, rc.num_pages - 1, rc.page_size,
+                    (rc.num_pages - 1) * rc.page_size, self.runner.kv_dtype, rc.backend)
 
     # ---- configuration ----------------------------------------------------
 
@@ -214,8 +236,10 @@ class LLMEngine:
             budget = _CPU_KV_CACHE_BYTES
         return max(2, budget // per_page)
 
-    def warmup(self) -> float:
-        """Compile every step shape and every sampler shape now; none are compiled later."""
+    def warmup(self) -> dict[str, float]:
+        """Compile every step shape and every sampler shape now; none are compiled later.
+
+        Returns the seconds spent on each: {"compile": step shapes, "sampler": sampler shapes}."""
         return self.runner.warmup()
 
     # ---- requests ---------------------------------------------------------

@@ -45,6 +45,7 @@ from pallas_kernels import ragged_paged_attention, write_kv_inner
 
 logger = logging.getLogger(__name__)
 
+_WARMUP_BARRIER_SECONDS = 1800.0  # multi-host: how long a process waits for the others to finish warming up
 ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
@@ -351,6 +352,8 @@ class ModelRunner:
         self.dtype = params["embed"].dtype
         self.kv_dtype = config.kv_dtype(self.dtype)
         self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.kv_dtype, mesh)
+        self._followers_released = False
+        self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (T, S, P) -> step; warmup()
         if mesh is None:
             self.params = params
             self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,))
@@ -437,8 +440,9 @@ class ModelRunner:
         return steps
 
     def stop_followers(self) -> None:
-        """Process 0: release the followers from `follow`."""
-        if self.multi_process and parallel.is_leader():
+        """Process 0: release the followers from `follow` (once; later calls do nothing)."""
+        if self.multi_process and parallel.is_leader() and not self._followers_released:
+            self._followers_released = True
             parallel.broadcast_step(None, empty_step)
 
     def lower(self, step: StepInput, params: Params | None = None) -> jax.stages.Lowered:
@@ -450,27 +454,44 @@ class ModelRunner:
         return self._step.lower(*args) if self.mesh is None else self._step.lower(*args, self.mesh)
 
     def _run(self, step: StepInput) -> jax.Array:
+        """The step's program compiled by `warmup` (else the jitted step, compiling on first use)."""
+        compiled = self._compiled.get((len(step.token_ids), *step.page_table.shape))
         if self.mesh is None:
-            logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv, step)
+            if compiled is not None:
+                logits, self.kv = compiled(self.params, self.kv, step)
+            else:
+                logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv,
+                                             step)
             return logits
         rep = parallel.replicated(self.mesh)
         step = jax.tree.map(lambda x: parallel.put_global(x, rep), step)
-        logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv, step,
-                                     self.mesh)
+        if compiled is not None:
+            logits, self.kv = compiled(self.params, self.kv, step)
+        else:
+            logits, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv, step,
+                                         self.mesh)
         return logits.addressable_data(0)  # replicated: this process's full copy, sampled locally
 
-    def warmup(self) -> float:
-        """Compile every (T, P) bucket now, so serving never compiles; returns seconds.
+    def warmup(self) -> dict[str, float]:
+        """Compile every (T, S, P) bucket and the sampler ahead of time, so serving never compiles.
 
-        Every process warms up the same shapes in the same order, without broadcasting.
+        Returns the seconds spent: {"compile": step shapes, "sampler": sampler shapes}.
+        Nothing runs: each shape is lowered and compiled (a persistent-cache hit loads the
+        program instead), and `_run` calls the compiled programs. Logs each shape as it
+        starts, so a cold start shows its progress. Every process compiles the same shapes.
         """
-        start = time.perf_counter()
-        for t, s, p in self.config.buckets:
-            jax.block_until_ready(self._run(empty_step(t, s, p)))
+        start, buckets = time.perf_counter(), self.config.buckets
+        for i, (t, s, p) in enumerate(buckets, 1):
+            logger.info("compiling step shape %d/%d: (T, S, P) = (%d, %d, %d)", i, len(buckets), t, s, p)
+            self._compiled[(t, s, p)] = self.lower(empty_step(t, s, p)).compile()
         seconds = time.perf_counter() - start
-        logger.info("compiled %d step shapes (T, S, P) in %.1f s", len(self.config.buckets), seconds)
+        logger.info("compiled %d step shapes (T, S, P) in %.1f s", len(buckets), seconds)
+        start = time.perf_counter()
         self.warmup_sampler()
-        return time.perf_counter() - start
+        if self.multi_process:  # processes finish compiling at different times: meet, then run a step together
+            parallel.barrier("jaxpaged-warmup", _WARMUP_BARRIER_SECONDS)
+            jax.block_until_ready(self._run(empty_step(*buckets[0])))  # also sets up the cross-process collectives
+        return {"compile": seconds, "sampler": time.perf_counter() - start}
 
     def warmup_sampler(self) -> None:
         """Compile the sampler at every S bucket, with and without the penalty arrays and the token bitmask."""

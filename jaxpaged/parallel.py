@@ -191,6 +191,14 @@ def initialize_distributed(dist: DistributedConfig) -> None:
                                num_processes=dist.num_processes, process_id=dist.process_id)
 
 
+def barrier(name: str, timeout_s: float) -> None:
+    """Wait until every process reaches the barrier `name` (jax.distributed's coordination service, as
+    jax.experimental.array_serialization does): unlike a collective, it waits up to `timeout_s`."""
+    from jax._src import distributed  # pylint: disable=import-outside-toplevel
+    if distributed.global_state.client is not None:
+        distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def is_leader() -> bool:
     return jax.process_index() == 0
 
@@ -214,6 +222,6 @@ def broadcast_step(step: Any | None, empty_step: Callable[[int, int, int], Any])
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(template))
 
 
-__all__ = ["DistributedConfig", "TP", "broadcast_step", "check_tensor_parallel", "initialize_distributed",
+__all__ = ["DistributedConfig", "TP", "barrier", "broadcast_step", "check_tensor_parallel", "initialize_distributed",
            "is_leader", "kv_pool_sharding", "make_mesh", "param_partition_specs", "param_shardings",
            "put_global", "replicated", "shard_attention", "shard_params", "vocab_sharded", "zeros_sharded"]

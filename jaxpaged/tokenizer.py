@@ -10,11 +10,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: importing it imports torch
+
+
+class _NoTorchAdvice(logging.Filter):
+    """Drops transformers' import-time "PyTorch was not found" advice: jaxpaged uses only its
+    tokenizers, never its models, and serving never installs or imports torch."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+# On transformers' own logger, before its first import (the advice is logged while it is imported).
+if not any(isinstance(f, _NoTorchAdvice) for f in logging.getLogger("transformers").filters):
+    logging.getLogger("transformers").addFilter(_NoTorchAdvice())
+
+# pylint: disable=wrong-import-position
+from transformers import (PreTrainedTokenizerBase,  # noqa: E402  (after the filter above)
+                          PreTrainedTokenizerFast)  # not AutoTokenizer: importing it imports torch
 
 if TYPE_CHECKING:  # the gguf package is needed only to read GGUF files
     from gguf import GGUFReader

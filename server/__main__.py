@@ -122,7 +122,7 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(ns.log_level)
     try:
         args, config = engine_args(ns), server_config(ns)
         async_config = AsyncLLMConfig(max_waiting_requests=ns.max_waiting_requests)
@@ -136,12 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     from server.app import build_app
     from server.lifecycle import FLUSH_SECONDS, GracefulServer
 
+    log = logging.getLogger("server")
+    log.info("python -m server: starting process %d of %d (pid %d)", args.process_id, args.num_processes,
+             os.getpid())
     if args.process_id != 0:
         return follow(args)
     engine = AsyncLLM.from_engine_args(args, async_config)
-    logging.getLogger("server").info("serving %s as %s on http://%s:%d (API key %s)", ns.model,
-                                     ", ".join(config.served_model_names), ns.host, ns.port,
-                                     "required" if config.api_key else "not required")
+    log.info("serving %s as %s on http://%s:%d (API key %s)", ns.model, ", ".join(config.served_model_names),
+             ns.host, ns.port, "required" if config.api_key else "not required")
     try:
         uvicorn_config = uvicorn.Config(build_app(engine, config), host=ns.host, port=ns.port,
                                         log_level=ns.log_level, timeout_graceful_shutdown=FLUSH_SECONDS)
@@ -149,6 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def configure_logging(level: str) -> None:
+    """The application's logging: jaxpaged's and the server's lines at `level` on stderr.
+
+    JAX's own INFO lines (e.g. "Unable to initialize backend 'tpu'" on every CPU start) are
+    left out unless --log-level is debug."""
+    level = level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "DEBUG":
+        logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
 def follow(args: EngineArgs) -> int:

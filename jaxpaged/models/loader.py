@@ -12,19 +12,21 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import logging
 import os
 import time
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from jaxpaged import checkpoint
 from jaxpaged.models.llama import LlamaConfig, Params, UnsupportedModelError
 from jaxpaged.models.weights import WeightLoadError, checkpoint_dtype, load_safetensors_params
-from jaxpaged.tokenizer import (GenerationConfig, load_generation_config, load_gguf_tokenizer,
-                                load_hf_tokenizer)
+from jaxpaged.tokenizer import (GenerationConfig, PreTrainedTokenizerBase, load_generation_config,
+                                load_gguf_tokenizer, load_hf_tokenizer)
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -119,12 +121,14 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
 
 def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "auto", tokenizer: str | None = None,
                revision: str | None = None, chat_template: str | None = None,
-               generation_config: str | None = None, mesh=None) -> LoadedModel:
+               generation_config: str | None = None, mesh=None, cache_dir: str | None = None) -> LoadedModel:
     """Load config, weights, tokenizer and generation config.
 
     Weights land on the default device, except from a jaxpaged checkpoint, which is
     restored straight into `param_shardings(config, mesh)` when a mesh is given
     (other formats are read on the host and sharded later by the model runner).
+    cache_dir: a GGUF file's dequantised params and built tokenizer are cached there
+    (jaxpaged/models/model_cache.py) and read from there by later loads; None: no cache.
     """
     start = time.perf_counter()
     wanted = parse_dtype(dtype)
@@ -139,13 +143,11 @@ def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "auto", tokenizer: st
         return LoadedModel(config, params, tok, gen, path, dtype_, time.perf_counter() - start)
     gguf_file = _gguf_file(path)
     if gguf_file is not None:
-        # Imported here: the `gguf` package is needed only for GGUF files.
-        from jaxpaged.models import gguf_loader  # pylint: disable=import-outside-toplevel
-        reader = gguf_loader.open_gguf(gguf_file)
-        config = gguf_loader.gguf_config(reader)
-        dtype_ = wanted or gguf_loader.gguf_checkpoint_dtype(reader)
-        params = gguf_loader.load_gguf_params(reader, config, dtype_)
-        tok = load_hf_tokenizer(tokenizer, chat_template) if tokenizer else load_gguf_tokenizer(reader, chat_template)
+        config, params, dtype_, tok = _load_gguf(gguf_file, dtype, wanted, cache_dir)
+        if tokenizer:
+            tok = load_hf_tokenizer(tokenizer, chat_template)
+        elif chat_template is not None:
+            tok.chat_template = chat_template
         gen = load_generation_config(None, config.eos_token_ids, path=gen_path)
     else:
         hf = _read_hf_config(path)
@@ -155,6 +157,30 @@ def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "auto", tokenizer: st
         tok = load_hf_tokenizer(tokenizer or path, chat_template)
         gen = load_generation_config(path, config.eos_token_ids, path=gen_path)
     return LoadedModel(config, params, tok, gen, path, dtype_, time.perf_counter() - start)
+
+
+def _load_gguf(gguf_file: Path, dtype: str, wanted: np.dtype | None, cache_dir: str | None):
+    """(config, params, dtype, tokenizer) of a GGUF file, from the model cache when it has them."""
+    from jaxpaged.models import model_cache  # pylint: disable=import-outside-toplevel
+    dtype_name = "auto" if wanted is None else wanted.name
+    if cache_dir is not None:
+        start = time.perf_counter()
+        cached = model_cache.load(cache_dir, gguf_file, dtype_name)
+        if cached is not None:
+            tok = load_hf_tokenizer(cached.tokenizer_dir)
+            logger.info("read %s from the model cache (%s) in %.1f s", gguf_file.name, cached.tokenizer_dir.parent,
+                        time.perf_counter() - start)
+            return cached.config, cached.params, cached.dtype, tok
+    # Imported here: the `gguf` package is needed only for GGUF files.
+    from jaxpaged.models import gguf_loader  # pylint: disable=import-outside-toplevel
+    reader = gguf_loader.open_gguf(gguf_file)
+    config = gguf_loader.gguf_config(reader)
+    dtype_ = wanted or gguf_loader.gguf_checkpoint_dtype(reader)
+    params = gguf_loader.load_gguf_params(reader, config, dtype_)
+    tok = load_gguf_tokenizer(reader)
+    if cache_dir is not None and (entry := model_cache.store(cache_dir, gguf_file, dtype_name, config, params, tok)):
+        logger.info("cached the dequantised %s and its tokenizer in %s", gguf_file.name, entry)
+    return config, params, dtype_, tok
 
 
 def _gguf_file(path: Path) -> Path | None:

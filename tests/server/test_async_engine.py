@@ -22,6 +22,7 @@ class FakeEngine:
         self.steps = 0
         self.fail_next = False
         self.threads: set[str] = set()
+        self.shutdowns: list[str] = []  # the thread of each LLMEngine.shutdown call
 
     def add_request(self, request_id, prompt, params):
         self.threads.add(threading.current_thread().name)
@@ -53,6 +54,9 @@ class FakeEngine:
             if done:
                 del self.requests[rid]
         return outputs
+
+    def shutdown(self):
+        self.shutdowns.append(threading.current_thread().name)
 
     def stats(self):
         return {"num_requests_running": len(self.requests), "num_requests_waiting": 0, "kv_cache_usage": 0.0,
@@ -159,3 +163,13 @@ def test_shutdown_ends_streams_and_refuses_new_requests():
 
     asyncio.run(scenario())
     assert not llm.is_running
+
+
+def test_shutdown_shuts_the_engine_down_once_on_its_thread():
+    """LLMEngine.shutdown is what releases multi-host followers: AsyncLLM.shutdown must reach it."""
+    engine = FakeEngine()
+    llm = AsyncLLM(engine)
+    asyncio.run(_collect(llm, "one"))
+    llm.shutdown()
+    llm.shutdown()
+    assert engine.shutdowns == ["jaxpaged-engine"]
