@@ -29,7 +29,6 @@ from typing import Any
 
 from jaxpaged.engine import EngineArgs, LLMEngine
 from jaxpaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxpaged.request import RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -172,6 +171,25 @@ class AsyncLLM:
             self._peak_running = 0
             self._stats["peak_num_requests_running"] = 0
 
+    # ---- model facts for front ends (fixed at start-up, so safe from any thread) ----
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """Sampling defaults from the model's generation_config.json."""
+        return self.engine.generation_defaults
+
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
@@ -278,7 +296,7 @@ class AsyncLLM:
         The step's KV writes are lost, so the prefix cache is reset too (pages
         hashed when the step was scheduled never got their contents).
         """
-        failed = {rid: sink for rid, sink in self._sinks.items() if self._is_running(rid, sink.params.n)}
+        failed = {rid: sink for rid, sink in self._sinks.items() if self.engine.is_request_running(rid)}
         if not failed:  # the failure is not tied to the batch (e.g. in scheduling): fail everything
             failed = dict(self._sinks)
         logger.exception("engine step failed; failing the %d running requests (%d others go on)",
@@ -293,18 +311,8 @@ class AsyncLLM:
         for rid, sink in failed.items():
             sink.put(_error_output(rid, sink))
 
-    def _is_running(self, request_id: str, n: int) -> bool:
-        """Whether any sample of the request is in the scheduler's running batch (True without a scheduler)."""
-        scheduler = getattr(self.engine, "scheduler", None)
-        if scheduler is None:
-            return True
-        ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-        requests = [scheduler.get_request(rid) for rid in ids]
-        return any(r is not None and r.status is RequestStatus.RUNNING for r in requests)
-
     def _reset_prefix_cache(self) -> None:
-        scheduler = getattr(self.engine, "scheduler", None)
-        if scheduler is not None and not scheduler.pool.reset_prefix_cache():
+        if not self.engine.reset_prefix_cache():
             logger.warning("could not reset the prefix cache after a failed step (pages still held)")
 
     def _fail_all(self, err: BaseException) -> None:

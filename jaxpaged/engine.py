@@ -33,15 +33,17 @@ import numpy as np
 
 from jaxpaged import parallel
 from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.errors import InvalidRequestError
 from jaxpaged.model_runner import (FaultInjector, ModelRunner, ModelRunnerOutput, RunnerConfig,
                                    check_kv_cache_dtype, kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxpaged.request import Request, RequestStatus
+from jaxpaged.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from jaxpaged.structured_outputs import GrammarMatcher, StructuredOutputManager
+from jaxpaged.validation import validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +165,7 @@ class LLMEngine:
             max_num_seqs=self.runner_config.max_num_seqs,
             max_num_batched_tokens=self.runner_config.max_num_batched_tokens,
             max_model_len=self.runner_config.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-            max_num_partial_prefills=self.runner_config.max_prefill_seqs))
+            max_num_partial_prefills=self.runner_config.max_num_partial_prefills))
         mark = time.perf_counter()
         self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh,
                                   fault_injector=fault_injector)
@@ -219,8 +221,8 @@ class LLMEngine:
                             attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
                             # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes
                             min_token_bucket=16 if on_gpu else 1,
-                            max_prefill_seqs=min(args.max_num_partial_prefills or (16 if on_gpu else 4),
-                                                 max_num_seqs))
+                            max_num_partial_prefills=min(args.max_num_partial_prefills or (16 if on_gpu else 4),
+                                                         max_num_seqs))
 
     def _pages_from_memory(self, on_gpu: bool) -> int:
         # Each device holds 1/tp of every page (its KV heads); the budget is per device.
@@ -246,27 +248,21 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int] | dict[str, Any],
                     params: SamplingParams | None = None, arrival_time: float | None = None) -> None:
-        """Tokenize and queue a request; ValueError (nothing queued) if it can never be served."""
+        """Tokenize, validate and queue a request.
+
+        InvalidRequestError (a ValueError naming the parameter; nothing queued) if it can never be
+        served: see jaxpaged/validation.py and the scheduler's admission. ValueError for an id in use.
+        """
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
-        now = arrival_time or time.time()
         eos = () if params.ignore_eos else self.model.generation_config.eos_token_ids
+        validate_request(token_ids, params, vocab_size=self.vocab_size, eos_token_ids=eos)
+        now = arrival_time or time.time()
         parent = _Parent(request_id, text, token_ids, params, [],
                          RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
-        for i in range(params.n):
-            child_params = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
-            seed = child_params.seed if child_params.seed is not None else int(self._rng.integers(0, 2**63))
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            request = Request(rid, list(token_ids), child_params, eos_token_ids=tuple(eos), seed=seed,
-                              arrival_time=now)
-            detok = IncrementalDetokenizer(
-                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens) \
-                if params.detokenize else None
-            parent.children.append(_Child(i, request, detok, [] if params.logprobs is not None else None))
+        parent.children = [self._make_child(parent, i, tuple(eos), now) for i in range(params.n)]
         grammar = self._compile_grammar(params)
         if grammar is not None and not grammar.done():  # it waits for its grammar; the others go on
             self._register(parent)
@@ -278,7 +274,7 @@ class LLMEngine:
         self._register(parent)
 
     def _queue(self, parent: _Parent) -> None:
-        for child in parent.children:  # validates on the first; children are identical
+        for child in parent.children:  # admission checks on the first; children are identical
             try:
                 self.scheduler.add_request(child.request)
             except ValueError:
@@ -289,6 +285,21 @@ class LLMEngine:
         self._parents[parent.request_id] = parent
         for child in parent.children:
             self._child_to_parent[child.request.request_id] = (parent, child)
+
+    def _make_child(self, parent: _Parent, index: int, eos: tuple[int, ...], now: float) -> _Child:
+        """Sample `index` of a request: n > 1 gives child ids `<id>#<i>` and seeds seed + i."""
+        params = parent.params
+        child_params = params if params.n == 1 else dataclasses.replace(
+            params, n=1, seed=None if params.seed is None else params.seed + index)
+        seed = child_params.seed if child_params.seed is not None else int(self._rng.integers(0, 2**63))
+        rid = parent.request_id if params.n == 1 else f"{parent.request_id}#{index}"
+        request = Request(rid, list(parent.prompt_token_ids), child_params, eos_token_ids=eos, seed=seed,
+                          arrival_time=now)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, parent.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens) if params.detokenize else None
+        return _Child(index, request, detok, [] if params.logprobs is not None else None)
 
     # ---- structured outputs -----------------------------------------------
 
@@ -355,19 +366,36 @@ class LLMEngine:
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _as_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self._tokenize(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        return None, self._check_ids(prompt)
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+        return None, _as_ids(prompt)
 
-    def _check_ids(self, ids) -> list[int]:
-        ids = [int(i) for i in ids]
-        vocab = self.model.config.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return ids
+    # ---- what front ends read (the server never reaches further in) ---------
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.runner_config.max_model_len)
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """Sampling defaults from the model's generation_config.json (temperature, top_p, ...)."""
+        return dict(self.model.generation_config.defaults)
+
+    def is_request_running(self, request_id: str) -> bool:
+        """Whether any sample of the request is in the running batch (False once finished or unknown)."""
+        parent = self._parents.get(request_id)
+        return parent is not None and any(c.request.status is RequestStatus.RUNNING for c in parent.children)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (after a failed step whose KV writes are lost); False if pages
+        are still held by requests, in which case nothing is reset."""
+        return self.scheduler.pool.reset_prefix_cache()
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests (all their samples) and free their pages at once."""
@@ -425,7 +453,7 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int):
+    def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int) -> StopVerdict | None:
         """Record one sampled token (logprobs, text) and decide whether it ends the request.
 
         None: it goes on; else (status, stop_reason) for Scheduler.update_from_output. Token-level
@@ -495,6 +523,13 @@ class LLMEngine:
             "prefix_cache_queries": pool.prefix_cache_queries,
             "prefix_cache_hits": pool.prefix_cache_hits,
         }
+
+
+def _as_ids(ids) -> list[int]:
+    try:
+        return [int(i) for i in ids]
+    except (TypeError, ValueError):
+        raise InvalidRequestError("prompt token ids must be integers", "prompt") from None
 
 
 def _record_token_time(metrics: RequestMetrics, now: float) -> None:

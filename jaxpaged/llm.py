@@ -33,8 +33,7 @@ class LLM:
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config defaults (temperature, top_p, ...)."""
-        defaults = dict(self.llm_engine.model.generation_config.defaults)
-        return SamplingParams(**defaults)
+        return SamplingParams(**self.llm_engine.generation_defaults)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -10,7 +10,8 @@ seed, num_output_tokens, banned ids, prompt/output ids) and returns a host-side
 The step is a pure function of (params, KV pool, step input) returning the
 logits of each sequence's last fed token and the updated pool (donated, so it
 is written in place). Token count T, sequence slots S and page-table width P
-are padded to a small set of buckets, all compiled at warm-up.
+are padded to a small set of (T, S, P) buckets, all compiled at warm-up; the
+bucket rules live in one place, `RunnerConfig` (its docstring and properties).
 
 KV pool (stacked over layers, scanned with the params):
     k, v: [L, K, N, page_size, D]   N pages, page 0 the null page
@@ -60,7 +61,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype, platform: str) -> n
 
     XLA:CPU has no bf16 scatter: it converts the whole pool to f32 and back around
     each layer's KV write, so a decode step costs two passes over the pool per layer
-    (SmolLM2-135M, 1 GiB pool: 5.1 s a step in bf16, 39 ms in f32). The CPU attention
+    (over 100x an f32 pool's step: docs/benchmarks.md, "the KV cache dtype"). The CPU attention
     path computes in f32 anyway; the price is half as many pages for the same bytes.
     """
     check_kv_cache_dtype(kv_cache_dtype)
@@ -154,11 +155,23 @@ def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
 class AttentionConfig:
     """Static attention settings of the jitted step (see ragged_paged_attention)."""
     backend: str
-    max_prefill_seqs: int | None = None  # most sequences fed > 1 token in a step
+    max_num_partial_prefills: int | None = None  # most sequences fed > 1 token in a step (RunnerConfig's)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
+    """The runner's limits and the bucket rules of its step shapes (T tokens, S sequence slots, P pages).
+
+    Buckets, each list ending at its limit:
+      token_buckets  T: min_token_bucket, x2, ... up to max_num_batched_tokens (matmul work grows with T)
+      seq_buckets    S: min_seq_bucket, x4, ... up to max_num_seqs (the CPU attention path's work: S * P)
+      page_buckets   P: one width, max_pages_per_seq (Pallas and blocked XLA loop over live pages only);
+                        the reference backend gathers whole rows: min_page_bucket, x2, ... up to that width
+      decode_seq_buckets: S buckets that are no T bucket also serve as T (T = S: a decode-only call)
+    `buckets` lists every (T, S, P) shape compiled at warm-up; `bucket_for(tokens, seqs, pages)` picks
+    the smallest that fits (always one of `buckets`).
+    """
+
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
@@ -169,7 +182,9 @@ class RunnerConfig:
     min_token_bucket: int = 16
     min_seq_bucket: int = 4
     min_page_bucket: int = 8
-    max_prefill_seqs: int | None = None  # the scheduler's max_num_partial_prefills; None: no cap
+    # Most requests fed more than one token in a step; None: no cap. The scheduler enforces it (the engine
+    # builds its SchedulerConfig from this config); attention sizes its prefill tiles for it and trusts it.
+    max_num_partial_prefills: int | None = None
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -180,8 +195,8 @@ class RunnerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.max_prefill_seqs is not None and self.max_prefill_seqs < 1:
-            raise ValueError(f"max_prefill_seqs={self.max_prefill_seqs} must be >= 1 or None")
+        if self.max_num_partial_prefills is not None and self.max_num_partial_prefills < 1:
+            raise ValueError(f"max_num_partial_prefills={self.max_num_partial_prefills} must be >= 1 or None")
 
     @property
     def backend(self) -> str:
@@ -195,15 +210,12 @@ class RunnerConfig:
 
     @property
     def attention(self) -> AttentionConfig:
-        return AttentionConfig(self.backend, self.max_prefill_seqs)
+        return AttentionConfig(self.backend, self.max_num_partial_prefills)
 
     @property
     def max_pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.page_size)
 
-    # Buckets: T and P in powers of two, S in powers of four. Matmul work grows with
-    # T and the CPU attention path's with S * P, so those stay near the batch's real
-    # need, while the number of compiled shapes stays small.
     @property
     def token_buckets(self) -> tuple[int, ...]:
         return _geometric_buckets(min(self.min_token_bucket, self.max_num_batched_tokens),
@@ -263,7 +275,7 @@ def _attend_paged(q, k, v, k_pool, v_pool, step: StepInput, layer, *, sm_scale: 
     kp, vp = write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer)
     o = ragged_paged_attention(q.astype(kp.dtype), kp, vp, step.kv_lens, step.page_table, step.cu_q_lens,
                                step.num_seqs, sm_scale=sm_scale, layer=layer, backend=attention.backend,
-                               max_prefill_seqs=attention.max_prefill_seqs)
+                               max_prefill_seqs=attention.max_num_partial_prefills)
     return o.astype(q.dtype), kp, vp
 
 
@@ -374,11 +386,6 @@ class ModelRunner:
         """Pack one step's scheduled requests into padded host arrays."""
         ps = self.config.page_size
         num_tokens = sum(e.num_tokens for e in entries)
-        cap = self.config.max_prefill_seqs
-        num_multi = sum(e.num_tokens > 1 for e in entries)
-        if cap is not None and num_multi > cap:
-            raise ValueError(f"{num_multi} requests are fed more than one token "
-                             f"but attention was compiled for at most max_prefill_seqs={cap}")
         max_pages = max(len(e.page_ids) for e in entries)
         t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, len(entries), max_pages)
         token_ids = np.zeros(t_bucket, np.int32)

@@ -78,10 +78,6 @@ class PagePool:
         return 1.0 - self.num_free_pages / self.num_usable_pages
 
     @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-    @property
     def num_cached_pages(self) -> int:
         return sum(len(pages) for pages in self._cached.values())
 

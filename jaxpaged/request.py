@@ -53,6 +53,10 @@ _FINISH_REASONS = {
 }
 
 
+# How a token ends a request: (finished status, stop_reason: the stop token id or stop string, or None).
+StopVerdict = tuple[RequestStatus, int | str | None]
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """Mutable host state of one sequence. Compared by identity."""
@@ -155,7 +159,7 @@ class Request:
         self.status = status
         self.stop_reason = stop_reason
 
-    def check_stop(self, token_id: int) -> tuple[RequestStatus, int | None] | None:
+    def check_stop(self, token_id: int) -> StopVerdict | None:
         """The token-level stop that appending `token_id` would cause, or None (pure: nothing changes).
 
         Order (vLLM's): no EOS / stop-token stop before `min_tokens` outputs; EOS ids
@@ -179,16 +183,16 @@ class Request:
             return RequestStatus.FINISHED_LENGTH, None
         return None
 
-    def append_output_token(self, token_id: int,
-                            stop: tuple[RequestStatus, int | str | None] | None | bool = True) -> bool:
-        """Append one sampled token and finish the request if it stops; True when it finished.
+    def append_output_token(self, token_id: int) -> bool:
+        """Append one sampled token and finish the request if `check_stop` says it stops; True when it
+        finished."""
+        return self.append_with_verdict(token_id, self.check_stop(token_id))
 
-        `stop`: True (default) runs `check_stop`; otherwise the caller's verdict, already
-        decided (None: it goes on; (status, stop_reason): it ends so).
-        """
+    def append_with_verdict(self, token_id: int, verdict: StopVerdict | None) -> bool:
+        """Append one sampled token whose stop is already decided (the engine's verdict, which also
+        weighs stop strings): None goes on, (status, stop_reason) finishes it so. True when it finished."""
         if self.is_finished:
             raise RuntimeError(f"Request {self.request_id!r} is already finished ({self.status.name})")
-        verdict = self.check_stop(token_id) if stop is True else stop
         self.output_token_ids.append(int(token_id))
         if verdict is None:
             return False

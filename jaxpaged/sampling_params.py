@@ -13,6 +13,8 @@ import json
 import math
 from typing import Any
 
+from jaxpaged.errors import InvalidRequestError
+
 MAX_LOGPROBS = 20
 
 
@@ -114,7 +116,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (0: only the sampled one)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # not implemented yet: LLMEngine.add_request rejects it when set
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (no text, so no stop strings)
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
@@ -136,7 +138,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(field: str, value, why: str) -> None:
-            raise ValueError(f"SamplingParams.{field}={value!r}: {why}")
+            raise InvalidRequestError(f"SamplingParams.{field}={value!r}: {why}", field)
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", self.n, "must be an integer >= 1")
@@ -181,7 +183,3 @@ class SamplingParams:
             for token_id, value in self.logit_bias:
                 if token_id < 0 or not (-100.0 <= value <= 100.0):
                     bad("logit_bias", (token_id, value), "ids must be >= 0 and biases in [-100, 100]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0

@@ -41,8 +41,9 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
+from jaxpaged.errors import InvalidRequestError
 from jaxpaged.page_pool import PagePool
-from jaxpaged.request import Request, RequestStatus
+from jaxpaged.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import SamplingParams
 
 
@@ -56,7 +57,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0: no cap on one request's prefill chunk
     # Most requests fed more than one token in a step (prefill chunks); None: no cap. Attention
-    # sizes its prefill tiles for this many sequences (see ragged_paged_attention's max_prefill_seqs).
+    # sizes its prefill tiles for this many sequences (RunnerConfig.max_num_partial_prefills); this is
+    # the one place it is enforced.
     max_num_partial_prefills: int | None = None
 
     def __post_init__(self):
@@ -146,30 +148,29 @@ class Scheduler:
     # ---- admission and finishing ------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a fresh request; ValueError (request untouched) if it could never be served."""
+        """Queue a fresh request; InvalidRequestError (param "prompt"; request untouched) if it could
+        never be served, ValueError for an id in use or a request that is not fresh."""
         rid = request.request_id
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already queued")
         if request.status is not RequestStatus.WAITING or request.page_ids or request.num_computed_tokens:
             raise ValueError(f"request {rid!r} is not fresh (status {request.status.name})")
         if request.num_prompt_tokens == 0:
-            raise ValueError(f"request {rid!r} has an empty prompt")
+            raise InvalidRequestError(f"request {rid!r} has an empty prompt", "prompt")
         max_model_len = min(request.max_model_len or self.config.max_model_len, self.config.max_model_len)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is None:
             max_tokens = max_model_len - request.num_prompt_tokens
         if max_tokens < 1 or request.num_prompt_tokens + max_tokens > max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"request {rid!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
-                f"exceeds max_model_len={max_model_len}"
-            )
+                f"exceeds max_model_len={max_model_len}", "prompt")
         # The last sampled token is never fed, so at most prompt + max_tokens - 1 slots.
         pages_needed = -(-(request.num_prompt_tokens + max_tokens - 1) // self.config.page_size)
         if pages_needed > self.pool.num_usable_pages:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"request {rid!r} needs up to {pages_needed} KV pages "
-                f"but the pool has {self.pool.num_usable_pages}"
-            )
+                f"but the pool has {self.pool.num_usable_pages}", "prompt")
         request.max_model_len = max_model_len
         self._requests[rid] = request
         self.waiting.append(request)
@@ -311,7 +312,7 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]],
-        stops: Mapping[str, tuple[RequestStatus, int | str | None] | None] | None = None,
+        stops: Mapping[str, StopVerdict | None] | None = None,
     ) -> list[Request]:
         """Append the sampled tokens of the entries that sample, finish those that stop; return them.
 
@@ -331,13 +332,15 @@ class Scheduler:
             token_ids = sampled_token_ids.get(entry.request_id)
             if not token_ids:
                 raise ValueError(f"no sampled token for request {entry.request_id!r}, whose chunk samples")
-            verdict = stops.get(entry.request_id, True)
-            if verdict is not True and verdict is not None and verdict[0] is RequestStatus.FINISHED_ERROR:
+            given = entry.request_id in stops
+            verdict = stops.get(entry.request_id)
+            if verdict is not None and verdict[0] is RequestStatus.FINISHED_ERROR:
                 request.finish(*verdict)
             else:
                 for i, token_id in enumerate(token_ids):  # more than one only with speculative decoding
                     last = i == len(token_ids) - 1
-                    if request.append_output_token(token_id, verdict if last else True):
+                    if request.append_with_verdict(token_id, verdict if last and given else
+                                                   request.check_stop(token_id)):
                         break
             if not request.is_finished:
                 continue

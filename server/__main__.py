@@ -25,7 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
         "jaxpaged's OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
         "/tokenize, /detokenize, /health, /version, /metrics). Flags follow vLLM's `vllm serve`."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m = p.add_argument_group("model")
+    _add_model_flags(p.add_argument_group("model"))
+    _add_engine_flags(p.add_argument_group("engine"))
+    _add_multihost_flags(p.add_argument_group("multi-host (jax.distributed; see docs/distributed.md)"))
+    _add_tool_flags(p.add_argument_group("tool calling"))
+    _add_server_flags(p.add_argument_group("server"))
+    return p
+
+
+def _add_model_flags(m: argparse._ArgumentGroup) -> None:
     m.add_argument("--model", default=DEFAULT_MODEL, help="built-in short name, .gguf file, local Hugging Face "
                    "folder or HF repo id (org/name)")
     m.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients pass as `model`; the "
@@ -37,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the tokenizer's)")
     m.add_argument("--generation-config", default=None, help="path to a generation_config.json (stop ids and "
                    "sampling defaults; default: the model's)")
-    e = p.add_argument_group("engine")
+
+
+def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output) "
                    "(default: the model's)")
     e.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch "
@@ -62,18 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache dtype; auto: the model's, but float32 for a bfloat16 model on CPU "
                    "(XLA:CPU would convert the whole cache around every write)")
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
-    d = p.add_argument_group("multi-host (jax.distributed; see docs/distributed.md)")
+
+
+def _add_multihost_flags(d: argparse._ArgumentGroup) -> None:
     d.add_argument("--distributed-coordinator", default=None, help="host:port of process 0's coordinator; "
                    "every process runs this command with its own --process-id")
     d.add_argument("--num-processes", type=int, default=1, help="processes (hosts) in the job")
     d.add_argument("--process-id", type=int, default=0, help="this process; 0 serves HTTP and schedules, "
                    "the others run the same steps")
-    t = p.add_argument_group("tool calling")
+
+
+def _add_tool_flags(t: argparse._ArgumentGroup) -> None:
     t.add_argument("--enable-auto-tool-choice", action="store_true", help='serve tool_choice "auto": the model '
                    "decides whether to call a tool, and its output is parsed by --tool-call-parser")
-    t.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS), help="how tool calls are read "
-                   'from "auto" output (llama3_json: Llama 3.x\'s {"name": ..., "parameters": ...})')
-    s = p.add_argument_group("server")
+    t.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS), help="how tool calls are "
+                   'read from "auto" output (llama3_json: Llama 3.x\'s {"name": ..., "parameters": ...})')
+
+
+def _add_server_flags(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.add_argument("--api-key", default=None, help="require `Authorization: "
@@ -86,7 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "on after SIGTERM/SIGINT before they are aborted (the server then exits 0)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of jaxpaged and uvicorn")
-    return p
 
 
 def chat_template_arg(value: str | None) -> str | None:

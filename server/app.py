@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 import jaxpaged
 from jaxpaged.async_engine import AsyncLLM
+from jaxpaged.validation import check_token_ids
 from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
 from server.config import ServerConfig
@@ -80,8 +81,5 @@ def _utility_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         ctx.model_name(body.model)
-        outside = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
-        if outside:
-            raise bad_request(f"token ids {outside[:5]} are outside the vocabulary [0, {ctx.vocab_size})",
-                              "tokens")
+        check_token_ids(body.tokens, ctx.vocab_size, "tokens")  # InvalidRequestError: a 400 naming "tokens"
         return {"prompt": ctx.tokenizer.decode(body.tokens)}

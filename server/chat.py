@@ -81,9 +81,9 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         spec, param = plan.constraint, "tool_choice"
     prompt = render_chat(ctx, body.messages, body.add_generation_prompt, plan.tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = build_sampling_params(body, ctx.defaults, ctx.vocab_size, max_tokens=max_tokens,
+    params = build_sampling_params(body, ctx.defaults, max_tokens=max_tokens,
                                    logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                                   renames={"logprobs": "top_logprobs"}, structured_outputs=spec)
+                                   structured_outputs=spec)
     await ctx.compile_constraint(spec, param)
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     submitted = ctx.submitted()

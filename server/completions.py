@@ -53,8 +53,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     _validate(body, ctx)
     prompts = _prompts(body.prompt)
     spec, param = structured_outputs_of(body)
-    params = build_sampling_params(body, ctx.defaults, ctx.vocab_size, max_tokens=body.max_tokens,
-                                   logprobs=body.logprobs, structured_outputs=spec)
+    params = build_sampling_params(body, ctx.defaults, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                   structured_outputs=spec)
     await ctx.compile_constraint(spec, param)
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     submitted = ctx.submitted()

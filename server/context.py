@@ -23,20 +23,21 @@ class ServingContext:
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        """The model's tokenizer (it carries the chat template)."""
+        return self.engine.tokenizer
 
     @property
     def defaults(self) -> dict[str, Any]:
         """Sampling defaults from the model's generation_config.json (vLLM does the same)."""
-        return dict(self.engine.engine.model.generation_config.defaults)
+        return self.engine.generation_defaults
 
     @property
     def vocab_size(self) -> int:
-        return int(self.engine.engine.model.config.vocab_size)
+        return self.engine.vocab_size
 
     @property
     def max_model_len(self) -> int:
-        return int(self.engine.engine.runner_config.max_model_len)
+        return self.engine.max_model_len
 
     def model_name(self, requested: str | None) -> str:
         """The name to report; 404 in OpenAI's shape for a model this server does not serve."""

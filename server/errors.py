@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -12,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxpaged.async_engine import EngineShutdownError, QueueFullError
+from jaxpaged.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +19,6 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
           413: "RequestTooLargeError", 499: "ClientClosedRequest", 500: "InternalServerError",
           503: "ServiceUnavailableError"}
 RETRY_AFTER_SECONDS = 1  # Retry-After of a 503 for a full waiting queue
-_SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+)=")
 
 
 class ClientDisconnected(Exception):
@@ -36,6 +35,9 @@ class OpenAIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
@@ -60,14 +62,10 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param)
 
 
-def from_value_error(err: ValueError, param: str | None = None,
-                     renames: dict[str, str] | None = None) -> OpenAIError:
-    """A SamplingParams / engine ValueError as a 400; `param` from 'SamplingParams.<field>=' when present."""
-    message = str(err)
-    match = _SAMPLING_FIELD.match(message)
-    if match:
-        param = (renames or {}).get(match.group(1), match.group(1))
-    return bad_request(message, param)
+def from_invalid_request(err: InvalidRequestError, prompt_param: str = "prompt") -> OpenAIError:
+    """The engine's typed error as a 400 naming its parameter; a prompt problem is named as the
+    endpoint calls its prompt (`prompt_param`: "prompt", or "messages" for chat)."""
+    return bad_request(str(err), prompt_param if err.param == "prompt" else err.param)
 
 
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
@@ -86,7 +84,11 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, err: OpenAIError):
-        return JSONResponse(err.body(), status_code=err.status)
+        return err.response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, err: InvalidRequestError):
+        return from_invalid_request(err).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, err: RequestValidationError):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxpaged.errors import InvalidRequestError
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from server.errors import bad_request, from_value_error
+from server.errors import bad_request, from_invalid_request
 from server.protocol import SamplingFields
 
+# Request-shape caps of the HTTP API. The engine checks token ids against the vocabulary and the sampler's
+# room for biased + banned ids (jaxpaged/validation.py); these keep a request well inside that room.
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's cap; the sampler has room for 320 (the rest: banned ids)
 MAX_STOP_TOKEN_IDS = 16  # banned until min_tokens, together with logit_bias and EOS ids
 MAX_STOP_STRINGS = 16
@@ -16,9 +19,8 @@ _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
-def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], vocab_size: int, *,
-                          max_tokens: int | None, logprobs: int | None,
-                          renames: dict[str, str] | None = None,
+def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], *, max_tokens: int | None,
+                          logprobs: int | None,
                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams for a request; a value SamplingParams rejects is a 400 naming the field.
 
@@ -29,15 +31,14 @@ def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], vocab_
     try:
         return SamplingParams(
             n=body.n, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            logit_bias=_logit_bias(body.logit_bias, vocab_size), seed=body.seed, max_tokens=max_tokens,
-            min_tokens=body.min_tokens, stop=_stop(body.stop),
-            stop_token_ids=_stop_token_ids(body.stop_token_ids, vocab_size),
+            logit_bias=_logit_bias(body.logit_bias), seed=body.seed, max_tokens=max_tokens,
+            min_tokens=body.min_tokens, stop=_stop(body.stop), stop_token_ids=_stop_token_ids(body.stop_token_ids),
             ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=structured_outputs, **chosen)
-    except ValueError as err:
-        raise from_value_error(err, None, renames) from None
+    except InvalidRequestError as err:
+        raise from_invalid_request(err) from None
 
 
 def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -51,19 +52,14 @@ def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
     return stops
 
 
-def _stop_token_ids(ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
-    """Checked here: an id the sampler cannot ban would otherwise fail the whole engine step."""
+def _stop_token_ids(ids: list[int] | None) -> tuple[int, ...]:
     ids = tuple(ids or ())
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}", "stop_token_ids")
-    outside = [t for t in ids if not 0 <= t < vocab_size]
-    if outside:
-        raise bad_request(f"stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab_size})",
-                          "stop_token_ids")
     return ids
 
 
-def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
@@ -72,10 +68,6 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
         ids = {int(k): float(v) for k, v in bias.items()}
     except ValueError:
         raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
-    outside = [t for t in ids if not 0 <= t < vocab_size]
-    if outside:
-        raise bad_request(f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})",
-                          "logit_bias")
     return ids
 
 

@@ -2,7 +2,8 @@
 
 Unknown fields are ignored, as OpenAI's SDKs send a few we do not use. Ranges
 that are the API's own (logprobs caps, n >= 1) are checked here; the sampling
-ranges are SamplingParams' own checks, mapped to 400s by the handlers.
+ranges and token ids are SamplingParams' and the engine's checks, whose
+InvalidRequestError (naming the parameter) the handlers answer as a 400.
 """
 
 from __future__ import annotations

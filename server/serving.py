@@ -13,7 +13,8 @@ from fastapi import Request
 from jaxpaged.async_engine import AsyncLLM, EngineShutdownError
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
-from server.errors import ClientDisconnected, OpenAIError, error_body, from_value_error
+from jaxpaged.errors import InvalidRequestError
+from server.errors import ClientDisconnected, OpenAIError, error_body, from_invalid_request
 from server.metrics import RequestTracker, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -30,14 +31,14 @@ class Submitted:
         self.trackers: dict[str, RequestTracker] = {}
         self.unfinished: set[str] = set()
 
-    async def add(self, request_id: str, prompt: Any, params: SamplingParams, param: str | None,
-                  renames: dict[str, str] | None = None) -> None:
-        """Add one engine request; its ValueError becomes a 400 (and the ones added before are aborted)."""
+    async def add(self, request_id: str, prompt: Any, params: SamplingParams, prompt_param: str) -> None:
+        """Add one engine request; its InvalidRequestError becomes a 400 naming the parameter (a prompt
+        problem as `prompt_param`), and the ones added before are aborted."""
         try:
             queue = await self.engine.add_request(request_id, prompt, params)
-        except ValueError as err:
+        except InvalidRequestError as err:
             self.abort()
-            raise from_value_error(err, param, renames) from None
+            raise from_invalid_request(err, prompt_param) from None
         except BaseException:
             self.abort()
             raise

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.errors import InvalidRequestError
 from jaxpaged.generate import greedy_generate
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
@@ -115,6 +116,8 @@ def test_shared_prefix_shares_pages(tiny):
                          max_num_partial_prefills=8)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+    # one limit, one value: the scheduler enforces what attention was compiled for
+    assert engine.scheduler.config.max_num_partial_prefills == engine.runner_config.max_num_partial_prefills == 8
     engine.step()  # all eight prefilled in one step
     pool = engine.scheduler.pool
     pages_in_use = pool.num_usable_pages - pool.num_free_pages
@@ -246,3 +249,49 @@ def test_page_accounting_under_random_workloads(tiny, data):
     pool = engine.scheduler.pool
     assert pool.num_free_pages == pool.num_usable_pages
     assert all(pool.ref_count(p) == 0 for p in range(1, pool.num_pages))
+
+
+@pytest.mark.parametrize("bad, param", [
+    (dict(logit_bias={99999: 5.0}), "logit_bias"),
+    (dict(stop_token_ids=[7, 260]), "stop_token_ids"),  # the tiny vocabulary is 260
+    (dict(prompt_logprobs=2), "prompt_logprobs"),  # not implemented: an error, not silence
+    (dict(logit_bias={t: 1.0 for t in range(250)}, stop_token_ids=list(range(80)), min_tokens=2),
+     "stop_token_ids"),  # more biased + banned ids than the sampler has room for
+])
+def test_invalid_request_fails_alone_before_any_step(tiny, bad, param):
+    """A request the sampler could not serve is refused at add_request, naming the parameter; requests
+    queued before and after it run as if it never came (no step fails for them)."""
+    engine = make_engine(tiny)
+    steps = []
+    execute = engine.runner.execute_model
+    engine.runner.execute_model = lambda out: steps.append(out) or execute(out)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    engine.add_request("before", {"prompt_token_ids": prompts[0]}, GREEDY)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("bad", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, **bad))
+    assert err.value.param == param and not steps
+    assert engine.scheduler.get_request("bad") is None
+    engine.add_request("after", {"prompt_token_ids": prompts[1]}, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert sorted(done) == ["after", "before"]
+    for rid, prompt in zip(("before", "after"), prompts):
+        assert done[rid].outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, prompt, 12)
+        assert done[rid].outputs[0].finish_reason == "length"
+
+
+def test_request_running_and_prefix_cache_reset(tiny):
+    """What AsyncLLM asks after a failed step, without reaching into the scheduler or the child ids."""
+    engine = make_engine(tiny)
+    engine.add_request("r", {"prompt_token_ids": list(range(40))}, SamplingParams(n=2, max_tokens=3,
+                                                                                  ignore_eos=True))
+    assert not engine.is_request_running("r") and not engine.is_request_running("unknown")
+    engine.step()
+    assert engine.is_request_running("r")
+    assert not engine.reset_prefix_cache()  # pages held: nothing is reset
+    assert engine.scheduler.pool.num_cached_pages > 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.is_request_running("r")
+    assert engine.reset_prefix_cache() and engine.scheduler.pool.num_cached_pages == 0

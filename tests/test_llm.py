@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.errors import InvalidRequestError
 from jaxpaged.generate import greedy_generate
 
 ARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_pages=100)
@@ -72,6 +73,25 @@ def test_bad_prompt_leaves_engine_clean(llm):
     assert not llm.llm_engine.has_unfinished_requests()
     pool = llm.llm_engine.scheduler.pool
     assert pool.num_free_pages == pool.num_usable_pages
+
+
+@pytest.mark.parametrize("bad, param", [(dict(logit_bias={260: 3.0}), "logit_bias"),
+                                        (dict(stop_token_ids=[10**6]), "stop_token_ids")])
+def test_bad_token_id_raises_before_any_step(llm, monkeypatch, bad, param):
+    """An offline user's out-of-range id is a clear error at generate, before any step runs; the other
+    prompts of the call are withdrawn and the next call runs as usual."""
+    engine = llm.llm_engine
+    steps = []
+    monkeypatch.setattr(engine.runner, "execute_model", lambda out: steps.append(out))
+    good = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary") as err:
+        llm.generate(["first", "second", "third"], [good, SamplingParams(max_tokens=3, **bad), good],
+                     use_tqdm=False)
+    assert err.value.param == param and isinstance(err.value, ValueError)
+    assert not steps and not engine.has_unfinished_requests()
+    monkeypatch.undo()
+    outs = llm.generate(["first", "third"], good, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
 
 
 def test_unknown_engine_argument_is_rejected(tiny_checkpoints):

@@ -58,7 +58,7 @@ def test_buckets():
 
 
 @pytest.mark.parametrize("field, value", [("attention_backend", "cuda"), ("page_size", 12), ("num_pages", 0),
-                                          ("max_prefill_seqs", 0), ("kv_cache_dtype", "fp8")])
+                                          ("max_num_partial_prefills", 0), ("kv_cache_dtype", "fp8")])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         dataclasses.replace(CONFIG, **{field: value})
@@ -83,10 +83,10 @@ def test_prepare_packs_exact_arrays(tiny):
     assert int(step.num_seqs) == 2
 
 
-def test_mixed_step_under_max_prefill_seqs_matches_plain_forward(tiny):
+def test_mixed_step_under_max_num_partial_prefills_matches_plain_forward(tiny):
     """Two prefill chunks and three decodes in one T > S step, with attention sized for 2 prefills
     (the CPU path; the kernel's own split is tested in tests/pallas_kernels)."""
-    config = dataclasses.replace(CONFIG, attention_backend="xla", max_prefill_seqs=2)
+    config = dataclasses.replace(CONFIG, attention_backend="xla", max_num_partial_prefills=2)
     runner = ModelRunner(tiny.config, tiny.params, config)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (9, 30, 17, 5, 12)]
@@ -101,8 +101,6 @@ def test_mixed_step_under_max_prefill_seqs_matches_plain_forward(tiny):
     for row, i in enumerate((0, 1, 3, 2, 4)):
         plain = forward_jit(tiny.config, tiny.params, jnp.asarray([prompts[i]]))[0, -1]
         np.testing.assert_allclose(np.asarray(logits[row]), np.asarray(plain), atol=1e-4)
-    with pytest.raises(ValueError, match="max_prefill_seqs=2"):
-        runner.prepare([entry(f"p{i}", prompts[i][:3], 0, pages[i], samples=False) for i in range(3)])
 
 
 def test_chunked_prefill_over_cached_prefix_matches_plain_forward(tiny):

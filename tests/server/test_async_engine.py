@@ -38,6 +38,12 @@ class FakeEngine:
     def has_unfinished_requests(self):
         return bool(self.requests)
 
+    def is_request_running(self, request_id):
+        return request_id in self.requests  # every request is in the batch
+
+    def reset_prefix_cache(self):
+        return True
+
     def step(self):
         self.threads.add(threading.current_thread().name)
         self.steps += 1

@@ -58,6 +58,10 @@ CASES = [
     ("completions empty stop", "POST", "/v1/completions", {**CMPL, "stop": [""]}, 400, "stop"),
     ("completions logit_bias outside vocab", "POST", "/v1/completions", {**CMPL, "logit_bias": {"99999": 1}},
      400, "logit_bias"),
+    ("chat logit_bias outside vocab", "POST", "/v1/chat/completions", {**CHAT, "logit_bias": {"99999": 1}},
+     400, "logit_bias"),  # the engine's typed error keeps its param (only "prompt" becomes "messages")
+    ("completions stop_token_ids outside vocab", "POST", "/v1/completions",
+     {**CMPL, "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ("completions repetition_penalty 0", "POST", "/v1/completions", {**CMPL, "repetition_penalty": 0}, 400,
      "repetition_penalty"),
     ("completions min_tokens > max_tokens", "POST", "/v1/completions", {**CMPL, "min_tokens": 9}, 400,
