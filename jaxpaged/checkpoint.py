@@ -45,9 +45,9 @@ def config_from_dict(data: dict[str, Any]) -> LlamaConfig:
     data = dict(data)
     if data.get("rope_scaling") is not None:
         data["rope_scaling"] = Llama3RopeScaling(**data["rope_scaling"])
-    for key in ("rope_freq_factors", "eos_token_ids"):
-        if data.get(key) is not None:
-            data[key] = tuple(data[key])
+    for key, value in data.items():  # JSON lists back to the config's tuples (eos ids, per-layer fields)
+        if isinstance(value, list):
+            data[key] = tuple(value)
     return LlamaConfig(**data)
 
 

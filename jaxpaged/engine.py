@@ -165,7 +165,8 @@ class LLMEngine:
             max_num_seqs=self.runner_config.max_num_seqs,
             max_num_batched_tokens=self.runner_config.max_num_batched_tokens,
             max_model_len=self.runner_config.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-            max_num_partial_prefills=self.runner_config.max_num_partial_prefills))
+            max_num_partial_prefills=self.runner_config.max_num_partial_prefills,
+            sliding_window=self.model.config.sliding_window if self.model.config.all_layers_windowed else None))
         mark = time.perf_counter()
         self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh,
                                   fault_injector=fault_injector)

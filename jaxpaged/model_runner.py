@@ -37,8 +37,8 @@ from jax.sharding import Mesh
 
 from jaxpaged import parallel
 
-from jaxpaged.models.llama import (LlamaConfig, Params, decoder_layer, embed_tokens, lm_logits,
-                                   rope_cos_sin)
+from jaxpaged.models.llama import (LlamaConfig, Params, cos_sin, decoder_layer, embed_tokens,
+                                   layer_constants, lm_logits)
 from jaxpaged.sampler import RowInfo, SamplerOutput, make_sampling_batch, sample_jit
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import ScheduledRequest, SchedulerOutput
@@ -266,16 +266,17 @@ class RunnerConfig:
         return t, s, p
 
 
-def _attend_paged(q, k, v, k_pool, v_pool, step: StepInput, layer, *, sm_scale: float,
+def _attend_paged(q, k, v, k_pool, v_pool, step: StepInput, layer, window, *, sm_scale: float,
                   attention: AttentionConfig):
     """Write this step's k/v [T, K, D] into the pool, then attend q [T, H, D] -> (o, k_pool, v_pool).
 
     The pool may hold another dtype than the model's (kv_cache_dtype): k/v and q
-    are cast to it, the output back to q's dtype."""
+    are cast to it, the output back to q's dtype. window: this layer's sliding window (int32 scalar,
+    0 = none), or None when no layer of the model has one."""
     kp, vp = write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer)
     o = ragged_paged_attention(q.astype(kp.dtype), kp, vp, step.kv_lens, step.page_table, step.cu_q_lens,
                                step.num_seqs, sm_scale=sm_scale, layer=layer, backend=attention.backend,
-                               max_prefill_seqs=attention.max_num_partial_prefills)
+                               max_num_partial_prefills=attention.max_num_partial_prefills, sliding_window=window)
     return o.astype(q.dtype), kp, vp
 
 
@@ -288,30 +289,32 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     XLA:GPU may copy before each gemm; docs/benchmarks.md). With a mesh, attention runs per
     tensor-parallel shard (local heads, local pool slice).
     """
-    cos, sin = rope_cos_sin(config, step.positions)  # [T, D]
-    attend_paged = functools.partial(_attend_paged, sm_scale=1.0 / math.sqrt(config.head_dim),
-                                     attention=attention)
+    attend_paged = functools.partial(_attend_paged, sm_scale=config.attn_scale, attention=attention)
     if mesh is not None:
         attend_paged = parallel.shard_attention(attend_paged, mesh)
+    consts = layer_constants(config)  # per layer: window [L], RoPE inverse frequencies [L, D/2]
 
     def body(carry, xs):
         h, k_pool, v_pool = carry
-        layer_params, layer = xs
+        layer_params, layer, c = xs
+        cos, sin = cos_sin(c["inv_freq"], step.positions)  # [T, D]
+        window = c["window"] if config.has_sliding_window else None
 
         def attend(q, k, v):  # q [T, H, D], k/v [T, K, D]: write first, then attend
-            o, kp, vp = attend_paged(q, k, v, k_pool, v_pool, step, layer)
+            o, kp, vp = attend_paged(q, k, v, k_pool, v_pool, step, layer, window)
             return o, (kp, vp)
 
         h, (k_pool, v_pool) = decoder_layer(config, layer_params, h, cos, sin, attend)
         return (h, k_pool, v_pool), None
 
-    carry = (embed_tokens(params, step.token_ids), kv.k, kv.v)  # h [T, E], the pool
+    carry = (embed_tokens(params, step.token_ids, config), kv.k, kv.v)  # h [T, E], the pool
     if isinstance(params["layers"], Sequence):
         for layer, layer_params in enumerate(params["layers"]):
-            carry, _ = body(carry, (layer_params, jnp.int32(layer)))
+            c = jax.tree.map(lambda x, i=layer: x[i], consts)
+            carry, _ = body(carry, (layer_params, jnp.int32(layer), c))
     else:
         layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(body, carry, (params["layers"], layers))
+        carry, _ = jax.lax.scan(body, carry, (params["layers"], layers, consts))
     h, k, v = carry
     logits = lm_logits(config, params, h[step.logits_indices])  # [S, V]
     return logits, KVPool(k, v)

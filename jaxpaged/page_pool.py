@@ -14,6 +14,11 @@ block of `page_size` token slots, a request's `page_ids` is its page table.
   prompt starts with the same full pages gets the same page ids (ref counted).
   A freed page keeps its hash and stays findable until it is evicted, i.e.
   until it reaches the head of the free queue and is handed out again.
+* Sliding window (models whose every layer is windowed): pages wholly before
+  the window of a request's next token can never be read again; they are
+  released (`free_outside_window`) and their page-table entries become the
+  null page, so a long generation holds about window / page_size pages.
+  Released pages keep their hash (a later prompt may still share them).
 """
 
 from __future__ import annotations
@@ -133,7 +138,8 @@ class PagePool:
             return
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.page_size
         first = num_full
-        while first > 0 and self._page_hashes[request.page_ids[first - 1]] is None:
+        while first > 0 and request.page_ids[first - 1] != NULL_PAGE_ID and \
+                self._page_hashes[request.page_ids[first - 1]] is None:
             first -= 1
         hashes = self._hashes(request, num_full)
         for i in range(first, num_full):
@@ -209,12 +215,37 @@ class PagePool:
     def free(self, request: Request) -> None:
         """Drop the request's references, tail page first; empties its page table."""
         for page_id in reversed(request.page_ids):
-            if self._ref_counts[page_id] <= 0:
-                raise RuntimeError(f"page {page_id} of request {request.request_id!r} is already free")
-            self._ref_counts[page_id] -= 1
-            if self._ref_counts[page_id] == 0:
-                self._free[page_id] = None
+            if page_id != NULL_PAGE_ID:  # released by free_outside_window
+                self._release(request, page_id)
         request.page_ids.clear()
+
+    def _release(self, request: Request, page_id: int) -> None:
+        if self._ref_counts[page_id] <= 0:
+            raise RuntimeError(f"page {page_id} of request {request.request_id!r} is already free")
+        self._ref_counts[page_id] -= 1
+        if self._ref_counts[page_id] == 0:
+            self._free[page_id] = None
+
+    def free_outside_window(self, request: Request, window: int) -> list[int]:
+        """Release the pages wholly before the window of the request's next token; returns their ids.
+
+        The next token fed sits at p = num_computed_tokens and attends keys k > p - window, so
+        page i (tokens [i * page_size, (i + 1) * page_size)) is dead once (i + 1) * page_size <=
+        p - window + 1. Its page-table entry becomes the null page (positions keep their index);
+        released entries form a prefix of the table, so the scan stops at the first null one.
+        """
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        num_dead = min(max(0, request.num_computed_tokens - window + 1) // self.page_size, len(request.page_ids))
+        freed = []
+        for i in reversed(range(num_dead)):
+            page_id = request.page_ids[i]
+            if page_id == NULL_PAGE_ID:
+                break
+            request.page_ids[i] = NULL_PAGE_ID
+            self._release(request, page_id)
+            freed.append(page_id)
+        return freed
 
     # ---- checks ------------------------------------------------------------
 

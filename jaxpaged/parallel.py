@@ -9,10 +9,11 @@ the kernel sees its local heads and its local slice of the KV pool.
 Sharding rule (N = tensor_parallel_size; shapes as in jaxpaged/models/llama.py):
     wq [L, E, H, D], wk/wv [L, E, K, D]   head axis      -> H/N, K/N heads per device
     wo [L, H, D, E]                       head axis (input rows)
+    bq [L, H, D], bk/bv [L, K, D]         head axis (Qwen2's biases)
     w_gate/w_up [L, E, F]                 F (output columns)
     w_down [L, F, E]                      F (input rows)
     embed [V, E], lm_head [E, V]          V, when V % N == 0; else replicated
-    norms                                 replicated
+    norms (incl. q/k and sandwich norms)  replicated
     KV pool k/v [L, K, N_pages, ps, D]    K
 N must divide num_key_value_heads, num_attention_heads and intermediate_size
 (a ValueError names the numbers otherwise); query head h uses kv head
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpaged.models.llama import LlamaConfig, Params
+from jaxpaged.models.llama import LlamaConfig, Params, param_shapes
 
 TP = "tp"
 POOL_SPEC = P(None, TP, None, None, None)  # [L, K, N, page_size, D], sharded on K
@@ -96,9 +97,12 @@ def param_partition_specs(config: LlamaConfig, tp: int) -> Params:
             "wq": P(None, None, TP, None), "wk": P(None, None, TP, None), "wv": P(None, None, TP, None),
             "wo": P(None, TP, None, None),
             "w_gate": P(None, None, TP), "w_up": P(None, None, TP), "w_down": P(None, TP, None),
+            "bq": P(None, TP, None), "bk": P(None, TP, None), "bv": P(None, TP, None),  # [L, H|K, D]
         },
         "final_norm": P(),
     }
+    # Only the layer params this family has; the ones not named above (q/k/post norms) are replicated.
+    specs["layers"] = {key: specs["layers"].get(key, P()) for key in param_shapes(config)["layers"]}
     if not config.tie_word_embeddings:
         specs["lm_head"] = P(None, v)
     return specs
@@ -148,14 +152,14 @@ def zeros_sharded(shape: tuple[int, ...], dtype, sharding: NamedSharding) -> jax
 
 
 def shard_attention(attend: Callable, mesh: Mesh) -> Callable:
-    """Run attend(q, k, v, k_pool, v_pool, step, layer) -> (o, k_pool, v_pool) per TP shard.
+    """Run attend(q, k, v, k_pool, v_pool, step, layer, window) -> (o, k_pool, v_pool) per TP shard.
 
     q/o [T, H, D] and k/v [T, K, D] are split on heads, the pools [L, K, N, ps, D]
-    on K; the step input (any pytree) and the layer index are replicated. Each
+    on K; the step input (any pytree), the layer index and its sliding window are replicated. Each
     shard writes and attends its own heads, so no collective is needed inside.
     """
     return _shard_map()(attend, mesh=mesh,
-                        in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, POOL_SPEC, POOL_SPEC, P(), P()),
+                        in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, POOL_SPEC, POOL_SPEC, P(), P(), P()),
                         out_specs=(HEADS_SPEC, POOL_SPEC, POOL_SPEC))
 
 

@@ -60,6 +60,9 @@ class SchedulerConfig:
     # sizes its prefill tiles for this many sequences (RunnerConfig.max_num_partial_prefills); this is
     # the one place it is enforced.
     max_num_partial_prefills: int | None = None
+    # Set when EVERY layer of the model attends through this sliding window: pages wholly before a
+    # running request's window are returned to the pool before it is scheduled (see PagePool).
+    sliding_window: int | None = None
 
     def __post_init__(self):
         def bad(field: str, why: str) -> None:
@@ -78,6 +81,9 @@ class SchedulerConfig:
             bad("enable_prefix_caching", "must be a bool")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             bad("long_prefill_token_threshold", "must be an integer >= 0 (0 disables it)")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            bad("sliding_window", "must be an integer >= 1, or None")
         cap = self.max_num_partial_prefills
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
             bad("max_num_partial_prefills", "must be an integer >= 1, or None for no cap")
@@ -250,6 +256,8 @@ class Scheduler:
             if num_new == 0 or not self._prefill_slot_free(num_new, scheduled):
                 index += 1
                 continue
+            if self.config.sliding_window is not None:
+                self.pool.free_outside_window(request, self.config.sliding_window)
             while self.pool.allocate(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)

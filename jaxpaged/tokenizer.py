@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 
 class _NoTorchAdvice(logging.Filter):
@@ -44,8 +44,14 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2/2.5/3: as Llama 3's, but digits one at a time.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-                         "smaug-bpe": _LLAMA3_SPLIT}
+                         "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_SPIECE_SPACE = "\u2581"  # SentencePiece's visible space
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,22 +103,17 @@ def load_hf_tokenizer(source: str | Path, chat_template: str | None = None) -> P
 
 
 def load_gguf_tokenizer(reader: GGUFReader, chat_template: str | None = None) -> PreTrainedTokenizerFast:
-    """Build the tokenizer a GGUF file describes (byte-level BPE: Llama 3, SmolLM2, ...)."""
+    """Build the tokenizer a GGUF file describes: byte-level BPE ('gpt2': Llama 3, SmolLM2, Qwen) or
+    SentencePiece BPE with byte fallback ('llama': Gemma, Llama 2, Mistral)."""
     from jaxpaged.models.gguf_loader import metadata_value  # pylint: disable=import-outside-toplevel
     kind = metadata_value(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, "
-                         "'gpt2'); pass a Hugging Face tokenizer folder with --tokenizer instead")
+    builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+    if kind not in builders:
+        raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported (supported: {sorted(builders)}); "
+                         "pass a Hugging Face tokenizer folder with --tokenizer instead")
     tokens = metadata_value(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in metadata_value(reader, "tokenizer.ggml.merges", [])]
     types = metadata_value(reader, "tokenizer.ggml.token_type", [])
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    split = _PRE_TOKENIZER_SPLITS.get(metadata_value(reader, "tokenizer.ggml.pre"))
-    backend.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        if split else pre_tokenizers.ByteLevel(add_prefix_space=False))
-    backend.decoder = decoders.ByteLevel()
+    backend, tokens = builders[kind](reader, tokens, metadata_value)
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, kind in zip(tokens, types) if kind == _CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -123,7 +124,7 @@ def load_gguf_tokenizer(reader: GGUFReader, chat_template: str | None = None) ->
         return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
     bos = token("bos_token_id")
-    if metadata_value(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+    if metadata_value(reader, "tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
         bos_id = tokens.index(bos)
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
@@ -131,3 +132,49 @@ def load_gguf_tokenizer(reader: GGUFReader, chat_template: str | None = None) ->
         tokenizer_object=backend, bos_token=bos, eos_token=token("eos_token_id"),
         unk_token=token("unknown_token_id"), pad_token=token("padding_token_id"),
         chat_template=chat_template or metadata_value(reader, "tokenizer.chat_template"))
+
+
+def _byte_level_bpe(reader, tokens: list[str], metadata_value) -> tuple[Tokenizer, list[str]]:
+    merges = [tuple(m.split(" ", 1)) for m in metadata_value(reader, "tokenizer.ggml.merges", [])]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    split = _PRE_TOKENIZER_SPLITS.get(metadata_value(reader, "tokenizer.ggml.pre"))
+    backend.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        if split else pre_tokenizers.ByteLevel(add_prefix_space=False))
+    backend.decoder = decoders.ByteLevel()
+    return backend, tokens
+
+
+def _sentencepiece_bpe(reader, tokens: list[str], metadata_value) -> tuple[Tokenizer, list[str]]:
+    """SentencePiece BPE: spaces as U+2581, byte fallback (<0x..> tokens), merges rebuilt from the vocab.
+
+    GGUF files list no merges for SentencePiece vocabularies: every token that splits into two
+    vocabulary pieces yields a merge, ranked by the token's score (Gemma: by its position, as its
+    scores do not follow its merge order). Gemma stores its whitespace-run tokens as real spaces."""
+    gemma = metadata_value(reader, "general.architecture", "").startswith("gemma")
+    tokens = [_SPIECE_SPACE * len(t) if gemma and t and not t.strip(" ") else t for t in tokens]
+    scores = metadata_value(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+    rank = [-i for i in range(len(tokens))] if gemma else scores
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
+    unk_id = metadata_value(reader, "tokenizer.ggml.unknown_token_id")
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=_merges_from_vocab(tokens, vocab, rank), fuse_unk=True,
+                                   byte_fallback=True, unk_token=tokens[unk_id] if unk_id is not None else None))
+    prefix = metadata_value(reader, "tokenizer.ggml.add_space_prefix", not gemma)
+    replace = normalizers.Replace(" ", _SPIECE_SPACE)
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPIECE_SPACE), replace]) if prefix else replace
+    steps = [decoders.Replace(_SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return backend, tokens
+
+
+def _merges_from_vocab(tokens: list[str], vocab: dict[str, int], rank) -> list[tuple[str, str]]:
+    """Every (left, right) split of a token into two vocabulary pieces, best-ranked token first
+    (then longer left piece, then longer right piece; splits of one token by piece ids)."""
+    found = []
+    for token, score in zip(tokens, rank):
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        found.extend((score, len(left), len(right), left, right) for left, right in splits)
+    found.sort(key=lambda m: m[:3], reverse=True)
+    return [(left, right) for *_, left, right in found]

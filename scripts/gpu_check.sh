@@ -6,7 +6,9 @@
 #      batches vs the pure-JAX path and JAX's paged_attention,
 #   2. the layer-scan probe (scripts/bench_layer_scan.py): does the scan over
 #      stacked weights copy each layer's weights?
-#   3. kernel tests compiled for the GPU (pytest --kernel-mode=gpu),
+#   3. kernel tests compiled for the GPU (pytest --kernel-mode=gpu), then the
+#      slow ones at the Llama-3-8B shapes (-m slow -k llama3_8b: 32 q / 8 kv
+#      heads, D=128, bf16, decode-like and mixed),
 #   4. the engine end to end (scripts/bench_engine_gpu.py),
 #   5. a tiling sweep of our kernel on a few rows (bench_kernels.py --sweep),
 #      in whatever is left of the time budget,
@@ -60,10 +62,10 @@ import json, os, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 if rows:
   print(f"copy bandwidth {rows[0]['copy_gbs']:.0f} GB/s (read + write)")
-  print(f"{'case':36s} {'us':>8s} {'%copy':>6s} {'xref':>6s} {'xjaxpa':>7s}")
+  print(f"{'case':44s} {'us':>8s} {'%copy':>6s} {'xxla':>6s} {'xjaxpa':>7s}")
   f = lambda v: f"{v:6.2f}" if v is not None else "     -"
   for r in rows:
-    print(f"{r['name']:36s} {r['us']:8.1f} {r['pct']:6.1f} {f(r['vs_ref'])} "
+    print(f"{r['name']:44s} {r['us']:8.1f} {r['pct']:6.1f} {f(r['vs_xla'])} "
           f" {f(r['vs_jax'])}")
 sweep = sys.argv[2]
 if os.path.exists(sweep):
@@ -85,7 +87,7 @@ if os.path.exists(sweep):
           f"{b['label']} {b['variant'] or ''}")
 PYEOF
   grep -E "^(FAILED|ERROR) " "$LOG" | cut -c1-160 | head -n 12
-  grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -n 1
+  grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -n 2
   sed -n '/== layer scan probe/,/^== /p' "$LOG" | grep -E "^ +[0-9]+ " | cut -c1-120
   sed -n '/== engine on device/,/^== /p' "$LOG" | sed '1!{/^== /d}' | head -n 7
   cat "$RESULTS"
@@ -118,6 +120,10 @@ PYEOF
     "$PY" -m pytest tests/pallas_kernels -q -p no:cacheprovider \
     --kernel-mode=$MODE "${xdist[@]}" -rfEs --tb=short --durations=8 \
     || status=1
+  # The default selection leaves out slow tests; the real-model shapes must run where the kernel does.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false section "kernel tests 8B ($MODE)" 60 \
+    "$PY" -m pytest tests/pallas_kernels -q -p no:cacheprovider -m slow -k llama3_8b \
+    --kernel-mode=$MODE -rfEs --tb=short --durations=4 || status=1
 
   if [ $ENGINE -eq 1 ]; then
     section "engine end to end" 150 "$PY" scripts/bench_engine_gpu.py \

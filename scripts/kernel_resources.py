@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_kernels import configs  # noqa: E402
 from pallas_kernels import cuda_compile, ragged_paged_attention  # noqa: E402
-from pallas_kernels.ragged_paged_attention import plan_kernel_calls  # noqa: E402
+from pallas_kernels.tiling import plan_kernel_calls  # noqa: E402
 
 SMS = cuda_compile.H200["num_cores"]
 HQ, KVH, D, PS = 32, 8, 128, 16

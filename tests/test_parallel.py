@@ -27,9 +27,10 @@ PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13, 14, 15, 1
 SHARDED_AXIS = {"embed": 0, "lm_head": 1, "wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_gate": 2, "w_up": 2, "w_down": 1}
 
 
-def run_worker(mode: str, payload: dict, devices: int = 8, timeout: int = 300) -> dict:
+def run_worker(mode: str, payload: dict, devices: int = 8, timeout: int = 300, platform: str = "cpu") -> dict:
+    """`devices` CPU devices; platform "gpu": the machine's GPUs instead."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_PLATFORMS": "cpu"}
+           "JAX_PLATFORMS": platform}
     proc = subprocess.run([sys.executable, "-m", "tests.parallel_worker", mode, json.dumps(payload)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
     return _result(proc.returncode, proc.stdout, proc.stderr)
@@ -118,6 +119,27 @@ def test_tp_1_2_4_same_tokens_and_logits(tiny_tp):
     for tp in ("2", "4"):
         assert tiny_tp[tp]["tokens"] == base["tokens"]
         np.testing.assert_allclose(tiny_tp[tp]["logits"], base["logits"], atol=1e-4, rtol=0)
+
+
+def _backends() -> list:
+    """xla (the CPU default) always; the Pallas kernel (the GPU default) on a GPU, over its GPUs."""
+    gpus = jax.device_count("gpu") if jax.default_backend() == "gpu" else 0
+    return ["xla", pytest.param("pallas", marks=pytest.mark.skipif(not gpus, reason="the Pallas kernel needs a GPU"))]
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_tp_agrees_on_the_default_attention_backends(gqa8, tiny_tp, backend):
+    """The sharded attention (shard_map per KV-head shard) with the backends the engine really runs: tp = 1, 2
+    and 4 (as many as there are devices) give the reference backend's tokens and logits."""
+    platform = "gpu" if backend == "pallas" else "cpu"
+    tps = [1, 2, 4] if platform == "cpu" else [t for t in (1, 2, 4) if t <= jax.device_count("gpu")]
+    result = run_worker("serve", {"model": str(gqa8), "tps": tps, "prompts": PROMPTS, "max_tokens": 8,
+                                  "attention_backend": backend}, platform=platform)
+    atol = 1e-4 if platform == "cpu" else 1e-2  # GPU f32 matmuls may round through TF32
+    for tp in map(str, tps):
+        assert result[tp]["tokens"] == tiny_tp["1"]["tokens"], tp
+        np.testing.assert_allclose(result[tp]["logits"], tiny_tp["1"]["logits"], atol=atol, rtol=0)
+        assert all(leaf["devices"] == int(tp) for leaf in result[tp]["shards"].values())
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -1,8 +1,10 @@
-"""llama.cpp GGUF files -> LlamaConfig, the params pytree, and a tokenizer.
+"""llama.cpp GGUF files (llama, qwen2, qwen3, gemma3) -> LlamaConfig, the params pytree.
 
 Read with the `gguf` package (never torch): quantised tensors are dequantised
-by `gguf.quants.dequantize`, and llama.cpp's Q/K row permutation (done by its
-converter for its own RoPE layout) is undone so the weights match Hugging Face's.
+by `gguf.quants.dequantize`, llama.cpp's Q/K row permutation (done by its
+converter for the llama arch's RoPE layout) is undone, and Gemma's norm weights,
+which its converter stored as 1 + w, are turned back into w, so the weights
+match Hugging Face's.
 """
 
 from __future__ import annotations
@@ -14,21 +16,22 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from jaxpaged.models.llama import LlamaConfig, Params, UnsupportedModelError
+from jaxpaged.models import registry
+from jaxpaged.models.llama import LlamaConfig, Params, UnsupportedModelError, param_shapes
 from jaxpaged.models.weights import WeightLoadError, assemble_params
 
 SUPPORTED_TYPES = frozenset({
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q2_K,
+    GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
 })
 
-# Our stacked layer param -> GGUF tensor name.
-_LAYER_TENSORS = {
-    "attn_norm": "blk.{i}.attn_norm.weight", "wq": "blk.{i}.attn_q.weight", "wk": "blk.{i}.attn_k.weight",
-    "wv": "blk.{i}.attn_v.weight", "wo": "blk.{i}.attn_output.weight", "mlp_norm": "blk.{i}.ffn_norm.weight",
-    "w_gate": "blk.{i}.ffn_gate.weight", "w_up": "blk.{i}.ffn_up.weight", "w_down": "blk.{i}.ffn_down.weight",
-}
+# llama.cpp hard-codes what Gemma 3 GGUF files do not store: every 6th layer is global, the
+# others windowed with RoPE base 10k.
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -38,10 +41,10 @@ def open_gguf(path: Path) -> GGUFReader:
         reader = GGUFReader(str(path))
     except Exception as err:  # gguf raises ValueError/struct errors on bad magic or truncation
         raise WeightLoadError(f"{path}: not a readable GGUF file ({err})") from None
-    arch = metadata_value(reader, "general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(
-            f"{path}: general.architecture={arch!r}; jaxpaged loads only 'llama' GGUF files")
+    try:
+        registry.family_for_gguf(metadata_value(reader, "general.architecture"))
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{path}: {err}") from None
     return reader
 
 
@@ -60,37 +63,54 @@ def metadata_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
 
 
 def gguf_config(reader: GGUFReader) -> LlamaConfig:
-    """LlamaConfig from the `llama.*` metadata (and the tensors present)."""
+    """LlamaConfig from the `{arch}.*` metadata (and the tensors present)."""
+    arch = metadata_value(reader, "general.architecture")
+    fam = registry.family_for_gguf(arch)
+
     def meta(key, default=None):
-        value = metadata_value(reader, f"llama.{key}", default)
+        value = metadata_value(reader, f"{arch}.{key}", default)
         if value is None:
-            raise WeightLoadError(f"GGUF metadata lacks llama.{key}")
+            raise WeightLoadError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
-    scaling = metadata_value(reader, "llama.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise UnsupportedModelError(f"GGUF llama.rope.scaling.type={scaling!r} is not supported")
+    scaling = metadata_value(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None, "linear"):
+        raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.type={scaling!r} is not supported")
     names = {t.name: t for t in reader.tensors}
     heads = int(meta("attention.head_count"))
     hidden = int(meta("embedding_length"))
+    layers = int(meta("block_count"))
     eos = metadata_value(reader, "tokenizer.ggml.eos_token_id")
     freq_factors = names.get("rope_freqs.weight")
     return LlamaConfig(
-        vocab_size=int(metadata_value(reader, "llama.vocab_size") or names["token_embd.weight"].shape[-1]),
+        vocab_size=int(metadata_value(reader, f"{arch}.vocab_size") or names["token_embd.weight"].shape[-1]),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
-        num_hidden_layers=int(meta("block_count")),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(meta("attention.head_count_kv", heads)),
         head_dim=int(meta("attention.key_length", hidden // heads)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_linear_factor=float(meta("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
         rope_freq_factors=None if freq_factors is None else tuple(_tensor(freq_factors).tolist()),
         max_position_embeddings=int(meta("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=metadata_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
+        architecture=fam.name,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sliding_window=metadata_value(reader, f"{arch}.attention.sliding_window"),
+        **(_gemma3_fields(layers, meta) if fam.name == "gemma3" else {}),
     )
+
+
+def _gemma3_fields(layers: int, meta) -> dict:
+    windowed = tuple((i + 1) % _GEMMA3_SWA_PATTERN != 0 for i in range(layers))
+    return dict(norm_weight_offset=1.0, scale_embeddings=True, hidden_act="gelu_tanh", sandwich_norms=True,
+                query_pre_attn_scalar=float(meta("attention.key_length")), layer_windowed=windowed,
+                local_rope_theta=_GEMMA3_LOCAL_ROPE_THETA)
 
 
 def _tensor(tensor) -> np.ndarray:
@@ -114,14 +134,20 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def load_gguf_params(reader: GGUFReader, config: LlamaConfig, dtype: np.dtype) -> Params:
     """The params pytree, dequantised and cast to `dtype`, on device."""
     names = {t.name: t for t in reader.tensors}
+    fam = registry.family(config.architecture)
     e, h, k, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    unpermute = _unpermute if fam.gguf_unpermute_qk else lambda w, n: w
+    # Gemma's converter stored norms as 1 + w; ours hold w (the config's norm_weight_offset adds 1).
+    offset = config.norm_weight_offset if fam.gguf_norm_offset_baked else 0.0
+    norm = (lambda w: w - offset) if offset else (lambda w: w)
     layouts = {
-        "attn_norm": lambda w: w, "mlp_norm": lambda w: w,
-        "wq": lambda w: _unpermute(w, h).T.reshape(e, h, d),
-        "wk": lambda w: _unpermute(w, k).T.reshape(e, k, d),
+        "wq": lambda w: unpermute(w, h).T.reshape(e, h, d),
+        "wk": lambda w: unpermute(w, k).T.reshape(e, k, d),
         "wv": lambda w: w.T.reshape(e, k, d),
         "wo": lambda w: w.T.reshape(h, d, e),
         "w_gate": lambda w: w.T, "w_up": lambda w: w.T, "w_down": lambda w: w.T,
+        "bq": lambda w: unpermute(w, h).reshape(h, d), "bk": lambda w: unpermute(w, k).reshape(k, d),
+        "bv": lambda w: w.reshape(k, d),
     }
 
     def reader_for(name, layout):
@@ -130,11 +156,12 @@ def load_gguf_params(reader: GGUFReader, config: LlamaConfig, dtype: np.dtype) -
         return lambda: layout(_tensor(names[name]))
 
     groups = [("embed", [reader_for("token_embd.weight", lambda w: w)]),
-              ("final_norm", [reader_for("output_norm.weight", lambda w: w)])]
+              ("final_norm", [reader_for("output_norm.weight", norm)])]
     if not config.tie_word_embeddings:
         groups.append(("lm_head", [reader_for("output.weight", lambda w: w.T)]))
-    groups += [(key, [reader_for(template.format(i=i), layouts[key]) for i in range(config.num_hidden_layers)])
-               for key, template in _LAYER_TENSORS.items()]
+    groups += [(key, [reader_for(f"blk.{i}.{registry.GGUF_LAYER_NAMES[key]}", layouts.get(key, norm))
+                      for i in range(config.num_hidden_layers)])
+               for key in param_shapes(config)["layers"]]
     return assemble_params(config, groups, dtype, "Dequantising GGUF tensors")
 
 

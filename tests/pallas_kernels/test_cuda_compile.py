@@ -38,7 +38,8 @@ def triton_available(kernel_mode):
 
 
 def _attention_args(hq, kvh, d, t, s, p, *, dtype=jnp.bfloat16,
-                    page_size=16, layers=None):
+                    page_size=16, layers=None, windowed=False):
+  """windowed: a traced int32 sliding window (as a scan over layers picks)."""
   sds = jax.ShapeDtypeStruct
   pool = (kvh, 256, page_size, d)
   pool = pool if layers is None else (layers,) + pool
@@ -46,6 +47,8 @@ def _attention_args(hq, kvh, d, t, s, p, *, dtype=jnp.bfloat16,
           sds((s,), jnp.int32), sds((s, p), jnp.int32),
           sds((s + 1,), jnp.int32), sds((), jnp.int32))
   kw = {} if layers is None else {"layer": sds((), jnp.int32)}
+  if windowed:
+    kw["sliding_window"] = sds((), jnp.int32)
   return args, kw
 
 
@@ -153,3 +156,44 @@ def test_prefill_pipeline_keeps_the_next_block_in_flight(triton_available):
                                       prefill.ttgir)]
   assert waits and max(waits) >= 2, waits
   assert prefill.blocks_per_sm() == 1 and decode.blocks_per_sm() == 4
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_lowers_for_cuda_with_a_traced_window(path):
+  t, s, p, ns = PATHS[path]
+  args, kw = _attention_args(9, 3, 64, t, s, p, windowed=True, layers=2)
+  text = cuda_compile.lower_for_cuda(_attention(64, ns), *args, **kw)
+  assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("model", list(MODEL_SHAPES))
+@pytest.mark.parametrize("path", list(PATHS))
+def test_compiles_for_sm90_with_a_traced_window(model, path,
+                                                triton_available):
+  """The windowed kernel (masked blocks on both sides of the pipelined
+  loop) fits Hopper's shared memory with no spills, in the same calls."""
+  hq, kvh, d = MODEL_SHAPES[model]
+  t, s, p, ns = PATHS[path]
+  args, kw = _attention_args(hq, kvh, d, t, s, p, windowed=True)
+  kernels = cuda_compile.compile_for_cuda(_attention(d, ns), *args, **kw)
+  _check_resources(kernels)
+  plain = _attention_args(hq, kvh, d, t, s, p)
+  assert [k.name for k in kernels] == [
+      k.name for k in cuda_compile.compile_for_cuda(_attention(d, ns), *plain[0],
+                                                    **plain[1])]
+
+
+def test_windowed_decode_keeps_its_pipeline(triton_available):
+  """The window's masked first block runs before the pipelined loop, so the
+  loop keeps its 3 K and 3 V buffers and 4 programs an SM (as without)."""
+  t, s, p, ns = PATHS["decode"]
+  args, kw = _attention_args(32, 8, 128, t, s, p, windowed=True, layers=4)
+  kernel, = cuda_compile.compile_for_cuda(_attention(128, ns), *args, **kw)
+  assert kernel.load_buffers() == [(3, 32, 128), (3, 32, 128)]
+  assert kernel.blocks_per_sm() == 4
+  prefill_args, kw = _attention_args(32, 8, 128, *PATHS["prefill"][:3],
+                                     windowed=True)
+  _, prefill = cuda_compile.compile_for_cuda(_attention(128, 1),
+                                             *prefill_args, **kw)
+  assert prefill.load_buffers() == [(3, 64, 128), (3, 64, 128)]
+  assert prefill.blocks_per_sm() == 1

@@ -1,7 +1,8 @@
 """Ragged paged attention: Pallas kernel vs pure-JAX reference vs f64 NumPy.
 
-Kernel runs use `poison_output=True`: the kernel's output buffers start NaN
-(aliased in), so any element the kernel fails to write shows up as NaN. Pools
+Kernel runs go through the kernel's private entry point with
+`poison_output=True`: the kernel's output buffers start NaN (aliased in), so
+any element the kernel fails to write shows up as NaN. Pools
 are filled with NaN/huge garbage in free pages, in page 0, and past kv_len in
 used pages: a masking bug turns into NaN or a large error.
 """
@@ -18,10 +19,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention
-from pallas_kernels.ragged_paged_attention import choose_config
-from pallas_kernels.ragged_paged_attention import gather_q_tiles
-from pallas_kernels.ragged_paged_attention import scatter_tiles_to_tokens
-from pallas_kernels.ragged_paged_attention import tile_schedule
+from pallas_kernels import reference
+from pallas_kernels import triton_attention
 
 try:
   import hypothesis
@@ -52,6 +51,7 @@ class Batch:
   num_seqs: int
   layer: int | None
   sm_scale: float
+  sliding_window: int | None = None   # <= 0: no window
 
   def args(self):
     return (jnp.asarray(self.q), jnp.asarray(self.k_pages),
@@ -100,6 +100,29 @@ def make_batch(rng, q_lens, kv_lens, *, kvh=2, group=4, d=64, ps=16,
                None if layers is None else layers - 1, d ** -0.5)
 
 
+def window_start(pos, window):
+  """First key position the query at `pos` sees (transformers' sliding
+  window: kv_idx > q_idx - window)."""
+  return 0 if window is None or window <= 0 else max(0, pos - window + 1)
+
+
+def drop_out_of_window(b: Batch, garbage=np.nan) -> Batch:
+  """What an engine may do with keys no query of a sequence can see any more
+  (those before its first query's window): its pages wholly before the window
+  leave the table (null page 0), the slots before it hold garbage."""
+  k, v, table = b.k_pages.copy(), b.v_pages.copy(), b.page_table.copy()
+  ps = k.shape[-2]
+  for s in range(b.num_seqs):
+    q_len = b.cu_q_lens[s + 1] - b.cu_q_lens[s]
+    first = window_start(b.kv_lens[s] - q_len, b.sliding_window)
+    for key in range(first):
+      page = table[s, key // ps]
+      k[..., page, key % ps, :] = garbage
+      v[..., page, key % ps, :] = garbage
+    table[s, :first // ps] = 0
+  return dataclasses.replace(b, k_pages=k, v_pages=v, page_table=table)
+
+
 def oracle(b: Batch) -> np.ndarray:
   """float64 NumPy attention, one sequence / token at a time."""
   q = np.asarray(b.q, np.float64)
@@ -117,19 +140,40 @@ def oracle(b: Batch) -> np.ndarray:
     v = vp[:, pages].reshape(kvh, -1, d)[:, :kv]
     for j in range(hi - lo):
       pos = kv - (hi - lo) + j
+      first = window_start(pos, b.sliding_window)
       for h in range(q.shape[1]):
-        sc = k[h // g, :pos + 1] @ q[lo + j, h] * b.sm_scale
+        sc = k[h // g, first:pos + 1] @ q[lo + j, h] * b.sm_scale
         w = np.exp(sc - sc.max())
-        out[lo + j, h] = (w / w.sum()) @ v[h // g, :pos + 1]
+        out[lo + j, h] = (w / w.sum()) @ v[h // g, first:pos + 1]
   return out
+
+
+_PALLAS_DEFAULTS = dict(
+    layer=None, sliding_window=None, block_q=None, pages_per_block=None,
+    num_splits=None, num_warps=None, num_stages=None,
+    max_num_partial_prefills=None)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "interpret", "block_q", "pages_per_block", "num_splits",
+    "num_warps", "num_stages", "max_num_partial_prefills"))
+def poisoned_pallas(*args, **kw):
+  """The Pallas backend with NaN-filled output buffers (a test-only hook,
+  not in the public function's signature)."""
+  return triton_attention._ragged_paged_attention_pallas(  # pylint: disable=protected-access
+      *args, **{**_PALLAS_DEFAULTS, **kw}, poison_output=True)
 
 
 def run(b: Batch, backend, interpret=True, **kw):
   layer = None if b.layer is None else jnp.int32(b.layer)
+  if b.sliding_window is not None:
+    kw["sliding_window"] = jnp.int32(b.sliding_window)
   if backend == "pallas":
-    kw.update(interpret=interpret, poison_output=True)
-  out = ragged_paged_attention(*b.args(), sm_scale=b.sm_scale, layer=layer,
-                               backend=backend, **kw)
+    out = poisoned_pallas(*b.args(), sm_scale=b.sm_scale, layer=layer,
+                          interpret=interpret, **kw)
+  else:
+    out = ragged_paged_attention(*b.args(), sm_scale=b.sm_scale, layer=layer,
+                                 backend=backend, **kw)
   return np.asarray(out.astype(jnp.float32))
 
 
@@ -200,7 +244,7 @@ def test_mixed_batch_split_at_the_decode_tile_boundary(group, interpret):
 
 
 @pytest.mark.parametrize("num_prefills", [1, 3])
-def test_max_prefill_seqs_bounds_the_prefill_tiles(num_prefills, interpret):
+def test_max_num_partial_prefills_bounds_the_prefill_tiles(num_prefills, interpret):
   """With the scheduler's promise of at most N multi-query sequences, the
   prefill call gets only N sequences' worth of tiles, wherever they sit."""
   rng = np.random.default_rng(num_prefills)
@@ -209,7 +253,7 @@ def test_max_prefill_seqs_bounds_the_prefill_tiles(num_prefills, interpret):
   for i in rng.choice(8, num_prefills, replace=False):
     q_lens[i], kv_lens[i] = 37, kv_lens[i] + 36
   b = make_batch(rng, q_lens, kv_lens, num_slots=16)
-  check(b, interpret, max_prefill_seqs=num_prefills)
+  check(b, interpret, max_num_partial_prefills=num_prefills)
 
 
 def test_padding_slots_and_tokens(interpret):
@@ -326,8 +370,8 @@ def test_validation_errors():
     f(q, kp, vp, kvl, pt, cu[:-1], ns)
   with pytest.raises(ValueError, match="layer"):
     f(q, kp, vp, kvl, pt, cu, ns, layer=jnp.int32(0))
-  with pytest.raises(ValueError, match="max_prefill_seqs"):
-    f(q, kp, vp, kvl, pt, cu, ns, max_prefill_seqs=0)
+  with pytest.raises(ValueError, match="max_num_partial_prefills"):
+    f(q, kp, vp, kvl, pt, cu, ns, max_num_partial_prefills=0)
   with pytest.raises(ValueError, match="power-of-two head_dim"):
     d = 48
     f(q[..., :d], kp[..., :d], vp[..., :d], kvl, pt, cu, ns,
@@ -387,70 +431,138 @@ def test_llama3_8b_shapes_bf16(num_slots, interpret):
   check(b, interpret)
 
 
-def test_tile_lookup_has_no_loop():
-  """The tile schedule and the scatter back to tokens run without a while
-  loop: XLA:GPU syncs with the host at each iteration of one (a binary
-  searchsorted cost ~0.3 ms a call on an H200, docs/benchmarks.md)."""
-  cu = jnp.array([0, 1, 9, 10, 10], jnp.int32)
-  kv_lens = jnp.array([5, 30, 7, 0], jnp.int32)
+# --------------------------------------------------------------------------
+# Sliding windows.
+# --------------------------------------------------------------------------
 
-  def lookup(cu, kv_lens):
-    sched = tile_schedule(cu, kv_lens, 3, block_q=4, num_tiles=5)
-    o_tiles = jnp.ones((5, 4, 2, 8), jnp.float32)
-    return scatter_tiles_to_tokens(o_tiles, cu, 3, sched, 12)
-
-  text = jax.jit(lookup).lower(cu, kv_lens).as_text()
-  assert "while" not in text and "stablehlo.case" not in text
-  out = np.asarray(jax.jit(lookup)(cu, kv_lens))
-  assert np.all(out[:10] == 1) and np.all(out[10:] == 0)
+# Ragged mixed batches: decodes and prefill chunks (some over a cached
+# prefix), several sequences, contexts 1..130.
+WINDOW_BATCHES = {
+    "mixed": ([1, 20, 1, 33, 1], [40, 52, 9, 33, 130], dict(num_slots=8)),
+    "decode": ([1] * 6, [1, 15, 16, 17, 70, 130], dict(num_slots=8)),
+    "prefill": ([45, 3, 70], [45, 50, 130], {}),
+}
+# Smaller than, equal to and larger than the contexts; <= 0: no window.
+WINDOWS = [1, 7, 16, 130, 1000, -3]
 
 
-@pytest.mark.parametrize("kind, d, itemsize, page_size, want", [
-    # decode tiles: 32-key blocks, as many stages as 48 KiB of K/V holds (<=4)
-    ("decode", 128, 2, 16, (2, 4)),
-    ("decode", 64, 2, 16, (2, 4)),
-    ("decode", 128, 2, 32, (1, 4)),
-    ("decode", 128, 4, 16, (2, 2)),     # f32: 32 KiB a block, one ahead
-    ("decode", 128, 2, 64, (1, 2)),     # a page is already 64 keys
-    # prefill tiles (128 rows): 64-key blocks, 3 stages if Q and 3 K/V
-    # buffers fit in 160 KiB
-    ("prefill", 128, 2, 16, (4, 3)),    # 32 KiB + 3 x 32 KiB
-    ("prefill", 64, 2, 32, (2, 3)),
-    ("prefill", 128, 4, 16, (4, 2)),    # f32: 64 KiB + 3 x 64 KiB
-])
-def test_choose_config_blocks_and_stages(kind, d, itemsize, page_size, want):
-  t, s = (64, 64) if kind == "decode" else (512, 4)
-  cfg = choose_config(t, s, 4, page_size, 128, 8, head_dim=d,
-                      itemsize=itemsize)
-  assert (cfg.pages_per_block, cfg.num_stages) == want
-  assert cfg.rows == (16 if kind == "decode" else 128)
-  override = choose_config(t, s, 4, page_size, 128, 8, head_dim=d,
-                           itemsize=itemsize, pages_per_block=8,
-                           num_stages=3)
-  assert (override.pages_per_block, override.num_stages) == (8, 3)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("name", list(WINDOW_BATCHES))
+def test_sliding_window_matches_oracle(name, window, interpret):
+  """Every backend against the float64 oracle; keys before each sequence's
+  first window are garbage and pages wholly before it are off the table."""
+  q_lens, kv_lens, kw = WINDOW_BATCHES[name]
+  rng = np.random.default_rng(zlib.crc32(f"{name}{window}".encode()))
+  b = make_batch(rng, q_lens, kv_lens, group=4, kvh=2, **kw)
+  check(drop_out_of_window(dataclasses.replace(b, sliding_window=window)),
+        interpret)
 
 
-def test_one_token_tiles_move_q_and_o_without_a_gather():
-  """With one-token tiles and as many tiles as tokens, tile t is token t: the
-  q/o moves are reshapes, and equal the general gathers exactly (ragged
-  lengths, empty sequences, padding tokens and slots)."""
-  rng = np.random.default_rng(3)
-  q = jnp.asarray(rng.normal(size=(12, 4, 8)), jnp.float32)
-  cu = jnp.array([0, 3, 3, 4, 9, 9], jnp.int32)       # 9 live tokens, 3 padding
-  kv_lens = jnp.array([5, 0, 7, 40, 3], jnp.int32)
-  fast = tile_schedule(cu, kv_lens, 4, block_q=1, num_tiles=12, num_tokens=12)
-  slow = tile_schedule(cu, kv_lens, 4, block_q=1, num_tiles=12)
-  assert fast.tiles_are_tokens and not slow.tiles_are_tokens
-  assert not tile_schedule(cu, kv_lens, 4, block_q=1, num_tiles=12,
-                           num_tokens=12,
-                           include=jnp.ones(5, bool)).tiles_are_tokens
-  assert np.array_equal(fast.q_start[:9], np.arange(9))
-  np.testing.assert_array_equal(gather_q_tiles(q, fast, 1),
-                                gather_q_tiles(q, slow, 1))
-  o_tiles = jnp.asarray(rng.normal(size=(12, 1, 4, 8)), jnp.float32)
-  out = scatter_tiles_to_tokens(o_tiles, cu, 4, fast, 12)
-  np.testing.assert_array_equal(out, scatter_tiles_to_tokens(o_tiles, cu, 4,
-                                                             slow, 12))
-  assert np.all(np.asarray(out[9:]) == 0)
-  text = jax.jit(lambda q: gather_q_tiles(q, fast, 1)).lower(q).as_text()
-  assert "gather" not in text
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_sliding_window_gqa_and_page_size(group, interpret):
+  rng = np.random.default_rng(group)
+  b = make_batch(rng, [1, 40, 1, 5], [300, 100, 64, 77], group=group, kvh=1,
+                 ps=32, num_slots=6)
+  for window in (31, 64, 65):
+    check(drop_out_of_window(dataclasses.replace(b, sliding_window=window)),
+          interpret)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_sliding_window_split_kv(num_splits, interpret):
+  """Flash-decoding splits share out only the window's blocks."""
+  rng = np.random.default_rng(num_splits)
+  b = make_batch(rng, [1, 1, 4, 1], [500, 17, 230, 90], group=4,
+                 num_slots=16)
+  for window in (20, 100):
+    check(drop_out_of_window(dataclasses.replace(b, sliding_window=window)),
+          interpret, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("block_q,ppb", [(1, 1), (8, 2), (32, 4)])
+def test_sliding_window_tiling_overrides(block_q, ppb, interpret):
+  """Tall tiles with windows narrower than a tile, a block, and both."""
+  rng = np.random.default_rng(block_q + 100)
+  b = make_batch(rng, [5, 1, 60], [70, 3, 90], group=2, kvh=2)
+  for window in (3, 20, 50):
+    check(drop_out_of_window(dataclasses.replace(b, sliding_window=window)),
+          interpret, block_q=block_q, pages_per_block=ppb)
+
+
+def test_sliding_window_in_bf16(interpret):
+  rng = np.random.default_rng(77)
+  b = make_batch(rng, [1, 30, 1], [200, 90, 64], d=128, group=4,
+                 dtype=jnp.bfloat16)
+  check(drop_out_of_window(dataclasses.replace(b, sliding_window=48)),
+        interpret)
+
+
+def test_traced_per_layer_windows_in_a_scan(interpret):
+  """A mixed local/global stack in one step: the scan picks each layer's
+  window (0: global) from an array, so the window is traced."""
+  rng = np.random.default_rng(13)
+  b = make_batch(rng, [1, 30, 1, 9], [90, 60, 33, 9], layers=3, num_slots=6)
+  windows = np.array([8, 0, 33], np.int32)
+  q, kp, vp, kvl, pt, cu, ns = b.args()
+
+  @functools.partial(jax.jit, static_argnames="backend")
+  def step(windows, backend):
+    def body(carry, xs):
+      layer, window = xs
+      if backend == "pallas":
+        o = poisoned_pallas(q, kp, vp, kvl, pt, cu, ns, layer=layer,
+                            sliding_window=window, sm_scale=b.sm_scale,
+                            interpret=interpret)
+      else:
+        o = ragged_paged_attention(q, kp, vp, kvl, pt, cu, ns, layer=layer,
+                                   sliding_window=window, sm_scale=b.sm_scale,
+                                   backend=backend)
+      return carry, o
+    layers = jnp.arange(3, dtype=jnp.int32)
+    return jax.lax.scan(body, 0, (layers, windows))[1]
+
+  for backend in BACKENDS:
+    outs = np.asarray(step(jnp.asarray(windows), backend))
+    for layer, window in enumerate(windows):
+      want = oracle(dataclasses.replace(b, layer=layer,
+                                        sliding_window=int(window)))
+      err = np.abs(outs[layer] - want).max()
+      assert err <= tolerance(jnp.float32, backend, interpret), (
+          backend, layer, err)
+
+
+def test_no_window_and_non_positive_window_agree(interpret):
+  """sliding_window=None (static) and a traced 0 are the same attention."""
+  rng = np.random.default_rng(2)
+  b = make_batch(rng, [1, 12, 1], [50, 40, 16])
+  for backend in BACKENDS:
+    np.testing.assert_allclose(
+        run(dataclasses.replace(b, sliding_window=0), backend, interpret),
+        run(b, backend, interpret), atol=1e-6)
+
+
+def test_sliding_window_validation():
+  rng = np.random.default_rng(0)
+  b = make_batch(rng, [2], [2])
+  f = functools.partial(ragged_paged_attention, *b.args(), sm_scale=0.1)
+  with pytest.raises(ValueError, match="sliding_window"):
+    f(sliding_window=jnp.float32(4.0))
+  with pytest.raises(ValueError, match="sliding_window"):
+    f(sliding_window=jnp.array([4, 4], jnp.int32))
+
+
+@pytest.mark.parametrize("budget_tokens", [1, 4, 1000])
+def test_reference_in_token_groups_matches_oracle(budget_tokens, monkeypatch):
+  """The reference gathers all tokens' rows at once where they fit, else
+  maps over groups of tokens (a remainder group included)."""
+  rng = np.random.default_rng(8)
+  b = make_batch(rng, [1, 9, 1], [20, 30, 5], extra_tokens=2)
+  b = dataclasses.replace(b, sliding_window=6)
+  row = b.k_pages.shape[0] * b.page_table.size // b.page_table.shape[0] * (
+      b.k_pages.shape[2] * b.q.shape[2])
+  monkeypatch.setattr(reference, "_GATHER_BUDGET", budget_tokens * row)
+  got = reference.ragged_paged_attention_reference(
+      *b.args(), sm_scale=b.sm_scale, sliding_window=jnp.int32(6))
+  live = int(b.cu_q_lens[b.num_seqs])
+  assert np.abs(np.asarray(got)[:live] - oracle(b)[:live]).max() < 2e-5
+  assert np.all(np.asarray(got)[live:] == 0)

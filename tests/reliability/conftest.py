@@ -17,6 +17,8 @@ import pytest
 
 from jaxpaged.async_engine import AsyncLLM, AsyncLLMConfig
 from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.request import RequestStatus
+from jaxpaged.sampling_params import SamplingParams
 from server.app import build_app
 from server.config import ServerConfig
 from tests.server.conftest import LiveServer, serve
@@ -61,6 +63,38 @@ class FaultInjector:
         return logits
 
 
+class FailBeforeForward:
+    """Wraps `engine.runner.execute` so a step holding a running request `request_id` raises BEFORE the model
+    runs: the step's pages were scheduled (and their full pages hashed into the prefix cache) but their KV was
+    never written. (`fault_injector` fires after the forward, when the KV pool is already written.)"""
+
+    def __init__(self, engine: LLMEngine, request_id: str):
+        self.engine, self.request_id, self.raised = engine, request_id, 0
+        self._execute = engine.runner.execute
+        engine.runner.execute = self
+
+    def __call__(self, *args, **kwargs):
+        request = self.engine.scheduler.get_request(self.request_id)
+        if request is not None and request.status is RequestStatus.RUNNING:
+            self.raised += 1
+            raise InjectedFault("injected failure before the forward")
+        return self._execute(*args, **kwargs)
+
+
+def greedy_outputs(engine: LLMEngine, prompts, max_tokens: int) -> list:
+    """CompletionOutputs of greedy requests run to completion on a synchronous engine (all added at once)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"greedy-{id(prompts)}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    done = {}
+    for _ in range(100 * max_tokens * len(prompts)):
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests():
+            return [done[rid] for rid in ids]
+    raise AssertionError("greedy requests did not finish")
+
+
 def make_engine(path: str, fault_injector: FaultInjector | None = None, **overrides) -> LLMEngine:
     engine = LLMEngine(EngineArgs(model=path, **{**ENGINE_ARGS, **overrides}), fault_injector=fault_injector)
     if fault_injector is not None:
@@ -90,6 +124,12 @@ def tiny_path(tiny_checkpoints) -> str:
 @pytest.fixture(scope="session")
 def rel_faults() -> FaultInjector:
     return FaultInjector()
+
+
+@pytest.fixture(scope="session")
+def nocache_engine(tiny_path) -> LLMEngine:
+    """The reference for isolation tests: the same model with prefix caching OFF (every prompt computed)."""
+    return make_engine(tiny_path, enable_prefix_caching=False, warmup=False)
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import jax.numpy as jnp
 
-from tests.reliability.conftest import MODEL_NAME, NAN_MARKER, RAISE_MARKER, SLOW_MARKER
+from tests.reliability.conftest import (MODEL_NAME, NAN_MARKER, RAISE_MARKER, SLOW_MARKER, FailBeforeForward,
+                                        greedy_outputs, make_engine)
 from tests.reliability.sse import assert_error_shape, stream
 
 GREEDY = dict(model=MODEL_NAME, temperature=0, ignore_eos=True)
@@ -73,3 +75,36 @@ def test_nan_row_finishes_with_reason_error_at_the_engine(rel_llm):
     outputs = asyncio.run(run())
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "error"
     assert outputs[-1].outputs[0].token_ids == []  # the garbage token is never appended
+
+
+def test_a_step_failing_before_the_forward_resets_the_prefix_cache(tiny_path, nocache_engine):
+    """The step that fails was scheduled, so its prompt's full pages are already hashed in the prefix cache,
+    but the forward never ran: their KV was never written. The pool is NaN (nothing in use), so a later
+    request with the same prefix that took those pages would read NaN and fail. After the reset it is
+    computed afresh and equals the answer computed without prefix caching."""
+    from jaxpaged.async_engine import AsyncLLM
+    from jaxpaged.model_runner import KVPool
+    from jaxpaged.sampling_params import SamplingParams
+
+    engine = make_engine(tiny_path, warmup=False)
+    fault = FailBeforeForward(engine, "doomed")
+    kv = engine.runner.kv
+    engine.runner.kv = KVPool(jnp.full_like(kv.k, jnp.nan), jnp.full_like(kv.v, jnp.nan))
+    prefix = [(7 * i + 3) % 250 for i in range(40)]  # 2 full pages of 16 tokens, and 8 more
+    later = prefix + [11, 12, 13]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = AsyncLLM(engine)
+
+    async def run(request_id, prompt):
+        return [o async for o in llm.generate(request_id, prompt, params)][-1]
+
+    try:
+        doomed = asyncio.run(run("doomed", prefix + [1, 2]))
+        assert fault.raised == 1 and doomed.outputs[0].finish_reason == "error"
+        hits = engine.scheduler.pool.prefix_cache_hits
+        after = asyncio.run(run("after", later))
+    finally:
+        llm.shutdown()
+    expected = greedy_outputs(nocache_engine, [later], 8)[0]
+    assert (after.outputs[0].finish_reason, after.outputs[0].token_ids) == ("length", expected.token_ids)
+    assert engine.scheduler.pool.prefix_cache_hits == hits  # nothing of the failed step was found

@@ -28,8 +28,10 @@ def api_schema(rel):
 
 
 def check_response(response) -> None:
-    """No 5xx; every non-2xx in OpenAI's error shape; a 2xx stream ends with [DONE]."""
+    """No 5xx, never a 422 (bad input is a 400); every non-2xx in OpenAI's error shape; a 2xx stream ends
+    with [DONE]."""
     assert response.status_code < 500, (response.status_code, response.text[:500])
+    assert response.status_code != 422, response.text[:500]
     if response.status_code >= 400:
         assert_error_shape(response.json())
     elif "text/event-stream" in str(response.headers.get("content-type", "")):

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxpaged.model_runner import KVPool
 from jaxpaged.sampling_params import SamplingParams
-from tests.reliability.conftest import MODEL_NAME, make_engine
+from tests.reliability.conftest import MODEL_NAME, greedy_outputs, make_engine
 from tests.reliability.sse import assert_error_shape
 
 PROMPTS = [f"request number {i}: " + "tell me about pages " * (1 + i % 3) for i in range(6)]
@@ -77,9 +79,16 @@ def test_request_larger_than_the_model_length_is_a_400_at_once(rel):
             assert response.elapsed.total_seconds() < 1.0
 
 
-def test_shared_system_prompt_does_not_leak_between_users(rel):
-    """Prefix caching shares the system prompt's pages; each user's answer equals its answer alone."""
+def _chat_ids(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template wrote any BOS itself
+
+
+def test_shared_system_prompt_does_not_leak_between_users(rel, nocache_engine):
+    """Prefix caching shares the system prompt's pages; each user's answer, alone or among 8 concurrent ones,
+    equals the answer computed WITHOUT prefix caching (from the chat template's token ids, on the engine)."""
     system = {"role": "system", "content": "You are a careful assistant. " * 3}  # > 2 pages of 16 tokens
+    questions = ["what is alpha?", "and beta, then?"]
 
     def body(question: str) -> dict:
         return dict(model=MODEL_NAME, temperature=0, max_tokens=12, ignore_eos=True,
@@ -87,14 +96,62 @@ def test_shared_system_prompt_does_not_leak_between_users(rel):
 
     async def scenario():
         async with httpx.AsyncClient(base_url=rel.url, timeout=60) as client:
-            alone_a = await client.post("/v1/chat/completions", json=body("what is alpha?"))
-            alone_b = await client.post("/v1/chat/completions", json=body("and beta, then?"))
+            alone = [await client.post("/v1/chat/completions", json=body(q)) for q in questions]
             together = await asyncio.gather(*(client.post("/v1/chat/completions", json=body(q))
-                                              for q in ["what is alpha?", "and beta, then?"] * 4))
-            return alone_a, alone_b, together
+                                              for q in questions * 4))
+            return alone, together
 
     hits = rel.engine.stats()["prefix_cache_hits"]
-    alone_a, alone_b, together = asyncio.run(scenario())
-    content = [r.json()["choices"][0]["message"]["content"] for r in (alone_a, alone_b, *together)]
-    assert content[2::2] == [content[0]] * 4 and content[3::2] == [content[1]] * 4
+    alone, together = asyncio.run(scenario())
     assert rel.engine.stats()["prefix_cache_hits"] > hits  # the system prompt really was shared
+    tokenizer = nocache_engine.tokenizer
+    prompts = [_chat_ids(tokenizer, body(q)["messages"]) for q in questions]
+    expected = [o.text for o in greedy_outputs(nocache_engine, prompts, 12)]
+    content = [r.json()["choices"][0]["message"]["content"] for r in (*alone, *together)]
+    assert content == expected + expected * 4
+
+
+def test_identical_pages_after_different_prefixes_are_not_shared(rel, nocache_engine):
+    """Chained page hashes: a page's KV depends on every token before it, so a page of identical tokens after
+    a different prefix (or at another position) must not be shared. Prompts are token ids aligned to the
+    16-token pages: A B C, B C (B and C at other positions), D B C, A B D, C A B; first one after another
+    (each finds the earlier ones cached), then all at once. Every answer equals the one computed without
+    prefix caching."""
+    rng = np.random.default_rng(20)
+    a, b, c, d = (rng.integers(0, 250, 16).tolist() for _ in range(4))
+    tail = [5, 6, 7]
+    prompts = [a + b + c + tail, b + c + tail, d + b + c + tail, a + b + d + tail, c + a + b + tail, a + b + c + [9]]
+    expected = [o.token_ids for o in greedy_outputs(nocache_engine, prompts, 10)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    async def generate(i, prompt, tag):
+        return [o async for o in rel.engine.generate(f"chain-{tag}-{i}", prompt, params)][-1]
+
+    async def scenario():
+        one_by_one = [await generate(i, p, "seq") for i, p in enumerate(prompts)]
+        together = await asyncio.gather(*(generate(i, p, "par") for i, p in enumerate(prompts)))
+        return one_by_one, together
+
+    hits = rel.engine.stats()["prefix_cache_hits"]
+    one_by_one, together = asyncio.run(scenario())
+    assert rel.engine.stats()["prefix_cache_hits"] > hits  # a b c + [9], and the second round, were shared
+    assert [o.outputs[0].token_ids for o in one_by_one] == expected
+    assert [o.outputs[0].token_ids for o in together] == expected
+    assert [o.num_cached_tokens for o in one_by_one] == [0, 0, 0, 32, 0, 48]
+
+
+def test_chat_over_http_equals_the_engines_greedy_output(rel, nocache_engine):
+    """The chat endpoint (template, tokenization, detokenization, streaming or not) answers exactly what the
+    engine answers greedily for the chat template's token ids."""
+    messages = [{"role": "user", "content": "tell me a story about a paged cache"}]
+    body = dict(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=20, ignore_eos=True)
+    with httpx.Client(base_url=rel.url, timeout=60) as client:
+        plain = client.post("/v1/chat/completions", json=body).json()
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+    expected = greedy_outputs(nocache_engine, [_chat_ids(nocache_engine.tokenizer, messages)], 20)[0]
+    assert expected.text and len(expected.token_ids) == 20
+    assert plain["choices"][0]["message"]["content"] == expected.text
+    assert plain["usage"]["completion_tokens"] == 20
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == expected.text

@@ -1,4 +1,9 @@
-"""SIGTERM: `python -m server` stops accepting, lets in-flight streams end cleanly, exits 0, leaves no orphans."""
+"""SIGTERM: `python -m server` stops accepting, lets in-flight streams end cleanly, exits 0, leaves no orphans.
+
+The server runs through `tests/reliability/serve_instrumented.py` (the `server` package as `__main__`, each
+engine step STEP_DELAY seconds slower), so how long a request takes is known: the edges of the grace period
+are tested deterministically, in both directions.
+"""
 
 from __future__ import annotations
 
@@ -15,21 +20,24 @@ import pytest
 from tests.server.conftest import free_port
 
 START_TIMEOUT = 180.0  # the first start compiles every step shape
-SHUTDOWN_TIMEOUT = 3.0
+STEP_DELAY = 0.05  # seconds added to every engine step: a request of N tokens takes >= N * STEP_DELAY
+GRACE = 5.0
 EXIT_MARGIN = 15.0
 
 
-def _start(tiny_path: str, port: int, tmp_path, grace: float) -> subprocess.Popen:
+def start_instrumented(tiny_path: str, port: int, tmp_path, extra: tuple[str, ...] = (),
+                       step_delay: float = STEP_DELAY) -> subprocess.Popen:
     log = open(tmp_path / "server.log", "w")
     return subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", tiny_path, "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-m", "tests.reliability.serve_instrumented", str(tmp_path / "report.json"),
+         str(step_delay), "--model", tiny_path, "--host", "127.0.0.1", "--port", str(port),
          "--max-model-len", "128", "--num-pages", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-         "--shutdown-timeout", str(grace), "--log-level", "info"],
+         "--log-level", "info", *extra],
         stdout=log, stderr=subprocess.STDOUT)
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the server exited during start-up"
         try:
@@ -61,18 +69,20 @@ def _stream_then_sigterm(proc: subprocess.Popen, url: str, max_tokens: int) -> t
     return events, refused
 
 
-@pytest.mark.parametrize("max_tokens, grace", [(24, SHUTDOWN_TIMEOUT), (100, 0.0)])
+# (max_tokens, grace): 24 tokens take >= 1.2 s, well inside a 5 s grace period but far longer than the
+# server takes to reach its shutdown (0.1 s ticks): a drain that ignores the grace period cuts them.
+# 100 tokens take >= 5 s: with no grace they cannot finish, so the stream must end with 503 + [DONE].
+@pytest.mark.parametrize("max_tokens, grace", [(24, GRACE), (100, 0.0)])
 def test_sigterm_drains_and_exits_zero(tiny_path, tmp_path, max_tokens, grace):
-    """24 tokens finish within the grace period; with no grace the stream is cut: a 503 chunk + [DONE]."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _start(tiny_path, port, tmp_path, grace)
+    proc = start_instrumented(tiny_path, port, tmp_path, ("--shutdown-timeout", str(grace)))
     try:
-        _wait_healthy(proc, url)
+        wait_healthy(proc, url)
         children = psutil.Process(proc.pid).children(recursive=True)
         start = time.monotonic()
         events, refused = _stream_then_sigterm(proc, url, max_tokens)
-        code = proc.wait(timeout=SHUTDOWN_TIMEOUT + EXIT_MARGIN)
+        code = proc.wait(timeout=GRACE + EXIT_MARGIN)
         elapsed = time.monotonic() - start
     finally:
         if proc.poll() is None:
@@ -80,14 +90,19 @@ def test_sigterm_drains_and_exits_zero(tiny_path, tmp_path, max_tokens, grace):
             proc.wait(10)
     log = (tmp_path / "server.log").read_text()
     assert code == 0, log[-3000:]
-    assert elapsed < SHUTDOWN_TIMEOUT + EXIT_MARGIN
     assert refused, "the server still accepted connections after SIGTERM"
     assert events[-1] == "[DONE]", events[-3:]
     chunks = [json.loads(e) for e in events[:-1]]
     errors = [c["error"] for c in chunks if "error" in c]
     finished = [ch["finish_reason"] for c in chunks for ch in c.get("choices", ()) if ch["finish_reason"]]
-    assert finished == ["length"] or [e["code"] for e in errors] == [503], chunks[-2:]
-    if grace:
-        assert finished == ["length"] and not errors
+    tokens = sum(1 for c in chunks for ch in c.get("choices", ()) if ch.get("text"))
+    if grace:  # the stream ran to its end within the grace period
+        assert finished == ["length"] and not errors, chunks[-2:]
+        assert max_tokens * STEP_DELAY <= elapsed < GRACE + EXIT_MARGIN
+    else:  # cut at once: one 503 error chunk, no finish, far fewer tokens than asked
+        assert [e["code"] for e in errors] == [503] and not finished, chunks[-2:]
+        assert tokens < max_tokens // 2 and elapsed < max_tokens * STEP_DELAY
+        assert "grace period (0.0 s) over: aborting 1 running" in log, log[-3000:]
     assert not [c for c in children if c.is_running()], "orphaned child processes"
     assert "Traceback" not in log, log[-3000:]
+    assert "torch" not in json.loads((tmp_path / "report.json").read_text())["modules"]  # serving never imports it

@@ -1,0 +1,126 @@
+"""Ragged paged attention as blocked plain JAX ("xla"): the CPU production path.
+
+Shapes as in `tiling.py`; bq query tokens per tile, K = ppb * ps keys a
+block. The batch is cut into the same tiles as the Triton kernel's, planned
+by the same `plan_kernel_calls` (with the XLA path's tile sizes), and all
+tiles advance together through an online softmax over blocks of pages: a
+loop of ceil(longest live context / K) iterations, so the work and the
+gathered K/V follow the batch's real context, not the page table's static
+width P. With a sliding window, each tile starts at the first block of its
+window, and the loop runs over the widest window's blocks instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.tiling import (MASK_VALUE, effective_window,
+                                   f32_precision, flat_page_ids,
+                                   gather_q_tiles, plan_kernel_calls,
+                                   run_planned_calls, scatter_tiles_to_tokens,
+                                   tile_schedule)
+
+
+def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_table,
+                               cu_q_lens, num_seqs, *, sm_scale, layer=None,
+                               sliding_window=None, block_q=None,
+                               pages_per_block=None,
+                               max_num_partial_prefills=None):
+  """Same contract as `ragged_paged_attention` (un-jitted, unvalidated).
+
+  sliding_window: None (static: no window) or an int32 scalar, traced ok;
+  <= 0 is no window. block_q, pages_per_block: tiling overrides;
+  max_num_partial_prefills: the promise of `ragged_paged_attention`."""
+  t, hq, d = q.shape
+  kvh, _, ps, _ = k_pages.shape[-4:]
+  s, p = page_table.shape
+  calls = plan_kernel_calls(
+      t, s, hq // kvh, ps, p, kvh, head_dim=d, itemsize=q.dtype.itemsize,
+      block_q=block_q, pages_per_block=pages_per_block,
+      max_num_partial_prefills=max_num_partial_prefills, backend="xla")
+  run = functools.partial(
+      _xla_forward, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
+      num_seqs, sm_scale=sm_scale, layer=layer, sliding_window=sliding_window)
+  return run_planned_calls(run, calls, cu_q_lens, num_seqs, t)
+
+
+def tile_blocks(sched, window, block_k):
+  """(first block of each tile [NT] or 0, loop length): tile i reads blocks
+  first[i] .. first[i] + loop length - 1, which cover its keys up to its
+  last query from the first block holding a key in its first query's window
+  (block 0 without a window); blocks past its end are masked."""
+  live_tile = sched.q_len > 0
+  tile_end = jnp.where(live_tile, jnp.minimum(sched.kv_len,
+                                              sched.pos0 + sched.q_len), 0)
+  if window is None:
+    first_block = 0
+  else:
+    first_block = jnp.maximum(sched.pos0 - window + 1, 0) // block_k  # [NT]
+  last_block = (tile_end + block_k - 1) // block_k             # [NT]
+  num_blocks = jnp.max(jnp.where(live_tile, last_block - first_block, 0))
+  return first_block, num_blocks
+
+
+def _xla_forward(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
+                 num_seqs, *, sm_scale, layer, sliding_window, cfg, num_tiles,
+                 include=None):
+  """One planned call: the tiles of the sequences `include` marks (all if
+  None), at most num_tiles of them -> [T, Hq, D]."""
+  t, hq, d = q.shape
+  kvh, n, ps, _ = k_pages.shape[-4:]
+  p = page_table.shape[1]
+  g, bq, ppb, nt = hq // kvh, cfg.block_q, cfg.pages_per_block, num_tiles
+  block_k = ppb * ps
+  sched = tile_schedule(cu_q_lens, kv_lens, num_seqs, block_q=bq,
+                        num_tiles=nt, include=include, num_tokens=t)
+  qt = gather_q_tiles(q, sched, bq).reshape(nt, bq, kvh, g, d)
+  pt = jnp.pad(page_table, ((0, 0), (0, -p % ppb)))[sched.seq]  # [NT, Pp]
+  u = jnp.arange(bq, dtype=jnp.int32)
+  qpos = sched.pos0[:, None] + u[None, :]                      # [NT, bq]
+  q_live = u[None, :] < sched.q_len[:, None]                   # [NT, bq]
+  window = (None if sliding_window is None
+            else effective_window(sliding_window))
+  first_block, num_blocks = tile_blocks(sched, window, block_k)
+  hi = f32_precision(q.dtype)
+
+  def block(j, carry):
+    m, l, acc = carry                       # [NT,KVH,G,bq], idem, [..., D]
+    if window is None:   # every tile at block j: one slice of the table
+      ids = lax.dynamic_slice_in_dim(pt, j * ppb, ppb, axis=1)  # [NT, ppb]
+      kpos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)[None]
+    else:                # tile i at its own block first_block[i] + j
+      b = first_block + j                                       # [NT]
+      col = b[:, None] * ppb + jnp.arange(ppb, dtype=jnp.int32)[None]
+      ids = jnp.take_along_axis(pt, jnp.minimum(col, pt.shape[1] - 1), 1)
+      kpos = b[:, None] * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    flat = flat_page_ids(ids, layer, kvh, n)                    # [KVH,NT,ppb]
+    k = k_pages.reshape(-1, ps, d)[flat].reshape(kvh, nt, block_k, d)
+    v = v_pages.reshape(-1, ps, d)[flat].reshape(kvh, nt, block_k, d)
+    kv_live = kpos < sched.kv_len[:, None]                      # [NT, K]
+    if window is not None:   # keys before the tile's first window: not
+      kv_live &= kpos > sched.pos0[:, None] - window   # read (V may be NaN)
+    mask = q_live[:, :, None] & (kpos[:, None, :] <= qpos[:, :, None])
+    if window is not None:
+      mask &= kpos[:, None, :] > qpos[:, :, None] - window
+    mask = (mask & kv_live[:, None, :])[:, None, None]          # [NT,1,1,bq,K]
+    logits = jnp.einsum("nuhgd,hnkd->nhguk", qt, k, precision=hi,
+                        preferred_element_type=jnp.float32) * sm_scale
+    logits = jnp.where(mask, logits, MASK_VALUE)
+    m_new = jnp.maximum(m, logits.max(-1))
+    probs = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.)
+    alpha = jnp.exp(m - m_new)
+    v = jnp.where(kv_live[None, :, :, None], v, jnp.zeros((), v.dtype))
+    pv = jnp.einsum("nhguk,hnkd->nhgud", probs, v.astype(jnp.float32),
+                    precision=hi)
+    return m_new, l * alpha + probs.sum(-1), acc * alpha[..., None] + pv
+
+  init = (jnp.full((nt, kvh, g, bq), MASK_VALUE, jnp.float32),
+          jnp.zeros((nt, kvh, g, bq), jnp.float32),
+          jnp.zeros((nt, kvh, g, bq, d), jnp.float32))
+  _, l, acc = lax.fori_loop(0, num_blocks, block, init)
+  o = acc / jnp.where(l > 0, l, 1.)[..., None]                  # [NT,KVH,G,bq,D]
+  o = o.transpose(0, 3, 1, 2, 4).reshape(nt, bq, hq, d).astype(q.dtype)
+  return scatter_tiles_to_tokens(o, cu_q_lens, num_seqs, sched, t)

@@ -1,0 +1,365 @@
+"""Mutation check: remove each guard in a scratch copy of the repository, run the tests named for it, and
+report which mutations survive (a surviving mutation is a guard no test protects).
+
+Every row of docs/security.md and the engine's correctness guards (page accounting, prefix-cache hashing,
+preemption, stop handling, seeded sampling) has one or more mutations below. A mutation is located by an
+exact source snippet (`anchor`) that must occur exactly once in its file: after a refactor moves or rewrites
+the guarded code, the check says "anchor not found" (and fails) instead of silently mutating nothing.
+
+    python scripts/mutation_check.py --check-anchors        # seconds: every anchor matches exactly once
+    python scripts/mutation_check.py --list
+    python scripts/mutation_check.py [--only NAME,...] [--no-baseline] [--markdown FILE]
+
+A full run first runs the union of the named tests unmutated (they must pass: a mutation "killed" by a
+test that fails anyway proves nothing), then each mutation in turn, one pytest process at a time, in a
+scratch copy of the working tree (tracked and untracked-but-not-ignored files; the checkout is never
+touched). Exit status 0 only when every mutation was killed. New guards land with a row here
+(docs/security.md, "Mutation check").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REL = "tests/reliability/"
+PYTEST = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "slow or not slow", "--tb=line"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    """Replace `anchor` (exactly one occurrence in `path`) by `replacement`; `tests` must then fail."""
+
+    name: str
+    guard: str  # the docs/security.md row, or "engine: ..." for the engine's correctness guards
+    path: str
+    anchor: str
+    replacement: str
+    tests: tuple[str, ...]
+
+    def apply(self, source: str) -> str:
+        count = source.count(self.anchor)
+        if count != 1:
+            raise AnchorError(f"{self.name}: anchor {'not found' if count == 0 else f'found {count} times'} "
+                              f"in {self.path}: {self.anchor.strip().splitlines()[0]!r}")
+        return source.replace(self.anchor, self.replacement)
+
+
+class AnchorError(RuntimeError):
+    pass
+
+
+def _m(name, guard, path, anchor, replacement, *tests):
+    return Mutation(name, guard, path, anchor, replacement, tuple(tests))
+
+
+SEC = REL + "test_security.py::"
+FAULTS = REL + "test_faults.py::"
+ISO = REL + "test_kv_isolation.py::"
+SHUTDOWN = REL + "test_shutdown.py::test_sigterm_drains_and_exits_zero"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    # ---- docs/security.md rows -------------------------------------------------------------------------
+    _m("api-key-prefix-list", "API key (deny by default)", "server/middleware.py",
+       'if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:',
+       'if scope["type"] != "http" or not scope["path"].startswith(("/v1", "/tokenize", "/detokenize", '
+       '"/metrics")):',
+       SEC + "test_path_tricks_do_not_bypass_the_key", SEC + "test_raw_path_tricks_do_not_bypass_the_key",
+       SEC + "test_a_route_added_later_needs_the_key"),
+    _m("api-key-public-prefix", "API key (deny by default)", "server/middleware.py",
+       'if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:',
+       'if scope["type"] != "http" or scope["path"].startswith(tuple(PUBLIC_PATHS)):',
+       SEC + "test_raw_path_tricks_do_not_bypass_the_key"),
+    _m("api-key-any-value", "API key", "server/middleware.py",
+       "if not hmac.compare_digest(given, self.expected):", "if not given:",
+       SEC + "test_every_non_public_route_needs_the_key"),
+    _m("body-declared-length", "Body size", "server/middleware.py",
+       "if length is not None and length.isdigit() and int(length) > self.max_bytes:", "if False:",
+       SEC + "test_a_huge_declared_body_is_refused_before_it_is_read"),
+    _m("body-streamed-size", "Body size", "server/middleware.py",
+       "            if size > self.max_bytes:", "            if False:",
+       SEC + "test_request_bodies_are_capped"),
+    _m("prompt-plus-max-tokens", "Prompt / output length", "jaxpaged/scheduler.py",
+       "if max_tokens < 1 or request.num_prompt_tokens + max_tokens > max_model_len:", "if max_tokens < 1:",
+       SEC + "test_limits_are_400s_naming_the_field", ISO + "test_request_larger_than_the_model_length_is_a_400_at_once"),
+    _m("stop-token-ids-vocabulary", "Per-request sizes the sampler must hold", "jaxpaged/validation.py",
+       "    check_token_ids(params.stop_token_ids, vocab_size, \"stop_token_ids\")\n",
+       "    pass\n",
+       SEC + "test_limits_are_400s_naming_the_field"),
+    _m("logit-bias-size", "Per-request sizes the sampler must hold", "server/params.py",
+       "if len(bias) > MAX_LOGIT_BIAS_ENTRIES:", "if False:",
+       SEC + "test_logit_bias_is_capped_for_a_real_vocabulary"),
+    _m("waiting-queue-bound", "Waiting queue", "jaxpaged/async_engine.py",
+       "if waiting + command.params.n > limit:", "if False:",
+       REL + "test_load.py::test_full_queue_answers_503_with_retry_after_at_once_then_recovers"),
+    _m("no-eval-server", "No file / shell / eval from requests", "server/chat.py",
+       "\nimport jinja2\n", "\nimport jinja2\n_PROBE = eval(\"0\")\n",
+       SEC + "test_no_request_field_reaches_a_file_a_shell_or_eval"),
+    _m("no-subprocess-engine", "No file / shell / eval from requests", "jaxpaged/models/llama.py",
+       "\nimport jax\n", "\nimport jax\nimport subprocess  # noqa: F401\n",
+       SEC + "test_no_request_field_reaches_a_file_a_shell_or_eval"),
+    _m("template-unsandboxed", "Chat-template sandbox", "server/chat.py",
+       "        text = ctx.tokenizer.apply_chat_template(conversation(messages), tokenize=False,\n"
+       "                                                 add_generation_prompt=add_generation_prompt)",
+       "        text = jinja2.Template(ctx.tokenizer.chat_template).render(\n"
+       "            messages=conversation(messages), add_generation_prompt=add_generation_prompt)",
+       SEC + "test_a_malicious_model_template_is_a_400_over_http"),
+    _m("validation-422", "Errors never leak as 5xx for bad input (400, never 422)", "server/errors.py",
+       "        message, param = _validation_message(err)\n        return error_response(400, message, param)",
+       "        message, param = _validation_message(err)\n        return error_response(422, message, param)",
+       REL + "test_fuzz.py::test_schemathesis_every_operation"),
+    _m("step-failure-no-reset", "Step failures are contained (prefix-cache reset)", "jaxpaged/async_engine.py",
+       "            self._reset_prefix_cache()\n", "            pass\n",
+       FAULTS + "test_a_step_failing_before_the_forward_resets_the_prefix_cache"),
+    _m("step-failure-kills-thread", "Step failures are contained", "jaxpaged/async_engine.py",
+       "            self._num_step_errors += 1\n            self._fail_running()\n            return",
+       "            self._num_step_errors += 1\n            raise",
+       FAULTS + "test_step_exception_fails_its_requests_and_the_server_goes_on"),
+    _m("nan-rows-not-failed", "NaN / inf logits", "jaxpaged/engine.py",
+       "        if not result.finite[row]:  # NaN/inf logits fail only their own request",
+       "        if False:  # NaN/inf logits fail only their own request",
+       FAULTS + "test_nan_row_finishes_with_reason_error_at_the_engine", FAULTS + "test_nan_logits_fail_only_that_request"),
+    _m("kv-len-mask", "Isolation (attention never reads past kv_len)", "pallas_kernels/xla_attention.py",
+       "    kv_live = kpos < sched.kv_len[:, None]                      # [NT, K]\n",
+       "    kv_live = kpos >= 0                      # [NT, K]\n",
+       ISO + "test_garbage_in_unused_kv_pages_is_never_read"),
+    _m("disconnect-stream-no-abort", "Disconnects (streams)", "server/serving.py",
+       "            for future in pending:\n                future.cancel()\n            self.abort()",
+       "            for future in pending:\n                future.cancel()",
+       REL + "test_disconnect.py::test_disconnect_storm_frees_every_page_without_errors"),
+    _m("disconnect-poll-no-abort", "Disconnects (non-streaming)", "server/serving.py",
+       "            task.cancel()\n            on_disconnect()", "            task.cancel()",
+       REL + "test_disconnect.py::test_disconnect_storm_frees_every_page_without_errors"),
+    _m("generate-leaver-no-abort", "Disconnects (AsyncLLM.generate)", "jaxpaged/async_engine.py",
+       "        finally:\n            if not finished:\n                self.abort(request_id)",
+       "        finally:\n            pass",
+       "tests/server/test_async_engine.py::test_consumer_leaving_early_aborts",
+       "tests/server/test_async_engine.py::test_cancelled_consumer_aborts"),
+    _m("finished-pages-leak", "Load / leaks", "jaxpaged/scheduler.py",
+       "            self.waiting.remove(request)\n        self.pool.free(request)\n",
+       "            self.waiting.remove(request)\n",
+       REL + "test_load.py::test_256_concurrent_streams_three_rounds_no_leaks"),
+    _m("shutdown-ignores-grace", "Shutdown (grace period honoured)", "server/lifecycle.py",
+       "await self._drain(self.shutdown_config.grace_seconds)", "await self._drain(0.0)", SHUTDOWN),
+    _m("shutdown-never-aborts", "Shutdown (the rest aborted at the end of the grace)", "server/lifecycle.py",
+       "deadline = time.monotonic() + grace_seconds", "deadline = time.monotonic() + 3600", SHUTDOWN),
+    _m("shutdown-reraises-signal", "Shutdown (exit 0)", "server/lifecycle.py",
+       "    def handle_exit(self, sig: int, frame) -> None:", "    def _unused_handle_exit(self, sig: int, frame) -> None:",
+       SHUTDOWN),
+    # ---- the engine's correctness guards ----------------------------------------------------------------
+    _m("pages-never-freed", "engine: page accounting", "jaxpaged/page_pool.py",
+       "            if self._ref_counts[page_id] == 0:\n                self._free[page_id] = None",
+       "            if False:\n                self._free[page_id] = None",
+       "tests/test_page_pool.py", "tests/test_scheduler.py"),
+    _m("no-capacity-check", "engine: page accounting", "jaxpaged/page_pool.py",
+       "        if num_needed + num_prefix_free > self.num_free_pages:\n            return None",
+       "        if False:\n            return None",
+       "tests/test_page_pool.py", "tests/test_scheduler.py"),
+    _m("double-free-allowed", "engine: page accounting", "jaxpaged/page_pool.py",
+       "            if self._ref_counts[page_id] <= 0:\n                raise RuntimeError",
+       "            if False:\n                raise RuntimeError",
+       "tests/test_page_pool.py"),
+    _m("hash-not-chained", "engine: prefix-cache hashing (and Isolation)", "jaxpaged/page_pool.py",
+       "parent = hashes[-1] if hashes else _ROOT_HASH", "parent = _ROOT_HASH",
+       ISO + "test_identical_pages_after_different_prefixes_are_not_shared"),
+    _m("hit-covers-whole-prompt", "engine: prefix-cache hashing", "jaxpaged/page_pool.py",
+       "max_pages = (request.num_tokens - 1) // self.page_size", "max_pages = request.num_tokens // self.page_size",
+       "tests/test_page_pool.py", "tests/test_scheduler.py"),
+    _m("uncomputed-pages-cached", "engine: prefix-cache hashing", "jaxpaged/page_pool.py",
+       "num_full = min(request.num_computed_tokens, request.num_tokens) // self.page_size",
+       "num_full = request.num_tokens // self.page_size",
+       "tests/test_page_pool.py", "tests/test_scheduler.py"),
+    _m("reused-page-keeps-hash", "engine: prefix-cache hashing", "jaxpaged/page_pool.py",
+       "        if self._page_hashes[page_id] is not None:\n            self._evict(page_id)",
+       "        if False:\n            self._evict(page_id)",
+       "tests/test_page_pool.py", "tests/test_scheduler.py"),
+    _m("preempt-keeps-progress", "engine: preemption (KV exhaustion)", "jaxpaged/scheduler.py",
+       "        self.pool.free(request)\n        request.num_computed_tokens = 0\n        request.status = RequestStatus.PREEMPTED",
+       "        self.pool.free(request)\n        request.status = RequestStatus.PREEMPTED",
+       "tests/test_scheduler.py", ISO + "test_kv_exhaustion_preempts_and_matches_the_unconstrained_run"),
+    _m("preempt-keeps-pages", "engine: preemption (KV exhaustion)", "jaxpaged/scheduler.py",
+       "    def _preempt(self, request: Request) -> None:\n        self.pool.free(request)\n",
+       "    def _preempt(self, request: Request) -> None:\n",
+       "tests/test_scheduler.py", ISO + "test_kv_exhaustion_preempts_and_matches_the_unconstrained_run"),
+    _m("eos-ignored", "engine: stop handling", "jaxpaged/request.py",
+       "if not params.ignore_eos and token_id in self.eos_token_ids:", "if False:",
+       "tests/test_request.py"),
+    _m("stop-token-ids-ignored", "engine: stop handling", "jaxpaged/request.py",
+       "            if token_id in params.stop_token_ids:", "            if False:",
+       "tests/test_request.py"),
+    _m("max-tokens-ignored", "engine: stop handling", "jaxpaged/request.py",
+       "if max_tokens is not None and num_output >= max_tokens:", "if False:",
+       "tests/test_request.py"),
+    _m("min-tokens-ignored", "engine: stop handling", "jaxpaged/request.py",
+       "        if num_output >= params.min_tokens:\n", "        if True:\n",
+       "tests/test_request.py"),
+    _m("max-model-len-ignored", "engine: stop handling", "jaxpaged/request.py",
+       "if self.max_model_len is not None and self.num_tokens + 1 >= self.max_model_len:", "if False:",
+       "tests/test_request.py"),
+    _m("stop-strings-ignored", "engine: stop handling", "jaxpaged/detokenizer.py",
+       "            self.output_token_ids.append(skipped)\n        return self._check_stop(check_from)",
+       "            self.output_token_ids.append(skipped)\n        return None",
+       "tests/test_detokenizer.py"),
+    _m("min-tokens-not-banned", "engine: stop handling", "jaxpaged/request.py",
+       "        if self.num_output_tokens >= params.min_tokens:\n            return ()",
+       "        if True:\n            return ()",
+       "tests/test_request.py", "tests/test_engine.py"),
+    _m("seed-ignored", "engine: seeded sampling", "jaxpaged/sampler.py",
+       "key_data[i] = seed_key_data(row.seed)", "key_data[i] = seed_key_data(0)",
+       "tests/test_sampler.py"),
+    _m("step-not-folded", "engine: seeded sampling", "jaxpaged/sampler.py",
+       "        steps[i] = row.step\n", "        steps[i] = 0\n",
+       "tests/test_sampler.py"),
+    _m("n-children-same-seed", "engine: seeded sampling", "jaxpaged/engine.py",
+       "seed=None if params.seed is None else params.seed + index)", "seed=params.seed)",
+       "tests/test_engine.py::test_n_samples_with_seed_differ_and_reproduce"),
+)
+
+
+# Mutations known to survive, with why (docs/security.md, "Surviving, and why"). A fix removes its entry;
+# the slow test fails on any other survivor and on an entry here that is killed.
+KNOWN_SURVIVORS = {
+    "disconnect-stream-no-abort": "sse_stream's finally aborts too; the storm's requests finish on their own",
+    "disconnect-poll-no-abort": "Submitted.outputs' finally aborts too; the storm's requests finish on their own",
+}
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def check_anchors(root: Path = ROOT, mutations=MUTATIONS) -> list[str]:
+    """Problems: anchors that do not match exactly once, replacements that do not compile, duplicate names."""
+    problems = []
+    names = [m.name for m in mutations]
+    problems += [f"duplicate mutation name {n!r}" for n in sorted({n for n in names if names.count(n) > 1})]
+    for m in mutations:
+        path = root / m.path
+        if not path.is_file():
+            problems.append(f"{m.name}: {m.path} does not exist")
+            continue
+        try:
+            mutated = m.apply(path.read_text())
+            compile(mutated, m.path, "exec")
+        except AnchorError as err:
+            problems.append(str(err))
+        except SyntaxError as err:
+            problems.append(f"{m.name}: the mutated {m.path} does not compile: {err}")
+        for test in m.tests:
+            file, _, func = test.partition("::")
+            if not (root / file).is_file():
+                problems.append(f"{m.name}: test file {file} does not exist")
+            elif func and f"def {func}(" not in (root / file).read_text():
+                problems.append(f"{m.name}: no test {func} in {file}")
+    return problems
+
+
+def copy_tree(root: Path, dest: Path) -> None:
+    """The working tree's tracked and untracked-but-not-ignored files (what the run tool also copies)."""
+    files = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = root / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def run_pytest(tree: Path, tests, timeout: float) -> tuple[str, float, str]:
+    """(verdict, seconds, last output line): pass / fail / timeout / error(rc)."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, *PYTEST, *tests], cwd=tree, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.monotonic() - start, f"no result within {timeout:.0f} s"
+    seconds = time.monotonic() - start
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    last = lines[-1] if lines else proc.stderr.strip()[-200:]
+    verdict = {0: "pass", 1: "fail"}.get(proc.returncode, f"error(rc={proc.returncode})")
+    return verdict, seconds, last
+
+
+def run(mutations, timeout: float, baseline: bool, log) -> list[dict]:
+    problems = check_anchors(ROOT, mutations)
+    if problems:
+        raise SystemExit("mutation check: " + "; ".join(problems))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mutation-check-") as scratch:
+        tree = Path(scratch)
+        copy_tree(ROOT, tree)
+        if baseline:
+            tests = sorted({t for m in mutations for t in m.tests})
+            verdict, seconds, last = run_pytest(tree, tests, timeout * 3)
+            log(f"baseline (unmutated, {len(tests)} test selections): {verdict} in {seconds:.0f} s: {last}")
+            if verdict != "pass":
+                raise SystemExit("mutation check: the named tests fail without any mutation")
+        for m in mutations:
+            original = (tree / m.path).read_text()
+            (tree / m.path).write_text(m.apply(original))
+            try:
+                verdict, seconds, last = run_pytest(tree, m.tests, timeout)
+            finally:
+                (tree / m.path).write_text(original)
+            result = {"pass": "SURVIVED", "fail": "killed", "timeout": "killed (timeout)"}.get(verdict, verdict)
+            rows.append(dict(mutation=m, result=result, seconds=seconds, detail=last))
+            log(f"{m.name:28s} {result:16s} {seconds:6.0f} s  {last[:110]}")
+    return rows
+
+
+def markdown(rows) -> str:
+    out = ["| mutation (guard removed) | guard | file | killed by | result | s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r["mutation"]
+        tests = ", ".join(f"`{t.removeprefix('tests/').replace('reliability/', '')}`" for t in m.tests)
+        out.append(f"| `{m.name}` | {m.guard} | `{m.path}` | {tests} | {r['result']} | {r['seconds']:.0f} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check-anchors", action="store_true", help="only check that every anchor matches once")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--only", default=None, help="comma-separated mutation names")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the named tests")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per mutation's test run")
+    parser.add_argument("--markdown", default=None, help="write the result table (markdown) here")
+    args = parser.parse_args(argv)
+    mutations = MUTATIONS
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = set(wanted) - {m.name for m in MUTATIONS}
+        if unknown:
+            parser.error(f"unknown mutations: {sorted(unknown)}")
+        by_name = {m.name: m for m in MUTATIONS}
+        mutations = tuple(by_name[name] for name in wanted)  # in the order given
+    if args.list:
+        for m in mutations:
+            print(f"{m.name:28s} {m.guard:45s} {m.path}")
+        return 0
+    if args.check_anchors:
+        problems = check_anchors(ROOT, mutations)
+        print("\n".join(problems) or f"all {len(mutations)} anchors match exactly once")
+        return 1 if problems else 0
+    start = time.monotonic()
+    rows = run(mutations, args.timeout, not args.no_baseline, lambda s: print(s, flush=True))
+    table = markdown(rows)
+    survived = [r["mutation"].name for r in rows if r["result"] != "killed" and not r["result"].startswith("killed")]
+    summary = (f"{len(rows) - len(survived)} of {len(rows)} mutations killed in {time.monotonic() - start:.0f} s"
+               + (f"; not killed: {', '.join(survived)}" if survived else ""))
+    print(table + "\n\n" + summary)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n\n" + summary + "\n")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
