@@ -9,8 +9,9 @@ from jaxpaged.engine import EngineArgs, LLMEngine
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.llm import LLM
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "InvalidRequestError", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "InvalidRequestError", "LLMEngine", "Logprob", "RequestOutput",
+           "SamplingParams", "StructuredOutputsParams",
            "__version__"]

@@ -18,7 +18,9 @@ RequestOutput (in DELTA mode it holds only the children that got new tokens).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -39,7 +41,8 @@ from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from jaxpaged.structured_outputs import GrammarMatcher, StructuredOutputManager
 from jaxpaged.validation import validate_request
 
 logger = logging.getLogger(__name__)
@@ -127,6 +130,7 @@ class _Child:
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
     num_sent_tokens: int = 0  # DELTA: output tokens already handed out
+    matcher: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
 
 
 @dataclasses.dataclass
@@ -170,6 +174,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh,
                                   fault_injector=fault_injector)
         phases["kv_pool"] = time.perf_counter() - mark
+        # Structured outputs: grammars compile off this thread; a request waits for its grammar (vLLM's
+        # WAITING_FOR_FSM) in _awaiting_grammar, outside the scheduler, while the others run.
+        self.structured_outputs = None if self.tokenizer is None else StructuredOutputManager(
+            self.tokenizer, self.model.config.vocab_size, self.model.generation_config.eos_token_ids)
+        self._awaiting_grammar: dict[str, tuple[_Parent, concurrent.futures.Future]] = {}
         self._rng = np.random.default_rng(args.seed)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
@@ -263,13 +272,26 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(token_ids)
         parent.children = [self._make_child(parent, i, tuple(eos), now) for i in range(params.n)]
+        grammar = self._compile_grammar(params)
+        if grammar is not None and not grammar.done():  # it waits for its grammar; the others go on
+            self._register(parent)
+            self._awaiting_grammar[request_id] = (parent, grammar)
+            return
+        if grammar is not None:
+            self._attach_matchers(parent, grammar.result())  # a GrammarError (ValueError): nothing queued
+        self._queue(parent)
+        self._register(parent)
+
+    def _queue(self, parent: _Parent) -> None:
         for child in parent.children:  # admission checks on the first; children are identical
             try:
                 self.scheduler.add_request(child.request)
             except ValueError:
                 self.scheduler.abort_requests([c.request.request_id for c in parent.children])
                 raise
-        self._parents[request_id] = parent
+
+    def _register(self, parent: _Parent) -> None:
+        self._parents[parent.request_id] = parent
         for child in parent.children:
             self._child_to_parent[child.request.request_id] = (parent, child)
 
@@ -287,6 +309,66 @@ class LLMEngine:
             stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens) if params.detokenize else None
         return _Child(index, request, detok, [] if params.logprobs is not None else None)
+
+    # ---- structured outputs -----------------------------------------------
+
+    def _compile_grammar(self, params: SamplingParams) -> concurrent.futures.Future | None:
+        if params.structured_outputs is None:
+            return None
+        if self.structured_outputs is None:
+            raise ValueError("structured outputs need the model's tokenizer")
+        return self.structured_outputs.compile(params.structured_outputs)
+
+    def _attach_matchers(self, parent: _Parent, compiled) -> None:
+        for child in parent.children:
+            child.matcher = self.structured_outputs.matcher(compiled)
+
+    def _admit_grammar_ready(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar compiled; fail (finish_reason "error") those whose did not."""
+        failed = []
+        for rid, (parent, future) in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[rid]
+            try:
+                self._attach_matchers(parent, future.result())
+                self._queue(parent)
+            except (ValueError, concurrent.futures.CancelledError) as err:
+                logger.warning("request %s failed before it ran: %s", rid, err)
+                for child in parent.children:
+                    child.request.finish(RequestStatus.FINISHED_ERROR)
+                failed.append(self._make_output(parent, {c.index for c in parent.children}))
+        return [o for o in failed if o is not None]
+
+    def _wait_for_grammars(self, timeout: float = 0.01) -> None:
+        """Nothing to run but requests awaiting their grammar: sleep until one is ready (or a moment)."""
+        futures = [future for _, future in self._awaiting_grammar.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _grammar_bitmask(self, entries: Sequence[ScheduledRequest]) -> np.ndarray | None:
+        """i32[len(entries), W]: the allowed tokens of each constrained row (others all ones); None if none."""
+        rows = []
+        for i, entry in enumerate(entries):
+            matcher = self._child_to_parent[entry.request_id][1].matcher if entry.samples else None
+            if matcher is not None:
+                rows.append((matcher, i))
+        if not rows:
+            return None
+        bitmask = np.full((len(entries), self.structured_outputs.mask_width), -1, np.int32)
+        self.structured_outputs.fill_bitmask(rows, bitmask)
+        return bitmask[:, :self.structured_outputs.sampler_width]
+
+    @staticmethod
+    def _grammar_verdict(child: _Child, token_id: int):
+        """Advance the child's grammar by its sampled token: (status, None) when that ends it, else None."""
+        if child.matcher is None:
+            return None
+        if not child.matcher.accept(token_id):
+            logger.warning("request %s: token %d broke its grammar (%s)", child.request.request_id, token_id,
+                           child.matcher.error)
+            return RequestStatus.FINISHED_ERROR, None
+        return (RequestStatus.FINISHED_STOPPED, None) if child.matcher.is_terminated else None
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -330,6 +412,7 @@ class LLMEngine:
             parent = self._parents.pop(rid, None)
             if parent is None:
                 continue
+            self._awaiting_grammar.pop(rid, None)
             self.scheduler.abort_requests([c.request.request_id for c in parent.children])
             for child in parent.children:
                 self._child_to_parent.pop(child.request.request_id, None)
@@ -351,14 +434,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the outputs it produced (see SamplingParams.output_kind)."""
+        failed = self._admit_grammar_ready() if self._awaiting_grammar else []
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            if not failed:
+                self._wait_for_grammars()
+            return failed
         now = time.time()
         for entry in out.scheduled_requests:
             parent, _ = self._child_to_parent[entry.request_id]
             parent.metrics.first_scheduled_time = parent.metrics.first_scheduled_time or now
-        result = self.runner.execute_model(out)
+        # the grammar bitmask is filled while the forward runs (the runner calls it after dispatching it)
+        result = self.runner.execute_model(out, functools.partial(self._grammar_bitmask, out.scheduled_requests))
         for rid, chunk in result.prompt_logprobs.items():
             self._record_prompt_logprobs(*self._child_to_parent[rid], chunk)
         stops, touched = {}, {}
@@ -369,7 +456,7 @@ class LLMEngine:
         sampled = {rid: [int(result.sampled_token_ids[row])] for rid, row in result.req_id_to_index.items()}
         self.scheduler.update_from_output(out, sampled, stops)
         now = time.time()
-        outputs = []
+        outputs = failed
         for parent, fresh in touched.values():
             _record_token_time(parent.metrics, now)
             output = self._make_output(parent, fresh)
@@ -388,17 +475,19 @@ class LLMEngine:
             return RequestStatus.FINISHED_ERROR, None
         token_id = int(result.sampled_token_ids[row])
         verdict = request.check_stop(token_id)
+        # A completed grammar stops after its last token, whose text is kept (unlike an EOS / stop id's).
+        grammar_verdict = self._grammar_verdict(child, token_id) if verdict is None else None
         if child.logprobs is not None:
             child.logprobs.append(self._logprob_entry(result, row, token_id, request.sampling_params.logprobs))
         child.cumulative_logprob += float(result.logprobs[row])
         if child.detokenizer is not None:
             stop_terminated = verdict is not None and verdict[0] is RequestStatus.FINISHED_STOPPED
             stop_str = child.detokenizer.update([token_id], stop_terminated=stop_terminated)
-            if stop_str is None and verdict is not None:
+            if stop_str is None and (verdict or grammar_verdict) is not None:
                 stop_str = child.detokenizer.flush()
             if stop_str is not None:
-                verdict = RequestStatus.FINISHED_STOPPED, stop_str
-        return verdict
+                return RequestStatus.FINISHED_STOPPED, stop_str
+        return verdict or grammar_verdict
 
     def _record_prompt_logprobs(self, parent: _Parent, child: _Child, chunk: PromptLogprobs) -> None:
         """Store one step's prompt log-probs by position (a recomputed chunk, after preemption or of another

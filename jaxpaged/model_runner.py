@@ -187,6 +187,7 @@ def prompt_logprobs_step(config: LlamaConfig, params: Params, hidden: jax.Array,
 
 
 FaultInjector = Callable[[Sequence[ScheduledRequest], jax.Array], jax.Array]
+GrammarBitmask = np.ndarray | Callable[[], np.ndarray | None]  # see ModelRunner.execute_model
 
 
 def sampling_row(entry: ScheduledRequest) -> RowInfo:
@@ -194,6 +195,17 @@ def sampling_row(entry: ScheduledRequest) -> RowInfo:
     return RowInfo(params=entry.sampling_params, seed=entry.seed, step=entry.num_output_tokens,
                    prompt_token_ids=entry.prompt_token_ids, output_token_ids=entry.output_token_ids,
                    banned_token_ids=entry.banned_token_ids)
+
+
+def _pad_bitmask(bitmask: np.ndarray | None, S: int, num_entries: int) -> np.ndarray | None:
+    """The engine's i32[num_entries, W] grammar bitmask as the sampler's i32[S, W] (padding rows allow all)."""
+    if bitmask is None:
+        return None
+    if bitmask.ndim != 2 or bitmask.shape[0] != num_entries:
+        raise ValueError(f"grammar_bitmask has shape {bitmask.shape}; expected ({num_entries}, W)")
+    padded = np.full((S, bitmask.shape[1]), -1, np.int32)
+    padded[:num_entries] = bitmask
+    return padded
 
 
 def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
@@ -472,17 +484,25 @@ class ModelRunner:
         cu[len(entries) + 1:] = offset
         return StepInput(token_ids, positions, slots, page_table, kv_lens, cu, np.int32(len(entries)), last)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
         """One step: pack, forward, (fault hook), sample the rows that sample; host-side results.
 
+        grammar_bitmask: i32[len(entries), W] allowed tokens per scheduled request (structured outputs,
+        llguidance's layout, W = ceil(V / 32)), None when no request is constrained, or a callable
+        returning either, called once the forward is dispatched (the host fills it while the device runs).
         Entries whose params ask for prompt_logprobs also get the log-probabilities of the prompt
         tokens this chunk predicts, from the same forward's hidden states (`prompt_logprobs_step`)."""
         entries = scheduler_output.scheduled_requests
         step = self.prepare(entries)
-        logits, hidden = self._forward(step)  # f32[S, V], [T, E]
+        logits, hidden = self._forward(step)  # f32[S, V], [T, E]; dispatched (asynchronous)
+        if callable(grammar_bitmask):
+            grammar_bitmask = grammar_bitmask()
         if self.fault_injector is not None:
             logits = self.fault_injector(entries, logits)
-        batch = make_sampling_batch([sampling_row(e) for e in entries], logits.shape[0], logits.shape[1])
+        S, V = logits.shape
+        batch = make_sampling_batch([sampling_row(e) for e in entries], S, V,
+                                    token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
         top = num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
         sampled = sample_jit(logits, batch, num_top_logprobs=top)
         prompt = self._prompt_logprobs(entries, step, hidden)

@@ -8,6 +8,9 @@ shape numpy arrays (S = num_rows, the padded batch bucket). Rows beyond
 Device side: `sample(logits, batch)` (its parts jitted; the host picks which
 run from the batch and a few flags) processes each row like vLLM does:
 
+  0. structured outputs: when the batch carries a token bitmask (i32[S, W],
+     W = ceil(V / 32), llguidance's layout; unconstrained rows all ones), tokens
+     whose bit is clear get -inf before anything else, log-probs included;
   1. logit_bias and banned ids (-inf), one fixed-width scatter [S, B];
   2. repetition penalty (HF: positive logits / p, negative * p) for tokens in
      the prompt or the output; frequency and presence penalties (OpenAI) on
@@ -29,8 +32,9 @@ default): log_softmax of the unmodified logits.
 Compile variants at one (S, V, B) (`warmup` compiles them all): greedy and
 random parts with and without the penalty arrays (`output_counts`/
 `prompt_mask` None or not), times each `num_top_logprobs` (0 when no row asks
-for logprobs: `num_top_logprobs_for`), and the two fallbacks. Parameter
-values never cause a recompile.
+for logprobs: `num_top_logprobs_for`), the two fallbacks, and the token-bitmask
+pass (run only when some row is constrained: an unconstrained batch pays
+nothing for it). Parameter values never cause a recompile.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class SamplingBatch:
     bias_values: np.ndarray  # f32[S, B]; -inf for banned ids
     output_counts: np.ndarray | None = None  # i32[S, V]; only when some row uses penalties
     prompt_mask: np.ndarray | None = None  # bool[S, V]; idem
+    token_bitmask: np.ndarray | None = None  # i32[S, W], W = ceil(V / 32); only when some row is constrained
 
     @property
     def num_rows(self) -> int:
@@ -114,6 +119,10 @@ class SamplingBatch:
     @property
     def has_penalties(self) -> bool:
         return self.output_counts is not None
+
+    @property
+    def has_token_bitmask(self) -> bool:
+        return self.token_bitmask is not None
 
 
 jax.tree_util.register_dataclass(
@@ -133,8 +142,12 @@ def step_key(seed: int, step: int) -> jax.Array:
 
 
 def make_sampling_batch(rows: Sequence[RowInfo], num_rows: int, vocab_size: int, *,
-                        max_bias_entries: int = MAX_BIAS_ENTRIES) -> SamplingBatch:
-    """Host arrays for one step: rows[i] fills slot i, slots len(rows).. are greedy padding."""
+                        max_bias_entries: int = MAX_BIAS_ENTRIES,
+                        token_bitmask: np.ndarray | None = None) -> SamplingBatch:
+    """Host arrays for one step: rows[i] fills slot i, slots len(rows).. are greedy padding.
+
+    token_bitmask: i32[num_rows, ceil(vocab_size / 32)] of allowed tokens (structured outputs), or None."""
+    _check_token_bitmask(token_bitmask, num_rows, vocab_size)
     if not isinstance(num_rows, int) or num_rows < max(1, len(rows)):
         raise ValueError(f"num_rows={num_rows!r}: must be an integer >= max(1, len(rows)={len(rows)})")
     if not isinstance(vocab_size, int) or vocab_size < 1:
@@ -158,7 +171,16 @@ def make_sampling_batch(rows: Sequence[RowInfo], num_rows: int, vocab_size: int,
         temperature=temperature.astype(f32), top_k=top_k.astype(np.int32), top_p=top_p.astype(f32),
         min_p=min_p.astype(f32), presence_penalty=presence.astype(f32), frequency_penalty=frequency.astype(f32),
         repetition_penalty=repetition.astype(f32), key_data=key_data, steps=steps, bias_ids=bias_ids,
-        bias_values=bias_values, output_counts=counts, prompt_mask=prompt_mask)
+        bias_values=bias_values, output_counts=counts, prompt_mask=prompt_mask, token_bitmask=token_bitmask)
+
+
+def _check_token_bitmask(bitmask: np.ndarray | None, S: int, V: int) -> None:
+    if bitmask is None:
+        return
+    width = (V + 31) // 32
+    if not isinstance(bitmask, np.ndarray) or bitmask.dtype != np.int32 or bitmask.shape != (S, width):
+        raise ValueError(f"token_bitmask must be an int32 numpy array of shape {(S, width)}, got "
+                         f"{getattr(bitmask, 'dtype', type(bitmask).__name__)} {getattr(bitmask, 'shape', '')}")
 
 
 # (temperature, top_k, top_p, min_p, presence, frequency, repetition) of a padding row: greedy, neutral
@@ -245,6 +267,18 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = M
     _check_shapes(logits, batch, num_top_logprobs)
     if not isinstance(prefilter_k, int) or prefilter_k < 1:
         raise ValueError(f"prefilter_k={prefilter_k!r}: must be an integer >= 1")
+    if batch.token_bitmask is None:
+        return _sample_parts(logits, batch, num_top_logprobs, prefilter_k)
+    # Structured outputs: one masking pass, only when some row is constrained; `finite` is read before
+    # the grammar's -inf (a NaN/inf from the model still fails only its row).
+    logits, finite = _mask_logits(logits, batch.token_bitmask)
+    out = _sample_parts(logits, dataclasses.replace(batch, token_bitmask=None), num_top_logprobs, prefilter_k)
+    return dataclasses.replace(out, finite=finite)
+
+
+def _sample_parts(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int,
+                  prefilter_k: int) -> SamplerOutput:
+    """`sample` of an unmasked batch: the host picks which jitted parts run (see `sample`)."""
     random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch: free)
     if not random_rows.any():
         return _greedy_sample(logits, batch, num_top_logprobs)
@@ -284,12 +318,20 @@ def warmup(num_rows: int, vocab_size: int, num_top_logprobs: Sequence[int] = (0,
     threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, rows)
     jax.block_until_ready(_full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps,
                                                   rows))
+    jax.block_until_ready(_mask_logits(logits, np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)))
 
 
 def compiled_variants() -> int:
     """How many programs the sampler's parts have compiled so far (tests: no recompiles)."""
     return sum(f._cache_size() for f in (_greedy_sample, _candidate_sample, _bisect_thresholds,
-                                         _full_vocabulary_sample))
+                                         _full_vocabulary_sample, _mask_logits))
+
+
+@jax.jit
+def _mask_logits(logits: jax.Array, bitmask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(logits f32[S, V] with the bitmask's disallowed tokens at -inf, finite bool[S] of the unmasked rows)."""
+    raw = logits.astype(jnp.float32)
+    return apply_token_bitmask(raw, bitmask), jnp.all(jnp.isfinite(raw), axis=-1)
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
@@ -356,6 +398,17 @@ def process_logits(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     return _apply_penalties(logits, batch)
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array | None) -> jax.Array:
+    """logits f32[S, V] with -inf where bitmask i32[S, W] has a clear bit (bit j of word w: token 32w + j)."""
+    if bitmask is None:
+        return logits
+    S, V = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.uint32)  # u32[32]
+    bits = (bitmask.astype(jnp.uint32)[:, :, None] >> shifts) & 1  # u32[S, W, 32]
+    allowed = bits.reshape(S, -1)[:, :V].astype(jnp.bool_)  # bool[S, V]
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _check_shapes(logits, batch: SamplingBatch, k: int) -> None:
     if logits.ndim != 2:
         raise ValueError(f"logits must be [S, V], got shape {logits.shape}")
@@ -366,6 +419,8 @@ def _check_shapes(logits, batch: SamplingBatch, k: int) -> None:
         raise ValueError(f"output_counts shape {batch.output_counts.shape} != logits shape {(S, V)}")
     if batch.prompt_mask is not None and batch.prompt_mask.shape != (S, V):
         raise ValueError(f"prompt_mask shape {batch.prompt_mask.shape} != logits shape {(S, V)}")
+    if batch.token_bitmask is not None and batch.token_bitmask.shape != (S, (V + 31) // 32):
+        raise ValueError(f"token_bitmask shape {batch.token_bitmask.shape} != {(S, (V + 31) // 32)}")
     if not isinstance(k, int) or not 0 <= k <= V:
         raise ValueError(f"num_top_logprobs={k!r}: must be an integer in [0, V={V}]")
 

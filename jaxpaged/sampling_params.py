@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
+from typing import Any
 
 from jaxpaged.errors import InvalidRequestError
 
@@ -27,6 +29,73 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint (vLLM's StructuredOutputsParams): set exactly one field.
+
+    json: a JSON schema (dict or its JSON text); regex: a regular expression (Rust
+    `regex` syntax); choice: the output is one of these strings; grammar: a Lark
+    grammar (or GBNF/EBNF, recognized by `::=`); json_object: any JSON object.
+    Compiled by jaxpaged.structured_outputs (off the engine thread).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        if self.choice is not None and not isinstance(self.choice, str):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_fields = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(set_fields) != 1:
+            raise ValueError(f"StructuredOutputsParams: set exactly one of json, regex, choice, grammar, "
+                             f"json_object (got {set_fields or 'none'})")
+        self._validate(set_fields[0])
+
+    def _validate(self, kind: str) -> None:
+        value = getattr(self, kind)
+
+        def bad(why: str) -> None:
+            raise ValueError(f"StructuredOutputsParams.{kind}: {why}")
+
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as err:
+                    bad(f"not valid JSON ({err})")
+            if not isinstance(value, (dict, bool)):
+                bad(f"a JSON schema must be an object (or a boolean), got {type(value).__name__}")
+        elif kind == "choice":
+            if isinstance(value, str) or not value or any(not isinstance(c, str) or not c for c in value):
+                bad("must be a non-empty list of non-empty strings")
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value.strip():
+                bad("must be a non-empty string")
+        elif value is not True:
+            bad("must be True or None")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False))
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.key_text))
+
+    @property
+    def key_text(self) -> str:
+        """The constraint as text (a JSON schema serialized canonically): the grammar cache's key."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and not isinstance(value, str):
+            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind == "choice":
+            return json.dumps(list(value))
+        return str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +119,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # not implemented yet: LLMEngine.add_request rejects it when set
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (no text, so no stop strings)
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -106,6 +176,9 @@ class SamplingParams:
             bad("output_kind", self.output_kind, "must be a RequestOutputKind")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", self.seed, "must be an integer or None")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                   StructuredOutputsParams):
+            bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams or None")
         if self.logit_bias is not None:
             for token_id, value in self.logit_bias:
                 if token_id < 0 or not (-100.0 <= value <= 100.0):

@@ -14,7 +14,7 @@ from pathlib import Path
 from jaxpaged.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
 from jaxpaged.engine import EngineArgs
 from jaxpaged.models.loader import DEFAULT_MODEL
-from server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
+from server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig
 from server.lifecycle import ShutdownConfig
 
 API_KEY_ENV = "JAXPAGED_API_KEY"
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(p.add_argument_group("model"))
     _add_engine_flags(p.add_argument_group("engine"))
     _add_multihost_flags(p.add_argument_group("multi-host (jax.distributed; see docs/distributed.md)"))
+    _add_tool_flags(p.add_argument_group("tool calling"))
     _add_server_flags(p.add_argument_group("server"))
     return p
 
@@ -81,6 +82,13 @@ def _add_multihost_flags(d: argparse._ArgumentGroup) -> None:
                    "the others run the same steps")
 
 
+def _add_tool_flags(t: argparse._ArgumentGroup) -> None:
+    t.add_argument("--enable-auto-tool-choice", action="store_true", help='serve tool_choice "auto": the model '
+                   "decides whether to call a tool, and its output is parsed by --tool-call-parser")
+    t.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS), help="how tool calls are "
+                   'read from "auto" output (llama3_json: Llama 3.x\'s {"name": ..., "parameters": ...})')
+
+
 def _add_server_flags(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--host", default="0.0.0.0", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -126,7 +134,8 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
     names = tuple(dict.fromkeys([*(ns.served_model_name or []), ns.model]))
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     return ServerConfig(served_model_names=names, api_key=api_key, max_request_bytes=ns.max_request_bytes,
-                        enable_chat_page=not ns.disable_chat_page)
+                        enable_chat_page=not ns.disable_chat_page,
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
 
 
 def main(argv: list[str] | None = None) -> int:

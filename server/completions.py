@@ -15,7 +15,8 @@ from server.choices import (ChoiceStream, Delta, completion_logprobs, echo_logpr
                             prompt_logprobs_json)
 from server.context import ServingContext
 from server.errors import bad_request
-from server.params import build_sampling_params, check_stream_options, stream_usage_requested
+from server.params import (build_sampling_params, check_stream_options, stream_usage_requested,
+                           structured_outputs_of)
 from server.protocol import CompletionRequest
 from server.serving import Submitted, check_finished_ok, sse_stream, until_disconnect, usage
 
@@ -59,9 +60,12 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     model = ctx.model_name(body.model)
     _validate(body, ctx)
     prompts = _prompts(body.prompt)
+    spec, param = structured_outputs_of(body)
     # max_tokens=0 (echo only): one token is generated and dropped (_generated), the prompt alone comes back
     params = build_sampling_params(body, ctx.defaults, max_tokens=1 if body.max_tokens == 0 else body.max_tokens,
-                                   logprobs=body.logprobs, prompt_logprobs=_prompt_logprobs_k(body))
+                                   logprobs=body.logprobs, prompt_logprobs=_prompt_logprobs_k(body),
+                                   structured_outputs=spec)
+    await ctx.compile_constraint(spec, param)
     response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     submitted = ctx.submitted()
     for i, prompt in enumerate(prompts):

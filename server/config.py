@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+TOOL_CALL_PARSERS = ("llama3_json",)  # --tool-call-parser choices (server/tools.py reads them)
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB: a long chat with many messages fits; a runaway upload does not
 
 
@@ -17,6 +18,8 @@ class ServerConfig:
     max_completion_logprobs: int = 5  # OpenAI's legacy completions cap
     max_chat_logprobs: int = 20
     enable_chat_page: bool = True  # the chat page at / (server/chat_page.py)
+    enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice: tool_choice "auto" is served
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser: how "auto" output is read as calls
 
     def __post_init__(self):
         names = tuple(self.served_model_names)
@@ -27,8 +30,18 @@ class ServerConfig:
             raise ValueError("ServerConfig.api_key='': use None for no key")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise ValueError(f"ServerConfig.max_request_bytes={self.max_request_bytes!r}: must be >= 1024")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"ServerConfig.tool_call_parser={self.tool_call_parser!r}: choose one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("ServerConfig.enable_auto_tool_choice needs a tool_call_parser "
+                             "(--tool-call-parser)")
         if not 0 <= self.max_completion_logprobs <= self.max_chat_logprobs <= 20:
             raise ValueError("ServerConfig: need 0 <= max_completion_logprobs <= max_chat_logprobs <= 20")
+
+    @property
+    def auto_tool_choice(self) -> bool:
+        return self.enable_auto_tool_choice and self.tool_call_parser is not None
 
     @property
     def model_name(self) -> str:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
 from jaxpaged.async_engine import AsyncLLM
+from jaxpaged.sampling_params import StructuredOutputsParams
+from jaxpaged.structured_outputs import GrammarError
 from server.config import ServerConfig
-from server.errors import OpenAIError
+from server.errors import OpenAIError, bad_request
 from server.metrics import ServerMetrics
 from server.serving import Submitted
 
@@ -44,6 +47,21 @@ class ServingContext:
             raise OpenAIError(404, f"The model `{requested}` does not exist. Served: "
                                    f"{', '.join(self.config.served_model_names)}", "model", "model_not_found")
         return requested
+
+    async def compile_constraint(self, spec: StructuredOutputsParams | None, param: str | None) -> None:
+        """Compile an output constraint off the engine thread before the request is queued: a bad one
+        (invalid, unsatisfiable, too large, too slow) is a 400 naming `param`, and nothing is queued."""
+        if spec is None:
+            return
+        manager = self.engine.engine.structured_outputs
+        timeout = manager.config.compile_timeout_s
+        try:  # shielded: a timeout here must not cancel the compile other requests may share
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(manager.compile(spec))), timeout)
+        except asyncio.TimeoutError:
+            raise bad_request(f"compiling the {spec.kind} constraint took longer than {timeout:g} s; "
+                              "simplify it", param) from None
+        except GrammarError as err:
+            raise bad_request(str(err), param) from None
 
     def submitted(self) -> Submitted:
         return Submitted(self.engine, self.metrics)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxpaged.errors import InvalidRequestError
-from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from server.errors import bad_request, from_invalid_request
 from server.protocol import SamplingFields
 
@@ -20,7 +20,8 @@ _FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeti
 
 
 def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], *, max_tokens: int | None,
-                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                          logprobs: int | None, prompt_logprobs: int | None = None,
+                          structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams for a request; a value SamplingParams rejects is a 400 naming the field.
 
     A stream asks the engine for DELTA outputs (only what is new each step), a plain request for
@@ -37,7 +38,8 @@ def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], *, max
             prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY, **chosen)
+            output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs, **chosen)
     except InvalidRequestError as err:
         raise from_invalid_request(err) from None
 
@@ -79,3 +81,46 @@ def stream_usage_requested(body: SamplingFields) -> bool:
 def check_stream_options(body: SamplingFields) -> None:
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs_of(body: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the field it came from (for a 400's `param`), or (None, None).
+
+    Sources: OpenAI's response_format (json_object, json_schema), vLLM's structured_outputs extra body
+    and its older guided_json / guided_regex / guided_choice / guided_grammar; at most one may be given.
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        found.append(("response_format", _response_format(rf)))
+    if body.structured_outputs is not None:
+        so = body.structured_outputs
+        fields = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                  "json_object": so.json_object}
+        found.append(("structured_outputs", {k: v for k, v in fields.items() if v not in (None, False)}))
+    for name, kind in _GUIDED.items():
+        if getattr(body, name) is not None:
+            found.append((name, {kind: getattr(body, name)}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint, got {', '.join(p for p, _ in found)}", found[1][0])
+    param, kwargs = found[0]
+    try:
+        return StructuredOutputsParams(**kwargs), param
+    except ValueError as err:
+        raise bad_request(str(err).replace("StructuredOutputsParams", param), param) from None
+
+
+def _response_format(rf) -> dict[str, Any]:
+    if rf.type == "json_object":
+        return {"json_object": True}
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+        return {"json": rf.json_schema.schema_}
+    raise bad_request(f"response_format type {rf.type!r} is not supported (text, json_object, json_schema)",
+                      "response_format")

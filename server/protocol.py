@@ -8,7 +8,7 @@ InvalidRequestError (naming the parameter) the handlers answer as a 400.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +19,30 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema: OpenAI's {"name", "description", "schema", "strict"}."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: str = "text"  # "text", "json_object" or "json_schema"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs` extra body: one of json, regex, choice, grammar, json_object."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(_Body):
@@ -46,6 +70,13 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0)  # top-k per prompt token (vLLM's)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -62,14 +93,35 @@ class TextPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a `tool` turn: the call it answers
 
 
-class ResponseFormat(_Body):
-    type: str = "text"
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: str = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -78,8 +130,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none", "auto", "required" or {"type": "function", ...}
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
 
@@ -95,3 +148,5 @@ class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 
+
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]

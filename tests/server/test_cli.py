@@ -11,7 +11,8 @@ FLAGS = ["--model", "--served-model-name", "--tokenizer", "--revision", "--dtype
          "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-cache-memory",
          "--num-pages", "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching",
          "--tensor-parallel-size", "--api-key", "--host", "--port", "--seed", "--chat-template",
-         "--generation-config", "--attention-backend", "--kv-cache-dtype", "--log-level", "--max-request-bytes"]
+         "--generation-config", "--attention-backend", "--kv-cache-dtype", "--log-level", "--max-request-bytes",
+         "--enable-auto-tool-choice", "--tool-call-parser"]
 
 
 def test_help_lists_the_flags():
@@ -35,3 +36,12 @@ def test_parse_to_configs(tmp_path, monkeypatch):
     assert config.served_model_names == ("a", "b", "org/m") and config.api_key == "from-env"
     ns = build_parser().parse_args(["--api-key", "flag"])
     assert server_config(ns).api_key == "flag" and ns.host == "0.0.0.0" and ns.port == 8000
+
+
+def test_tool_calling_flags():
+    ns = build_parser().parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    config = server_config(ns)
+    assert config.enable_auto_tool_choice and config.tool_call_parser == "llama3_json" and config.auto_tool_choice
+    assert not server_config(build_parser().parse_args([])).auto_tool_choice
+    from server.__main__ import main
+    assert main(["--enable-auto-tool-choice"]) == 2  # no parser: refused before anything loads
