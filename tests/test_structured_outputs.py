@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.sampler import RowInfo, apply_token_bitmask, make_sampling_batch, sample_jit
+from jaxpaged.sampler import RowInfo, apply_token_bitmask, compiled_variants, make_sampling_batch, sample_jit
 from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxpaged.structured_outputs import (GrammarError, StructuredOutputManager, StructuredOutputsConfig,
                                          bitmask_width, unpack_bitmask)
@@ -177,11 +177,11 @@ def test_bitmask_shape_is_checked_and_values_never_recompile():
         make_sampling_batch(rows, S, V, token_bitmask=np.zeros((S, 10), np.int64))
     full = np.full((S, bitmask_width(V)), -1, np.int32)
     jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, S, V, token_bitmask=full)))
-    size = sample_jit._cache_size()
+    size = compiled_variants()
     for seed in range(3):
         bm = _bitmask(np.random.default_rng(seed).random((S, V)) < 0.5)
         jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, S, V, token_bitmask=bm)))
-    assert sample_jit._cache_size() == size
+    assert compiled_variants() == size
     assert json.dumps(make_sampling_batch(rows, S, V).token_bitmask) == "null"
 
 
