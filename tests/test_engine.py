@@ -263,7 +263,7 @@ def test_invalid_request_fails_alone_before_any_step(tiny, bad, param):
     engine = make_engine(tiny)
     steps = []
     execute = engine.runner.execute_model
-    engine.runner.execute_model = lambda out: steps.append(out) or execute(out)
+    engine.runner.execute_model = lambda out, *rest: steps.append(out) or execute(out, *rest)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     engine.add_request("before", {"prompt_token_ids": prompts[0]}, GREEDY)
     with pytest.raises(InvalidRequestError) as err:

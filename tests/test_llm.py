@@ -82,7 +82,7 @@ def test_bad_token_id_raises_before_any_step(llm, monkeypatch, bad, param):
     prompts of the call are withdrawn and the next call runs as usual."""
     engine = llm.llm_engine
     steps = []
-    monkeypatch.setattr(engine.runner, "execute_model", lambda out: steps.append(out))
+    monkeypatch.setattr(engine.runner, "execute_model", lambda out, *rest: steps.append(out))
     good = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary") as err:
         llm.generate(["first", "second", "third"], [good, SamplingParams(max_tokens=3, **bad), good],
