@@ -97,6 +97,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m("logit-bias-size", "Per-request sizes the sampler must hold", "server/params.py",
        "if len(bias) > MAX_LOGIT_BIAS_ENTRIES:", "if False:",
        SEC + "test_logit_bias_is_capped_for_a_real_vocabulary"),
+    _m("constraint-size-unbounded", "Output constraints (structured outputs, tools)", "jaxpaged/structured_outputs.py",
+       "            if size > self.config.max_spec_bytes:", "            if False:",
+       "tests/test_structured_outputs.py::test_bad_constraints_fail_fast_with_the_reason"),
+    _m("constraint-mask-skipped", "Output constraints (structured outputs, tools)", "jaxpaged/sampler.py",
+       "    if batch.token_bitmask is None:\n        return _sample_parts(", "    if True:\n        return _sample_parts(",
+       "tests/test_structured_outputs.py::test_sampler_only_picks_allowed_tokens_and_logprobs_follow_the_mask",
+       "tests/test_structured_outputs.py::test_engine_outputs_obey_their_constraint"),
     _m("waiting-queue-bound", "Waiting queue", "jaxpaged/async_engine.py",
        "if waiting + command.params.n > limit:", "if False:",
        REL + "test_load.py::test_full_queue_answers_503_with_retry_after_at_once_then_recovers"),
@@ -107,8 +114,8 @@ MUTATIONS: tuple[Mutation, ...] = (
        "\nimport jax\n", "\nimport jax\nimport subprocess  # noqa: F401\n",
        SEC + "test_no_request_field_reaches_a_file_a_shell_or_eval"),
     _m("template-unsandboxed", "Chat-template sandbox", "server/chat.py",
-       "        text = ctx.tokenizer.apply_chat_template(conversation(messages), tokenize=False,\n"
-       "                                                 add_generation_prompt=add_generation_prompt)",
+       "        text = ctx.tokenizer.apply_chat_template(conversation(messages), tools=list(tools) or None,\n"
+       "                                                 tokenize=False, add_generation_prompt=add_generation_prompt)",
        "        text = jinja2.Template(ctx.tokenizer.chat_template).render(\n"
        "            messages=conversation(messages), add_generation_prompt=add_generation_prompt)",
        SEC + "test_a_malicious_model_template_is_a_400_over_http"),

@@ -174,14 +174,15 @@ def test_limits_are_400s_naming_the_field(rel, body, param):
 
 
 def test_logit_bias_is_capped_for_a_real_vocabulary():
-    """The tiny model's 260 ids cannot make 301 valid entries (the HTTP case above trips the vocabulary check);
-    with SmolLM2's 49152 ids, 301 valid entries must still be a 400 before they reach the sampler's table."""
+    """The tiny model's 260 ids cannot make 301 valid entries (the HTTP case above trips the engine's
+    vocabulary check); 301 entries with ids valid for SmolLM2's 49152 must still be a 400 at the HTTP layer,
+    before they reach the engine or the sampler's table."""
     from server.errors import OpenAIError
     from server.params import MAX_LOGIT_BIAS_ENTRIES, build_sampling_params
 
     def params(entries: int):
         body = CompletionRequest(prompt="x", logit_bias={str(i): 1.0 for i in range(entries)})
-        return build_sampling_params(body, {}, 49152, max_tokens=4, logprobs=None)
+        return build_sampling_params(body, {}, max_tokens=4, logprobs=None)
 
     assert len(params(MAX_LOGIT_BIAS_ENTRIES).logit_bias) == MAX_LOGIT_BIAS_ENTRIES
     with pytest.raises(OpenAIError) as err:
