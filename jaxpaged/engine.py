@@ -43,6 +43,7 @@ from jaxpaged.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from jaxpaged.structured_outputs import GrammarMatcher, StructuredOutputManager
+from jaxpaged.structured_outputs import available as structured_outputs_available  # noqa: I001
 from jaxpaged.validation import validate_request
 
 logger = logging.getLogger(__name__)
@@ -176,8 +177,9 @@ class LLMEngine:
         phases["kv_pool"] = time.perf_counter() - mark
         # Structured outputs: grammars compile off this thread; a request waits for its grammar (vLLM's
         # WAITING_FOR_FSM) in _awaiting_grammar, outside the scheduler, while the others run.
-        self.structured_outputs = None if self.tokenizer is None else StructuredOutputManager(
-            self.tokenizer, self.model.config.vocab_size, self.model.generation_config.eos_token_ids)
+        self.structured_outputs = None if self.tokenizer is None or not structured_outputs_available() else \
+            StructuredOutputManager(self.tokenizer, self.model.config.vocab_size,
+                                    self.model.generation_config.eos_token_ids)
         self._awaiting_grammar: dict[str, tuple[_Parent, concurrent.futures.Future]] = {}
         self._rng = np.random.default_rng(args.seed)
         self._parents: dict[str, _Parent] = {}
@@ -316,7 +318,8 @@ class LLMEngine:
         if params.structured_outputs is None:
             return None
         if self.structured_outputs is None:
-            raise ValueError("structured outputs need the model's tokenizer")
+            raise InvalidRequestError("structured outputs need the model's tokenizer and the llguidance package",
+                                      "structured_outputs")
         return self.structured_outputs.compile(params.structured_outputs)
 
     def _attach_matchers(self, parent: _Parent, compiled) -> None:

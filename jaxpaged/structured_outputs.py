@@ -26,10 +26,14 @@ import logging
 import threading
 from collections.abc import Sequence
 
-import llguidance
-import llguidance.hf
-import llguidance.numpy
 import numpy as np
+
+try:
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy
+except ImportError:  # e.g. the GPU image, where nothing can be installed: unconstrained serving still works
+    llguidance = None
 
 from jaxpaged.sampling_params import StructuredOutputsParams
 
@@ -59,6 +63,11 @@ class StructuredOutputsConfig:
                 raise ValueError(f"StructuredOutputsConfig.{name}={value!r}: must be an integer >= 1")
         if not self.compile_timeout_s > 0:
             raise ValueError(f"StructuredOutputsConfig.compile_timeout_s={self.compile_timeout_s!r}: must be > 0")
+
+
+def available() -> bool:
+    """Whether llguidance is installed (the engine then builds a StructuredOutputManager)."""
+    return llguidance is not None
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -122,6 +131,8 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
                  config: StructuredOutputsConfig | None = None):
+        if llguidance is None:
+            raise ImportError("structured outputs need the llguidance package (pip install llguidance)")
         self.config = config or StructuredOutputsConfig()
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size!r}: must be an integer >= 1")
