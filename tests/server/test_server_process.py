@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.server.conftest import free_port
 
