@@ -11,6 +11,17 @@ what is new: token ids, logprobs and text; a step costs O(new tokens)) or FINAL_
 (one output at the end). The finish record is the scheduler Request's (status,
 stop_reason); outputs read it from there.
 
+Async scheduling (`EngineArgs.async_scheduling`, vLLM v1's): the engine keeps one step
+in flight. `step()` schedules and dispatches step N+1 before step N's sampled tokens
+reach the host (N+1's decode tokens are N's, gathered on the device), then handles N's
+outputs (stop checks, detokenizing, outputs, metrics) while N+1 runs, then dispatches
+N+1's sampler (which sees N's tokens: penalties and grammar masks need no fallback).
+A request that stops or is aborted at N costs at most one wasted slot in N+1 (none for
+a length stop); its pages are released once, when it finishes. Greedy and seeded
+outputs equal the synchronous loop's token for token (a row's key counts the tokens
+in flight). Falls back to the synchronous loop: multi-process runs (followers take
+each step's tokens from the host). Refused: speculative decoding.
+
 A request with n > 1 becomes n child requests (`<id>#<i>`, seeds seed + i) that
 share the prompt's pages through prefix caching, aggregated back into one
 RequestOutput (in DELTA mode it holds only the children that got new tokens).
@@ -34,14 +45,14 @@ import numpy as np
 from jaxpaged import parallel
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import InvalidRequestError
-from jaxpaged.model_runner import (FaultInjector, ModelRunner, ModelRunnerOutput, PromptLogprobs,
+from jaxpaged.model_runner import (FaultInjector, ModelRunner, ModelRunnerOutput, PendingStep, PromptLogprobs,
                                    RunnerConfig, check_kv_cache_dtype, kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxpaged.structured_outputs import GrammarMatcher, StructuredOutputManager
 from jaxpaged.structured_outputs import available as structured_outputs_available  # noqa: I001
 from jaxpaged.validation import validate_request
@@ -91,8 +102,12 @@ class EngineArgs:
     # a GGUF model's dequantised params and tokenizer, cached for the next start (None: no cache)
     model_cache_dir: str | None = dataclasses.field(default_factory=default_model_cache_dir)
     warmup: bool = True
+    # vLLM v1's async scheduling: dispatch step N+1 before step N's tokens reach the host (module docstring)
+    async_scheduling: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
@@ -135,6 +150,15 @@ class _Child:
 
 
 @dataclasses.dataclass
+class _InFlightStep:
+    """Async scheduling: a dispatched step whose outputs the engine has not handled yet."""
+
+    scheduler_output: SchedulerOutput
+    pending: PendingStep
+    requests: dict[str, Request | None]  # each entry's Request when scheduled (ids are reusable after an abort)
+
+
+@dataclasses.dataclass
 class _Parent:
     request_id: str
     prompt: str | None
@@ -164,7 +188,14 @@ class LLMEngine:
         self.tokenizer = self.model.tokenizer
         phases = {"load": time.perf_counter() - start}  # seconds per start-up phase, for the ready line
         self.runner_config = self._runner_config()
+        # async scheduling runs on one process (followers take each step's tokens from the host)
+        self.async_scheduling = args.async_scheduling and args.num_processes == 1
+        if args.async_scheduling and not self.async_scheduling:
+            logger.info("async scheduling: off with num_processes=%d (the synchronous loop runs)", args.num_processes)
+        self._in_flight: _InFlightStep | None = None  # async scheduling: the step dispatched, not yet handled
+        self._deferred_error: BaseException | None = None  # async: a dispatch failure, raised by the next step()
         self.scheduler = Scheduler(SchedulerConfig(
+            async_scheduling=self.async_scheduling,
             num_pages=self.runner_config.num_pages, page_size=args.block_size,
             max_num_seqs=self.runner_config.max_num_seqs,
             max_num_batched_tokens=self.runner_config.max_num_batched_tokens,
@@ -247,8 +278,14 @@ class LLMEngine:
     def warmup(self) -> dict[str, float]:
         """Compile every step shape and every sampler shape now; none are compiled later.
 
-        Returns the seconds spent on each: {"compile": step shapes, "sampler": sampler shapes}."""
-        return self.runner.warmup()
+        Returns the seconds spent on each: {"compile": step shapes, "sampler": sampler shapes} (and
+        "async": the placeholder-token gathers, with async scheduling)."""
+        phases = self.runner.warmup()
+        if self.async_scheduling:
+            start = time.perf_counter()
+            self.runner.warmup_async()
+            phases["async"] = time.perf_counter() - start
+        return phases
 
     # ---- requests ---------------------------------------------------------
 
@@ -353,7 +390,9 @@ class LLMEngine:
         """i32[len(entries), W]: the allowed tokens of each constrained row (others all ones); None if none."""
         rows = []
         for i, entry in enumerate(entries):
-            matcher = self._child_to_parent[entry.request_id][1].matcher if entry.samples else None
+            # .get: with async scheduling the step may hold a request that finished since it was scheduled
+            pair = self._child_to_parent.get(entry.request_id) if entry.samples else None
+            matcher = pair[1].matcher if pair is not None else None
             if matcher is not None:
                 rows.append((matcher, i))
         if not rows:
@@ -436,7 +475,13 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return the outputs it produced (see SamplingParams.output_kind)."""
+        """Run one scheduling step; return the outputs it produced (see SamplingParams.output_kind).
+
+        With async scheduling these are the outputs of the step dispatched by the previous call (see
+        `_step_async`). After a step raises, the caller aborts the requests that were running (their
+        tokens are lost), as AsyncLLM does."""
+        if self.async_scheduling:
+            return self._step_async()
         failed = self._admit_grammar_ready() if self._awaiting_grammar else []
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -466,6 +511,101 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    # ---- the overlapped step (async scheduling) ---------------------------
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and dispatch step N+1, then handle step N's outputs while it runs; return N's outputs.
+
+        Order: schedule N+1 (N's tokens are placeholders) -> dispatch N+1's forward (placeholders gathered
+        on the device from N's sampled tokens) -> N's tokens to the host, stop checks, detokenize, outputs
+        -> dispatch N+1's sampler (after N's tokens are appended: penalties and grammar masks see them).
+        A failure dispatching N+1 is raised by the next call, after N's outputs are returned."""
+        self._raise_deferred_error()
+        failed = self._admit_grammar_ready() if self._awaiting_grammar else []
+        previous, self._in_flight = self._in_flight, None
+        try:
+            out = self.scheduler.schedule()
+            if out.is_empty and previous is None:
+                if not failed:
+                    self._wait_for_grammars()
+                return failed
+            flight = None if out.is_empty else self._dispatch_async(out, previous)
+            outputs = failed + (self._handle_in_flight(previous) if previous is not None else [])
+            if flight is not None and self._dispatch_sampler_async(flight):
+                self._in_flight = flight
+        except BaseException:
+            self._abandon_in_flight()
+            raise
+        return outputs
+
+    def _dispatch_async(self, out: SchedulerOutput, previous: _InFlightStep | None) -> _InFlightStep | None:
+        """Dispatch the step's forward; None (the error deferred to the next step()) if that fails."""
+        now = time.time()
+        for entry in out.scheduled_requests:
+            parent, _ = self._child_to_parent[entry.request_id]
+            parent.metrics.first_scheduled_time = parent.metrics.first_scheduled_time or now
+        requests = {e.request_id: self.scheduler.get_request(e.request_id) for e in out.scheduled_requests}
+        try:
+            pending = self.runner.dispatch(out, None if previous is None else previous.pending)
+        except Exception as err:
+            self._deferred_error = err
+            return None
+        return _InFlightStep(out, pending, requests)
+
+    def _dispatch_sampler_async(self, flight: _InFlightStep) -> bool:
+        """Dispatch the step's sampler; False (the error deferred to the next step()) if that fails."""
+        entries = flight.scheduler_output.scheduled_requests
+        try:
+            self.runner.dispatch_sample(flight.pending, functools.partial(self._grammar_bitmask, entries))
+        except Exception as err:
+            self._deferred_error = err
+            return False
+        return True
+
+    def _handle_in_flight(self, flight: _InFlightStep) -> list[RequestOutput]:
+        """Bring a dispatched step's tokens to the host and apply them, as `step` does, to the requests
+        still live: the same Request objects it scheduled (one finished or aborted since is skipped, even
+        if a new request took its id)."""
+        result = flight.pending.result()
+        live = {rid for rid, request in flight.requests.items()
+                if request is not None and self.scheduler.get_request(rid) is request}
+        for rid, chunk in result.prompt_logprobs.items():
+            if rid in live:
+                self._record_prompt_logprobs(*self._child_to_parent[rid], chunk)
+        stops, touched, sampled = {}, {}, {}
+        for rid, row in result.req_id_to_index.items():
+            if rid not in live:
+                continue
+            parent, child = self._child_to_parent[rid]
+            stops[rid] = self._stop_verdict(child, result, row)
+            sampled[rid] = [int(result.sampled_token_ids[row])]
+            touched.setdefault(parent.request_id, (parent, set()))[1].add(child.index)
+        out = flight.scheduler_output
+        entries = tuple(e for e in out.scheduled_requests if e.request_id in live)
+        self.scheduler.update_from_output(dataclasses.replace(out, scheduled_requests=entries), sampled, stops)
+        now = time.time()
+        outputs = []
+        for parent, fresh in touched.values():
+            _record_token_time(parent.metrics, now)
+            output = self._make_output(parent, fresh)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _raise_deferred_error(self) -> None:
+        if self._deferred_error is not None:
+            err, self._deferred_error = self._deferred_error, None
+            self._abandon_in_flight()
+            raise err
+
+    def _abandon_in_flight(self) -> None:
+        """After a failed step: forget the step in flight. Its tokens are lost: running requests that wait
+        for them stay unscheduled until the caller aborts them (as after a failed synchronous step); a
+        preempted one just recomputes, so its placeholders are dropped (it would block the queue)."""
+        self._in_flight = None
+        for request in self.scheduler.waiting:
+            request.num_output_placeholders = 0
 
     def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int) -> StopVerdict | None:
         """Record one sampled token (logprobs, text) and decide whether it ends the request.

@@ -7,6 +7,14 @@ row that samples (the per-request sampler state rides on each `ScheduledRequest`
 seed, num_output_tokens, banned ids, prompt/output ids) and returns a host-side
 `ModelRunnerOutput`.
 
+Async scheduling (the engine's overlapped loop) splits that call in three:
+`dispatch(scheduler_output, previous)` packs the step, fills its placeholder tokens
+from the previous step's sampled tokens ON THE DEVICE (`merge_sampled_tokens`, one
+gather; no host round trip) and dispatches the forward; `dispatch_sample(pending)`
+dispatches the sampler once the host has handled the previous step's outputs (so
+penalties and grammar masks see its tokens); `pending.result()` brings the sampled
+tokens to the host. Same programs, same results as `execute_model`.
+
 The step is a pure function of (params, KV pool, step input) returning the
 logits of each sequence's last fed token and the updated pool (donated, so it
 is written in place). Token count T, sequence slots S and page-table width P
@@ -41,7 +49,7 @@ from jaxpaged.models.llama import (LlamaConfig, Params, cos_sin, decoder_layer, 
                                    layer_constants, lm_logits)
 from jaxpaged.sampler import RowInfo, SamplerOutput, make_sampling_batch, num_top_logprobs_for, sample_jit
 from jaxpaged.sampling_params import MAX_LOGPROBS
-from jaxpaged.scheduler import ScheduledRequest, SchedulerOutput
+from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
 
 logger = logging.getLogger(__name__)
@@ -184,6 +192,69 @@ def prompt_logprobs_step(config: LlamaConfig, params: Params, hidden: jax.Array,
     ranks = jnp.sum(logprobs > target[:, None], axis=-1, dtype=jnp.int32) + 1
     top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
     return target, ranks, top_ids.astype(jnp.int32), top_logprobs
+
+
+@dataclasses.dataclass(eq=False)
+class PendingStep:
+    """A step dispatched by `ModelRunner.dispatch` (async scheduling); its device work may still run.
+
+    Sampler row r is entry r (rows past the entries are padding); `rows` maps the entries that sample."""
+
+    entries: tuple[ScheduledRequest, ...]
+    step: StepInput  # host arrays, but token_ids: on the device when placeholders were filled
+    logits: jax.Array | None  # f32[S, V]; dropped once the sampler is dispatched
+    hidden: jax.Array | None  # [T, E]; idem
+    sampled: SamplerOutput | None = None  # set by dispatch_sample
+    prompt_spans: dict | None = None  # prompt_logprob_spans(entries) when some entry asks
+    prompt_arrays: tuple | None = None  # prompt_logprobs_step's device outputs over the spans
+
+    @functools.cached_property
+    def rows(self) -> dict[str, int]:
+        return {e.request_id: i for i, e in enumerate(self.entries) if e.samples}
+
+    def result(self) -> ModelRunnerOutput:
+        """The step's sampled tokens on the host (waits for the device)."""
+        if self.sampled is None:
+            raise RuntimeError("the step's sampler was never dispatched (ModelRunner.dispatch_sample)")
+        prompt = {}
+        if self.prompt_spans:
+            out = jax.device_get(self.prompt_arrays)
+            prompt = {rid: PromptLogprobs(first, *(a[offset:offset + count] for a in out))
+                      for rid, (offset, first, count, _) in self.prompt_spans.items()}
+        return ModelRunnerOutput.from_sampler(self.entries, jax.device_get(self.sampled), prompt)
+
+
+@jax.jit
+def merge_sampled_tokens(token_ids: jax.Array, sampled: jax.Array, sources: jax.Array) -> jax.Array:
+    """i32[T]: token_ids i32[T] with each position t where sources[t] >= 0 replaced by sampled[sources[t]],
+    sampled i32[S'] being the previous step's sampled tokens (a gather on the device)."""
+    return jnp.where(sources >= 0, sampled[jnp.maximum(sources, 0)], token_ids)
+
+
+def _placeholder_sources(entries: Sequence[ScheduledRequest], step: StepInput,
+                         previous: PendingStep | None) -> tuple[jax.Array, np.ndarray]:
+    """(the previous step's sampled tokens i32[S'], sources i32[T]: the row of each placeholder, else -1)."""
+    if previous is None or previous.sampled is None:
+        raise RuntimeError("placeholder tokens need the previous step, dispatched with its sampler")
+    sources = np.full(len(step.token_ids), -1, np.int32)
+    for i, entry in enumerate(entries):
+        if entry.placeholder:
+            row = previous.rows.get(entry.request_id)
+            if row is None:
+                raise RuntimeError(f"request {entry.request_id!r} feeds a placeholder but sampled nothing "
+                                   "in the previous step")
+            sources[step.cu_q_lens[i]] = row
+    if not np.array_equal(sources >= 0, step.token_ids == PLACEHOLDER_TOKEN_ID):
+        raise RuntimeError("placeholder tokens outside the placeholder entries' single token")
+    return previous.sampled.token_ids, sources
+
+
+def _prompt_targets(spans: dict, num_tokens: int) -> np.ndarray:
+    """i32[T]: the prompt token each fed position of the spans predicts (0 elsewhere)."""
+    targets = np.zeros(num_tokens, np.int32)
+    for offset, first, count, entry in spans.values():
+        targets[offset:offset + count] = entry.prompt_token_ids[first:first + count]
+    return targets
 
 
 FaultInjector = Callable[[Sequence[ScheduledRequest], jax.Array], jax.Array]
@@ -494,6 +565,9 @@ class ModelRunner:
         Entries whose params ask for prompt_logprobs also get the log-probabilities of the prompt
         tokens this chunk predicts, from the same forward's hidden states (`prompt_logprobs_step`)."""
         entries = scheduler_output.scheduled_requests
+        if any(e.placeholder for e in entries):
+            raise ValueError("a step with placeholder tokens (async scheduling) runs through dispatch(), "
+                             "which fills them from the previous step")
         step = self.prepare(entries)
         logits, hidden = self._forward(step)  # f32[S, V], [T, E]; dispatched (asynchronous)
         if callable(grammar_bitmask):
@@ -520,6 +594,48 @@ class ModelRunner:
         out = jax.device_get(prompt_logprobs_step(self.model_config, self.params, hidden, targets))
         return {rid: PromptLogprobs(first, *(a[offset:offset + count] for a in out))
                 for rid, (offset, first, count, _) in spans.items()}
+
+    # ---- async scheduling: the step in three calls (module docstring) ----
+
+    def dispatch(self, scheduler_output: SchedulerOutput, previous: PendingStep | None) -> PendingStep:
+        """Pack the step, fill its placeholder tokens on the device from `previous` (the step dispatched just
+        before, whose sampled tokens the host has not seen), dispatch the forward. Nothing waits."""
+        if self.multi_process:
+            raise RuntimeError("async scheduling needs the step's tokens on the host of every process: "
+                               "multi-process runs take the synchronous loop")
+        entries = scheduler_output.scheduled_requests
+        step = self.prepare(entries)
+        if any(e.placeholder for e in entries):
+            step = dataclasses.replace(step, token_ids=merge_sampled_tokens(
+                step.token_ids, *_placeholder_sources(entries, step, previous)))
+        logits, hidden = self._forward(step)  # f32[S, V], [T, E]; dispatched
+        return PendingStep(entries, step, logits, hidden)
+
+    def dispatch_sample(self, pending: PendingStep, grammar_bitmask: GrammarBitmask | None = None) -> None:
+        """Dispatch the sampler (and prompt log-probs) of a dispatched step: execute_model's second half."""
+        entries, logits = pending.entries, pending.logits
+        if callable(grammar_bitmask):
+            grammar_bitmask = grammar_bitmask()
+        if self.fault_injector is not None:
+            logits = self.fault_injector(entries, logits)
+        S, V = logits.shape
+        batch = make_sampling_batch([sampling_row(e) for e in entries], S, V,
+                                    token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
+        top = num_top_logprobs_for([e.sampling_params.logprobs for e in entries])
+        pending.sampled = sample_jit(logits, batch, num_top_logprobs=top)
+        spans = prompt_logprob_spans(entries)
+        if spans:
+            pending.prompt_spans = spans
+            pending.prompt_arrays = prompt_logprobs_step(self.model_config, self.params, pending.hidden,
+                                                         _prompt_targets(spans, len(pending.step.token_ids)))
+        pending.logits = pending.hidden = None  # the sampler has what it needs: let the device free them
+
+    def warmup_async(self) -> None:
+        """Compile `merge_sampled_tokens` at every (T bucket, S bucket): async scheduling never compiles later."""
+        for t in sorted({t for t, _, _ in self.config.buckets}):
+            for s in self.config.seq_buckets:
+                sampled = jax.device_put(np.zeros(s, np.int32))
+                jax.block_until_ready(merge_sampled_tokens(np.zeros(t, np.int32), sampled, np.full(t, -1, np.int32)))
 
     def execute(self, step: StepInput) -> jax.Array:
         """Run one step; returns logits f32[S, V] on device (rows past num_seqs are padding).

@@ -8,6 +8,11 @@ Progress is tracked by ONE counter, `num_computed_tokens`: the number of
 leading tokens of `all_token_ids` whose KV is in the page pool (or is being
 written by the step that was just scheduled; see `Scheduler`). A prefix-cache
 hit and a chunk of prefill advance it the same way; preemption resets it to 0.
+
+With async scheduling (vLLM v1's) a request also has `num_output_placeholders`:
+tokens sampled by steps already dispatched whose values have not reached the
+host yet. They count as computed (the next step feeds them from the device) but
+are not in `output_token_ids` until `Scheduler.update_from_output` appends them.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class Request:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # filled by PagePool
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_preemptions: int = 0
+    # async scheduling: tokens sampled by dispatched steps, not yet appended (see the module docstring)
+    num_output_placeholders: int = 0
     # The finish record: `status` (finish_reason derives from it) and this, the stop token id or stop string.
     stop_reason: int | str | None = None
 
@@ -142,9 +149,11 @@ class Request:
 
     @property
     def banned_token_ids(self) -> tuple[int, ...]:
-        """Ids the sampler must not pick for the next token: EOS and stop token ids before min_tokens."""
+        """Ids the sampler must not pick for the next token: EOS and stop token ids before min_tokens.
+
+        The next token is output number num_output_tokens + num_output_placeholders (placeholders count)."""
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
+        if self.num_output_tokens + self.num_output_placeholders >= params.min_tokens:
             return ()
         eos = () if params.ignore_eos else self.eos_token_ids
         return tuple(eos) + params.stop_token_ids

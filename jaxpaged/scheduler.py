@@ -34,6 +34,22 @@ sampled token (EOS, stop token ids, length: `Request.check_stop`; stop strings a
 non-finite logits: the engine's verdicts, passed in), and `finish_requests` ends
 the others (abort, error). Both write the one finish record (`Request.finish`:
 status and stop_reason) and free the pages (`_release`).
+
+Async scheduling (`SchedulerConfig.async_scheduling`, vLLM v1's AsyncScheduler):
+the engine schedules step N+1 before step N's sampled tokens reach the host. A
+chunk that samples adds one to the request's `num_output_placeholders`, so the
+next `schedule()` sees one more token to compute: a decode entry whose one token
+is a placeholder (`ScheduledRequest.placeholder`; `PLACEHOLDER_TOKEN_ID` in
+token_ids), which the runner fills on the device from the previous step's
+sampled tokens. `update_from_output` appends the real token and drops the
+placeholder. So that nothing runs past its end or needs a token it cannot know:
+  * a request whose placeholders already reach max_tokens or max_model_len is not
+    scheduled again (it finishes by length when they arrive): no wasted slot, and
+    no page beyond what admission counted;
+  * a preempted request waits until its placeholders have arrived (FCFS: the
+    queue behind it waits too), since its recompute feeds every token it has.
+A request that stops (or is aborted) at step N has been scheduled at N+1: one
+wasted slot, whose page is released with the others, once, when it finishes.
 """
 
 from __future__ import annotations
@@ -46,6 +62,8 @@ from jaxpaged.errors import InvalidRequestError
 from jaxpaged.page_pool import CachedPrefix, PagePool
 from jaxpaged.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import SamplingParams
+
+PLACEHOLDER_TOKEN_ID = -1  # in ScheduledRequest.token_ids: a token the previous step sampled, still on the device
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,6 +82,8 @@ class SchedulerConfig:
     # Set when EVERY layer of the model attends through this sliding window: pages wholly before a
     # running request's window are returned to the pool before it is scheduled (see PagePool).
     sliding_window: int | None = None
+    # vLLM v1's async scheduling: a sampled token becomes a placeholder the next step feeds (module docstring)
+    async_scheduling: bool = False
 
     def __post_init__(self):
         def bad(field: str, why: str) -> None:
@@ -78,8 +98,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             bad("max_num_batched_tokens",
                 f"must be >= max_num_seqs={self.max_num_seqs} so every running request can decode each step")
-        if not isinstance(self.enable_prefix_caching, bool):
-            bad("enable_prefix_caching", "must be a bool")
+        for field in ("enable_prefix_caching", "async_scheduling"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, "must be a bool")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             bad("long_prefill_token_threshold", "must be an integer >= 0 (0 disables it)")
         window = self.sliding_window
@@ -108,6 +129,9 @@ class ScheduledRequest:
     # The request's own lists, by reference (no copy per step; read only while this step runs), for penalties:
     prompt_token_ids: Sequence[int] = dataclasses.field(default=(), compare=False, repr=False)
     output_token_ids: Sequence[int] = dataclasses.field(default=(), compare=False, repr=False)
+    # async scheduling: the chunk is one token, the one the previous step sampled for this request; token_ids
+    # holds PLACEHOLDER_TOKEN_ID and the runner gathers the value on the device
+    placeholder: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -252,9 +276,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget)
-            # 0: its sampled token hasn't come back yet; or its prefill waits for a free slot
-            if num_new == 0 or not self._prefill_slot_free(num_new, scheduled):
+            num_new = self._chunk_size(_num_known_and_placeholder_tokens(request) - request.num_computed_tokens,
+                                       budget)
+            # 0: its sampled token hasn't come back yet; or its prefill waits for a free slot; or (async)
+            # the placeholders in flight end it
+            if num_new == 0 or not self._prefill_slot_free(num_new, scheduled) or _ends_in_flight(request):
                 index += 1
                 continue
             if self.config.sliding_window is not None:
@@ -273,6 +299,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with tokens in flight: its recompute needs them (async scheduling)
             # Prompt log-probs need every prompt position fed through the model: no cached prefix.
             prefix = CachedPrefix() if request.sampling_params.prompt_logprobs is not None else \
                 self.pool.find_cached_prefix(request)
@@ -291,24 +319,35 @@ class Scheduler:
         return budget
 
     def _advance(self, request: Request, num_new: int) -> ScheduledRequest:
-        """Snapshot the request's chunk, then count it as computed and cache its full pages."""
+        """Snapshot the request's chunk, then count it as computed and cache its full pages.
+
+        Async scheduling: a chunk that samples adds a placeholder; a chunk past the known tokens is the one
+        placeholder the previous step sampled (see the module docstring)."""
         start = request.num_computed_tokens
+        end = start + num_new
+        num_placeholders_fed = max(0, end - max(start, request.num_tokens))
+        if num_placeholders_fed and (num_new != 1 or not request.num_output_placeholders):
+            raise RuntimeError(f"request {request.request_id!r}: a chunk of {num_new} tokens at {start} feeds "
+                               f"{num_placeholders_fed} placeholders (at most its one in-flight token)")
         entry = ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.token_ids_slice(start, start + num_new)),
+            token_ids=tuple(request.token_ids_slice(start, end)) + (PLACEHOLDER_TOKEN_ID,) * num_placeholders_fed,
             start_position=start,
             page_ids=tuple(request.page_ids),
-            samples=start + num_new == request.num_tokens,
+            samples=end == _num_known_and_placeholder_tokens(request),
             sampling_params=request.sampling_params,
             num_prompt_tokens=request.num_prompt_tokens,
             seed=request.seed,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=request.num_output_tokens + request.num_output_placeholders,
             banned_token_ids=request.banned_token_ids,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            placeholder=bool(num_placeholders_fed),
         )
-        request.num_computed_tokens = start + num_new
-        self.pool.cache_full_pages(request)
+        request.num_computed_tokens = end
+        if entry.samples and self.config.async_scheduling:
+            request.num_output_placeholders += 1
+        self.pool.cache_full_pages(request)  # full pages of known tokens only
         return entry
 
     def _preempt(self, request: Request) -> None:
@@ -340,6 +379,8 @@ class Scheduler:
             request = self._requests.get(entry.request_id)
             if not entry.samples or request is None:
                 continue
+            if request.num_output_placeholders:  # async scheduling: the token in flight has arrived
+                request.num_output_placeholders -= 1
             token_ids = sampled_token_ids.get(entry.request_id)
             if not token_ids:
                 raise ValueError(f"no sampled token for request {entry.request_id!r}, whose chunk samples")
@@ -366,6 +407,9 @@ class Scheduler:
         self.pool.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs
         refs = collections.Counter()
+        for request in self._requests.values():
+            assert request.num_output_placeholders >= 0, request.request_id
+            assert self.config.async_scheduling or not request.num_output_placeholders, request.request_id
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, request.request_id
             assert len(request.page_ids) == -(-request.num_computed_tokens // self.config.page_size)
@@ -379,3 +423,20 @@ class Scheduler:
         for page_id in range(1, self.pool.num_pages):
             assert self.pool.ref_count(page_id) == refs[page_id], f"page {page_id}: ref count != page-table uses"
         assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(self._requests)
+
+
+def _num_known_and_placeholder_tokens(request: Request) -> int:
+    """Tokens the request has, counting those sampled by dispatched steps (async scheduling) not yet appended."""
+    return request.num_tokens + request.num_output_placeholders
+
+
+def _ends_in_flight(request: Request) -> bool:
+    """Async scheduling: whether the tokens in flight certainly end the request (max_tokens, max_model_len),
+    so scheduling it again would only waste a slot (and a page admission never counted)."""
+    placeholders = request.num_output_placeholders
+    if not placeholders:
+        return False
+    max_tokens = request.max_tokens
+    if max_tokens is not None and request.num_output_tokens + placeholders >= max_tokens:
+        return True
+    return request.max_model_len is not None and request.num_tokens + placeholders >= request.max_model_len

@@ -72,6 +72,9 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
                    help="KV cache dtype; auto: the model's, but float32 for a bfloat16 model on CPU "
                    "(XLA:CPU would convert the whole cache around every write)")
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=EngineArgs.async_scheduling, help="keep one step in flight: schedule and dispatch the "
+                   "next step before this one's tokens reach the host (vLLM's async scheduling)")
 
 
 def _add_multihost_flags(d: argparse._ArgumentGroup) -> None:
@@ -127,7 +130,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_dtype=ns.kv_cache_dtype,
         tensor_parallel_size=ns.tensor_parallel_size, chat_template=chat_template_arg(ns.chat_template),
         generation_config=ns.generation_config, distributed_coordinator=ns.distributed_coordinator,
-        num_processes=ns.num_processes, process_id=ns.process_id)
+        num_processes=ns.num_processes, process_id=ns.process_id, async_scheduling=ns.async_scheduling)
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig, SchedulerOutput
 
 VOCAB = 32
 EOS = 0
@@ -526,3 +526,161 @@ def test_random_workloads_finish_with_reference_outputs(workload):
     assert sched.pool.num_free_pages == cfg.num_pages - 1
     assert all(sched.pool.ref_count(p) == 0 for p in range(cfg.num_pages))
     assert sched.num_running == sched.num_waiting == 0
+
+
+# ---- async scheduling (one step in flight) ----------------------------------------------
+
+
+class LaggedRunner(FakeRunner):
+    """The runner under async scheduling: a placeholder token is the one its previous `execute` sampled for
+    the request (the real runner gathers it on the device)."""
+
+    def __init__(self, config: SchedulerConfig):
+        super().__init__(config)
+        self.previous: dict[str, list[int]] = {}
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        entries = tuple(dataclasses.replace(e, token_ids=(self.previous[e.request_id][-1],)) if e.placeholder
+                        else e for e in out.scheduled_requests)
+        assert all(PLACEHOLDER_TOKEN_ID not in e.token_ids for e in entries)
+        self.previous = super().execute(dataclasses.replace(out, scheduled_requests=entries))
+        return self.previous
+
+
+def overlapped_step(sched: Scheduler, runner: LaggedRunner, in_flight):
+    """The engine's overlapped step: schedule and run N+1, then apply N's tokens. Returns (N+1's output,
+    the new in-flight step, the requests N finished)."""
+    out = sched.schedule()
+    sampled = runner.execute(out)
+    finished = sched.update_from_output(*in_flight) if in_flight else []
+    sched.check_invariants()
+    return out, (None if out.is_empty else (out, sampled)), finished
+
+
+def test_async_decode_feeds_a_placeholder_with_exact_pages():
+    cfg = config(page_size=4, num_pages=16, enable_prefix_caching=False, async_scheduling=True)
+    sched, runner = Scheduler(cfg), LaggedRunner(cfg)
+    a, b = make("a", range(1, 7), max_tokens=4, ignore_eos=True), make("b", [10, 11, 12], max_tokens=4, ignore_eos=True)
+    sched.add_request(a)
+    sched.add_request(b)
+    out, flight, _ = overlapped_step(sched, runner, None)
+    assert shape(out) == [("a", 0, 6, True), ("b", 0, 3, True)]
+    assert [e.page_ids for e in out.scheduled_requests] == [(1, 2), (3,)]
+    assert (a.num_output_placeholders, a.num_computed_tokens, a.num_output_tokens) == (1, 6, 0)
+
+    out, flight, _ = overlapped_step(sched, runner, flight)  # decodes of the tokens step 1 sampled
+    assert shape(out) == [("a", 6, 1, True), ("b", 3, 1, True)]
+    assert all(e.placeholder and e.token_ids == (PLACEHOLDER_TOKEN_ID,) for e in out.scheduled_requests)
+    assert [e.num_output_tokens for e in out.scheduled_requests] == [1, 1]  # the PRNG step counts placeholders
+    assert [e.page_ids for e in out.scheduled_requests] == [(1, 2), (3,)]
+    assert (a.num_output_placeholders, a.num_computed_tokens, a.num_output_tokens) == (1, 7, 1)
+
+    out, flight, _ = overlapped_step(sched, runner, flight)
+    assert shape(out) == [("a", 7, 1, True), ("b", 4, 1, True)]
+    assert [e.page_ids for e in out.scheduled_requests] == [(1, 2), (3, 4)]  # b's 5th token opens page 4
+    samples = {"a": 3, "b": 3}
+    while flight is not None:
+        out, flight, _ = overlapped_step(sched, runner, flight)
+        for e in out.scheduled_requests:
+            samples[e.request_id] += e.samples
+    assert samples == {"a": 4, "b": 4}  # max_tokens: no slot after the last token
+    for r in (a, b):
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling_params, 128)
+        assert r.num_output_placeholders == 0
+    assert sched.pool.num_free_pages == cfg.num_pages - 1
+
+
+def test_async_request_at_max_tokens_is_not_scheduled_again():
+    cfg = config(async_scheduling=True)
+    sched, runner = Scheduler(cfg), LaggedRunner(cfg)
+    r = make("a", [1, 2, 3], max_tokens=1)
+    sched.add_request(r)
+    _, flight, _ = overlapped_step(sched, runner, None)
+    out, flight, finished = overlapped_step(sched, runner, flight)
+    assert out.is_empty and finished == [r] and r.finish_reason == "length"
+    assert sched.pool.num_free_pages == cfg.num_pages - 1
+
+
+def test_async_preempted_request_waits_for_its_tokens_in_flight():
+    # 4 usable pages of 2 slots; two 3-token prompts fill them. The caller keeps two steps in flight here.
+    cfg = config(num_pages=5, page_size=2, max_num_seqs=4, enable_prefix_caching=False, async_scheduling=True)
+    sched, runner = Scheduler(cfg), LaggedRunner(cfg)
+    A, B = make("A", [1, 2, 3], max_tokens=6, ignore_eos=True), make("B", [5, 6, 7], max_tokens=6, ignore_eos=True)
+    sched.add_request(A)
+    sched.add_request(B)
+    out1 = sched.schedule()
+    s1 = runner.execute(out1)
+    assert [e.page_ids for e in out1.scheduled_requests] == [(1, 2), (3, 4)]
+    out2 = sched.schedule()
+    s2 = runner.execute(out2)
+    assert shape(out2) == [("A", 3, 1, True), ("B", 3, 1, True)]
+    sched.update_from_output(out1, s1)
+    out3 = sched.schedule()  # A needs a 3rd page: B goes, with its step-2 token still in flight
+    s3 = runner.execute(out3)
+    assert out3.preempted_request_ids == ("B",) and shape(out3) == [("A", 4, 1, True)]
+    assert A.page_ids == [1, 2, 4] and B.page_ids == [] and B.num_output_placeholders == 1
+    assert sched.abort_requests("A") == [A]
+    assert sched.pool.free_page_ids() == [3, 4, 2, 1]
+    assert sched.schedule().is_empty  # pages are free, but B's recompute needs its token in flight
+    sched.update_from_output(out2, s2)  # B's token arrives (A's is ignored: aborted)
+    assert B.num_output_tokens == 2 and B.num_output_placeholders == 0 and B.status is RequestStatus.PREEMPTED
+    sched.update_from_output(out3, s3)
+    out5 = sched.schedule()
+    assert shape(out5) == [("B", 0, 5, True)] and out5.scheduled_requests[0].page_ids == (3, 4, 2)
+    assert out5.scheduled_requests[0].token_ids == tuple(B.all_token_ids)
+    flight = (out5, runner.execute(out5))
+    while flight is not None:
+        _, flight, _ = overlapped_step(sched, runner, flight)
+    assert B.output_token_ids == reference_output(B.prompt_token_ids, B.sampling_params, 128)
+    assert sched.pool.num_free_pages == cfg.num_pages - 1
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_async_random_workloads_finish_with_reference_outputs(workload):
+    """test_random_workloads_finish_with_reference_outputs with one step in flight: same outputs, exact
+    page accounting, at most one wasted sampling slot per request and none for a length stop."""
+    cfg, specs = workload
+    cfg = dataclasses.replace(cfg, async_scheduling=True)
+    sched, runner = Scheduler(cfg), LaggedRunner(cfg)
+    requests: dict[str, Request] = {}
+    aborts: dict[int, list[str]] = {}
+    arrivals: dict[int, list[Request]] = {}
+    for rid, prompt, params, arrival, abort_at in specs:
+        for j in range(params.n):
+            child = Request(f"{rid}-{j}", prompt, params, eos_token_ids=(EOS,))
+            requests[child.request_id] = child
+            arrivals.setdefault(arrival, []).append(child)
+            if abort_at is not None:
+                aborts.setdefault(abort_at, []).append(child.request_id)
+    samples = dict.fromkeys(requests, 0)
+    flight = None
+    for t in range(2000):
+        for r in arrivals.get(t, []):
+            sched.add_request(r)
+        sched.abort_requests(aborts.get(t, []))
+        if not sched.has_unfinished_requests() and flight is None:
+            if t >= max(arrivals):
+                break
+            continue
+        had_flight = flight is not None
+        out, flight, _ = overlapped_step(sched, runner, flight)
+        assert out.num_scheduled_tokens > 0 or had_flight, "no progress with unfinished requests"
+        assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
+        for e in out.scheduled_requests:
+            samples[e.request_id] += e.samples
+    else:
+        pytest.fail("workload did not finish")
+    for r in requests.values():
+        assert r.is_finished
+        expected = reference_output(r.prompt_token_ids, r.sampling_params, cfg.max_model_len)
+        if r.finish_reason == "abort":
+            assert r.output_token_ids == expected[: r.num_output_tokens]
+        else:
+            assert r.output_token_ids == expected
+        wasted = samples[r.request_id] - r.num_output_tokens
+        assert wasted == 0 if r.finish_reason == "length" else 0 <= wasted <= 1, (r, wasted)
+    event(f"preemptions: {min(sched.num_preemptions, 3)}+")
+    sched.check_invariants()
+    assert sched.pool.num_free_pages == cfg.num_pages - 1
+    assert all(sched.pool.ref_count(p) == 0 for p in range(cfg.num_pages))

@@ -1,0 +1,44 @@
+"""The OpenAI API tests of test_openai_api.py, run again against a server whose engine has async scheduling on.
+
+The imported tests take this module's `live` and `client` fixtures; test_greedy_over_http_equals_the_engine
+compares the overlapped server with a synchronous engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpaged.async_engine import AsyncLLM
+from jaxpaged.engine import EngineArgs, LLMEngine
+from server.app import build_app
+from server.config import ServerConfig
+from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, LiveServer, serve
+from tests.server.test_openai_api import (  # noqa: F401 (collected here, over this module's fixtures)
+    test_chat_completion, test_completion_logprobs, test_greedy_over_http_equals_the_engine, test_n_two,
+    test_seeded_request_repeats, test_stop_string, test_stop_strings_held_back_matched_and_included,
+    test_streaming_chat_equals_non_streamed_for_a_seed, test_streaming_completion_equals_non_streamed)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_checkpoints):
+    path = str(tiny_checkpoints["gqa4"])
+    llm = AsyncLLM(LLMEngine(EngineArgs(model=path, **{**ENGINE_ARGS, "async_scheduling": True})))
+    try:
+        with serve(build_app(llm, ServerConfig(served_model_names=(MODEL_NAME, path)))) as url:
+            yield LiveServer(url, llm, path)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return live.openai()
+
+
+def test_the_engine_runs_the_overlapped_loop(live, client):
+    assert live.engine.engine.async_scheduling
+    r = client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+    stats = live.wait_idle()
+    assert stats["kv_cache_usage"] == 0.0
