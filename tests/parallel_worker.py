@@ -5,14 +5,16 @@ subprocesses with XLA_FLAGS=--xla_force_host_platform_device_count=N (or under
 jax.distributed); each mode prints one JSON line, prefixed RESULT=, on stdout.
 
 Modes:
-  serve       {model, tps, prompts, max_tokens, checkpoint?, save_to?, attention_backend?}  per tp: greedy tokens,
+  serve       {model, tps, prompts, max_tokens, checkpoint?, save_to?, attention_backend?, async_scheduling?}
+              per tp: greedy tokens,
               the logits of a 30-token prefill, the params' shardings and per-device bytes;
               checkpoint: `model` is a jaxpaged checkpoint, restored into each tp's shardings;
               save_to: save the last tp's sharded params there as a jaxpaged checkpoint;
-              attention_backend: reference (default), xla or pallas
+              attention_backend: reference (default), xla or pallas; async_scheduling: EngineArgs'
   error       {model, tp}                                     the ValueError message LLMEngine raises
-  multihost   {model, tp, prompts, max_tokens, coordinator, num_processes, process_id}
-              process 0: greedy tokens; others: how many steps they followed
+  multihost   {model, tp, prompts, max_tokens, coordinator, num_processes, process_id, async_scheduling?}
+              process 0: greedy tokens; others: how many steps they followed; each: whether the engine
+              runs the overlapped loop (multi-process falls back to the synchronous one)
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def serve(args: dict) -> dict:
     loaded = None if args.get("checkpoint") else load(args["model"])
     for tp in args["tps"]:
         engine_args = EngineArgs(model=args["model"], dtype="float32", tensor_parallel_size=tp,
+                                 async_scheduling=args.get("async_scheduling", False),
                                  **{**ENGINE, "attention_backend": args.get("attention_backend", "reference")})
         engine = LLMEngine(engine_args, loaded=loaded)  # a checkpoint restores into tp's shardings
         results[str(tp)] = {
@@ -101,10 +104,10 @@ def multihost(args: dict) -> dict:
     engine = LLMEngine(EngineArgs(
         model=args["model"], dtype="float32", tensor_parallel_size=args["tp"],
         distributed_coordinator=args["coordinator"], num_processes=args["num_processes"],
-        process_id=args["process_id"], **ENGINE))
+        process_id=args["process_id"], async_scheduling=args.get("async_scheduling", False), **ENGINE))
     import jax
     info = {"process_count": jax.process_count(), "devices": jax.device_count(),
-            "local_devices": jax.local_device_count()}
+            "local_devices": jax.local_device_count(), "async_scheduling": engine.async_scheduling}
     if args["process_id"] == 0:
         info["tokens"] = greedy_tokens(engine, args["prompts"], args["max_tokens"])
         engine.shutdown()

@@ -114,6 +114,14 @@ def test_engine_args_validation(fields, match):
 # ----------------------------------------------------------------------------- subprocess: 8 CPU devices
 
 
+def test_tp2_async_scheduling_same_tokens(gqa8, tiny_tp):
+    """One process, tp=2: the overlapped loop (placeholder tokens gathered on device 0, replicated onto the
+    mesh) gives the synchronous tp=1 tokens."""
+    result = run_worker("serve", {"model": str(gqa8), "tps": [2], "prompts": PROMPTS, "max_tokens": 8,
+                                  "async_scheduling": True})
+    assert result["2"]["tokens"] == tiny_tp["1"]["tokens"]
+
+
 def test_tp_1_2_4_same_tokens_and_logits(tiny_tp):
     base = tiny_tp["1"]
     for tp in ("2", "4"):
@@ -185,9 +193,10 @@ def _free_port() -> int:
 
 
 def test_two_processes_serve_like_tp1(gqa8, tiny_tp):
-    """jax.distributed on one machine: 2 processes x 1 CPU device, tp=2, gloo collectives."""
+    """jax.distributed on one machine: 2 processes x 1 CPU device, tp=2, gloo collectives. Async scheduling
+    asked for: multi-process falls back to the synchronous loop (followers take each step from the host)."""
     payload = {"model": str(gqa8), "tp": 2, "prompts": PROMPTS, "max_tokens": 8,
-               "coordinator": f"127.0.0.1:{_free_port()}", "num_processes": 2}
+               "coordinator": f"127.0.0.1:{_free_port()}", "num_processes": 2, "async_scheduling": True}
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel_worker", "multihost",
                                json.dumps({**payload, "process_id": i})], cwd=ROOT, env=env,
@@ -202,3 +211,4 @@ def test_two_processes_serve_like_tp1(gqa8, tiny_tp):
     assert leader["process_count"] == 2 and leader["devices"] == 2 and leader["local_devices"] == 1
     assert leader["tokens"] == tiny_tp["1"]["tokens"]
     assert follower["steps_followed"] > 0
+    assert leader["async_scheduling"] is follower["async_scheduling"] is False
