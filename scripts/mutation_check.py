@@ -65,6 +65,7 @@ SEC = REL + "test_security.py::"
 FAULTS = REL + "test_faults.py::"
 ISO = REL + "test_kv_isolation.py::"
 SHUTDOWN = REL + "test_shutdown.py::test_sigterm_drains_and_exits_zero"
+ASYNC = "tests/test_async_scheduling.py::"
 
 MUTATIONS: tuple[Mutation, ...] = (
     # ---- docs/security.md rows -------------------------------------------------------------------------
@@ -228,6 +229,33 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m("n-children-same-seed", "engine: seeded sampling", "jaxpaged/engine.py",
        "seed=None if params.seed is None else params.seed + index)", "seed=params.seed)",
        "tests/test_engine.py::test_n_samples_with_seed_differ_and_reproduce"),
+    # ---- async scheduling (one step in flight) -------------------------------------------------------
+    _m("async-stale-id-applied", "engine: async scheduling", "jaxpaged/engine.py",
+       "if request is not None and self.scheduler.get_request(rid) is request}",
+       "if self.scheduler.get_request(rid) is not None}",
+       ASYNC + "test_aborted_id_reused_while_its_step_is_in_flight"),
+    _m("async-length-stop-rescheduled", "engine: async scheduling", "jaxpaged/scheduler.py",
+       "not self._prefill_slot_free(num_new, scheduled) or _ends_in_flight(request):",
+       "not self._prefill_slot_free(num_new, scheduled):",
+       "tests/test_scheduler.py::test_async_request_at_max_tokens_is_not_scheduled_again"),
+    _m("async-preempted-readmitted-early", "engine: async scheduling", "jaxpaged/scheduler.py",
+       "            if request.num_output_placeholders:\n                break",
+       "            if False:\n                break",
+       "tests/test_scheduler.py::test_async_preempted_request_waits_for_its_tokens_in_flight"),
+    _m("async-placeholders-not-counted", "engine: async scheduling", "jaxpaged/scheduler.py",
+       "num_output_tokens=request.num_output_tokens + request.num_output_placeholders,",
+       "num_output_tokens=request.num_output_tokens,",
+       "tests/test_scheduler.py::test_async_decode_feeds_a_placeholder_with_exact_pages"),
+    _m("async-gather-not-warmed", "engine: async scheduling", "jaxpaged/engine.py",
+       "            self.runner.warmup_async()\n", "            pass\n",
+       ASYNC + "test_no_compilation_after_warmup"),
+    _m("async-dispatch-error-not-deferred", "engine: async scheduling", "jaxpaged/engine.py",
+       "            self._deferred_error = err\n            return False", "            raise",
+       ASYNC + "test_failed_step_loses_no_delivered_token"),
+    _m("async-multi-process", "engine: async scheduling", "jaxpaged/engine.py",
+       "self.async_scheduling = args.async_scheduling and args.num_processes == 1",
+       "self.async_scheduling = args.async_scheduling",
+       "tests/test_parallel.py::test_two_processes_serve_like_tp1"),
 )
 
 

@@ -13,10 +13,15 @@ from jaxpaged.engine import EngineArgs, LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
 from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, LiveServer, serve
-from tests.server.test_openai_api import (  # noqa: F401 (collected here, over this module's fixtures)
+from tests.server.test_openai_api import (  # collected here too, over this module's fixtures
     test_chat_completion, test_completion_logprobs, test_greedy_over_http_equals_the_engine, test_n_two,
     test_seeded_request_repeats, test_stop_string, test_stop_strings_held_back_matched_and_included,
     test_streaming_chat_equals_non_streamed_for_a_seed, test_streaming_completion_equals_non_streamed)
+
+REUSED = ["test_chat_completion", "test_completion_logprobs", "test_greedy_over_http_equals_the_engine", "test_n_two",
+          "test_seeded_request_repeats", "test_stop_string", "test_stop_strings_held_back_matched_and_included",
+          "test_streaming_chat_equals_non_streamed_for_a_seed", "test_streaming_completion_equals_non_streamed"]
+__all__ = REUSED  # the imported tests are used: pytest collects them from this module
 
 
 @pytest.fixture(scope="module")
