@@ -19,8 +19,8 @@ from tests.server.test_openai_api import (  # collected here too, over this modu
     test_streaming_chat_equals_non_streamed_for_a_seed, test_streaming_completion_equals_non_streamed)
 
 __all__ = ["test_chat_completion", "test_completion_logprobs", "test_greedy_over_http_equals_the_engine", "test_n_two",
-          "test_seeded_request_repeats", "test_stop_string", "test_stop_strings_held_back_matched_and_included",
-          "test_streaming_chat_equals_non_streamed_for_a_seed", "test_streaming_completion_equals_non_streamed"]
+           "test_seeded_request_repeats", "test_stop_string", "test_stop_strings_held_back_matched_and_included",
+           "test_streaming_chat_equals_non_streamed_for_a_seed", "test_streaming_completion_equals_non_streamed"]
 # (__all__: the imported tests are used; pytest collects them from this module)
 
 
