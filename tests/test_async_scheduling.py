@@ -145,6 +145,26 @@ def test_overlapped_equals_synchronous(tiny, config):
                     assert 0 <= extra <= 1, (child, o.finish_reason)
 
 
+def test_structured_outputs_and_penalties_need_no_fallback(tiny):
+    """The overlapped loop dispatches a step's sampler after the previous step's tokens reached the host, so
+    grammar masks (the matcher advanced by them) and penalties (their counts) are those of the synchronous loop."""
+    pytest.importorskip("llguidance")
+    from jaxpaged.sampling_params import StructuredOutputsParams as SO
+    from tests.test_structured_outputs import PERSON
+    params = [SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=SO(json=PERSON)),
+              SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=100, logprobs=2, structured_outputs=SO(json=PERSON)),
+              SamplingParams(temperature=1.2, top_p=0.9, seed=2, max_tokens=40, structured_outputs=SO(regex=r"[a-f]{3}-\d{2,4}")),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=40, repetition_penalty=1.3,
+                             structured_outputs=SO(choice=["red", "green", "blue"])),
+              SamplingParams(temperature=0.0, max_tokens=12)]
+    requests = {f"r{i}": ([1, 2, 3, 4, 5, i], p) for i, p in enumerate(params)}
+    results = [run(make_engine(tiny, mode, max_num_seqs=8, max_num_batched_tokens=32), requests)
+               for mode in (False, True)]
+    for rid in requests:
+        assert summary(results[1][rid]) == summary(results[0][rid]), rid
+    assert results[1]["r0"].outputs[0].finish_reason == "stop"
+
+
 def test_aborted_id_reused_while_its_step_is_in_flight(tiny):
     """The step in flight holds the aborted request; a new request with its id must not get its token."""
     prompts = mixed_prompts(2, seed=3)
