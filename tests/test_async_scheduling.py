@@ -152,8 +152,10 @@ def test_structured_outputs_and_penalties_need_no_fallback(tiny):
     from jaxpaged.sampling_params import StructuredOutputsParams as SO
     from tests.test_structured_outputs import PERSON
     params = [SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=SO(json=PERSON)),
-              SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=100, logprobs=2, structured_outputs=SO(json=PERSON)),
-              SamplingParams(temperature=1.2, top_p=0.9, seed=2, max_tokens=40, structured_outputs=SO(regex=r"[a-f]{3}-\d{2,4}")),
+              SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=100, logprobs=2,
+                             structured_outputs=SO(json=PERSON)),
+              SamplingParams(temperature=1.2, top_p=0.9, seed=2, max_tokens=40,
+                             structured_outputs=SO(regex=r"[a-f]{3}-\d{2,4}")),
               SamplingParams(temperature=0.8, seed=3, max_tokens=40, repetition_penalty=1.3,
                              structured_outputs=SO(choice=["red", "green", "blue"])),
               SamplingParams(temperature=0.0, max_tokens=12)]
