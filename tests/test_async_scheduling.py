@@ -128,6 +128,11 @@ def test_overlapped_equals_synchronous(tiny, config):
             assert engine.scheduler.num_preemptions > 0
     assert results[True].keys() == results[False].keys() == requests.keys()
     for rid in requests:
+        if rid in ABORTS and requests[rid][1].n > 1:  # aborted once either sample has k tokens: when the
+            for a, b in zip(results[True][rid].outputs, results[False][rid].outputs):  # other one gets its
+                n = min(len(a.token_ids), len(b.token_ids))  # tokens depends on the chunking: prefixes
+                assert a.token_ids[:n] == b.token_ids[:n], rid
+            continue
         assert summary(results[True][rid]) == summary(results[False][rid]), rid
     finishes = {o.finish_reason for out in results[True].values() for o in out.outputs}
     assert {"length", "stop"} <= finishes
