@@ -102,12 +102,13 @@ class EngineArgs:
     # a GGUF model's dequantised params and tokenizer, cached for the next start (None: no cache)
     model_cache_dir: str | None = dataclasses.field(default_factory=default_model_cache_dir)
     warmup: bool = True
-    # vLLM v1's async scheduling: dispatch step N+1 before step N's tokens reach the host (module docstring)
-    async_scheduling: bool = False
+    # vLLM v1's async scheduling: dispatch step N+1 before step N's tokens reach the host (module docstring);
+    # None: on with a GPU, off on CPU (docs/benchmarks.md, "Async scheduling (issue 15)")
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None (auto)")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
@@ -189,8 +190,11 @@ class LLMEngine:
         phases = {"load": time.perf_counter() - start}  # seconds per start-up phase, for the ready line
         self.runner_config = self._runner_config()
         # async scheduling runs on one process (followers take each step's tokens from the host)
-        self.async_scheduling = args.async_scheduling and args.num_processes == 1
-        if args.async_scheduling and not self.async_scheduling:
+        requested = args.async_scheduling
+        if requested is None:
+            requested = jax.default_backend() == "gpu"
+        self.async_scheduling = requested and args.num_processes == 1
+        if requested and not self.async_scheduling:
             logger.info("async scheduling: off with num_processes=%d (the synchronous loop runs)", args.num_processes)
         self._in_flight: _InFlightStep | None = None  # async scheduling: the step dispatched, not yet handled
         self._deferred_error: BaseException | None = None  # async: a dispatch failure, raised by the next step()

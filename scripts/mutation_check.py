@@ -253,8 +253,8 @@ MUTATIONS: tuple[Mutation, ...] = (
        "            self._deferred_error = err\n            return False", "            raise",
        ASYNC + "test_failed_step_loses_no_delivered_token"),
     _m("async-multi-process", "engine: async scheduling", "jaxpaged/engine.py",
-       "self.async_scheduling = args.async_scheduling and args.num_processes == 1",
-       "self.async_scheduling = args.async_scheduling",
+       "self.async_scheduling = requested and args.num_processes == 1",
+       "self.async_scheduling = requested",
        "tests/test_parallel.py::test_two_processes_serve_like_tp1"),
 )
 

@@ -74,7 +74,8 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=EngineArgs.async_scheduling, help="keep one step in flight: schedule and dispatch the "
-                   "next step before this one's tokens reach the host (vLLM's async scheduling)")
+                   "next step before this one's tokens reach the host (vLLM's async scheduling); default: on with a "
+                   "GPU, off on CPU")
 
 
 def _add_multihost_flags(d: argparse._ArgumentGroup) -> None:

@@ -262,9 +262,11 @@ def test_smollm2_overlapped_equals_synchronous(smollm2):
         assert summary(results[1][rid]) == summary(results[0][rid]), rid
 
 
-def test_async_scheduling_must_be_a_bool():
+def test_async_scheduling_must_be_a_bool_or_auto(tiny):
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(model="unused", async_scheduling="yes")
+    auto = LLMEngine(dataclasses.replace(BASE, async_scheduling=None), loaded=tiny)
+    assert auto.async_scheduling is (jax.default_backend() == "gpu")
 
 
 def test_cli_flag_reaches_the_engine_args():
@@ -272,7 +274,7 @@ def test_cli_flag_reaches_the_engine_args():
     parser = build_parser()
     assert engine_args(parser.parse_args(["--async-scheduling"])).async_scheduling is True
     assert engine_args(parser.parse_args(["--no-async-scheduling"])).async_scheduling is False
-    assert engine_args(parser.parse_args([])).async_scheduling is EngineArgs.async_scheduling
+    assert engine_args(parser.parse_args([])).async_scheduling is EngineArgs.async_scheduling is None
 
 
 def test_placeholder_step_needs_dispatch(tiny):
