@@ -68,7 +68,8 @@ def main() -> None:
             for mode in ((False, True) if r % 2 == 0 else (True, False)):
                 tok_s, outputs[mode] = run(engines[mode], prompts, args.output_len, batch == 1)
                 results.setdefault((batch, mode), []).append(tok_s)
-                print(f"batch {batch:3d}  round {r}  {'async' if mode else 'sync '}  {tok_s:8.2f} out tok/s", flush=True)
+                name = "async" if mode else "sync "
+                print(f"batch {batch:3d}  round {r}  {name}  {tok_s:8.2f} out tok/s", flush=True)
         assert outputs[False] == outputs[True], "the two loops produced different tokens"
     print("\n| batch | sync out tok/s (median) | async out tok/s (median) | async / sync |\n|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batches.split(",")):
