@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from jaxpaged import parallel, sampler
 
 from jaxpaged.models.llama import (LlamaConfig, Params, cos_sin, decoder_layer, embed_tokens,
-                                   layer_constants, lm_logits)
+                                   layer_constants, lm_logits, untie_lm_head)
 from jaxpaged.sampler import RowInfo, SamplerOutput, make_sampling_batch, num_top_logprobs_for, sample_jit
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import ScheduledRequest, SchedulerOutput
@@ -438,7 +438,8 @@ class ModelRunner:
         self._followers_released = False
         self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (T, S, P) -> step; warmup()
         if mesh is None:
-            self.params = params
+            # XLA:CPU: a tied LM head runs as its own [E, V] copy (llama.untie_lm_head)
+            self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
             self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,),
                                  compiler_options=cpu_compiler_options())
             return

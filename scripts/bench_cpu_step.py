@@ -152,7 +152,7 @@ def decode_batch(engine: LLMEngine, batch: int, context: int):
     """Add `batch` requests and step until all decode at ~context."""
     prompt = engine.tokenizer.encode(PROMPT * max(1, context // 40))[:context - 8]
     for i in range(batch):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
     while True:
         engine.step()
         reqs = list(engine.scheduler.running)

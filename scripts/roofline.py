@@ -6,11 +6,14 @@ row lookup and the KV cache are left out: a few MB against ~540 MB for SmolLM2-1
 engine decodes faster than  roofline tok/s = read bandwidth / weight bytes.
 
 The bandwidth is the best of these read probes on one --probe-mib float32 array (far above the caches),
-each timed --rounds times in this process (median per probe):
+each timed --rounds times in this process (fastest round per probe: the roofline is an upper bound):
   numpy sum, 1 thread        np.add.reduce over the array
   numpy sum, N threads       one np.add.reduce per thread over 1/N of it (numpy drops the GIL), N = cores
-  jax sum                    a jitted jnp.sum on the default device (XLA:CPU's own threads)
-The largest of the three is the roofline's bandwidth: the highest read rate this process reached.
+  numpy matvec               the array as [R, 1024] times a vector (numpy's BLAS gemv, its threads)
+  jax matvec                 the same on the default device (XLA:CPU's dot, its threads)
+  jax sum                    a jitted jnp.sum
+A sum is often bound by its adds, a matrix-vector product by its reads; the largest rate is the
+roofline's bandwidth: the highest read rate this process reached.
 
     python scripts/roofline.py [--model smollm2-135m-instruct] [--dtype float32] [--json]
 
@@ -27,7 +30,6 @@ import json
 import math
 import os
 import pathlib
-import statistics
 import sys
 import time
 
@@ -36,14 +38,14 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
-def _median_seconds(fn, rounds: int) -> float:
+def _best_seconds(fn, rounds: int) -> float:
     fn()  # first touch / compile
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def read_bandwidth(probe_mib: int = 512, rounds: int = 5, threads: int | None = None) -> dict[str, float]:
@@ -51,17 +53,23 @@ def read_bandwidth(probe_mib: int = 512, rounds: int = 5, threads: int | None = 
     n = probe_mib * (1 << 20) // 4
     x = np.random.default_rng(0).random(n, dtype=np.float32)
     nbytes = x.nbytes
-    out = {"numpy sum, 1 thread": nbytes / _median_seconds(lambda: np.add.reduce(x), rounds)}
+    out = {"numpy sum, 1 thread": nbytes / _best_seconds(lambda: np.add.reduce(x), rounds)}
     threads = threads or os.cpu_count() or 1
     chunks = np.array_split(x, threads)
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        out[f"numpy sum, {threads} threads"] = nbytes / _median_seconds(
+        out[f"numpy sum, {threads} threads"] = nbytes / _best_seconds(
             lambda: list(pool.map(np.add.reduce, chunks)), rounds)
+    matrix, vector = x[:n - n % 1024].reshape(-1, 1024), np.ones(1024, np.float32)
+    out["numpy matvec"] = matrix.nbytes / _best_seconds(lambda: matrix @ vector, rounds)
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    md, vd = jnp.asarray(matrix), jnp.asarray(vector)
+    matvec = jax.jit(jnp.matmul)
+    out["jax matvec"] = matrix.nbytes / _best_seconds(lambda: matvec(md, vd).block_until_ready(), rounds)
+    del md
     xd = jnp.asarray(x)
     total = jax.jit(jnp.sum)
-    out["jax sum"] = nbytes / _median_seconds(lambda: total(xd).block_until_ready(), rounds)
+    out["jax sum"] = nbytes / _best_seconds(lambda: total(xd).block_until_ready(), rounds)
     out["best"] = max(out.values())
     return out
 

@@ -32,7 +32,8 @@ def test_weight_bytes_count_every_smollm2_param_once(roofline, smollm2_path):
 
 def test_read_bandwidth_probes(roofline):
     bw = roofline.read_bandwidth(probe_mib=8, rounds=2, threads=2)
-    assert set(bw) == {"numpy sum, 1 thread", "numpy sum, 2 threads", "jax sum", "best"}
+    assert set(bw) == {"numpy sum, 1 thread", "numpy sum, 2 threads", "numpy matvec", "jax matvec", "jax sum",
+                       "best"}
     assert all(v > 0 for v in bw.values()) and bw["best"] == max(v for k, v in bw.items() if k != "best")
 
 
