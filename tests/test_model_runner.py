@@ -164,6 +164,20 @@ def test_cpu_step_compiles_with_the_engine_xla_options(tiny):
     np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)
 
 
+def test_cpu_runner_holds_a_tied_lm_head_as_its_own_copy(tiny_checkpoints):
+    """On CPU a tied model's LM head is also held as the embedding transposed, [E, V] (the form XLA:CPU
+    runs fast at one row); the logits stay the tied forward's and the caller's params are untouched."""
+    tied = load_model(str(tiny_checkpoints["tied"]), dtype="float32")
+    assert tied.config.tie_word_embeddings and "lm_head" not in tied.params
+    runner = ModelRunner(tied.config, tied.params, CONFIG)
+    np.testing.assert_array_equal(np.asarray(runner.params["lm_head"]), np.asarray(tied.params["embed"]).T)
+    assert "lm_head" not in tied.params
+    tokens = np.random.default_rng(3).integers(0, 256, size=20).tolist()
+    logits = runner.execute(runner.prepare([entry("a", tokens, 0, [3, 7])]))
+    plain = forward_jit(tied.config, tied.params, jnp.asarray([tokens]))[0, -1]
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-5)
+
+
 def test_per_layer_weights_match_the_scanned_stack(tiny):
     """Per-layer weights (a list, looped over: nothing sliced out of a stack) give the scanned stack's
     logits and pool, and their step has no loop left."""
