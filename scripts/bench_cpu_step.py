@@ -3,7 +3,8 @@
 
 Real weights (the smollm2-135m-instruct GGUF, float32), the engine's own runner and sampler.
 B requests with chat-length prompts are run to context ~CTX, all in decode; then each part is
-timed on that same batch (median of --steps calls, the parts one after another):
+timed on that same batch: the fastest of --steps rounds, each round calling every part once in turn
+(interleaved, so a busy machine slows all parts alike; the fastest round is the least disturbed):
 
   step        LLMEngine.step(): everything, as served (greedy)
   forward     ModelRunner.execute on the step's input (the runner's compiled step)
@@ -56,11 +57,9 @@ sys.path.insert(1, str(SCRIPTS))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from jaxpaged import model_runner  # noqa: E402
 from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
-from jaxpaged.models import llama  # noqa: E402
 from jaxpaged.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
 
@@ -74,16 +73,6 @@ PROMPT = ("You are a helpful assistant. Explain, step by step and with a short e
           "collisions, and when a balanced tree would be the better choice for a given workload. ")
 PARTS = ("step", "forward", "matmuls", "attention", "rest", "sampler greedy", "prepare", "sampling batch",
          "host other")
-
-
-def median_ms(fn, steps: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
 
 
 def _write_only(q, k, v, k_pool, v_pool, step, layer, *args, **kwargs):
@@ -101,34 +90,28 @@ def _patched_forward(attend, *args):
 
 
 def _dot(x, w):
-    """x [T, E] times a weight of the layer (llama.linear where the tree has it, else its einsum form)."""
-    linear = getattr(llama, "linear", None)
-    if linear is not None:
-        return linear(x, w)
-    if w.ndim == 3 and w.shape[0] == x.shape[-1]:  # [E, N, D]
-        return jnp.einsum("te,end->tnd", x, w)
-    if w.ndim == 3:  # [H, D, E]
-        return jnp.einsum("thd,hde->te", x, w)
-    return jnp.einsum("te,ef->tf", x, w)
-
-
-def _qkv(p, x):
-    """q, k, v of a layer: from a fused weight when the layout has one, else three dots."""
-    if "wqkv" in p:  # a fused q/k/v layout (if the tree has it): one dot, split after
-        return (_dot(x, p["wqkv"]),)
-    return _dot(x, p["wq"]), _dot(x, p["wk"]), _dot(x, p["wv"])
+    """One 2-D dot: x [T, E] times a weight [E, ...] (an input projection), or x [T, H, D] times wo [H, D, E]."""
+    if x.ndim == 2:
+        return (x @ w.reshape(x.shape[1], -1)).reshape(x.shape[0], *w.shape[1:])
+    return x.reshape(x.shape[0], -1) @ w.reshape(-1, w.shape[-1])
 
 
 def matmuls_only(config, params, token_ids, logits_indices):
-    """The step's dots alone (see the module docstring), over the params' own layout."""
+    """The step's dots alone (see the module docstring), over the params' own layout (stacked or a list of
+    layers; q/k/v and gate/up separate or fused)."""
+    c = config
+
     def layer(h, p):
-        outs = _qkv(p, h)
-        o = outs[0] if outs[0].ndim == 3 else outs[0][..., :config.num_attention_heads * config.head_dim]
-        o = o.reshape(h.shape[0], config.num_attention_heads, config.head_dim)
-        h = h + _dot(o, p["wo"]) + sum(jnp.sum(x) for x in outs[1:])
+        t = h.shape[0]
+        if "wqkv" in p:  # fused [E, K, G + 2, D]: q is the first G of each kv head's G + 2
+            qkv = _dot(h, p["wqkv"])
+            o, kv = qkv[:, :, :c.num_queries_per_kv], qkv[:, :, c.num_queries_per_kv:]
+        else:
+            o, kv = _dot(h, p["wq"]), _dot(h, p["wk"]) + _dot(h, p["wv"])
+        h = h + _dot(o.reshape(t, c.num_attention_heads, c.head_dim), p["wo"]) + jnp.sum(kv)
         if "w_gate_up" in p:
-            gu = _dot(h, p["w_gate_up"])
-            gate, up = jnp.split(gu, 2, axis=-1)
+            gu = _dot(h, p["w_gate_up"]).reshape(t, 2, -1)
+            gate, up = gu[:, 0], gu[:, 1]
         else:
             gate, up = _dot(h, p["w_gate"]), _dot(h, p["w_up"])
         return h + _dot(gate * up, p["w_down"]), None
@@ -139,8 +122,8 @@ def matmuls_only(config, params, token_ids, logits_indices):
             h, _ = layer(h, p)
     else:
         h, _ = jax.lax.scan(layer, h, params["layers"])
-    head = params.get("lm_head")
     x = h[logits_indices]
+    head = params.get("lm_head")
     return x @ head if head is not None else jnp.einsum("se,ve->sv", x, params["embed"])
 
 
@@ -176,53 +159,69 @@ def _rows(engine, entries, params):
 
 def measure(engine: LLMEngine, steps: int, sampling: bool, xla_options: bool, hlo_dir: str | None,
             batch: int) -> dict[str, float]:
-    """{part: ms} for the engine's current decode batch (see the module docstring)."""
-    out = {"step": median_ms(lambda: engine.step(), steps)}
+    """{part: ms} for the engine's current decode batch (see the module docstring): the fastest of
+    `steps` rounds; within a round every part (but the whole step, timed first) runs once, in turn."""
+    step_times = _rounds({"step": engine.step}, steps)
     runner = engine.runner
-    entries = engine.scheduler.schedule().scheduled_requests
-    out["prepare"] = median_ms(lambda: runner.prepare(entries), steps)
+    entries = engine.scheduler.schedule().scheduled_requests  # from here on the engine is not stepped
     step = runner.prepare(entries)
-    out["forward"] = median_ms(lambda: runner.execute(step), steps)
     cfg, att = runner.model_config, runner.config.attention
 
-    def timed(compiled) -> float:  # the pool is donated, as in the runner: thread it through
+    def donating(compiled):  # the pool is donated, as in the runner: thread it through
         def call():
             res = compiled(runner.params, runner.kv, step)
             runner.kv = res[-1]
             return res[0]
-        return median_ms(call, steps)
+        return call
 
     def compile_forward(forward, opts):
         return jax.jit(forward, static_argnums=(0, 1), donate_argnums=(3,), compiler_options=opts) \
             .lower(cfg, att, runner.params, runner.kv, step).compile()
 
-    no_attention = timed(compile_forward(functools.partial(_patched_forward, _write_only), _options()))
-    out["attention"] = out["forward"] - no_attention
     dots = jax.jit(matmuls_only, static_argnums=0, compiler_options=_options()) \
         .lower(cfg, runner.params, step.token_ids, step.logits_indices).compile()
-    out["matmuls"] = median_ms(lambda: dots(runner.params, step.token_ids, step.logits_indices), steps)
-    out["rest"] = out["forward"] - out["matmuls"] - out["attention"]
+    logits = runner.execute(step)
+    rows = _rows(engine, entries, SETTINGS["greedy"])
+    greedy = make_sampling_batch(rows, logits.shape[0], logits.shape[1])
+    parts = {
+        "prepare": lambda: runner.prepare(entries),
+        "forward": lambda: runner.execute(step),
+        "no attention": donating(compile_forward(functools.partial(_patched_forward, _write_only), _options())),
+        "matmuls": lambda: dots(runner.params, step.token_ids, step.logits_indices),
+        "sampling batch": lambda: make_sampling_batch(rows, logits.shape[0], logits.shape[1]),
+        "sampler greedy": lambda: sample_jit(logits, greedy, num_top_logprobs=0),
+    }
+    for name, params in SETTINGS.items():  # the batch's real logits, each row with its own seed and step
+        if name != "greedy" and sampling:
+            sb = make_sampling_batch(_rows(engine, entries, params), logits.shape[0], logits.shape[1])
+            parts[f"sampler {name}"] = functools.partial(sample_jit, logits, sb, num_top_logprobs=0)
     if xla_options:
         for name, opts in OPTION_SETS.items():
-            out[f"forward[{name}]"] = timed(compile_forward(model_runner.paged_forward, opts))
+            parts[f"forward[{name}]"] = donating(compile_forward(model_runner.paged_forward, opts))
+    out = {**step_times, **_rounds(parts, steps)}
+    out["attention"] = out["forward"] - out.pop("no attention")
+    out["rest"] = out["forward"] - out["matmuls"] - out["attention"]
+    out["host other"] = out["step"] - out["forward"] - out["sampler greedy"] - out["prepare"] - out["sampling batch"]
     if hlo_dir:
         text = runner.lower(step).compile().as_text()
         path = pathlib.Path(hlo_dir) / f"step-b{batch}.hlo.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"  compiled step HLO: {path}\n" + "\n".join("  " + line for line in hlo_summary(text)), flush=True)
-    logits = runner.execute(step)
-    for name, params in SETTINGS.items():  # the batch's real logits, each row with its own seed and step
-        if name != "greedy" and not sampling:
-            continue
-        rows = _rows(engine, entries, params)
-        sb = make_sampling_batch(rows, logits.shape[0], logits.shape[1])
-        if name == "greedy":
-            out["sampling batch"] = median_ms(lambda: make_sampling_batch(rows, logits.shape[0], logits.shape[1]),
-                                              steps)
-        out[f"sampler {name}"] = median_ms(lambda: sample_jit(logits, sb, num_top_logprobs=0), steps)
-    out["host other"] = out["step"] - out["forward"] - out["sampler greedy"] - out["prepare"] - out["sampling batch"]
-    return out  # the step scheduled here is dropped: the engine is not stepped again
+    return out
+
+
+def _rounds(fns: dict, rounds: int) -> dict[str, float]:
+    """{name: fastest ms} over `rounds` rounds, each calling every fn once in turn (after one warm call each)."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(1e3 * (time.perf_counter() - start))
+    return {name: min(t) for name, t in times.items()}
 
 
 # ------------------------------------------------------------------------------------------ HLO
@@ -249,17 +248,15 @@ def hlo_summary(text: str) -> list[str]:
     counts = {"copy": 0, "transpose": 0, "dynamic-slice": 0, "while": 0, "gather": 0, "scatter": 0}
     for name, lines in comps.items():
         for line in lines:
-            op = re.search(r"=\s*(\S+)\s+([\w\-]+)\(", line)
-            if not op:
-                continue
-            shape, opcode = op.group(1), op.group(2)
-            if opcode == "dot":
-                operands = re.findall(r"\b[fsu]\d+\[[\d,]*\]", line.split("dot(", 1)[1])
+            for opcode in counts:
+                counts[opcode] += bool(re.search(rf"\s{opcode}\(", line))
+            dot = re.search(r"=\s*(\S+)\s+dot\((.*?)\)", line)
+            if dot:
+                operands = [re.sub(r"[.\d]+$", "", x.strip().lstrip("%")) for x in dot.group(2).split(",")]
                 contract = re.findall(r"(lhs|rhs)_contracting_dims=\{([\d,]*)\}", line)
-                desc = f"{' x '.join(operands[:2])} -> {shape} ({', '.join(f'{s} {d}' for s, d in contract)})"
+                desc = (f"{dot.group(1).split('{')[0]} = dot({', '.join(operands)}) "
+                        f"({', '.join(f'{s} {d}' for s, d in contract)})")
                 dots["library" if name in library else "xla"].append(desc)
-            elif opcode in counts:
-                counts[opcode] += 1
     lines = [f"library fusions: {len(library)}, dots in them: {len(dots['library'])}, dots left to XLA: "
              f"{len(dots['xla'])}; " + ", ".join(f"{k} {v}" for k, v in counts.items())]
     for kind in ("library", "xla"):
@@ -341,7 +338,7 @@ def main(argv=None) -> int:
         print(json.dumps(run_here(args)), flush=True)
         return 0
     print(f"jax {jax.__version__}, {jax.default_backend()}, {os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.1f}; SmolLM2-135M f32, decode at context ~{args.context}, median of {args.steps}; "
+          f"{os.getloadavg()[0]:.1f}; SmolLM2-135M f32, decode at context ~{args.context}, fastest of {args.steps} rounds; "
           f"engine compiler options {_options()}", flush=True)
     columns = {}
     if args.before_tree:

@@ -66,7 +66,6 @@ def read_bandwidth(probe_mib: int = 512, rounds: int = 5, threads: int | None = 
     md, vd = jnp.asarray(matrix), jnp.asarray(vector)
     matvec = jax.jit(jnp.matmul)
     out["jax matvec"] = matrix.nbytes / _best_seconds(lambda: matvec(md, vd).block_until_ready(), rounds)
-    del md
     xd = jnp.asarray(x)
     total = jax.jit(jnp.sum)
     out["jax sum"] = nbytes / _best_seconds(lambda: total(xd).block_until_ready(), rounds)
