@@ -55,6 +55,12 @@ def test_buckets():
     assert CONFIG.bucket_for(5, 2, 1) == (16, 4, 8) and CONFIG.bucket_for(16, 16, 1) == (16, 16, 8)
     assert {CONFIG.bucket_for(t, s, 1) for t in range(1, 65) for s in range(1, min(t, 16) + 1)} <= set(CONFIG.buckets)
     assert dataclasses.replace(wide, attention_backend="xla").page_buckets == (128,)
+    # S = 1 (CPU): one decode only; one sequence fed more tokens takes S = 4 (no extra shape)
+    one = dataclasses.replace(small, min_seq_bucket=1)
+    assert one.seq_buckets == (1, 4, 16) and [(t, s) for t, s, _ in one.buckets if s == 1] == [(1, 1)]
+    assert one.bucket_for(1, 1, 1) == (1, 1, 8) and one.bucket_for(5, 1, 1) == (8, 4, 8)
+    assert len(one.buckets) == len(small.buckets)  # (1, 1) replaces (1, 4)
+    assert {one.bucket_for(t, s, 1) for t in range(1, 65) for s in range(1, min(t, 16) + 1)} <= set(one.buckets)
 
 
 @pytest.mark.parametrize("field, value", [("attention_backend", "cuda"), ("page_size", 12), ("num_pages", 0),
