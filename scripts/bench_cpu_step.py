@@ -307,7 +307,8 @@ def run_tree(tree: str, args) -> dict:
 
 def table(columns: dict[str, dict], batches) -> list[str]:
     names = list(columns)
-    head = "| batch | part | " + " | ".join(f"{n} ms" for n in names) + (" | after / before |" if len(names) == 2 else " |")
+    head = "| batch | part | " + " | ".join(f"{n} ms" for n in names)
+    head += " | after / before |" if len(names) == 2 else " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for batch in batches:
         parts = sorted(columns[names[-1]][str(batch)], key=lambda p: PARTS.index(p) if p in PARTS else len(PARTS))
@@ -338,7 +339,8 @@ def main(argv=None) -> int:
         print(json.dumps(run_here(args)), flush=True)
         return 0
     print(f"jax {jax.__version__}, {jax.default_backend()}, {os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.1f}; SmolLM2-135M f32, decode at context ~{args.context}, fastest of {args.steps} rounds; "
+          f"{os.getloadavg()[0]:.1f}; SmolLM2-135M f32, decode at context ~{args.context}, "
+          f"fastest of {args.steps} rounds; "
           f"engine compiler options {_options()}", flush=True)
     columns = {}
     if args.before_tree:
