@@ -20,7 +20,7 @@ A request that stops or is aborted at N costs at most one wasted slot in N+1 (no
 a length stop); its pages are released once, when it finishes. Greedy and seeded
 outputs equal the synchronous loop's token for token (a row's key counts the tokens
 in flight). Falls back to the synchronous loop: multi-process runs (followers take
-each step's tokens from the host). Refused: speculative decoding.
+each step's tokens from the host). Not combined with speculative decoding.
 
 A request with n > 1 becomes n child requests (`<id>#<i>`, seeds seed + i) that
 share the prompt's pages through prefix caching, aggregated back into one
