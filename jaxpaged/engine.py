@@ -42,6 +42,7 @@ from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from jaxpaged.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from jaxpaged.spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig, max_drafts_for
 from jaxpaged.structured_outputs import GrammarMatcher, StructuredOutputManager
 from jaxpaged.structured_outputs import available as structured_outputs_available  # noqa: I001
 from jaxpaged.validation import validate_request
@@ -91,8 +92,19 @@ class EngineArgs:
     # a GGUF model's dequantised params and tokenizer, cached for the next start (None: no cache)
     model_cache_dir: str | None = dataclasses.field(default_factory=default_model_cache_dir)
     warmup: bool = True
+    # vLLM's speculative_config: a SpeculativeConfig, or its dict / JSON text (converted here); None: off.
+    # Only the n-gram (prompt lookup) method: {"method": "ngram", "num_speculative_tokens": k, ...}
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            if not isinstance(spec, (dict, str)):
+                raise ValueError(f"speculative_config must be a dict, its JSON text or a SpeculativeConfig, "
+                                 f"got {type(spec).__name__}")
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))  # frozen: set once
+        if self.speculative_config is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
+            raise ValueError("speculative_config is not supported with tensor parallelism or several processes yet")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
@@ -181,6 +193,9 @@ class LLMEngine:
             StructuredOutputManager(self.tokenizer, self.model.config.vocab_size,
                                     self.model.generation_config.eos_token_ids)
         self._awaiting_grammar: dict[str, tuple[_Parent, concurrent.futures.Future]] = {}
+        spec = args.speculative_config
+        self.proposer = None if spec is None else NgramProposer(spec)  # speculative decoding (n-gram)
+        self.spec_decoding_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
         self._rng = np.random.default_rng(args.seed)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
@@ -228,7 +243,9 @@ class LLMEngine:
                             # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes
                             min_token_bucket=16 if on_gpu else 1,
                             max_num_partial_prefills=min(args.max_num_partial_prefills or (16 if on_gpu else 4),
-                                                         max_num_seqs))
+                                                         max_num_seqs),
+                            num_speculative_tokens=0 if args.speculative_config is None else
+                            args.speculative_config.num_speculative_tokens)
 
     def _pages_from_memory(self, on_gpu: bool) -> int:
         # Each device holds 1/tp of every page (its KV heads); the budget is per device.
@@ -438,6 +455,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the outputs it produced (see SamplingParams.output_kind)."""
         failed = self._admit_grammar_ready() if self._awaiting_grammar else []
+        if self.proposer is not None:
+            self._propose_drafts()
         out = self.scheduler.schedule()
         if out.is_empty:
             if not failed:
@@ -451,12 +470,13 @@ class LLMEngine:
         result = self.runner.execute_model(out, functools.partial(self._grammar_bitmask, out.scheduled_requests))
         for rid, chunk in result.prompt_logprobs.items():
             self._record_prompt_logprobs(*self._child_to_parent[rid], chunk)
-        stops, touched = {}, {}
-        for rid, row in result.req_id_to_index.items():
+        sampled, stops, touched = {}, {}, {}
+        for rid in result.req_ids:
             parent, child = self._child_to_parent[rid]
-            stops[rid] = self._stop_verdict(child, result, row)
+            sampled[rid], stops[rid] = self._emit(child, result, result.token_rows(rid))
             touched.setdefault(parent.request_id, (parent, set()))[1].add(child.index)
-        sampled = {rid: [int(result.sampled_token_ids[row])] for rid, row in result.req_id_to_index.items()}
+        if self.spec_decoding_stats is not None:
+            self._observe_drafts(out.scheduled_requests, result)
         self.scheduler.update_from_output(out, sampled, stops)
         now = time.time()
         outputs = failed
@@ -467,17 +487,44 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int) -> StopVerdict | None:
+    def _propose_drafts(self) -> None:
+        """Speculative decoding: n-gram drafts for every decoding request (none under a grammar)."""
+        for request in self.scheduler.decoding_requests():
+            room = max_drafts_for(request.num_tokens, request.num_output_tokens, request.max_tokens,
+                                  request.max_model_len)
+            if room < 1 or self._child_to_parent[request.request_id][1].matcher is not None:
+                request.spec_token_ids = []
+                continue
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+
+    def _observe_drafts(self, entries: Sequence[ScheduledRequest], result: ModelRunnerOutput) -> None:
+        for entry in entries:
+            if entry.spec_token_ids and entry.request_id in result.num_accepted_drafts:
+                self.spec_decoding_stats.observe(len(entry.spec_token_ids), result.num_accepted_drafts[entry.request_id])
+
+    def _emit(self, child: _Child, result: ModelRunnerOutput, rows: Sequence[int]) -> tuple[list[int], StopVerdict | None]:
+        """The tokens a request emits this step (its rows' samples, cut after the first that ends it) and
+        the last one's verdict (see `_stop_verdict`)."""
+        tokens, verdict = [], None
+        for ahead, row in enumerate(rows):
+            tokens.append(int(result.sampled_token_ids[row]))
+            verdict = self._stop_verdict(child, result, row, ahead)
+            if verdict is not None:
+                break
+        return tokens, verdict
+
+    def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int, ahead: int = 0) -> StopVerdict | None:
         """Record one sampled token (logprobs, text) and decide whether it ends the request.
 
         None: it goes on; else (status, stop_reason) for Scheduler.update_from_output. Token-level
         stops come from Request.check_stop, stop strings from the detokenizer (they win over length).
+        ahead: the step's tokens before this one (speculative decoding), not appended yet.
         """
         request = child.request
         if not result.finite[row]:  # NaN/inf logits fail only their own request; the token is garbage
             return RequestStatus.FINISHED_ERROR, None
         token_id = int(result.sampled_token_ids[row])
-        verdict = request.check_stop(token_id)
+        verdict = request.check_stop(token_id, ahead)
         # A completed grammar stops after its last token, whose text is kept (unlike an EOS / stop id's).
         grammar_verdict = self._grammar_verdict(child, token_id) if verdict is None else None
         if child.logprobs is not None:
@@ -553,6 +600,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": pool.prefix_cache_queries,
             "prefix_cache_hits": pool.prefix_cache_hits,
+            **({} if self.spec_decoding_stats is None else self.spec_decoding_stats.as_stats()),
         }
 
 

@@ -40,7 +40,7 @@ from jaxpaged import parallel, sampler
 from jaxpaged.models.llama import (LlamaConfig, Params, cos_sin, decoder_layer, embed_tokens,
                                    layer_constants, lm_logits)
 from jaxpaged.sampler import RowInfo, SamplerOutput, make_sampling_batch, num_top_logprobs_for, sample_jit
-from jaxpaged.sampling_params import MAX_LOGPROBS
+from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.scheduler import ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
 
@@ -131,19 +131,61 @@ class ModelRunnerOutput:
     finite: np.ndarray  # bool[R]; False: the row's logits held a NaN/inf, its token is garbage
     # the prompt tokens this step predicted, for the requests that asked (SamplingParams.prompt_logprobs)
     prompt_logprobs: dict[str, PromptLogprobs] = dataclasses.field(default_factory=dict)
+    # Speculative decoding: for each request that fed drafts, the rows of its emitted tokens, in order (the
+    # arrays above then hold more than R rows: the draft positions' samples follow the R rows), and how many
+    # of its drafts were accepted. Other requests emit their one row.
+    spec_token_rows: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    num_accepted_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def req_id_to_index(self) -> dict[str, int]:
         return {rid: r for r, rid in enumerate(self.req_ids)}
 
+    def token_rows(self, request_id: str) -> tuple[int, ...]:
+        """The rows of the tokens `request_id` emits this step, in order (more than one only when it
+        verified drafts: its accepted drafts, then the token sampled after them)."""
+        rows = self.spec_token_rows.get(request_id)
+        return rows if rows is not None else (self.req_id_to_index[request_id],)
+
     @classmethod
     def from_sampler(cls, entries: Sequence[ScheduledRequest], sampled: SamplerOutput,
-                     prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> ModelRunnerOutput:
+                     prompt_logprobs: dict[str, PromptLogprobs] | None = None,
+                     drafts: VerifiedDrafts | None = None) -> ModelRunnerOutput:
         rows = np.array([i for i, e in enumerate(entries) if e.samples], np.int64)
-        return cls(tuple(entries[i].request_id for i in rows), np.asarray(sampled.token_ids)[rows],
-                   np.asarray(sampled.logprobs)[rows], np.asarray(sampled.top_token_ids)[rows],
-                   np.asarray(sampled.top_logprobs)[rows], np.asarray(sampled.finite)[rows],
-                   prompt_logprobs or {})
+        arrays = [np.asarray(a)[rows] for a in (sampled.token_ids, sampled.logprobs, sampled.top_token_ids,
+                                                 sampled.top_logprobs, sampled.finite)]
+        req_ids = tuple(entries[i].request_id for i in rows)
+        if drafts is None:
+            return cls(req_ids, *arrays, prompt_logprobs or {})
+        x = drafts.sampled
+        arrays = [np.concatenate([a, np.asarray(b)]) for a, b in zip(
+            arrays, (x.token_ids, x.logprobs, x.top_token_ids, x.top_logprobs, x.finite))]
+        index = {rid: r for r, rid in enumerate(req_ids)}
+        token_rows = {rid: drafts.token_rows(m, len(rows), index[rid]) for m, rid in enumerate(drafts.request_ids)}
+        accepted = {rid: int(drafts.num_accepted[m]) for m, rid in enumerate(drafts.request_ids)}
+        return cls(req_ids, *arrays, prompt_logprobs or {}, token_rows, accepted)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifiedDrafts:
+    """One step's draft verification, on the host: M sequence slots x k draft positions (row m * k + j:
+    the sample at draft j of the m-th entry that fed drafts; padding slots and positions never accept)."""
+
+    request_ids: tuple[str, ...]  # the entries that fed drafts, in step order (slots 0..)
+    num_drafts: tuple[int, ...]  # d of each
+    k: int  # draft positions per slot (num_speculative_tokens)
+    sampled: SamplerOutput  # [M * k] rows (numpy after device_get)
+    num_accepted: np.ndarray  # i32[M]: leading draft positions whose sample equals the draft
+
+    def to_host(self) -> VerifiedDrafts:
+        sampled, num_accepted = jax.device_get((self.sampled, self.num_accepted))
+        return dataclasses.replace(self, sampled=sampled, num_accepted=num_accepted)
+
+    def token_rows(self, m: int, first_row: int, main_row: int) -> tuple[int, ...]:
+        """Slot m's emitted rows, numbered after `first_row` main rows: its a accepted drafts' rows, then the
+        row of the first rejected position, or `main_row` (the bonus token) when all d were accepted."""
+        a, base = int(self.num_accepted[m]), first_row + m * self.k
+        return tuple(range(base, base + a)) + ((base + a,) if a < self.num_drafts[m] else (main_row,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,11 +232,41 @@ FaultInjector = Callable[[Sequence[ScheduledRequest], jax.Array], jax.Array]
 GrammarBitmask = np.ndarray | Callable[[], np.ndarray | None]  # see ModelRunner.execute_model
 
 
-def sampling_row(entry: ScheduledRequest) -> RowInfo:
-    """The sampler's row for one scheduled request (a grammar mask or other per-row input joins here)."""
-    return RowInfo(params=entry.sampling_params, seed=entry.seed, step=entry.num_output_tokens,
-                   prompt_token_ids=entry.prompt_token_ids, output_token_ids=entry.output_token_ids,
-                   banned_token_ids=entry.banned_token_ids)
+def sampling_row(entry: ScheduledRequest, position: int | None = None) -> RowInfo:
+    """The sampler's row for one scheduled request (a grammar mask or other per-row input joins here).
+
+    With drafts (speculative decoding) each fed position j in 0..d samples the output token that would
+    follow the first j drafts: keyed as that output (step num_output_tokens + j), its penalties counting
+    the drafts before it. position None: the entry's last fed token (j = d)."""
+    j = len(entry.spec_token_ids) if position is None else position
+    if j == 0:
+        return RowInfo(params=entry.sampling_params, seed=entry.seed, step=entry.num_output_tokens,
+                       prompt_token_ids=entry.prompt_token_ids, output_token_ids=entry.output_token_ids,
+                       banned_token_ids=entry.banned_token_ids)
+    params = entry.sampling_params
+    penalties = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
+    history = list(entry.output_token_ids) + list(entry.spec_token_ids[:j]) if penalties else ()  # copied only if read
+    return RowInfo(params=params, seed=entry.seed, step=entry.num_output_tokens + j,
+                   prompt_token_ids=entry.prompt_token_ids, output_token_ids=history,
+                   banned_token_ids=entry.spec_banned_token_ids[j - 1])
+
+
+_PADDING_ROW = RowInfo(params=SamplingParams(temperature=0.0), seed=0)  # a draft slot nobody fed: never accepted
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def draft_logits(config: LlamaConfig, params: Params, hidden: jax.Array, rows: jax.Array) -> jax.Array:
+    """hidden [T, E] (paged_forward's), rows i32[X] -> logits f32[X, V] at those fed tokens."""
+    return lm_logits(config, params, hidden[rows])
+
+
+@jax.jit
+def accept_drafts(sampled: jax.Array, draft_ids: jax.Array) -> jax.Array:
+    """sampled i32[M * k] (the draft positions' samples), draft_ids i32[M, k] (-1: no draft) -> i32[M], the
+    accepted drafts of each slot: the leading positions where the sample is the draft. Rejection sampling
+    of a point-mass draft (see jaxpaged/spec_decode.py)."""
+    match = (sampled.reshape(draft_ids.shape) == draft_ids).astype(jnp.int32)  # i32[M, k]
+    return jnp.sum(jnp.cumprod(match, axis=1), axis=1)
 
 
 def _pad_bitmask(bitmask: np.ndarray | None, S: int, num_entries: int) -> np.ndarray | None:
@@ -251,6 +323,8 @@ class RunnerConfig:
     # Most requests fed more than one token in a step; None: no cap. The scheduler enforces it (the engine
     # builds its SchedulerConfig from this config); attention sizes its prefill tiles for it and trusts it.
     max_num_partial_prefills: int | None = None
+    # Speculative decoding: drafts verified per request and step (SpeculativeConfig's k); 0: off
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -263,6 +337,8 @@ class RunnerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_num_partial_prefills is not None and self.max_num_partial_prefills < 1:
             raise ValueError(f"max_num_partial_prefills={self.max_num_partial_prefills} must be >= 1 or None")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 0")
 
     @property
     def backend(self) -> str:
@@ -322,6 +398,21 @@ class RunnerConfig:
         shapes = [(t, s) for t in self.token_buckets for s in self.seq_buckets if lower[s] < t]
         shapes += [(s, s) for s in self.decode_seq_buckets]
         return tuple((t, s, p) for t, s in sorted(shapes) for p in self.page_buckets)
+
+    @property
+    def draft_seq_buckets(self) -> tuple[int, ...]:
+        """Speculative decoding: slot counts M of a step's draft verification (M x num_speculative_tokens
+        rows): 1, x4, ... up to the most requests fed several tokens a step (each feeds >= 2); () when off."""
+        if not self.num_speculative_tokens:
+            return ()
+        return _geometric_buckets(1, max(1, min(self.max_num_partial_prefills or self.max_num_seqs,
+                                                self.max_num_seqs, self.max_num_batched_tokens // 2)), 4)
+
+    @property
+    def draft_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every (T, M) a draft verification runs at: M slots need a T bucket of >= 2 tokens a slot."""
+        lower = dict(zip(self.draft_seq_buckets, (0,) + self.draft_seq_buckets[:-1]))
+        return tuple((t, m) for t in self.token_buckets for m in self.draft_seq_buckets if 2 * (lower[m] + 1) <= t)
 
     def bucket_for(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
         t = next(b for b in self.token_buckets if b >= num_tokens)
@@ -505,8 +596,30 @@ class ModelRunner:
                                     token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
         top = num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
         sampled = sample_jit(logits, batch, num_top_logprobs=top)
+        drafts = self._verify_drafts(entries, hidden, top) if any(e.spec_token_ids for e in entries) else None
         prompt = self._prompt_logprobs(entries, step, hidden)
-        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt)
+        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt,
+                                              None if drafts is None else drafts.to_host())
+
+    def _verify_drafts(self, entries: Sequence[ScheduledRequest], hidden: jax.Array, top: int) -> VerifiedDrafts:
+        """Sample every draft position of the entries that fed drafts (their last position is a main row)
+        and count the accepted drafts, on device. M slots (a `draft_seq_buckets` size) x k positions."""
+        k = self.config.num_speculative_tokens
+        spec = [(offset, e) for offset, e in zip(np.cumsum([0] + [e.num_tokens for e in entries]), entries)
+                if e.spec_token_ids]
+        M = next(b for b in self.config.draft_seq_buckets if b >= len(spec))
+        hidden_rows = np.zeros(M * k, np.int32)  # row of `hidden` whose logits predict each draft
+        draft_ids = np.full((M, k), -1, np.int32)
+        rows = [_PADDING_ROW] * (M * k)
+        for m, (offset, e) in enumerate(spec):
+            d = len(e.spec_token_ids)
+            hidden_rows[m * k:m * k + d] = offset + np.arange(d)
+            draft_ids[m, :d] = e.spec_token_ids
+            rows[m * k:m * k + d] = [sampling_row(e, j) for j in range(d)]
+        logits = draft_logits(self.model_config, self.params, hidden, hidden_rows)  # f32[M * k, V]
+        sampled = sample_jit(logits, make_sampling_batch(rows, M * k, logits.shape[1]), num_top_logprobs=top)
+        return VerifiedDrafts(tuple(e.request_id for _, e in spec), tuple(len(e.spec_token_ids) for _, e in spec),
+                              k, sampled, accept_drafts(sampled.token_ids, draft_ids))
 
     def _prompt_logprobs(self, entries: Sequence[ScheduledRequest], step: StepInput,
                          hidden: jax.Array) -> dict[str, PromptLogprobs]:
@@ -595,6 +708,7 @@ class ModelRunner:
         self.warmup_sampler()
         if self.mesh is None:  # prompt log-probs are computed on one device only (the engine refuses them on a mesh)
             self.warmup_prompt_logprobs()
+            self.warmup_draft_verification()
         if self.multi_process:  # processes finish compiling at different times: meet, then run a step together
             parallel.barrier("jaxpaged-warmup", _WARMUP_BARRIER_SECONDS)
             jax.block_until_ready(self._run(empty_step(*buckets[0])))  # also sets up the cross-process collectives
@@ -606,6 +720,17 @@ class ModelRunner:
             hidden = jnp.zeros((t, self.model_config.hidden_size), self.dtype)
             jax.block_until_ready(prompt_logprobs_step(self.model_config, self.params, hidden,
                                                        np.zeros(t, np.int32)))
+
+    def warmup_draft_verification(self) -> None:
+        """Speculative decoding: compile draft_logits at every (T, M) of `draft_shapes`, and the sampler and
+        accept_drafts at every M x k (nothing when speculation is off)."""
+        k, V = self.config.num_speculative_tokens, self.model_config.vocab_size
+        for t, m in self.config.draft_shapes:
+            hidden = jnp.zeros((t, self.model_config.hidden_size), self.dtype)
+            jax.block_until_ready(draft_logits(self.model_config, self.params, hidden, np.zeros(m * k, np.int32)))
+        for m in self.config.draft_seq_buckets:
+            sampler.warmup(m * k, V)
+            jax.block_until_ready(accept_drafts(jnp.zeros(m * k, jnp.int32), np.zeros((m, k), np.int32)))
 
     def warmup_sampler(self) -> None:
         """Compile every part of the sampler at every S bucket (see sampler.warmup)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from jaxpaged.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
 from jaxpaged.engine import EngineArgs
 from jaxpaged.models.loader import DEFAULT_MODEL
+from jaxpaged.spec_decode import SpeculativeConfig
 from server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig
 from server.lifecycle import ShutdownConfig
 
@@ -72,6 +73,9 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
                    help="KV cache dtype; auto: the model's, but float32 for a bfloat16 model on CPU "
                    "(XLA:CPU would convert the whole cache around every write)")
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    e.add_argument("--speculative-config", type=speculative_config_arg, default=None, help="speculative decoding, "
+                   'as JSON (vLLM\'s): {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                   '"prompt_lookup_min": 2} drafts up to 4 tokens a step from the request\'s own prompt and output')
 
 
 def _add_multihost_flags(d: argparse._ArgumentGroup) -> None:
@@ -116,6 +120,14 @@ def chat_template_arg(value: str | None) -> str | None:
     return value
 
 
+def speculative_config_arg(value: str) -> SpeculativeConfig:
+    """--speculative-config: vLLM's JSON object; a bad one is a CLI error naming what is wrong."""
+    try:
+        return SpeculativeConfig.from_dict(value)
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=ns.model, tokenizer=ns.tokenizer, revision=ns.revision, dtype=ns.dtype, seed=ns.seed,
@@ -127,7 +139,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_dtype=ns.kv_cache_dtype,
         tensor_parallel_size=ns.tensor_parallel_size, chat_template=chat_template_arg(ns.chat_template),
         generation_config=ns.generation_config, distributed_coordinator=ns.distributed_coordinator,
-        num_processes=ns.num_processes, process_id=ns.process_id)
+        num_processes=ns.num_processes, process_id=ns.process_id, speculative_config=ns.speculative_config)
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:
