@@ -499,10 +499,12 @@ class LLMEngine:
 
     def _observe_drafts(self, entries: Sequence[ScheduledRequest], result: ModelRunnerOutput) -> None:
         for entry in entries:
-            if entry.spec_token_ids and entry.request_id in result.num_accepted_drafts:
-                self.spec_decoding_stats.observe(len(entry.spec_token_ids), result.num_accepted_drafts[entry.request_id])
+            num_accepted = result.num_accepted_drafts.get(entry.request_id)
+            if num_accepted is not None:
+                self.spec_decoding_stats.observe(len(entry.spec_token_ids), num_accepted)
 
-    def _emit(self, child: _Child, result: ModelRunnerOutput, rows: Sequence[int]) -> tuple[list[int], StopVerdict | None]:
+    def _emit(self, child: _Child, result: ModelRunnerOutput,
+              rows: Sequence[int]) -> tuple[list[int], StopVerdict | None]:
         """The tokens a request emits this step (its rows' samples, cut after the first that ends it) and
         the last one's verdict (see `_stop_verdict`)."""
         tokens, verdict = [], None

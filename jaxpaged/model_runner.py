@@ -157,24 +157,42 @@ class ModelRunnerOutput:
         req_ids = tuple(entries[i].request_id for i in rows)
         if drafts is None:
             return cls(req_ids, *arrays, prompt_logprobs or {})
-        x = drafts.sampled
+        x = drafts.sampled  # its rows follow the R rows
         arrays = [np.concatenate([a, np.asarray(b)]) for a, b in zip(
             arrays, (x.token_ids, x.logprobs, x.top_token_ids, x.top_logprobs, x.finite))]
         index = {rid: r for r, rid in enumerate(req_ids)}
-        token_rows = {rid: drafts.token_rows(m, len(rows), index[rid]) for m, rid in enumerate(drafts.request_ids)}
-        accepted = {rid: int(drafts.num_accepted[m]) for m, rid in enumerate(drafts.request_ids)}
+        ids = drafts.layout.request_ids
+        token_rows = {rid: drafts.token_rows(m, len(rows), index[rid]) for m, rid in enumerate(ids)}
+        accepted = {rid: int(drafts.num_accepted[m]) for m, rid in enumerate(ids)}
         return cls(req_ids, *arrays, prompt_logprobs or {}, token_rows, accepted)
 
 
 @dataclasses.dataclass(frozen=True)
-class VerifiedDrafts:
-    """One step's draft verification, on the host: M sequence slots x k draft positions (row m * k + j:
-    the sample at draft j of the m-th entry that fed drafts; padding slots and positions never accept)."""
+class DraftRows:
+    """Where one step verifies its drafts: the draft positions of the M' entries that fed drafts, on a grid
+    of M slots (a `draft_seq_buckets` size) x k positions (num_speculative_tokens).
 
-    request_ids: tuple[str, ...]  # the entries that fed drafts, in step order (slots 0..)
+    packed: the drafts fit in the step's padding logits slots (S - len(entries) of them, S the step's bucket):
+    the forward's own LM head computes their logits (step.logits_indices points those slots at the draft
+    positions) and they are sampled with the entries' rows, in one call; at batch 1 on CPU (S = 4) that holds
+    for up to 3 drafts. Otherwise `draft_logits` computes them from the forward's hidden states, M * k rows.
+    """
+
+    packed: bool
+    request_ids: tuple[str, ...]  # the entries that fed drafts, in step order (slots 0..M'-1)
     num_drafts: tuple[int, ...]  # d of each
-    k: int  # draft positions per slot (num_speculative_tokens)
-    sampled: SamplerOutput  # [M * k] rows (numpy after device_get)
+    sample_rows: np.ndarray  # i32[M, k]: the sampler row of each draft position (padding: row 0)
+    draft_ids: np.ndarray  # i32[M, k]; -1 for no draft (never accepted)
+    token_index: np.ndarray  # i32[N]: the fed token whose logits each draft row takes (N rows, in row order)
+    rows: tuple[RowInfo, ...]  # the N draft rows' sampler state
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifiedDrafts:
+    """One step's draft verification: the draft rows' samples and the accepted drafts of each slot."""
+
+    layout: DraftRows
+    sampled: SamplerOutput  # holds the draft rows (at layout.sample_rows); numpy after `to_host`
     num_accepted: np.ndarray  # i32[M]: leading draft positions whose sample equals the draft
 
     def to_host(self) -> VerifiedDrafts:
@@ -182,10 +200,11 @@ class VerifiedDrafts:
         return dataclasses.replace(self, sampled=sampled, num_accepted=num_accepted)
 
     def token_rows(self, m: int, first_row: int, main_row: int) -> tuple[int, ...]:
-        """Slot m's emitted rows, numbered after `first_row` main rows: its a accepted drafts' rows, then the
-        row of the first rejected position, or `main_row` (the bonus token) when all d were accepted."""
-        a, base = int(self.num_accepted[m]), first_row + m * self.k
-        return tuple(range(base, base + a)) + ((base + a,) if a < self.num_drafts[m] else (main_row,))
+        """Slot m's emitted rows, `sampled`'s numbered from `first_row` on: its a accepted drafts' rows, then
+        the row of the first rejected position, or `main_row` (the bonus token) when all d were accepted."""
+        a, rows = int(self.num_accepted[m]), self.layout.sample_rows[m]
+        last = (first_row + int(rows[a]),) if a < self.layout.num_drafts[m] else (main_row,)
+        return tuple(first_row + int(r) for r in rows[:a]) + last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,11 +280,11 @@ def draft_logits(config: LlamaConfig, params: Params, hidden: jax.Array, rows: j
 
 
 @jax.jit
-def accept_drafts(sampled: jax.Array, draft_ids: jax.Array) -> jax.Array:
-    """sampled i32[M * k] (the draft positions' samples), draft_ids i32[M, k] (-1: no draft) -> i32[M], the
-    accepted drafts of each slot: the leading positions where the sample is the draft. Rejection sampling
-    of a point-mass draft (see jaxpaged/spec_decode.py)."""
-    match = (sampled.reshape(draft_ids.shape) == draft_ids).astype(jnp.int32)  # i32[M, k]
+def accept_drafts(sampled: jax.Array, sample_rows: jax.Array, draft_ids: jax.Array) -> jax.Array:
+    """sampled i32[N] (a sampler call's tokens), sample_rows i32[M, k] (the row of each draft position),
+    draft_ids i32[M, k] (-1: no draft) -> i32[M], the accepted drafts of each slot: the leading positions
+    whose sample is the draft. Rejection sampling of a point-mass draft (see jaxpaged/spec_decode.py)."""
+    match = (sampled[sample_rows] == draft_ids).astype(jnp.int32)  # i32[M, k]
     return jnp.sum(jnp.cumprod(match, axis=1), axis=1)
 
 
@@ -586,40 +605,60 @@ class ModelRunner:
         tokens this chunk predicts, from the same forward's hidden states (`prompt_logprobs_step`)."""
         entries = scheduler_output.scheduled_requests
         step = self.prepare(entries)
+        layout = self._layout_drafts(entries, step) if any(e.spec_token_ids for e in entries) else None
         logits, hidden = self._forward(step)  # f32[S, V], [T, E]; dispatched (asynchronous)
         if callable(grammar_bitmask):
             grammar_bitmask = grammar_bitmask()
         if self.fault_injector is not None:
             logits = self.fault_injector(entries, logits)
         S, V = logits.shape
-        batch = make_sampling_batch([sampling_row(e) for e in entries], S, V,
-                                    token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
+        rows = [sampling_row(e) for e in entries] + list(layout.rows if layout is not None and layout.packed else ())
+        batch = make_sampling_batch(rows, S, V, token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
         top = num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
         sampled = sample_jit(logits, batch, num_top_logprobs=top)
-        drafts = self._verify_drafts(entries, hidden, top) if any(e.spec_token_ids for e in entries) else None
+        drafts = None if layout is None else self._verify_drafts(layout, sampled, hidden, top)
         prompt = self._prompt_logprobs(entries, step, hidden)
         return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt,
                                               None if drafts is None else drafts.to_host())
 
-    def _verify_drafts(self, entries: Sequence[ScheduledRequest], hidden: jax.Array, top: int) -> VerifiedDrafts:
-        """Sample every draft position of the entries that fed drafts (their last position is a main row)
-        and count the accepted drafts, on device. M slots (a `draft_seq_buckets` size) x k positions."""
+    def _layout_drafts(self, entries: Sequence[ScheduledRequest], step: StepInput) -> DraftRows:
+        """Place the step's draft rows (see DraftRows); when they fit in the padding logits slots, point
+        step.logits_indices there (the forward then computes their logits with the entries')."""
         k = self.config.num_speculative_tokens
-        spec = [(offset, e) for offset, e in zip(np.cumsum([0] + [e.num_tokens for e in entries]), entries)
-                if e.spec_token_ids]
+        offsets = np.cumsum([0] + [e.num_tokens for e in entries])[:-1]  # each entry's first fed token
+        spec = [(int(offset), e) for offset, e in zip(offsets, entries) if e.spec_token_ids]
         M = next(b for b in self.config.draft_seq_buckets if b >= len(spec))
-        hidden_rows = np.zeros(M * k, np.int32)  # row of `hidden` whose logits predict each draft
+        first = len(entries)
+        packed = first + sum(len(e.spec_token_ids) for _, e in spec) <= len(step.logits_indices)
+        sample_rows = np.zeros((M, k), np.int32)
         draft_ids = np.full((M, k), -1, np.int32)
-        rows = [_PADDING_ROW] * (M * k)
+        token_index, rows = [], []
         for m, (offset, e) in enumerate(spec):
             d = len(e.spec_token_ids)
-            hidden_rows[m * k:m * k + d] = offset + np.arange(d)
+            if not packed:  # row m * k + j of the M * k draft rows
+                rows += [_PADDING_ROW] * (m * k - len(rows))
+                token_index += [0] * (m * k - len(token_index))
+            sample_rows[m, :d] = (first if packed else 0) + len(rows) + np.arange(d)
             draft_ids[m, :d] = e.spec_token_ids
-            rows[m * k:m * k + d] = [sampling_row(e, j) for j in range(d)]
-        logits = draft_logits(self.model_config, self.params, hidden, hidden_rows)  # f32[M * k, V]
-        sampled = sample_jit(logits, make_sampling_batch(rows, M * k, logits.shape[1]), num_top_logprobs=top)
-        return VerifiedDrafts(tuple(e.request_id for _, e in spec), tuple(len(e.spec_token_ids) for _, e in spec),
-                              k, sampled, accept_drafts(sampled.token_ids, draft_ids))
+            token_index += range(offset, offset + d)  # the fed token at position j predicts draft j
+            rows += [sampling_row(e, j) for j in range(d)]
+        if packed:
+            step.logits_indices[first:first + len(token_index)] = token_index
+        else:
+            rows += [_PADDING_ROW] * (M * k - len(rows))
+            token_index += [0] * (M * k - len(token_index))
+        return DraftRows(packed, tuple(e.request_id for _, e in spec), tuple(len(e.spec_token_ids) for _, e in spec),
+                         sample_rows, draft_ids, np.asarray(token_index, np.int32), tuple(rows))
+
+    def _verify_drafts(self, layout: DraftRows, sampled: SamplerOutput, hidden: jax.Array,
+                       top: int) -> VerifiedDrafts:
+        """Sample the draft rows (already done when packed with the entries' rows) and count the accepted
+        drafts of each slot, on device."""
+        if not layout.packed:
+            logits = draft_logits(self.model_config, self.params, hidden, layout.token_index)  # f32[M * k, V]
+            batch = make_sampling_batch(list(layout.rows), len(layout.rows), logits.shape[1])
+            sampled = sample_jit(logits, batch, num_top_logprobs=top)
+        return VerifiedDrafts(layout, sampled, accept_drafts(sampled.token_ids, layout.sample_rows, layout.draft_ids))
 
     def _prompt_logprobs(self, entries: Sequence[ScheduledRequest], step: StepInput,
                          hidden: jax.Array) -> dict[str, PromptLogprobs]:
@@ -722,15 +761,17 @@ class ModelRunner:
                                                        np.zeros(t, np.int32)))
 
     def warmup_draft_verification(self) -> None:
-        """Speculative decoding: compile draft_logits at every (T, M) of `draft_shapes`, and the sampler and
-        accept_drafts at every M x k (nothing when speculation is off)."""
+        """Speculative decoding: compile draft_logits at every (T, M) of `draft_shapes`, the sampler at every
+        M x k rows, and accept_drafts for each (rows sampled, M) (nothing when speculation is off)."""
         k, V = self.config.num_speculative_tokens, self.model_config.vocab_size
         for t, m in self.config.draft_shapes:
             hidden = jnp.zeros((t, self.model_config.hidden_size), self.dtype)
             jax.block_until_ready(draft_logits(self.model_config, self.params, hidden, np.zeros(m * k, np.int32)))
         for m in self.config.draft_seq_buckets:
             sampler.warmup(m * k, V)
-            jax.block_until_ready(accept_drafts(jnp.zeros(m * k, jnp.int32), np.zeros((m, k), np.int32)))
+            for n in {m * k, *self.config.seq_buckets}:  # draft rows sampled alone, or packed with the entries'
+                jax.block_until_ready(accept_drafts(jnp.zeros(n, jnp.int32), np.zeros((m, k), np.int32),
+                                                    np.zeros((m, k), np.int32)))
 
     def warmup_sampler(self) -> None:
         """Compile every part of the sampler at every S bucket (see sampler.warmup)."""

@@ -349,9 +349,9 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.pool.free(request)
-        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

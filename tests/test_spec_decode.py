@@ -401,3 +401,48 @@ def test_metrics_expose_the_spec_decode_counters(spec):
     plain_stats = {k: v for k, v in stats.items() if not k.startswith("spec_")}
     text = ServerMetrics(type("Engine", (), {"stats": lambda self: plain_stats})(), "m").render().decode()
     assert "spec_decode" not in text
+
+
+def test_structured_output_requests_are_not_drafted(spec):
+    """A constrained request's drafts would skip its grammar's mask: it decodes without drafts, the others
+    in its batch speculate."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    import json
+
+    from jaxpaged.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                        "minItems": 1, "maxItems": 3}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    constrained = SamplingParams(temperature=0.0, max_tokens=60,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    drafted = set()
+    execute = spec.runner.execute_model
+    spec.runner.execute_model = lambda out, *rest: drafted.update(
+        e.request_id for e in out.scheduled_requests if e.spec_token_ids) or execute(out, *rest)
+    try:
+        done = run_all(spec, repetitive_prompts(2, seed=61), [constrained, GREEDY])
+    finally:
+        del spec.runner.execute_model
+    jsonschema.validate(json.loads(done["0"].outputs[0].text), schema)
+    assert drafted == {"1"}
+
+
+def test_server_flag_parses_and_a_bad_config_is_a_cli_error(capsys):
+    import json
+
+    from server.__main__ import build_parser, engine_args, main
+
+    ns = build_parser().parse_args(["--speculative-config", json.dumps(SPEC)])
+    assert engine_args(ns).speculative_config == SpeculativeConfig.from_dict(SPEC)
+    assert engine_args(build_parser().parse_args([])).speculative_config is None
+    for bad, match in [('{"method": "ngram"}', "needs num_speculative_tokens"), ("{oops", "not valid JSON"),
+                       ('{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+                        "prompt_lookup_min=3 must be <= prompt_lookup_max=2")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--speculative-config", bad])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --speculative-config" in err and match in err
