@@ -66,6 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=1, help="runs of each prompt on each side")
     p.add_argument("--workloads", default="grounded,open")
     p.add_argument("--json", action="store_true", help="print one JSON object per workload as well")
+    p.add_argument("--show", action="store_true", help="print each output's text")
     return p.parse_args(argv)
 
 
@@ -119,6 +120,8 @@ def run_workload(name, prompts, tokenizer, plain, speculative, args) -> dict:
                 produced[side] += len(outputs[side])
                 latencies[side].append(seconds)
             identical &= outputs["plain"] == outputs["spec"]
+            if args.show:
+                print(f"--- {name}: {tokenizer.decode(outputs['spec'])!r}", flush=True)
     drafts, drafted, accepted = (b - a for a, b in zip(before, spec_counters(speculative)))
     tok_s = {side: produced[side] / times[side] for side in times}
     return {"workload": name, "prompts": len(ids), "repeats": args.repeats, "output_tokens": produced["plain"],

@@ -222,28 +222,29 @@ def test_greedy_equals_plain_forward_with_speculation(tiny, overrides, expect):
 def test_seeded_sampling_is_identical_and_batch_independent_with_speculation(plain, spec):
     prompts = repetitive_prompts(8, seed=3)
     params = [SamplingParams(temperature=t, top_p=p, top_k=k, seed=s, max_tokens=30, ignore_eos=True)
-              for s, (t, p, k) in enumerate([(0.3, 1.0, -1), (0.5, 0.9, -1), (0.8, 1.0, 20), (1.0, 0.95, 50)] * 2)]
-    before = accepted(spec)[0]
+              for s, (t, p, k) in enumerate([(0.1, 1.0, -1), (0.3, 0.9, -1), (0.8, 1.0, 20), (1.0, 0.95, 50)] * 2)]
     expected = tokens(run_all(plain, prompts, params))
     assert tokens(run_all(spec, prompts, params)) == expected
-    assert accepted(spec)[0] > before
     alone = tokens(run_all(spec, prompts[5:6], params[5:6]))["0"]
     assert alone == expected["5"]
     # drafts the sampler accepts all along (an oracle), then wrong from the third on: the same tokens again
+    outputs = [expected[str(i)][0] for i in range(len(prompts))]
     for wrong_at in (None, 2):
-        spec.proposer = OracleProposer(prompts, [v[0] for _, v in sorted(expected.items(), key=lambda kv: int(kv[0]))],
-                                       wrong_at=wrong_at)
+        spec.proposer = OracleProposer(prompts, outputs, wrong_at=wrong_at)
+        before = accepted(spec)
         try:
             assert tokens(run_all(spec, prompts, params)) == expected
         finally:
             spec.proposer = NgramProposer(spec.args.speculative_config)
+        after = accepted(spec)
+        assert after[0] - before[0] == (after[1] - before[1] if wrong_at is None else after[0] - before[0]) > 0
 
 
 def test_sampling_distribution_is_the_models(tiny):
     """Chi-square: the tokens emitted at a verified draft position (first draft, and second after an accepted
     first) follow the model's distribution there, not the draft's."""
     engine = make_engine(tiny, max_num_partial_prefills=16)
-    temperature, prompt = 0.7, repetitive_prompts(1, seed=11)[0]
+    temperature, prompt = 0.05, repetitive_prompts(1, seed=11)[0]  # the tiny model is flat: sharpen it
     logits_of = jax.jit(lambda ids: forward(tiny.config, tiny.params, ids[None])[0, -1] / temperature)
     probs = functools_cache(lambda ids: np.asarray(jax.nn.softmax(logits_of(jnp.asarray(ids))), np.float64))
 
@@ -260,7 +261,7 @@ def test_sampling_distribution_is_the_models(tiny):
     first = [(tuple(prompt + o[:1]), o[1]) for o in outs]  # (context, token at the first draft position)
     drafted = [(ctx + (Forced().propose(ctx)[0],), o[2]) for (ctx, _), o in zip(first, outs)
                if o[1] == Forced().propose(ctx)[0]]
-    assert len(drafted) > 100
+    assert len(drafted) > 80
     for samples in (first, drafted):
         observed = collections.Counter(t for _, t in samples)
         expected = sum(probs(ctx) for ctx, _ in samples)  # f64[V]: sum of each draw's own distribution
@@ -346,14 +347,14 @@ def test_drafts_stay_within_max_model_len(tiny):
     engine = make_engine(tiny, max_model_len=64, num_pages=40)
     prompt = ([5, 6, 7, 8] * 16)[:60]
     engine.proposer = type("Always", (), {"propose": lambda self, ids, max_drafts=None: [5, 6, 7, 8][:max_drafts]})()
-    done = run_all(engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True))
+    done = run_all(engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None))
     out = done["0"].outputs[0]
-    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 63
-    assert out.token_ids == greedy_generate(tiny.config, tiny.params, prompt, 3)
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 64
+    assert out.token_ids == greedy_generate(tiny.config, tiny.params, prompt, 4)
 
 
 def test_aborts_and_preemption_keep_pages_exact(tiny):
-    engine = make_engine(tiny, num_pages=20, max_num_seqs=8)
+    engine = make_engine(tiny, num_pages=12, max_num_seqs=8)
     prompts = repetitive_prompts(12, seed=41)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, dataclasses.replace(GREEDY, max_tokens=40))
