@@ -1,7 +1,7 @@
 """Batch-1 latency with and without n-gram speculative decoding (like `vllm bench latency`), in one run.
 
     python scripts/benchmark_latency.py                                  # the documented run
-    python scripts/benchmark_latency.py --num-speculative-tokens 3 --max-tokens 64
+    python scripts/benchmark_latency.py --num-speculative-tokens 4 --max-tokens 64
 
 Two engines over the same weights (float32, loaded once): one plain, one with
 speculative_config={"method": "ngram", ...}. Each prompt is run alone (batch 1), greedy, end to end
@@ -59,7 +59,7 @@ OPEN = [
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=3)  # 1 + 3 = a T bucket (4) = S on CPU
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
