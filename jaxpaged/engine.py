@@ -242,6 +242,8 @@ class LLMEngine:
                             attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
                             # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes
                             min_token_bucket=16 if on_gpu else 1,
+                            # and one request alone gets S = 1: its LM head is one row, not 4 (3 of them padding)
+                            min_seq_bucket=4 if on_gpu else 1,
                             max_num_partial_prefills=min(args.max_num_partial_prefills or (16 if on_gpu else 4),
                                                          max_num_seqs),
                             num_speculative_tokens=0 if args.speculative_config is None else
