@@ -20,7 +20,7 @@ A request that stops or is aborted at N costs at most one wasted slot in N+1 (no
 a length stop); its pages are released once, when it finishes. Greedy and seeded
 outputs equal the synchronous loop's token for token (a row's key counts the tokens
 in flight). Falls back to the synchronous loop: multi-process runs (followers take
-each step's tokens from the host). Not combined with speculative decoding.
+each step's tokens from the host), speculative decoding (True with it: a ValueError).
 
 A request with n > 1 becomes n child requests (`<id>#<i>`, seeds seed + i) that
 share the prompt's pages through prefix caching, aggregated back into one
@@ -53,6 +53,7 @@ from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from jaxpaged.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxpaged.spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig, max_drafts_for
 from jaxpaged.structured_outputs import GrammarMatcher, StructuredOutputManager
 from jaxpaged.structured_outputs import available as structured_outputs_available  # noqa: I001
 from jaxpaged.validation import validate_request
@@ -102,13 +103,30 @@ class EngineArgs:
     # a GGUF model's dequantised params and tokenizer, cached for the next start (None: no cache)
     model_cache_dir: str | None = dataclasses.field(default_factory=default_model_cache_dir)
     warmup: bool = True
+    # vLLM's speculative_config: a SpeculativeConfig, or its dict / JSON text (converted here); None: off.
+    # Only the n-gram (prompt lookup) method: {"method": "ngram", "num_speculative_tokens": k, ...}
+    speculative_config: SpeculativeConfig | None = None
+
     # vLLM v1's async scheduling: dispatch step N+1 before step N's tokens reach the host (module docstring);
-    # None: on with a GPU, off on CPU (docs/benchmarks.md, "Async scheduling (issue 15)")
+    # None: on with a GPU (unless speculative decoding is on), off on CPU (docs/benchmarks.md, "Async
+    # scheduling (issue 15)")
     async_scheduling: bool | None = None
 
     def __post_init__(self):
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None (auto)")
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            if not isinstance(spec, (dict, str)):
+                raise ValueError(f"speculative_config must be a dict, its JSON text or a SpeculativeConfig, "
+                                 f"got {type(spec).__name__}")
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))  # frozen: set once
+        if self.speculative_config is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
+            raise ValueError("speculative_config is not supported with tensor parallelism or several processes yet")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling=True cannot be combined with speculative_config: verifying drafts "
+                             "needs each step's accepted tokens on the host before the next step is scheduled; "
+                             "leave async_scheduling unset (or False) with speculative decoding")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
@@ -192,7 +210,7 @@ class LLMEngine:
         # async scheduling runs on one process (followers take each step's tokens from the host)
         requested = args.async_scheduling
         if requested is None:
-            requested = jax.default_backend() == "gpu"
+            requested = jax.default_backend() == "gpu" and args.speculative_config is None
         self.async_scheduling = requested and args.num_processes == 1
         if requested and not self.async_scheduling:
             logger.info("async scheduling: off with num_processes=%d (the synchronous loop runs)", args.num_processes)
@@ -216,6 +234,9 @@ class LLMEngine:
             StructuredOutputManager(self.tokenizer, self.model.config.vocab_size,
                                     self.model.generation_config.eos_token_ids)
         self._awaiting_grammar: dict[str, tuple[_Parent, concurrent.futures.Future]] = {}
+        spec = args.speculative_config
+        self.proposer = None if spec is None else NgramProposer(spec)  # speculative decoding (n-gram)
+        self.spec_decoding_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
         self._rng = np.random.default_rng(args.seed)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
@@ -265,7 +286,9 @@ class LLMEngine:
                             # and one request alone gets S = 1: its LM head is one row, not 4 (3 of them padding)
                             min_seq_bucket=4 if on_gpu else 1,
                             max_num_partial_prefills=min(args.max_num_partial_prefills or (16 if on_gpu else 4),
-                                                         max_num_seqs))
+                                                         max_num_seqs),
+                            num_speculative_tokens=0 if args.speculative_config is None else
+                            args.speculative_config.num_speculative_tokens)
 
     def _pages_from_memory(self, on_gpu: bool) -> int:
         # Each device holds 1/tp of every page (its KV heads); the budget is per device.
@@ -489,6 +512,8 @@ class LLMEngine:
         if self.async_scheduling:
             return self._step_async()
         failed = self._admit_grammar_ready() if self._awaiting_grammar else []
+        if self.proposer is not None:
+            self._propose_drafts()
         out = self.scheduler.schedule()
         if out.is_empty:
             if not failed:
@@ -502,12 +527,13 @@ class LLMEngine:
         result = self.runner.execute_model(out, functools.partial(self._grammar_bitmask, out.scheduled_requests))
         for rid, chunk in result.prompt_logprobs.items():
             self._record_prompt_logprobs(*self._child_to_parent[rid], chunk)
-        stops, touched = {}, {}
-        for rid, row in result.req_id_to_index.items():
+        sampled, stops, touched = {}, {}, {}
+        for rid in result.req_ids:
             parent, child = self._child_to_parent[rid]
-            stops[rid] = self._stop_verdict(child, result, row)
+            sampled[rid], stops[rid] = self._emit(child, result, result.token_rows(rid))
             touched.setdefault(parent.request_id, (parent, set()))[1].add(child.index)
-        sampled = {rid: [int(result.sampled_token_ids[row])] for rid, row in result.req_id_to_index.items()}
+        if self.spec_decoding_stats is not None:
+            self._observe_drafts(out.scheduled_requests, result)
         self.scheduler.update_from_output(out, sampled, stops)
         now = time.time()
         outputs = failed
@@ -613,17 +639,46 @@ class LLMEngine:
         for request in self.scheduler.waiting:
             request.num_output_placeholders = 0
 
-    def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int) -> StopVerdict | None:
+    def _propose_drafts(self) -> None:
+        """Speculative decoding: n-gram drafts for every decoding request (none under a grammar)."""
+        for request in self.scheduler.decoding_requests():
+            room = max_drafts_for(request.num_tokens, request.num_output_tokens, request.max_tokens,
+                                  request.max_model_len)
+            if room < 1 or self._child_to_parent[request.request_id][1].matcher is not None:
+                request.spec_token_ids = []
+                continue
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+
+    def _observe_drafts(self, entries: Sequence[ScheduledRequest], result: ModelRunnerOutput) -> None:
+        for entry in entries:
+            num_accepted = result.num_accepted_drafts.get(entry.request_id)
+            if num_accepted is not None:
+                self.spec_decoding_stats.observe(len(entry.spec_token_ids), num_accepted)
+
+    def _emit(self, child: _Child, result: ModelRunnerOutput,
+              rows: Sequence[int]) -> tuple[list[int], StopVerdict | None]:
+        """The tokens a request emits this step (its rows' samples, cut after the first that ends it) and
+        the last one's verdict (see `_stop_verdict`)."""
+        tokens, verdict = [], None
+        for ahead, row in enumerate(rows):
+            tokens.append(int(result.sampled_token_ids[row]))
+            verdict = self._stop_verdict(child, result, row, ahead)
+            if verdict is not None:
+                break
+        return tokens, verdict
+
+    def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int, ahead: int = 0) -> StopVerdict | None:
         """Record one sampled token (logprobs, text) and decide whether it ends the request.
 
         None: it goes on; else (status, stop_reason) for Scheduler.update_from_output. Token-level
         stops come from Request.check_stop, stop strings from the detokenizer (they win over length).
+        ahead: the step's tokens before this one (speculative decoding), not appended yet.
         """
         request = child.request
         if not result.finite[row]:  # NaN/inf logits fail only their own request; the token is garbage
             return RequestStatus.FINISHED_ERROR, None
         token_id = int(result.sampled_token_ids[row])
-        verdict = request.check_stop(token_id)
+        verdict = request.check_stop(token_id, ahead)
         # A completed grammar stops after its last token, whose text is kept (unlike an EOS / stop id's).
         grammar_verdict = self._grammar_verdict(child, token_id) if verdict is None else None
         if child.logprobs is not None:
@@ -699,6 +754,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": pool.prefix_cache_queries,
             "prefix_cache_hits": pool.prefix_cache_hits,
+            **({} if self.spec_decoding_stats is None else self.spec_decoding_stats.as_stats()),
         }
 
 

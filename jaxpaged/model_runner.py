@@ -49,7 +49,7 @@ from jaxpaged.models.llama import (LlamaConfig, Params, cos_sin, decoder_layer, 
                                    layer_constants, lm_logits, untie_lm_head)
 from jaxpaged.sampler import (RowInfo, SamplerOutput, make_sampling_batch, num_top_logprobs_for, sample_deferred,
                               sample_jit)
-from jaxpaged.sampling_params import MAX_LOGPROBS
+from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
 
@@ -140,19 +140,80 @@ class ModelRunnerOutput:
     finite: np.ndarray  # bool[R]; False: the row's logits held a NaN/inf, its token is garbage
     # the prompt tokens this step predicted, for the requests that asked (SamplingParams.prompt_logprobs)
     prompt_logprobs: dict[str, PromptLogprobs] = dataclasses.field(default_factory=dict)
+    # Speculative decoding: for each request that fed drafts, the rows of its emitted tokens, in order (the
+    # arrays above then hold more than R rows: the draft positions' samples follow the R rows), and how many
+    # of its drafts were accepted. Other requests emit their one row.
+    spec_token_rows: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    num_accepted_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def req_id_to_index(self) -> dict[str, int]:
         return {rid: r for r, rid in enumerate(self.req_ids)}
 
+    def token_rows(self, request_id: str) -> tuple[int, ...]:
+        """The rows of the tokens `request_id` emits this step, in order (more than one only when it
+        verified drafts: its accepted drafts, then the token sampled after them)."""
+        rows = self.spec_token_rows.get(request_id)
+        return rows if rows is not None else (self.req_id_to_index[request_id],)
+
     @classmethod
     def from_sampler(cls, entries: Sequence[ScheduledRequest], sampled: SamplerOutput,
-                     prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> ModelRunnerOutput:
+                     prompt_logprobs: dict[str, PromptLogprobs] | None = None,
+                     drafts: VerifiedDrafts | None = None) -> ModelRunnerOutput:
         rows = np.array([i for i, e in enumerate(entries) if e.samples], np.int64)
-        return cls(tuple(entries[i].request_id for i in rows), np.asarray(sampled.token_ids)[rows],
-                   np.asarray(sampled.logprobs)[rows], np.asarray(sampled.top_token_ids)[rows],
-                   np.asarray(sampled.top_logprobs)[rows], np.asarray(sampled.finite)[rows],
-                   prompt_logprobs or {})
+        arrays = [np.asarray(a)[rows] for a in (sampled.token_ids, sampled.logprobs, sampled.top_token_ids,
+                                                 sampled.top_logprobs, sampled.finite)]
+        req_ids = tuple(entries[i].request_id for i in rows)
+        if drafts is None:
+            return cls(req_ids, *arrays, prompt_logprobs or {})
+        x = drafts.sampled  # its rows follow the R rows
+        arrays = [np.concatenate([a, np.asarray(b)]) for a, b in zip(
+            arrays, (x.token_ids, x.logprobs, x.top_token_ids, x.top_logprobs, x.finite))]
+        index = {rid: r for r, rid in enumerate(req_ids)}
+        ids = drafts.layout.request_ids
+        token_rows = {rid: drafts.token_rows(m, len(rows), index[rid]) for m, rid in enumerate(ids)}
+        accepted = {rid: int(drafts.num_accepted[m]) for m, rid in enumerate(ids)}
+        return cls(req_ids, *arrays, prompt_logprobs or {}, token_rows, accepted)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftRows:
+    """Where one step verifies its drafts: the draft positions of the M' entries that fed drafts, on a grid
+    of M slots (a `draft_seq_buckets` size) x k positions (num_speculative_tokens).
+
+    packed: the drafts fit in the step's padding logits slots (S - len(entries) of them, S the step's bucket):
+    the forward's own LM head computes their logits (step.logits_indices points those slots at the draft
+    positions) and they are sampled with the entries' rows, in one call; at batch 1 on CPU (S = 4) that holds
+    for up to 3 drafts. Otherwise `draft_logits` computes them from the forward's hidden states, M * k rows.
+    """
+
+    packed: bool
+    request_ids: tuple[str, ...]  # the entries that fed drafts, in step order (slots 0..M'-1)
+    num_drafts: tuple[int, ...]  # d of each
+    sample_rows: np.ndarray  # i32[M, k]: the sampler row of each draft position (padding: row 0)
+    draft_ids: np.ndarray  # i32[M, k]; -1 for no draft (never accepted)
+    token_index: np.ndarray  # i32[N]: the fed token whose logits each draft row takes (N rows, in row order)
+    rows: tuple[RowInfo, ...]  # the N draft rows' sampler state
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifiedDrafts:
+    """One step's draft verification: the draft rows' samples and the accepted drafts of each slot."""
+
+    layout: DraftRows
+    sampled: SamplerOutput  # holds the draft rows (at layout.sample_rows); numpy after `to_host`
+    num_accepted: np.ndarray  # i32[M]: leading draft positions whose sample equals the draft
+
+    def to_host(self) -> VerifiedDrafts:
+        sampled, num_accepted = jax.device_get((self.sampled, self.num_accepted))
+        return dataclasses.replace(self, sampled=sampled, num_accepted=num_accepted)
+
+    def token_rows(self, m: int, first_row: int, main_row: int) -> tuple[int, ...]:
+        """Slot m's emitted rows, `sampled`'s numbered from `first_row` on: its a accepted drafts' rows, then
+        the row of the first rejected position, or `main_row` (the bonus token) when all d were accepted."""
+        a, rows = int(self.num_accepted[m]), self.layout.sample_rows[m]
+        last = (first_row + int(rows[a]),) if a < self.layout.num_drafts[m] else (main_row,)
+        return tuple(first_row + int(r) for r in rows[:a]) + last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,11 +332,41 @@ FaultInjector = Callable[[Sequence[ScheduledRequest], jax.Array], jax.Array]
 GrammarBitmask = np.ndarray | Callable[[], np.ndarray | None]  # see ModelRunner.execute_model
 
 
-def sampling_row(entry: ScheduledRequest) -> RowInfo:
-    """The sampler's row for one scheduled request (a grammar mask or other per-row input joins here)."""
-    return RowInfo(params=entry.sampling_params, seed=entry.seed, step=entry.num_output_tokens,
-                   prompt_token_ids=entry.prompt_token_ids, output_token_ids=entry.output_token_ids,
-                   banned_token_ids=entry.banned_token_ids)
+def sampling_row(entry: ScheduledRequest, position: int | None = None) -> RowInfo:
+    """The sampler's row for one scheduled request (a grammar mask or other per-row input joins here).
+
+    With drafts (speculative decoding) each fed position j in 0..d samples the output token that would
+    follow the first j drafts: keyed as that output (step num_output_tokens + j), its penalties counting
+    the drafts before it. position None: the entry's last fed token (j = d)."""
+    j = len(entry.spec_token_ids) if position is None else position
+    if j == 0:
+        return RowInfo(params=entry.sampling_params, seed=entry.seed, step=entry.num_output_tokens,
+                       prompt_token_ids=entry.prompt_token_ids, output_token_ids=entry.output_token_ids,
+                       banned_token_ids=entry.banned_token_ids)
+    params = entry.sampling_params
+    penalties = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
+    history = list(entry.output_token_ids) + list(entry.spec_token_ids[:j]) if penalties else ()  # copied only if read
+    return RowInfo(params=params, seed=entry.seed, step=entry.num_output_tokens + j,
+                   prompt_token_ids=entry.prompt_token_ids, output_token_ids=history,
+                   banned_token_ids=entry.spec_banned_token_ids[j - 1])
+
+
+_PADDING_ROW = RowInfo(params=SamplingParams(temperature=0.0), seed=0)  # a draft slot nobody fed: never accepted
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def draft_logits(config: LlamaConfig, params: Params, hidden: jax.Array, rows: jax.Array) -> jax.Array:
+    """hidden [T, E] (paged_forward's), rows i32[X] -> logits f32[X, V] at those fed tokens."""
+    return lm_logits(config, params, hidden[rows])
+
+
+@jax.jit
+def accept_drafts(sampled: jax.Array, sample_rows: jax.Array, draft_ids: jax.Array) -> jax.Array:
+    """sampled i32[N] (a sampler call's tokens), sample_rows i32[M, k] (the row of each draft position),
+    draft_ids i32[M, k] (-1: no draft) -> i32[M], the accepted drafts of each slot: the leading positions
+    whose sample is the draft. Rejection sampling of a point-mass draft (see jaxpaged/spec_decode.py)."""
+    match = (sampled[sample_rows] == draft_ids).astype(jnp.int32)  # i32[M, k]
+    return jnp.sum(jnp.cumprod(match, axis=1), axis=1)
 
 
 def _pad_bitmask(bitmask: np.ndarray | None, S: int, num_entries: int) -> np.ndarray | None:
@@ -334,6 +425,8 @@ class RunnerConfig:
     # Most requests fed more than one token in a step; None: no cap. The scheduler enforces it (the engine
     # builds its SchedulerConfig from this config); attention sizes its prefill tiles for it and trusts it.
     max_num_partial_prefills: int | None = None
+    # Speculative decoding: drafts verified per request and step (SpeculativeConfig's k); 0: off
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -346,6 +439,8 @@ class RunnerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_num_partial_prefills is not None and self.max_num_partial_prefills < 1:
             raise ValueError(f"max_num_partial_prefills={self.max_num_partial_prefills} must be >= 1 or None")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 0")
 
     @property
     def backend(self) -> str:
@@ -406,6 +501,21 @@ class RunnerConfig:
                   if lower[s] < t and (s > 1 or t == 1 or len(self.seq_buckets) == 1)]
         shapes += [(s, s) for s in self.decode_seq_buckets]
         return tuple((t, s, p) for t, s in sorted(shapes) for p in self.page_buckets)
+
+    @property
+    def draft_seq_buckets(self) -> tuple[int, ...]:
+        """Speculative decoding: slot counts M of a step's draft verification (M x num_speculative_tokens
+        rows): 1, x4, ... up to the most requests fed several tokens a step (each feeds >= 2); () when off."""
+        if not self.num_speculative_tokens:
+            return ()
+        return _geometric_buckets(1, max(1, min(self.max_num_partial_prefills or self.max_num_seqs,
+                                                self.max_num_seqs, self.max_num_batched_tokens // 2)), 4)
+
+    @property
+    def draft_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every (T, M) a draft verification runs at: M slots need a T bucket of >= 2 tokens a slot."""
+        lower = dict(zip(self.draft_seq_buckets, (0,) + self.draft_seq_buckets[:-1]))
+        return tuple((t, m) for t in self.token_buckets for m in self.draft_seq_buckets if 2 * (lower[m] + 1) <= t)
 
     def bucket_for(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
         t = next(b for b in self.token_buckets if b >= num_tokens)
@@ -585,18 +695,60 @@ class ModelRunner:
             raise ValueError("a step with placeholder tokens (async scheduling) runs through dispatch(), "
                              "which fills them from the previous step")
         step = self.prepare(entries)
+        layout = self._layout_drafts(entries, step) if any(e.spec_token_ids for e in entries) else None
         logits, hidden = self._forward(step)  # f32[S, V], [T, E]; dispatched (asynchronous)
         if callable(grammar_bitmask):
             grammar_bitmask = grammar_bitmask()
         if self.fault_injector is not None:
             logits = self.fault_injector(entries, logits)
         S, V = logits.shape
-        batch = make_sampling_batch([sampling_row(e) for e in entries], S, V,
-                                    token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
+        rows = [sampling_row(e) for e in entries] + list(layout.rows if layout is not None and layout.packed else ())
+        batch = make_sampling_batch(rows, S, V, token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
         top = num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
         sampled = sample_jit(logits, batch, num_top_logprobs=top)
+        drafts = None if layout is None else self._verify_drafts(layout, sampled, hidden, top)
         prompt = self._prompt_logprobs(entries, step, hidden)
-        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt)
+        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt,
+                                              None if drafts is None else drafts.to_host())
+
+    def _layout_drafts(self, entries: Sequence[ScheduledRequest], step: StepInput) -> DraftRows:
+        """Place the step's draft rows (see DraftRows); when they fit in the padding logits slots, point
+        step.logits_indices there (the forward then computes their logits with the entries')."""
+        k = self.config.num_speculative_tokens
+        offsets = np.cumsum([0] + [e.num_tokens for e in entries])[:-1]  # each entry's first fed token
+        spec = [(int(offset), e) for offset, e in zip(offsets, entries) if e.spec_token_ids]
+        M = next(b for b in self.config.draft_seq_buckets if b >= len(spec))
+        first = len(entries)
+        packed = first + sum(len(e.spec_token_ids) for _, e in spec) <= len(step.logits_indices)
+        sample_rows = np.zeros((M, k), np.int32)
+        draft_ids = np.full((M, k), -1, np.int32)
+        token_index, rows = [], []
+        for m, (offset, e) in enumerate(spec):
+            d = len(e.spec_token_ids)
+            if not packed:  # row m * k + j of the M * k draft rows
+                rows += [_PADDING_ROW] * (m * k - len(rows))
+                token_index += [0] * (m * k - len(token_index))
+            sample_rows[m, :d] = (first if packed else 0) + len(rows) + np.arange(d)
+            draft_ids[m, :d] = e.spec_token_ids
+            token_index += range(offset, offset + d)  # the fed token at position j predicts draft j
+            rows += [sampling_row(e, j) for j in range(d)]
+        if packed:
+            step.logits_indices[first:first + len(token_index)] = token_index
+        else:
+            rows += [_PADDING_ROW] * (M * k - len(rows))
+            token_index += [0] * (M * k - len(token_index))
+        return DraftRows(packed, tuple(e.request_id for _, e in spec), tuple(len(e.spec_token_ids) for _, e in spec),
+                         sample_rows, draft_ids, np.asarray(token_index, np.int32), tuple(rows))
+
+    def _verify_drafts(self, layout: DraftRows, sampled: SamplerOutput, hidden: jax.Array,
+                       top: int) -> VerifiedDrafts:
+        """Sample the draft rows (already done when packed with the entries' rows) and count the accepted
+        drafts of each slot, on device."""
+        if not layout.packed:
+            logits = draft_logits(self.model_config, self.params, hidden, layout.token_index)  # f32[M * k, V]
+            batch = make_sampling_batch(list(layout.rows), len(layout.rows), logits.shape[1])
+            sampled = sample_jit(logits, batch, num_top_logprobs=top)
+        return VerifiedDrafts(layout, sampled, accept_drafts(sampled.token_ids, layout.sample_rows, layout.draft_ids))
 
     def _prompt_logprobs(self, entries: Sequence[ScheduledRequest], step: StepInput,
                          hidden: jax.Array) -> dict[str, PromptLogprobs]:
@@ -727,6 +879,7 @@ class ModelRunner:
         self.warmup_sampler()
         if self.mesh is None:  # prompt log-probs are computed on one device only (the engine refuses them on a mesh)
             self.warmup_prompt_logprobs()
+            self.warmup_draft_verification()
         if self.multi_process:  # processes finish compiling at different times: meet, then run a step together
             parallel.barrier("jaxpaged-warmup", _WARMUP_BARRIER_SECONDS)
             jax.block_until_ready(self._run(empty_step(*buckets[0])))  # also sets up the cross-process collectives
@@ -738,6 +891,19 @@ class ModelRunner:
             hidden = jnp.zeros((t, self.model_config.hidden_size), self.dtype)
             jax.block_until_ready(prompt_logprobs_step(self.model_config, self.params, hidden,
                                                        np.zeros(t, np.int32)))
+
+    def warmup_draft_verification(self) -> None:
+        """Speculative decoding: compile draft_logits at every (T, M) of `draft_shapes`, the sampler at every
+        M x k rows, and accept_drafts for each (rows sampled, M) (nothing when speculation is off)."""
+        k, V = self.config.num_speculative_tokens, self.model_config.vocab_size
+        for t, m in self.config.draft_shapes:
+            hidden = jnp.zeros((t, self.model_config.hidden_size), self.dtype)
+            jax.block_until_ready(draft_logits(self.model_config, self.params, hidden, np.zeros(m * k, np.int32)))
+        for m in self.config.draft_seq_buckets:
+            sampler.warmup(m * k, V)
+            for n in {m * k, *self.config.seq_buckets}:  # draft rows sampled alone, or packed with the entries'
+                jax.block_until_ready(accept_drafts(jnp.zeros(n, jnp.int32), np.zeros((m, k), np.int32),
+                                                    np.zeros((m, k), np.int32)))
 
     def warmup_sampler(self) -> None:
         """Compile every part of the sampler at every S bucket (see sampler.warmup)."""

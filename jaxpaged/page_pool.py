@@ -219,6 +219,18 @@ class PagePool:
                 self._release(request, page_id)
         request.page_ids.clear()
 
+    def truncate(self, request: Request, num_tokens: int) -> list[int]:
+        """Release the request's pages past the first `num_tokens` token slots, tail page first (rejected
+        speculative drafts: their slots are rewritten later); returns the freed ids."""
+        keep = -(-num_tokens // self.page_size)
+        freed = []
+        while len(request.page_ids) > keep:
+            page_id = request.page_ids.pop()
+            if page_id != NULL_PAGE_ID:
+                self._release(request, page_id)
+                freed.append(page_id)
+        return freed
+
     def _release(self, request: Request, page_id: int) -> None:
         if self._ref_counts[page_id] <= 0:
             raise RuntimeError(f"page {page_id} of request {request.request_id!r} is already free")

@@ -84,6 +84,9 @@ class Request:
     num_output_placeholders: int = 0
     # The finish record: `status` (finish_reason derives from it) and this, the stop token id or stop string.
     stop_reason: int | str | None = None
+    # Speculative decoding: draft tokens to verify after the last token in the next step (set by the engine's
+    # proposer, consumed by Scheduler.schedule; see jaxpaged/spec_decode.py). Never part of all_token_ids.
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -152,8 +155,12 @@ class Request:
         """Ids the sampler must not pick for the next token: EOS and stop token ids before min_tokens.
 
         The next token is output number num_output_tokens + num_output_placeholders (placeholders count)."""
+        return self.banned_token_ids_at(self.num_output_tokens + self.num_output_placeholders)
+
+    def banned_token_ids_at(self, num_output_tokens: int) -> tuple[int, ...]:
+        """`banned_token_ids` for the output token that follows `num_output_tokens` outputs (a draft position)."""
         params = self.sampling_params
-        if self.num_output_tokens + self.num_output_placeholders >= params.min_tokens:
+        if num_output_tokens >= params.min_tokens:
             return ()
         eos = () if params.ignore_eos else self.eos_token_ids
         return tuple(eos) + params.stop_token_ids
@@ -168,8 +175,11 @@ class Request:
         self.status = status
         self.stop_reason = stop_reason
 
-    def check_stop(self, token_id: int) -> StopVerdict | None:
+    def check_stop(self, token_id: int, ahead: int = 0) -> StopVerdict | None:
         """The token-level stop that appending `token_id` would cause, or None (pure: nothing changes).
+
+        ahead: tokens to be appended before this one (speculative decoding checks a step's tokens
+        one by one before any is appended).
 
         Order (vLLM's): no EOS / stop-token stop before `min_tokens` outputs; EOS ids
         (unless ignore_eos; stop_reason None); stop_token_ids (stop_reason = the id);
@@ -179,7 +189,7 @@ class Request:
         """
         token_id = int(token_id)
         params = self.sampling_params
-        num_output = self.num_output_tokens + 1
+        num_output = self.num_output_tokens + ahead + 1
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED, None
@@ -188,7 +198,7 @@ class Request:
         max_tokens = self.max_tokens
         if max_tokens is not None and num_output >= max_tokens:
             return RequestStatus.FINISHED_LENGTH, None
-        if self.max_model_len is not None and self.num_tokens + 1 >= self.max_model_len:
+        if self.max_model_len is not None and self.num_tokens + ahead + 1 >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None
 

@@ -29,6 +29,14 @@ step, the KV of every scheduled token is written to its slot before attention
 reads the pages (per layer), as paged attention does in vLLM and nano-vllm.
 `update_from_output()` only appends the sampled tokens and finishes requests.
 
+Speculative decoding (jaxpaged/spec_decode.py): a decoding request may carry draft tokens
+(`Request.spec_token_ids`, set by the engine's proposer before `schedule()`). It is then fed its
+last token and the drafts in one chunk (in the budget, pages allocated for all, one of the
+max_num_partial_prefills slots; without a slot or pages it decodes without them, before anyone is
+preempted), and num_computed_tokens counts them all until `update_from_output` learns how many
+were accepted: it rolls back to the accepted ones and frees the pages past them. Drafts are never
+hashed into the prefix cache (hashing covers real tokens only).
+
 Stopping has one owner: `update_from_output` ends every request that stops on a
 sampled token (EOS, stop token ids, length: `Request.check_stop`; stop strings and
 non-finite logits: the engine's verdicts, passed in), and `finish_requests` ends
@@ -132,9 +140,14 @@ class ScheduledRequest:
     # async scheduling: the chunk is one token, the one the previous step sampled for this request; token_ids
     # holds PLACEHOLDER_TOKEN_ID and the runner gathers the value on the device
     placeholder: bool = False
+    # Speculative decoding: the d drafts fed after the last token (they end token_ids), to verify this step;
+    # spec_banned_token_ids[j]: banned_token_ids of the output after the first j + 1 drafts.
+    spec_token_ids: tuple[int, ...] = ()
+    spec_banned_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:
+        """Tokens fed this step (drafts included)."""
         return len(self.token_ids)
 
 
@@ -172,6 +185,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def decoding_requests(self) -> list[Request]:
+        """Running requests past their prefill (one token left to feed): who may speculate next step."""
+        return [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -285,16 +302,30 @@ class Scheduler:
                 continue
             if self.config.sliding_window is not None:
                 self.pool.free_outside_window(request, self.config.sliding_window)
-            while self.pool.allocate(request, num_new) is None:
+            drafts = self._drafts_to_verify(request, num_new, budget, scheduled)
+            if drafts and self.pool.allocate(request, num_new + len(drafts)) is None:
+                drafts = ()  # no pages for the drafts: decode without them before preempting anyone
+            while not drafts and self.pool.allocate(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     return budget
-            scheduled.append(self._advance(request, num_new))
-            budget -= num_new
+            scheduled.append(self._advance(request, num_new, drafts))
+            budget -= num_new + len(drafts)
             index += 1
         return budget
+
+    def _drafts_to_verify(self, request: Request, num_new: int, budget: int, scheduled: list) -> tuple[int, ...]:
+        """The request's speculative drafts that fit this step: only for a decode (one token left to feed),
+        within the token budget, and when a slot under max_num_partial_prefills is free (attention
+        tiles a sequence fed several tokens as a prefill chunk)."""
+        if not request.spec_token_ids or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return ()
+        num_drafts = min(len(request.spec_token_ids), budget - num_new)
+        if num_drafts < 1 or not self._prefill_slot_free(num_new + num_drafts, scheduled):
+            return ()
+        return tuple(request.spec_token_ids[:num_drafts])
 
     def _schedule_waiting(self, budget: int, scheduled: list) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -318,20 +349,23 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _advance(self, request: Request, num_new: int) -> ScheduledRequest:
-        """Snapshot the request's chunk, then count it as computed and cache its full pages.
+    def _advance(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
+        """Snapshot the request's chunk (and the drafts fed after it), then count it as computed and cache
+        its full pages (of real tokens only: drafts and placeholders are never hashed).
 
         Async scheduling: a chunk that samples adds a placeholder; a chunk past the known tokens is the one
         placeholder the previous step sampled (see the module docstring)."""
         start = request.num_computed_tokens
         end = start + num_new
+        num_output = request.num_output_tokens
         num_placeholders_fed = max(0, end - max(start, request.num_tokens))
-        if num_placeholders_fed and (num_new != 1 or not request.num_output_placeholders):
+        if num_placeholders_fed and (num_new != 1 or not request.num_output_placeholders or drafts):
             raise RuntimeError(f"request {request.request_id!r}: a chunk of {num_new} tokens at {start} feeds "
                                f"{num_placeholders_fed} placeholders (at most its one in-flight token)")
         entry = ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.token_ids_slice(start, end)) + (PLACEHOLDER_TOKEN_ID,) * num_placeholders_fed,
+            token_ids=tuple(request.token_ids_slice(start, end)) + (PLACEHOLDER_TOKEN_ID,) * num_placeholders_fed
+            + drafts,
             start_position=start,
             page_ids=tuple(request.page_ids),
             samples=end == _num_known_and_placeholder_tokens(request),
@@ -343,8 +377,11 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             placeholder=bool(num_placeholders_fed),
+            spec_token_ids=drafts,
+            spec_banned_token_ids=tuple(request.banned_token_ids_at(num_output + j + 1) for j in range(len(drafts))),
         )
-        request.num_computed_tokens = end
+        request.spec_token_ids = []
+        request.num_computed_tokens = end + len(drafts)
         if entry.samples and self.config.async_scheduling:
             request.num_output_placeholders += 1
         self.pool.cache_full_pages(request)  # full pages of known tokens only
@@ -354,6 +391,7 @@ class Scheduler:
         self.pool.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -372,6 +410,12 @@ class Scheduler:
         Entries that don't sample are ignored, and so are requests finished (aborted) since the
         step was scheduled. A sampling entry of a live request without tokens is a runner bug:
         ValueError.
+
+        Speculative decoding: an entry that fed d drafts gets up to 1 + d tokens (the accepted drafts,
+        then one sampled token; fewer when the engine cut them at a stop). The verdict is the last
+        token's (the others are checked here with `Request.check_stop`); a FINISHED_ERROR verdict
+        appends the tokens before it. A request that goes on then counts as computed only its
+        accepted drafts: the rejected ones' pages go back to the pool (`_roll_back_rejected`).
         """
         stops = stops or {}
         finished = []
@@ -384,21 +428,39 @@ class Scheduler:
             token_ids = sampled_token_ids.get(entry.request_id)
             if not token_ids:
                 raise ValueError(f"no sampled token for request {entry.request_id!r}, whose chunk samples")
-            given = entry.request_id in stops
-            verdict = stops.get(entry.request_id)
-            if verdict is not None and verdict[0] is RequestStatus.FINISHED_ERROR:
-                request.finish(*verdict)
-            else:
-                for i, token_id in enumerate(token_ids):  # more than one only with speculative decoding
-                    last = i == len(token_ids) - 1
-                    if request.append_with_verdict(token_id, verdict if last and given else
-                                                   request.check_stop(token_id)):
-                        break
+            if len(token_ids) > 1 + len(entry.spec_token_ids):
+                raise ValueError(f"{len(token_ids)} tokens for request {entry.request_id!r}, which fed "
+                                 f"{len(entry.spec_token_ids)} drafts")
+            self._append_tokens(request, token_ids, entry.request_id in stops, stops.get(entry.request_id))
             if not request.is_finished:
+                if entry.spec_token_ids:
+                    self._roll_back_rejected(request, entry, len(token_ids))
                 continue
             self._release(request)
             finished.append(request)
         return finished
+
+    @staticmethod
+    def _append_tokens(request: Request, token_ids: Sequence[int], given: bool, verdict: StopVerdict | None) -> None:
+        """Append one step's tokens (more than one only with speculative decoding), the last with the
+        caller's verdict when given, the others with `Request.check_stop`; stop at the first that ends it."""
+        error = verdict is not None and verdict[0] is RequestStatus.FINISHED_ERROR
+        if error:  # the last token is garbage: keep the ones before it, then fail
+            given, token_ids = False, token_ids[:-1]
+        for i, token_id in enumerate(token_ids):
+            last = i == len(token_ids) - 1
+            if request.append_with_verdict(token_id, verdict if last and given else request.check_stop(token_id)):
+                return
+        if error:
+            request.finish(*verdict)
+
+    def _roll_back_rejected(self, request: Request, entry: ScheduledRequest, num_emitted: int) -> None:
+        """After a verification step: the KV of the last token and of the num_emitted - 1 accepted drafts is
+        valid, the rest was written for rejected drafts. Count only the valid part as computed, return the
+        pages past it to the pool, and hash the pages it filled."""
+        request.num_computed_tokens = entry.start_position + num_emitted
+        self.pool.truncate(request, request.num_computed_tokens)
+        self.pool.cache_full_pages(request)
 
     # ---- checks ------------------------------------------------------------
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REL = "tests/reliability/"
+SPEC = "tests/test_spec_decode.py::"
+SPEC_SCHED = "tests/test_scheduler_spec.py::"
 PYTEST = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "slow or not slow", "--tb=line"]
 
 
@@ -210,14 +212,14 @@ MUTATIONS: tuple[Mutation, ...] = (
        "        if num_output >= params.min_tokens:\n", "        if True:\n",
        "tests/test_request.py"),
     _m("max-model-len-ignored", "engine: stop handling", "jaxpaged/request.py",
-       "if self.max_model_len is not None and self.num_tokens + 1 >= self.max_model_len:", "if False:",
+       "if self.max_model_len is not None and self.num_tokens + ahead + 1 >= self.max_model_len:", "if False:",
        "tests/test_request.py"),
     _m("stop-strings-ignored", "engine: stop handling", "jaxpaged/detokenizer.py",
        "            self.output_token_ids.append(skipped)\n        return self._check_stop(check_from)",
        "            self.output_token_ids.append(skipped)\n        return None",
        "tests/test_detokenizer.py"),
     _m("min-tokens-not-banned", "engine: stop handling", "jaxpaged/request.py",
-       "        if self.num_output_tokens + self.num_output_placeholders >= params.min_tokens:\n            return ()",
+       "        if num_output_tokens >= params.min_tokens:\n            return ()",
        "        if True:\n            return ()",
        "tests/test_request.py", "tests/test_engine.py"),
     _m("seed-ignored", "engine: seeded sampling", "jaxpaged/sampler.py",
@@ -256,6 +258,43 @@ MUTATIONS: tuple[Mutation, ...] = (
        "self.async_scheduling = requested and args.num_processes == 1",
        "self.async_scheduling = requested",
        "tests/test_parallel.py::test_two_processes_serve_like_tp1"),
+    # ---- speculative decoding (jaxpaged/spec_decode.py) -----------------------------------------------------
+    _m("spec-drafts-no-prefill-slot", "engine: speculative decoding", "jaxpaged/scheduler.py",
+       "if num_drafts < 1 or not self._prefill_slot_free(num_new + num_drafts, scheduled):", "if num_drafts < 1:",
+       SPEC_SCHED + "test_drafts_take_a_partial_prefill_slot_and_fit_the_budget"),
+    _m("spec-drafts-preempt-others", "engine: speculative decoding", "jaxpaged/scheduler.py",
+       "            if drafts and self.pool.allocate(request, num_new + len(drafts)) is None:\n"
+       "                drafts = ()  # no pages for the drafts: decode without them before preempting anyone\n"
+       "            while not drafts and self.pool.allocate(request, num_new) is None:",
+       "            while self.pool.allocate(request, num_new + len(drafts)) is None:",
+       SPEC_SCHED + "test_drafts_without_pages_are_dropped_before_anyone_is_preempted"),
+    _m("spec-rejected-not-rolled-back", "engine: speculative decoding", "jaxpaged/scheduler.py",
+       "                    self._roll_back_rejected(request, entry, len(token_ids))", "                    pass",
+       SPEC_SCHED + "test_rejected_drafts_roll_back_computed_tokens_pages_and_hashes",
+       SPEC_SCHED + "test_random_workloads_with_drafts_finish_with_reference_outputs"),
+    _m("spec-rejected-pages-kept", "engine: speculative decoding", "jaxpaged/scheduler.py",
+       "        self.pool.truncate(request, request.num_computed_tokens)\n", "",
+       SPEC_SCHED + "test_rejected_drafts_roll_back_computed_tokens_pages_and_hashes"),
+    _m("spec-room-ignored", "engine: speculative decoding", "jaxpaged/engine.py",
+       "request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)",
+       "request.spec_token_ids = self.proposer.propose(request.all_token_ids)",
+       SPEC + "test_drafts_stay_within_max_model_len"),
+    _m("spec-penalties-without-drafts", "engine: speculative decoding", "jaxpaged/model_runner.py",
+       "history = list(entry.output_token_ids) + list(entry.spec_token_ids[:j]) if penalties else ()",
+       "history = entry.output_token_ids",
+       SPEC + "test_logprobs_and_penalties_are_those_without_speculation"),
+    _m("spec-banned-ids-of-first-position", "engine: speculative decoding", "jaxpaged/model_runner.py",
+       "banned_token_ids=entry.spec_banned_token_ids[j - 1])", "banned_token_ids=entry.banned_token_ids)",
+       SPEC + "test_stops_and_lengths_cut_accepted_drafts"),
+    _m("spec-key-not-advanced", "engine: speculative decoding", "jaxpaged/model_runner.py",
+       "step=entry.num_output_tokens + j,", "step=entry.num_output_tokens,",
+       SPEC + "test_seeded_sampling_is_identical_and_batch_independent_with_speculation"),
+    _m("spec-grammar-drafted", "engine: speculative decoding", "jaxpaged/engine.py",
+       "if room < 1 or self._child_to_parent[request.request_id][1].matcher is not None:", "if room < 1:",
+       SPEC + "test_structured_output_requests_are_not_drafted"),
+    _m("spec-drafts-always-accepted", "engine: speculative decoding", "jaxpaged/model_runner.py",
+       "return jnp.sum(jnp.cumprod(match, axis=1), axis=1)", "return jnp.sum(jnp.ones_like(match), axis=1)",
+       SPEC + "test_sampling_distribution_is_the_models"),
 )
 
 

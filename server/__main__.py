@@ -14,6 +14,7 @@ from pathlib import Path
 from jaxpaged.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
 from jaxpaged.engine import EngineArgs
 from jaxpaged.models.loader import DEFAULT_MODEL
+from jaxpaged.spec_decode import SpeculativeConfig
 from server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig
 from server.lifecycle import ShutdownConfig
 
@@ -76,6 +77,9 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
                    default=EngineArgs.async_scheduling, help="keep one step in flight: schedule and dispatch the "
                    "next step before this one's tokens reach the host (vLLM's async scheduling); default: on with a "
                    "GPU, off on CPU")
+    e.add_argument("--speculative-config", type=speculative_config_arg, default=None, help="speculative decoding, "
+                   'as JSON (vLLM\'s): {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                   '"prompt_lookup_min": 2} drafts up to 4 tokens a step from the request\'s own prompt and output')
 
 
 def _add_multihost_flags(d: argparse._ArgumentGroup) -> None:
@@ -120,6 +124,14 @@ def chat_template_arg(value: str | None) -> str | None:
     return value
 
 
+def speculative_config_arg(value: str) -> SpeculativeConfig:
+    """--speculative-config: vLLM's JSON object; a bad one is a CLI error naming what is wrong."""
+    try:
+        return SpeculativeConfig.from_dict(value)
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=ns.model, tokenizer=ns.tokenizer, revision=ns.revision, dtype=ns.dtype, seed=ns.seed,
@@ -131,7 +143,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_dtype=ns.kv_cache_dtype,
         tensor_parallel_size=ns.tensor_parallel_size, chat_template=chat_template_arg(ns.chat_template),
         generation_config=ns.generation_config, distributed_coordinator=ns.distributed_coordinator,
-        num_processes=ns.num_processes, process_id=ns.process_id, async_scheduling=ns.async_scheduling)
+        num_processes=ns.num_processes, process_id=ns.process_id, speculative_config=ns.speculative_config,
+        async_scheduling=ns.async_scheduling)
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:

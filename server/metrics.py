@@ -37,6 +37,21 @@ class EngineStatsCollector:
                     ("num_preemptions", "Requests preempted for lack of KV pages.", stats["num_preemptions"]))
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
+        if "spec_decode_num_drafts" in stats:  # speculative decoding is on
+            yield from self._spec_decode_families(stats)
+
+    def _spec_decode_families(self, stats):
+        """vLLM's spec-decode counters (acceptance rate = accepted / draft tokens)."""
+        for name, doc in (("spec_decode_num_drafts", "Draft verifications (one per request per step with drafts)."),
+                          ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+                          ("spec_decode_num_accepted_tokens", "Draft tokens accepted.")):
+            yield self._family(CounterMetricFamily, name, doc, stats[name])
+        family = CounterMetricFamily("jaxpaged:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft (0 first).",
+                                     labels=[*self.labels, "position"])
+        for position, value in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            family.add_metric([*self.labels.values(), str(position)], float(value))
+        yield family
 
     def _family(self, kind, name: str, doc: str, value: float):
         family = kind(f"jaxpaged:{name}", doc, labels=list(self.labels))

@@ -265,6 +265,10 @@ def test_smollm2_overlapped_equals_synchronous(smollm2):
 def test_async_scheduling_must_be_a_bool_or_auto(tiny):
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(model="unused", async_scheduling="yes")
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineArgs(model="unused", async_scheduling=True,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert EngineArgs(model="unused", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     auto = LLMEngine(dataclasses.replace(BASE, async_scheduling=None), loaded=tiny)
     assert auto.async_scheduling is (jax.default_backend() == "gpu")
 

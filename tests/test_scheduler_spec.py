@@ -1,0 +1,250 @@
+"""The scheduler with speculative drafts: exact page ids and counts after acceptance, rejection, aborts and
+preemption, and random workloads whose drafts are verified on a simulated paged KV cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from jaxpaged.page_pool import hash_page
+from jaxpaged.request import Request
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tests.test_scheduler import EOS, VOCAB, FakeRunner, config, make, next_token, reference_output
+
+
+class SpecFakeRunner(FakeRunner):
+    """FakeRunner that verifies drafts as the real runner does: the fake model's token at each fed position,
+    read back THROUGH THE PAGE TABLE (drafts included), accepted while it equals the draft."""
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        for e in out.scheduled_requests:
+            assert len(e.page_ids) * self.page_size >= e.start_position + e.num_tokens
+            for i, token_id in enumerate(e.token_ids):
+                self.slots[self._slot(e.page_ids, e.start_position + i)] = token_id
+        sampled = {}
+        for e in out.scheduled_requests:
+            if not e.samples:
+                continue
+            real_end = e.start_position + e.num_tokens - len(e.spec_token_ids)
+            emitted = []
+            for j in range(len(e.spec_token_ids) + 1):
+                context = [self.slots[self._slot(e.page_ids, p)] for p in range(real_end + j)]
+                emitted.append(next_token(context))
+                if j == len(e.spec_token_ids) or emitted[-1] != e.spec_token_ids[j]:
+                    break
+            sampled[e.request_id] = emitted
+        return sampled
+
+
+def true_continuation(request: Request, n: int) -> list[int]:
+    tokens = request.all_token_ids
+    for _ in range(n):
+        tokens.append(next_token(tokens))
+    return tokens[request.num_tokens:]
+
+
+def decode_step(sched: Scheduler, request: Request, drafts: list[int], emitted: list[int]) -> SchedulerOutput:
+    request.spec_token_ids = list(drafts)
+    out = sched.schedule()
+    sched.update_from_output(out, {request.request_id: emitted})
+    sched.check_invariants()
+    return out
+
+
+def prefilled(sched: Scheduler, prompt, **params) -> Request:
+    request = make("a", prompt, **params)
+    sched.add_request(request)
+    out = sched.schedule()
+    sched.update_from_output(out, {"a": [100]})
+    return request
+
+
+def test_rejected_drafts_roll_back_computed_tokens_pages_and_hashes():
+    sched = Scheduler(config(num_pages=16, page_size=4, max_num_partial_prefills=2))
+    r = prefilled(sched, [1, 2, 3, 4, 5, 6], ignore_eos=True, max_tokens=20)
+    assert r.page_ids == [1, 2] and r.num_computed_tokens == 6 and r.num_tokens == 7
+    r.spec_token_ids = [7, 8, 9, 10]
+    out = sched.schedule()
+    (entry,) = out.scheduled_requests
+    assert (entry.token_ids, entry.start_position, entry.spec_token_ids) == ((100, 7, 8, 9, 10), 6, (7, 8, 9, 10))
+    assert entry.samples and out.num_scheduled_tokens == 5
+    assert r.page_ids == [1, 2, 3] and r.num_computed_tokens == 11 and r.spec_token_ids == []
+    assert sched.pool.page_hash(2) is None  # page 2 is not full of real tokens yet: drafts are never hashed
+    sched.update_from_output(out, {"a": [7, 42]})  # draft 7 accepted, 8 rejected: 42 sampled instead
+    sched.check_invariants()
+    assert r.output_token_ids == [100, 7, 42] and r.num_computed_tokens == 8  # KV of 100 and 7 is valid
+    assert r.page_ids == [1, 2] and sched.pool.free_page_ids()[-1] == 3  # page 3 (only drafts) went back
+    h1 = hash_page(b"", [1, 2, 3, 4])
+    assert sched.pool.page_hash(1) == h1 and sched.pool.page_hash(2) == hash_page(h1, [5, 6, 100, 7])
+    assert sched.pool.page_hash(3) is None
+    out = decode_step(sched, r, [1, 2, 3, 4, 5], [9])  # every draft rejected
+    assert out.scheduled_requests[0].token_ids == (42, 1, 2, 3, 4, 5) and r.num_computed_tokens == 9
+    assert r.output_token_ids == [100, 7, 42, 9] and r.page_ids == [1, 2, 4]  # 4 and 5 were allocated
+    assert sched.pool.free_page_ids()[-2:] == [3, 5]  # 5 held drafts only; 4 holds the valid token 42
+    out = decode_step(sched, r, [11, 12], [11, 12, 13])  # both accepted, then the bonus token
+    assert r.output_token_ids == [100, 7, 42, 9, 11, 12, 13] and r.num_computed_tokens == 12
+    assert r.page_ids == [1, 2, 4]
+    sched.abort_requests("a")
+    sched.check_invariants()
+    assert sched.pool.num_free_pages == 15 and r.page_ids == []
+
+
+def test_abort_after_scheduling_drafts_frees_every_page_and_ignores_the_result():
+    sched = Scheduler(config(num_pages=16, page_size=4))
+    r = prefilled(sched, [1, 2, 3, 4, 5, 6, 7], ignore_eos=True, max_tokens=20)
+    r.spec_token_ids = [1, 2, 3, 4]
+    out = sched.schedule()
+    assert r.page_ids == [1, 2, 3]
+    sched.abort_requests("a")
+    assert sched.update_from_output(out, {"a": [1, 2, 3]}) == []
+    sched.check_invariants()
+    assert sched.pool.num_free_pages == 15 and r.output_token_ids == [100]
+    assert sched.pool.free_page_ids()[-3:] == [3, 2, 1]  # freed tail page first
+
+
+def test_drafts_without_pages_are_dropped_before_anyone_is_preempted():
+    # 4 usable pages of 4 slots: b holds 1 page, a holds 2 and needs a third for its drafts
+    sched = Scheduler(config(num_pages=5, page_size=4, max_num_batched_tokens=64))
+    a = prefilled(sched, [1] * 7, ignore_eos=True, max_tokens=8)
+    b = make("b", [2, 3], ignore_eos=True, max_tokens=2)
+    sched.add_request(b)
+    sched.update_from_output(sched.schedule(), {"a": [5], "b": [6]})
+    assert a.page_ids == [1, 2] and b.page_ids == [3] and a.num_computed_tokens == 8
+    a.spec_token_ids = [1, 2, 3, 4, 5]  # needs pages up to 14 slots: 2 more; one is free
+    out = sched.schedule()
+    assert [e.spec_token_ids for e in out.scheduled_requests] == [(), ()]
+    assert out.preempted_request_ids == () and sched.num_preemptions == 0
+    assert a.page_ids == [1, 2, 4] and a.spec_token_ids == []
+
+
+def test_a_preempted_request_loses_its_drafts():
+    sched = Scheduler(config(num_pages=4, page_size=4, max_num_seqs=2))
+    a = prefilled(sched, [1] * 4, ignore_eos=True, max_tokens=8)
+    b = make("b", [2] * 4, ignore_eos=True, max_tokens=8)
+    sched.add_request(b)
+    sched.update_from_output(sched.schedule(), {"a": [5], "b": [6]})
+    assert a.page_ids == [1, 2] and b.page_ids == [3]
+    b.spec_token_ids = [9, 9]
+    sched.update_from_output(sched.schedule(), {"a": [5]})  # b needs a page: preempted (the most recent)
+    assert b.status.name == "PREEMPTED" and b.spec_token_ids == [] and b.page_ids == []
+    sched.check_invariants()
+
+
+def test_drafts_take_a_partial_prefill_slot_and_fit_the_budget():
+    """Attention tiles a sequence fed several tokens like a prefill chunk and trusts max_num_partial_prefills:
+    a request decodes without its drafts when no such slot is left, and drafts are cut to the budget."""
+    sched = Scheduler(config(num_pages=32, page_size=4, max_num_partial_prefills=1, max_num_batched_tokens=8))
+    requests = [make(rid, [1, 2, 3], ignore_eos=True, max_tokens=20) for rid in "ab"]
+    for r in requests:
+        sched.add_request(r)
+    a, b = requests
+    sched.update_from_output(sched.schedule(), {"a": [4]})  # b's prompt waits: a's took the one slot
+    sched.update_from_output(sched.schedule(), {"a": [4], "b": [4]})
+    assert all(r.num_tokens - r.num_computed_tokens == 1 for r in requests)
+    a.spec_token_ids, b.spec_token_ids = [5, 6, 7, 8, 9], [5, 6]
+    out = sched.schedule()
+    assert [e.spec_token_ids for e in out.scheduled_requests] == [(5, 6, 7, 8, 9), ()]  # b: no slot left
+    assert out.num_scheduled_tokens == 7
+    sched.update_from_output(out, {"a": [5, 6, 77], "b": [7]})
+    sched.check_invariants()
+    a.spec_token_ids = list(range(10, 18))
+    out = sched.schedule()
+    assert [e.spec_token_ids for e in out.scheduled_requests] == [tuple(range(10, 17))]  # cut to the budget
+    assert out.num_scheduled_tokens == 8
+
+
+@pytest.mark.parametrize("tokens, match", [([1, 2, 3], "3 tokens"), ([], "no sampled token")])
+def test_more_tokens_than_drafts_allow_is_an_error(tokens, match):
+    sched = Scheduler(config())
+    r = prefilled(sched, [1, 2, 3], ignore_eos=True, max_tokens=20)
+    r.spec_token_ids = [1]
+    out = sched.schedule()
+    with pytest.raises(ValueError, match=match):
+        sched.update_from_output(out, {"a": tokens})
+
+
+def test_stop_inside_accepted_drafts_finishes_there():
+    sched = Scheduler(config(num_pages=16, page_size=4))
+    r = prefilled(sched, [1, 2, 3], max_tokens=20, stop_token_ids=[9])
+    r.spec_token_ids = [5, 9, 7]
+    out = sched.schedule()
+    finished = sched.update_from_output(out, {"a": [5, 9, 7, 8]})  # the token after the stop is dropped
+    assert finished == [r] and r.output_token_ids == [100, 5, 9] and r.stop_reason == 9
+    sched.check_invariants()
+    assert sched.pool.num_free_pages == 15
+
+
+# ---- randomized workloads with drafts -----------------------------------------------
+
+
+@st.composite
+def spec_workloads(draw):
+    page_size = draw(st.sampled_from([1, 2, 4, 8]))
+    max_num_seqs = draw(st.integers(1, 5))
+    specs = []
+    for i in range(draw(st.integers(1, 6))):
+        prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20))
+        max_tokens = draw(st.integers(1, 20))
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=draw(st.integers(0, min(2, max_tokens))),
+                                ignore_eos=draw(st.booleans()),
+                                stop_token_ids=draw(st.lists(st.integers(1, VOCAB - 1), max_size=2)))
+        specs.append((f"q{i}", prompt, params, draw(st.integers(0, 3)), draw(st.none() | st.integers(0, 30))))
+    most_slots = max(len(p) + s.max_tokens - 1 for _, p, s, _, _ in specs)
+    cfg = SchedulerConfig(num_pages=1 + -(-most_slots // page_size) + draw(st.integers(0, 6)), page_size=page_size,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=draw(st.integers(max_num_seqs, 32)),
+                          max_model_len=64, enable_prefix_caching=draw(st.booleans()),
+                          max_num_partial_prefills=draw(st.sampled_from([None, 1, 2])))
+    return cfg, specs, draw(st.integers(0, 2**32 - 1))
+
+
+def propose(request: Request, rng: random.Random, max_model_len: int) -> list[int]:
+    """Drafts as a proposer might make them: some leading ones right, then wrong ones, within the bounds."""
+    room = min(request.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1)
+    num_drafts = min(rng.randint(0, 5), room)
+    if num_drafts <= 0:
+        return []
+    right = true_continuation(request, num_drafts)
+    num_right = rng.randint(0, num_drafts)
+    return right[:num_right] + [rng.randrange(VOCAB) for _ in range(num_drafts - num_right)]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec_workloads())
+def test_random_workloads_with_drafts_finish_with_reference_outputs(workload):
+    cfg, specs, seed = workload
+    rng = random.Random(seed)
+    sched, runner = Scheduler(cfg), SpecFakeRunner(cfg)
+    requests = {rid: Request(rid, prompt, params, eos_token_ids=(EOS,)) for rid, prompt, params, _, _ in specs}
+    num_accepted = 0
+    for t in range(2000):
+        for rid, _, _, arrival, abort_at in specs:
+            if arrival == t:
+                sched.add_request(requests[rid])
+            if abort_at == t:
+                sched.abort_requests(rid)
+        if not sched.has_unfinished_requests():
+            if t > 3:
+                break
+            continue
+        for r in sched.decoding_requests():
+            r.spec_token_ids = propose(r, rng, cfg.max_model_len)
+        out = sched.schedule()
+        sampled = runner.execute(out)
+        num_accepted += sum(len(sampled[e.request_id]) - 1 for e in out.scheduled_requests if e.samples)
+        sched.update_from_output(out, sampled)
+        sched.check_invariants()
+        assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
+        partial = sum(e.num_tokens > 1 for e in out.scheduled_requests)
+        assert partial <= (cfg.max_num_partial_prefills or partial)
+    else:
+        pytest.fail("workload did not finish")
+    for r in requests.values():
+        expected = reference_output(r.prompt_token_ids, r.sampling_params, cfg.max_model_len)
+        assert r.output_token_ids == (expected[:r.num_output_tokens] if r.finish_reason == "abort" else expected)
+    event(f"accepted drafts: {min(num_accepted, 5)}+")
+    event(f"preemptions: {min(sched.num_preemptions, 2)}+")
+    assert sched.pool.num_free_pages == cfg.num_pages - 1

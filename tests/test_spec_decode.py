@@ -1,0 +1,449 @@
+"""N-gram speculative decoding: the config, the proposer, and the engine with speculation on, which must emit
+token for token what it emits without (greedy, seeded, penalties, logprobs, stops), sample from the model's
+distribution, keep its pages exact and compile nothing after warm-up."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats as scipy_stats
+
+from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.generate import greedy_generate
+from jaxpaged.models.llama import forward
+from jaxpaged.models.loader import load_model
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig, max_drafts_for
+from tests.test_engine import count_traces, mixed_prompts
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+BASE = EngineArgs(model="unused", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=200,
+                  compilation_cache_dir=None)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+# ---- config -------------------------------------------------------------------------------
+
+
+def test_config_defaults_and_conversion():
+    c = SpeculativeConfig.from_dict(SPEC)
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 4, 3, 1)
+    assert SpeculativeConfig(num_speculative_tokens=2).prompt_lookup_min == 5  # vLLM's defaults: 5 and 5
+    only_max = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3)
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (3, 3)
+    assert SpeculativeConfig.from_dict('{"num_speculative_tokens": 3, "prompt_lookup_min": 2}').prompt_lookup_max == 2
+    args = dataclasses.replace(BASE, speculative_config=SPEC)
+    assert args.speculative_config == c and dataclasses.replace(args).speculative_config == c
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.num_speculative_tokens = 3
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": "4"}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4"),
+    ({"num_speculative_tokens": 2, "model": "x"}, "unknown keys"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+])
+def test_bad_configs_are_clear_errors(config, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(config)
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(BASE, speculative_config=config)
+
+
+def test_speculation_is_refused_with_tensor_parallelism():
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        dataclasses.replace(BASE, speculative_config=SPEC, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative_config must be"):
+        dataclasses.replace(BASE, speculative_config=4)
+
+
+# ---- proposer -----------------------------------------------------------------------------
+
+
+def propose(tokens, k=3, lo=2, hi=3, max_drafts=None):
+    config = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi)
+    return NgramProposer(config).propose(tokens, max_drafts)
+
+
+def reference_propose(tokens, k, lo, hi, max_drafts=None):
+    """The definition: n from hi down to lo, the latest earlier occurrence of the last n tokens."""
+    k = k if max_drafts is None else min(k, max_drafts)
+    for n in range(hi, lo - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k] if k > 0 else []
+    return []
+
+
+def test_proposer_examples():
+    assert propose([1, 2, 3, 4, 1, 2]) == [3, 4, 1]
+    assert propose([0, 1, 2, 7, 3, 1, 2, 8, 0, 1, 2]) == [7, 3, 1]  # the 3-gram beats a later 2-gram
+    assert propose([1, 2, 5, 1, 2, 6, 1, 2]) == [6, 1, 2]  # latest of equal matches
+    assert propose([1, 2, 3, 4, 5]) == []  # nothing repeats
+    assert propose([1, 2, 3, 1], lo=2) == []  # a 1-gram is below prompt_lookup_min
+    assert propose([1, 2, 3, 1], lo=1) == [2, 3, 1]
+    assert propose([1, 2, 3, 4, 1, 2], max_drafts=1) == [3] and propose([1, 2, 3, 4, 1, 2], max_drafts=0) == []
+    assert propose([7, 7, 7, 7], k=5, lo=1, hi=3) == [7]  # drafts run to the end of what is known
+    assert propose([7], lo=1) == [] and propose([], lo=1) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), max_size=40), k=st.integers(1, 5), lo=st.integers(1, 4),
+       extra=st.integers(0, 3), max_drafts=st.none() | st.integers(0, 6))
+def test_proposer_matches_its_definition(tokens, k, lo, extra, max_drafts):
+    assert propose(tokens, k, lo, lo + extra, max_drafts) == reference_propose(tokens, k, lo, lo + extra, max_drafts)
+
+
+def test_max_drafts_bounds_and_stats():
+    assert max_drafts_for(num_tokens=10, num_output_tokens=2, max_tokens=5, max_model_len=100) == 2
+    assert max_drafts_for(num_tokens=97, num_output_tokens=2, max_tokens=None, max_model_len=100) == 2
+    assert max_drafts_for(num_tokens=99, num_output_tokens=2, max_tokens=None, max_model_len=100) == 0
+    s = SpecDecodingStats(3)
+    s.observe(3, 2)
+    s.observe(2, 0)
+    assert s.as_stats() == {"spec_decode_num_drafts": 2, "spec_decode_num_draft_tokens": 5,
+                            "spec_decode_num_accepted_tokens": 2,
+                            "spec_decode_num_accepted_tokens_per_pos": (1, 1, 0)}
+    assert s.acceptance_rate == 0.4
+
+
+# ---- the engine ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints):
+    return load_model(str(tiny_checkpoints["gqa4"]), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    return LLMEngine(BASE, loaded=tiny)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny):
+    return make_engine(tiny)
+
+
+def make_engine(loaded, **overrides) -> LLMEngine:
+    return LLMEngine(dataclasses.replace(BASE, **{"speculative_config": SPEC, **overrides}), loaded=loaded)
+
+
+def run_all(engine: LLMEngine, prompts, params=GREEDY, check=True) -> dict[str, object]:
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if check:
+            engine.scheduler.check_invariants()
+    assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_usable_pages
+    return done
+
+
+def repetitive_prompts(count, seed=0):
+    """Prompts a model may copy from: a random phrase repeated, with random tails."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(count):
+        phrase = rng.integers(0, 256, size=rng.integers(3, 12)).tolist()
+        prompts.append(rng.integers(0, 256, size=rng.integers(0, 5)).tolist() + phrase * int(rng.integers(2, 5)))
+    return prompts
+
+
+def tokens(done):
+    return {rid: [list(o.token_ids) for o in out.outputs] for rid, out in done.items()}
+
+
+def accepted(engine) -> tuple[int, int]:
+    s = engine.stats()
+    return s["spec_decode_num_accepted_tokens"], s["spec_decode_num_draft_tokens"]
+
+
+class OracleProposer:
+    """Proposes what a run without speculation emitted next (so drafts are accepted), optionally wrong from
+    the `wrong_at`-th draft on: a test's control over where verification accepts and rejects."""
+
+    def __init__(self, prompts, outputs, k=4, wrong_at=None):
+        self.runs = [(list(p), list(o)) for p, o in zip(prompts, outputs)]
+        self.k, self.wrong_at = k, wrong_at
+
+    def propose(self, token_ids, max_drafts=None):
+        token_ids = list(token_ids)
+        for prompt, output in self.runs:
+            done = token_ids[len(prompt):]
+            if token_ids[:len(prompt)] == prompt and output[:len(done)] == done:
+                drafts = output[len(done):len(done) + min(self.k, max_drafts)]
+                if self.wrong_at is not None and len(drafts) > self.wrong_at:
+                    drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % 256
+                return drafts
+        return []
+
+
+@pytest.mark.parametrize("overrides, expect", [
+    ({}, "cache"),
+    (dict(enable_prefix_caching=False), "nocache"),
+    (dict(num_pages=24), "preempt"),
+    (dict(max_num_batched_tokens=16, max_num_seqs=8), "chunked"),
+])
+def test_greedy_equals_plain_forward_with_speculation(tiny, overrides, expect):
+    prompts = mixed_prompts(10, seed=1) + repetitive_prompts(14, seed=2)
+    engine = make_engine(tiny, **overrides)
+    done = run_all(engine, prompts)
+    for i, prompt in enumerate(prompts):
+        expected = greedy_generate(tiny.config, tiny.params, prompt, GREEDY.max_tokens)
+        assert done[str(i)].outputs[0].token_ids == expected, f"prompt {i} (len {len(prompt)})"
+    num_accepted, num_drafted = accepted(engine)
+    assert 0 < num_accepted < num_drafted  # both acceptance and rejection happened
+    if expect == "preempt":
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_is_identical_and_batch_independent_with_speculation(plain, spec):
+    prompts = repetitive_prompts(8, seed=3)
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, seed=s, max_tokens=30, ignore_eos=True)
+              for s, (t, p, k) in enumerate([(0.1, 1.0, -1), (0.3, 0.9, -1), (0.8, 1.0, 20), (1.0, 0.95, 50)] * 2)]
+    expected = tokens(run_all(plain, prompts, params))
+    assert tokens(run_all(spec, prompts, params)) == expected
+    alone = tokens(run_all(spec, prompts[5:6], params[5:6]))["0"]
+    assert alone == expected["5"]
+    # drafts the sampler accepts all along (an oracle), then wrong from the third on: the same tokens again
+    outputs = [expected[str(i)][0] for i in range(len(prompts))]
+    for wrong_at in (None, 2):
+        spec.proposer = OracleProposer(prompts, outputs, wrong_at=wrong_at)
+        before = accepted(spec)
+        try:
+            assert tokens(run_all(spec, prompts, params)) == expected
+        finally:
+            spec.proposer = NgramProposer(spec.args.speculative_config)
+        after = accepted(spec)
+        assert after[0] - before[0] == (after[1] - before[1] if wrong_at is None else after[0] - before[0]) > 0
+
+
+def test_sampling_distribution_is_the_models(tiny):
+    """Chi-square: the tokens emitted at a verified draft position (first draft, and second after an accepted
+    first) follow the model's distribution there, not the draft's."""
+    engine = make_engine(tiny, max_num_partial_prefills=16)
+    temperature, prompt = 0.05, repetitive_prompts(1, seed=11)[0]  # the tiny model is flat: sharpen it
+    logits_of = jax.jit(lambda ids: forward(tiny.config, tiny.params, ids[None])[0, -1] / temperature)
+    probs = functools_cache(lambda ids: np.asarray(jax.nn.softmax(logits_of(jnp.asarray(ids))), np.float64))
+
+    class Forced:  # drafts the model's two most likely tokens, one after the other
+        def propose(self, token_ids, max_drafts=None):
+            first = int(np.argmax(probs(tuple(token_ids))))
+            return [first, int(np.argmax(probs(tuple(token_ids) + (first,))))][:max_drafts]
+
+    engine.proposer = Forced()
+    n = 800
+    params = [SamplingParams(temperature=temperature, seed=1000 + i, max_tokens=4, ignore_eos=True) for i in range(n)]
+    done = run_all(engine, [prompt] * n, params, check=False)
+    outs = [done[str(i)].outputs[0].token_ids for i in range(n)]
+    first = [(tuple(prompt + o[:1]), o[1]) for o in outs]  # (context, token at the first draft position)
+    drafted = [(ctx + (Forced().propose(ctx)[0],), o[2]) for (ctx, _), o in zip(first, outs)
+               if o[1] == Forced().propose(ctx)[0]]
+    assert len(drafted) > 80
+    for samples in (first, drafted):
+        observed = collections.Counter(t for _, t in samples)
+        expected = sum(probs(ctx) for ctx, _ in samples)  # f64[V]: sum of each draw's own distribution
+        big = [t for t in range(len(expected)) if expected[t] >= 5]
+        obs = [observed[t] for t in big] + [len(samples) - sum(observed[t] for t in big)]
+        exp = [expected[t] for t in big] + [len(samples) - sum(expected[t] for t in big)]
+        assert scipy_stats.chisquare(obs, exp).pvalue > 1e-3, (obs, exp)
+    num_accepted, num_drafted = accepted(engine)
+    assert 0 < num_accepted < num_drafted
+
+
+def functools_cache(fn):
+    cache = {}
+    return lambda key: cache[key] if key in cache else cache.setdefault(key, fn(key))
+
+
+def test_stops_and_lengths_cut_accepted_drafts(tiny, plain, spec):
+    """Stops inside a run of accepted drafts (an oracle proposes what the plain run emits) end the request
+    there, as without speculation: stop ids, stop strings, max_tokens, and a stop id banned by min_tokens
+    at the first positions of the run but allowed at its last ones."""
+    tok = tiny.tokenizer
+    prompts = repetitive_prompts(4, seed=21)
+    ref = [o[0] for o in tokens(run_all(plain, prompts, dataclasses.replace(GREEDY, max_tokens=30))).values()]
+    cases = []
+    for prompt, ids in zip(prompts, ref):
+        new = [i for i in range(3, 30) if ids[i] not in ids[:i]]
+        text = next((t for i in range(6, 28) if (t := tok.decode(ids[i:i + 2], skip_special_tokens=True))), None)
+        cases += [(prompt, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))]
+        if new:
+            cases += [(prompt, SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[ids[new[0]]]))]
+        if new and new[0] <= 5:  # the oracle's first run of drafts covers outputs 1..5
+            cases += [(prompt, SamplingParams(temperature=0.0, max_tokens=30, min_tokens=new[0] - 1,
+                                              stop_token_ids=[ids[new[0]]]))]
+        if text:
+            cases += [(prompt, SamplingParams(temperature=0.0, max_tokens=30, stop=[text])),
+                      (prompt, SamplingParams(temperature=0.0, max_tokens=30, stop=[text],
+                                              include_stop_str_in_output=True))]
+    kinds = {(p.min_tokens > 0, bool(p.stop), bool(p.stop_token_ids)) for _, p in cases}
+    assert {(True, False, True), (False, True, False), (False, False, True)} <= kinds
+    case_prompts, case_params = [p for p, _ in cases], [v for _, v in cases]
+    expected = run_all(plain, case_prompts, case_params)
+    spec.proposer = OracleProposer(prompts, ref)
+    try:
+        got = run_all(spec, case_prompts, case_params)
+    finally:
+        spec.proposer = NgramProposer(spec.args.speculative_config)
+    for rid, out in expected.items():
+        a, b = out.outputs[0], got[rid].outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == \
+            (a.token_ids, a.text, a.finish_reason, a.stop_reason), case_params[int(rid)]
+        assert a.finish_reason == ("length" if case_params[int(rid)].max_tokens == 7 else "stop")
+
+
+def test_logprobs_and_penalties_are_those_without_speculation(plain, spec):
+    prompts = repetitive_prompts(4, seed=31)
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=0.5,
+                             frequency_penalty=0.3),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.2, logprobs=1)]
+    expected = run_all(plain, prompts, params)
+    ref = [expected[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+    spec.proposer = OracleProposer(prompts, ref)
+    before = accepted(spec)
+    try:
+        got = run_all(spec, prompts, params)
+    finally:
+        spec.proposer = NgramProposer(spec.args.speculative_config)
+    after = accepted(spec)
+    assert after[0] - before[0] == after[1] - before[1] > 0  # every (right) draft accepted: penalties saw drafts
+    for rid, out in expected.items():
+        a, b = out.outputs[0], got[rid].outputs[0]
+        assert b.token_ids == a.token_ids
+        assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
+        if a.logprobs is not None:
+            for x, y in zip(a.logprobs, b.logprobs):
+                assert x.keys() == y.keys()
+                assert [v.logprob for v in y.values()] == pytest.approx([v.logprob for v in x.values()], abs=1e-4)
+                assert [v.rank for v in y.values()] == [v.rank for v in x.values()]
+
+
+def test_drafts_stay_within_max_model_len(tiny):
+    engine = make_engine(tiny, max_model_len=64, num_pages=40)
+    prompt = ([5, 6, 7, 8] * 16)[:60]
+    engine.proposer = type("Always", (), {"propose": lambda self, ids, max_drafts=None: [5, 6, 7, 8][:max_drafts]})()
+    done = run_all(engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None))
+    out = done["0"].outputs[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 64
+    assert out.token_ids == greedy_generate(tiny.config, tiny.params, prompt, 4)
+
+
+def test_aborts_and_preemption_keep_pages_exact(tiny):
+    engine = make_engine(tiny, num_pages=12, max_num_seqs=8)
+    prompts = repetitive_prompts(12, seed=41)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, dataclasses.replace(GREEDY, max_tokens=40))
+    done = {}
+    for step in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        if step in (6, 12):
+            engine.abort_request([str(i) for i in range(step // 6 - 1, 12, 4)])
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        engine.scheduler.check_invariants()
+    pool = engine.scheduler.pool
+    assert pool.num_free_pages == pool.num_usable_pages and engine.scheduler.num_preemptions > 0
+    assert accepted(engine)[0] > 0
+    for rid, out in done.items():
+        assert out.outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, prompts[int(rid)], 40)
+
+
+def test_no_compilation_after_warmup_with_speculation(tiny):
+    engine = make_engine(tiny, num_pages=40)  # small pool: preemption too
+    prompts = repetitive_prompts(16, seed=4) + mixed_prompts(4, seed=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=16), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(temperature=1.0, top_k=5, logprobs=3), SamplingParams(repetition_penalty=1.3,
+              presence_penalty=0.5, max_tokens=20), SamplingParams(n=2, temperature=0.5, stop=["a", "b"]),
+              SamplingParams(min_tokens=4, max_tokens=6, logit_bias={3: 5.0})] * 4
+    with count_traces() as traces:
+        run_all(engine, prompts, params[:20])
+    assert traces == []
+    assert accepted(engine)[0] > 0
+
+
+def test_metrics_expose_the_spec_decode_counters(spec):
+    from server.metrics import ServerMetrics
+
+    run_all(spec, repetitive_prompts(2, seed=51))
+    stats = spec.stats()
+    text = ServerMetrics(type("Engine", (), {"stats": lambda self: stats})(), "m").render().decode()
+    assert f'jaxpaged:spec_decode_num_drafts_total{{model_name="m"}} {float(stats["spec_decode_num_drafts"])}' in text
+    for name in ("num_draft_tokens", "num_accepted_tokens"):
+        assert f"jaxpaged:spec_decode_{name}_total" in text
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 4 and sum(per_pos) == stats["spec_decode_num_accepted_tokens"] > 0
+    assert f'jaxpaged:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} ' \
+           f'{float(per_pos[0])}' in text
+    plain_stats = {k: v for k, v in stats.items() if not k.startswith("spec_")}
+    text = ServerMetrics(type("Engine", (), {"stats": lambda self: plain_stats})(), "m").render().decode()
+    assert "spec_decode" not in text
+
+
+def test_structured_output_requests_are_not_drafted(spec):
+    """A constrained request's drafts would skip its grammar's mask: it decodes without drafts, the others
+    in its batch speculate."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    import json
+
+    from jaxpaged.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                        "minItems": 1, "maxItems": 3}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    constrained = SamplingParams(temperature=0.0, max_tokens=60,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    drafted = set()
+    execute = spec.runner.execute_model
+    spec.runner.execute_model = lambda out, *rest: drafted.update(
+        e.request_id for e in out.scheduled_requests if e.spec_token_ids) or execute(out, *rest)
+    try:
+        done = run_all(spec, repetitive_prompts(2, seed=61), [constrained, GREEDY])
+    finally:
+        del spec.runner.execute_model
+    jsonschema.validate(json.loads(done["0"].outputs[0].text), schema)
+    assert drafted == {"1"}
+
+
+def test_server_flag_parses_and_a_bad_config_is_a_cli_error(capsys):
+    import json
+
+    from server.__main__ import build_parser, engine_args, main
+
+    ns = build_parser().parse_args(["--speculative-config", json.dumps(SPEC)])
+    assert engine_args(ns).speculative_config == SpeculativeConfig.from_dict(SPEC)
+    assert engine_args(build_parser().parse_args([])).speculative_config is None
+    for bad, match in [('{"method": "ngram"}', "needs num_speculative_tokens"), ("{oops", "not valid JSON"),
+                       ('{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+                        "prompt_lookup_min=3 must be <= prompt_lookup_max=2")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--speculative-config", bad])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --speculative-config" in err and match in err
