@@ -166,10 +166,10 @@ def test_cpu_step_compiles_with_the_engine_xla_options(tiny):
 
 def test_per_layer_weights_match_the_scanned_stack(tiny):
     """Per-layer weights (a list, looped over: nothing sliced out of a stack) give the scanned stack's
-    logits and pool, and their step has no loop left."""
+    logits and pool, and their step has no loop left; on a mesh too (each layer's weights sharded)."""
     tokens = np.random.default_rng(2).integers(0, 256, size=20).tolist()
-    stacked = ModelRunner(tiny.config, tiny.params, CONFIG)
-    per_layer = ModelRunner(tiny.config, unstack_layers(tiny.params), CONFIG)
+    stacked = ModelRunner(tiny.config, tiny.params, dataclasses.replace(CONFIG, weight_layout="stacked"))
+    per_layer = ModelRunner(tiny.config, tiny.params, dataclasses.replace(CONFIG, weight_layout="per_layer"))
     assert len(per_layer.params["layers"]) == tiny.config.num_hidden_layers
     step = stacked.prepare([entry("a", tokens, 0, [3, 7])])
     assert "stablehlo.while" in stacked.lower(step).as_text()
@@ -178,8 +178,11 @@ def test_per_layer_weights_match_the_scanned_stack(tiny):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(per_layer.kv.k), np.asarray(stacked.kv.k))
     np.testing.assert_array_equal(np.asarray(per_layer.kv.v), np.asarray(stacked.kv.v))
-    with pytest.raises(ValueError, match="a tensor-parallel mesh takes the stacked layout"):
-        ModelRunner(tiny.config, unstack_layers(tiny.params), CONFIG, parallel.make_mesh(1))
+    on_mesh = ModelRunner(tiny.config, tiny.params, dataclasses.replace(CONFIG, weight_layout="per_layer"),
+                          parallel.make_mesh(1))
+    np.testing.assert_allclose(np.asarray(on_mesh.execute(step)), np.asarray(want), atol=1e-6)
+    with pytest.raises(ValueError, match="only the checkpoint layout"):
+        ModelRunner(tiny.config, unstack_layers(tiny.params), CONFIG)
 
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
