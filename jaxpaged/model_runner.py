@@ -649,18 +649,20 @@ class ModelRunner:
         Returns the seconds spent: {"compile": step shapes, "sampler": sampler and prompt-logprob shapes}.
         Nothing runs: each shape is lowered here and compiled on a pool of threads (XLA compiles
         outside the GIL; a persistent-cache hit loads the program instead), and `_run` calls the
-        compiled programs. Logs each shape as it is done, so a cold start shows its progress. Every
-        process compiles the same shapes.
+        compiled programs. Logs each shape as it is handed to the pool, so a cold start shows its
+        progress. Every process compiles the same shapes.
         """
         start, buckets = time.perf_counter(), self.config.buckets
         workers = max(1, min(len(buckets), (os.cpu_count() or 1) // 2, _MAX_COMPILE_THREADS))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxpaged-compile") as pool:
-            futures = {pool.submit(self.lower(empty_step(*shape)).compile): shape for shape in buckets}
-            for i, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            futures = {}
+            for i, (t, s, p) in enumerate(buckets, 1):
+                logger.info("compiling step shape %d/%d: (T, S, P) = (%d, %d, %d)", i, len(buckets), t, s, p)
+                futures[pool.submit(self.lower(empty_step(t, s, p)).compile)] = (t, s, p)
+            for future in concurrent.futures.as_completed(futures):
                 self._compiled[futures[future]] = future.result()
-                logger.info("compiled step shape %d/%d: (T, S, P) = %s", i, len(buckets), futures[future])
         seconds = time.perf_counter() - start
-        logger.info("compiled %d step shapes (T, S, P) in %.1f s", len(buckets), seconds)
+        logger.info("compiled %d step shapes (T, S, P) in %.1f s on %d threads", len(buckets), seconds, workers)
         start = time.perf_counter()
         self.warmup_sampler()
         if self.mesh is None:  # prompt log-probs are computed on one device only (the engine refuses them on a mesh)

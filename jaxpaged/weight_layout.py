@@ -66,8 +66,8 @@ def to_weight_layout(config: LlamaConfig, params: Params, layout: WeightLayout, 
     source, stacked, owned = dict(params["layers"]), {}, set()
     for name, (names, fuse) in (_fusions(config) if layout.fused else {}).items():
         group = [source.pop(n) for n in names]
-        out_sharding = None if mesh is None else fused_shardings[name]
-        stacked[name] = jax.jit(fuse, out_shardings=out_sharding)(*group)
+        placed = jax.jit(fuse) if mesh is None else jax.jit(fuse, out_shardings=fused_shardings[name])
+        stacked[name] = placed(*group)
         owned.add(name)
         if consume:
             _delete(group)

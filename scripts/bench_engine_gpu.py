@@ -40,11 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import copy_bandwidth  # noqa: E402  (one definition for both GPU scripts)
 from jaxpaged import hlo_stats  # noqa: E402
 from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
-from jaxpaged.model_runner import command_buffer_options  # noqa: E402
-from jaxpaged.models.llama import LlamaConfig, WeightLayout, init_params  # noqa: E402
+from jaxpaged.model_runner import command_buffer_options, paged_forward  # noqa: E402
+from jaxpaged.models.llama import LlamaConfig, init_params  # noqa: E402
 from jaxpaged.models.loader import LoadedModel  # noqa: E402
 from jaxpaged.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
+from jaxpaged.scheduler import ScheduledRequest  # noqa: E402
 from jaxpaged.tokenizer import GenerationConfig  # noqa: E402
 from jaxpaged.weight_layout import resolve_weight_layout, to_weight_layout  # noqa: E402
 
@@ -170,10 +171,11 @@ def profile(engine: LLMEngine, report: Report, num_seqs: int, timed, bandwidth: 
                unhidden_host_pct=100 * unhidden / wall, hlo=counts)
 
 
-def forward_ms(engine: LLMEngine, step, params, options: dict | None, iters: int) -> float:
-    """Device ms per batch-1 forward of `step` compiled with XLA `options` on `params` (back to back)."""
+def forward_ms(engine: LLMEngine, lowered, params, step, options: dict | None, iters: int) -> float:
+    """Device ms per call of the step `lowered` (at `step`'s shape) compiled with XLA `options`, run on
+    `params` back to back (the pool donated and handed back, as in `execute`)."""
     runner = engine.runner
-    program = runner.lower(step, params).compile(compiler_options=options)
+    program = lowered.compile(compiler_options=options)
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
@@ -182,6 +184,19 @@ def forward_ms(engine: LLMEngine, step, params, options: dict | None, iters: int
         jax.block_until_ready(logits)
         best = min(best, (time.perf_counter() - t0) / iters)
     return 1e3 * best
+
+
+def probe_step(engine: LLMEngine, context: int):
+    """A batch-1 decode at `context` tokens whose page table is all null page (touches no live page)."""
+    pages = (0,) * (context // engine.runner_config.page_size + 1)
+    return engine.runner.prepare([ScheduledRequest("probe", (1,), context, pages, True, SamplingParams(), context)])
+
+
+def plain_lowering(engine: LLMEngine, params, step):
+    """The step lowered by a jit without the runner's XLA options (XLA's defaults, command buffers included)."""
+    runner = engine.runner
+    return jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,)).lower(
+        runner.model_config, runner.config.attention, params, runner.kv, step)
 
 
 def stacked_copy(engine: LLMEngine):
@@ -193,27 +208,32 @@ def stacked_copy(engine: LLMEngine):
                                               for name in layers[0]})
 
 
-def forward_variants(engine: LLMEngine, report: Report, step, iters: int) -> None:
+def forward_variants(engine: LLMEngine, report: Report, context: int, iters: int) -> None:
     """The batch-1 forward under other command-buffer settings and as the stacked scan, each printed when done."""
-    default = forward_ms(engine, step, engine.runner.params, None, iters)
+    runner = engine.runner
+    step = probe_step(engine, context)
+    default = forward_ms(engine, runner.lower(step), runner.params, step, None, iters)
     report.row("b=1 forward", f"{default:.2f} ms", f"the runner's build (command_buffers="
-               f"{engine.runner_config.command_buffers}, layout {engine.runner.layout})",
+               f"{engine.runner_config.command_buffers}, layout {runner.layout})",
                variant="default", forward_ms=default)
-    variants = [("command buffers off", None, command_buffer_options("off")),
-                ("command buffers xla", None, command_buffer_options("xla")),
-                ("stacked scan", "stacked", None), ("stacked scan + dsf", "stacked", DSF)]
+    variants = [  # (name, layout, lowering, options)
+        ("command buffers off", None, plain_lowering, command_buffer_options("off")),
+        ("command buffers xla", None, plain_lowering, None),
+        ("stacked scan", "stacked", lambda e, p, s: e.runner.lower(s, p), None),
+        ("stacked scan + dsf", "stacked", lambda e, p, s: e.runner.lower(s, p),
+         {**runner.config.compiler_options(), **DSF})]
     stacked = None
-    for name, layout, options in variants:
+    for name, layout, lower, options in variants:
         try:
             if layout == "stacked" and stacked is None:
                 stacked = stacked_copy(engine)
-            params = stacked if layout == "stacked" else engine.runner.params
-            ms = forward_ms(engine, step, params, options, iters)
+            params = stacked if layout == "stacked" else runner.params
+            ms = forward_ms(engine, lower(engine, params, step), params, step, options, iters)
             report.row("b=1 forward", f"{ms:.2f} ms", f"{name} ({ms / default:.2f}x the runner's build)",
                        variant=name, forward_ms=ms)
         except Exception as e:  # pylint: disable=broad-except  (an XLA without the option; memory)
             report.row("b=1 forward", "failed", f"{name}: {type(e).__name__}: {str(e)[:160]}", variant=name)
-    if stacked is not None and stacked is not engine.runner.params:
+    if stacked is not None and stacked is not runner.params:
         for x in jax.tree.leaves(stacked["layers"]):
             x.delete()
 
@@ -279,10 +299,7 @@ def main(argv=None) -> int:
     report.row("warm-up, warm", f"{warm:.1f} s", f"{len(rc.buckets)} step shapes and the sampler from the "
                "persistent compilation cache", warm_warmup_s=warm)
     if not args.skip_variants:
-        pages = (0,) * (args.prompt_len // rc.page_size + 1)  # all null page: no live page is touched
-        from jaxpaged.scheduler import ScheduledRequest  # pylint: disable=import-outside-toplevel
-        entry = ScheduledRequest("probe", (1,), args.prompt_len, pages, True, SamplingParams(), args.prompt_len)
-        forward_variants(engine, report, engine.runner.prepare([entry]), 5 if args.smoke else 30)
+        forward_variants(engine, report, args.prompt_len, 5 if args.smoke else 30)
     return 0
 
 

@@ -117,7 +117,7 @@ def test_conversion_shapes_ownership_and_refusals(small_params):
     assert consumed["embed"] is copy["embed"]  # only layer weights change
 
 
-def test_engine_converts_before_sizing_and_leaves_a_callers_params_usable(tiny_checkpoints):
+def test_engine_runs_the_configured_layout_and_leaves_a_callers_params_usable(tiny_checkpoints):
     model = load_model(str(tiny_checkpoints["gqa4"]), dtype="float32")
     args = EngineArgs(model="unused", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_pages=32,
                       compilation_cache_dir=None, warmup=False, weight_layout="per_layer")
