@@ -27,7 +27,7 @@ LAYOUTS = {"stacked": STACKED, "stacked+fused": FUSED, "per_layer": PER_LAYER, "
 # Sizes chosen so no activation of a one-token step has a layer weight's element count.
 SMALL = LlamaConfig(vocab_size=200, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-CONFIG = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, page_size=16, num_pages=32,
+CONFIG = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=16, num_pages=32,
                       attention_backend="xla", min_token_bucket=1)
 
 
@@ -155,7 +155,6 @@ def test_compiled_cpu_step_reads_per_layer_weights_in_place(small_params, name):
     copies = hlo_stats.weight_copies(text, layer_weight_sizes(SMALL))
     if layout.per_layer:
         assert copies == [], "\n".join(copies[:5])
-        assert hlo_stats.op_counts(text)["while"] == 0
     else:
         assert copies and any("dynamic-slice" in line or "fusion" in line for line in copies)
 
@@ -198,7 +197,7 @@ def test_command_buffer_options_are_gpu_only_and_accepted_by_xla(small_params):
         "xla_gpu_enable_command_buffer": ""}
     assert command_buffer_options("auto") == command_buffer_options("full")
     runner = ModelRunner(SMALL, small_params, runner_config(PER_LAYER_FUSED))
-    step = runner.prepare([entry("a", [11], 40, [3])])
+    step = runner.prepare([entry("a", [11], 40, [3, 7, 9])])
     for choice in GPU_COMMAND_BUFFERS:
         runner.lower(step).compile(compiler_options=command_buffer_options(choice))
     with pytest.raises(ValueError, match="command_buffers"):

@@ -257,7 +257,7 @@ def decoder_layer(config: LlamaConfig, p: Params, h: jax.Array, cos: jax.Array, 
         q, k = norm(config, q, p["q_norm"]), norm(config, k, p["k_norm"])
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, aux = attend(q, k, v)
-    a = jnp.einsum("...thd,hde->...te", o.astype(h.dtype), p["wo"])
+    a = project_out(o.astype(h.dtype), p["wo"])
     if config.sandwich_norms:
         a = norm(config, a, p["post_attn_norm"])
     h = h + a
@@ -276,6 +276,14 @@ def project_qkv(config: LlamaConfig, p: Params, x: jax.Array) -> tuple[jax.Array
     qkv = jnp.einsum("...te,ekgd->...tkgd", x, p["wqkv"])  # [..., T, K, G + 2, D]
     q = qkv[..., :g, :].reshape(*qkv.shape[:-3], config.num_attention_heads, config.head_dim)  # h = k * G + g
     return q, qkv[..., g, :], qkv[..., g + 1, :]
+
+
+def project_out(o: jax.Array, wo: jax.Array) -> jax.Array:
+    """o [..., T, H, D] @ wo [H, D, E] -> [..., T, E], as one [T, H*D] x [H*D, E] matmul: the 2-D operands pin
+    the layouts, so XLA reshapes the (small) attention output, never the weight (XLA:CPU transposed wo
+    into a copy every step when handed the 3-D contraction)."""
+    hd = wo.shape[0] * wo.shape[1]
+    return jnp.einsum("...tn,ne->...te", o.reshape(*o.shape[:-2], hd), wo.reshape(hd, wo.shape[-1]))
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float,
