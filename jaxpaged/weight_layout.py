@@ -11,8 +11,9 @@ Checkpoints load stacked ({name: [L, ...]}) and unfused (wq, wk, wv, w_gate, w_u
   - fused projections: wqkv [E, K, G + 2, D] and w_gate_up [E, 2, F], one gemm each instead of three
     and two, on the same input.
 "auto" (RunnerConfig.weight_layout, EngineArgs.weight_layout) picks per-layer on GPU and the stacked
-scan on CPU (docs/benchmarks.md, "GPU step (issue 15)": the CPU step gained nothing measurable from
-per-layer weights and compiled several times slower).
+scan on CPU: there a per-layer step ran 1.2-1.5x faster (median, loaded machine) but compiled 4-7x slower
+(15-19 s against 2-3 s a step shape for SmolLM2), which a cold start pays for each of its ~22 shapes
+(docs/benchmarks.md, "GPU step (issue 15)"). Fusing was neutral on CPU and is on everywhere.
 """
 
 from __future__ import annotations
