@@ -73,7 +73,7 @@ def test_partition_specs_mirror_param_shapes():
         for name, axis in SHARDED_AXIS.items():
             spec = specs.get(name) or specs["layers"].get(name)
             if spec is None:
-                assert tied and name == "lm_head"
+                assert (tied and name == "lm_head") or name in ("wqkv", "w_gate_up")  # fused: not this layout
                 continue
             assert spec[axis] == parallel.TP and sum(a == parallel.TP for a in spec) == 1, (name, spec)
 
@@ -84,8 +84,7 @@ def test_partition_specs_of_every_weight_layout():
     config = small_config()
     for layout in (WeightLayout(fused=True), WeightLayout(per_layer=True), WeightLayout(True, True)):
         specs = parallel.param_partition_specs(config, 2, layout)
-        params = jax.eval_shape(lambda c=config, lay=layout: to_weight_layout(c, init_params(c, jax.random.PRNGKey(0)),
-                                                                              lay))
+        params = to_weight_layout(config, init_params(config, jax.random.PRNGKey(0)), layout)
         assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(params)
         layer = specs["layers"][0] if layout.per_layer else specs["layers"]
         lead = () if layout.per_layer else (None,)
