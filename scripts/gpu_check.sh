@@ -162,16 +162,16 @@ PYEOF
   # Issue 15's engine profile first: its targets are what a GPU session is for.
   if [ $ENGINE -eq 1 ]; then
     : >"$DIR/engine.jsonl"
-    section "engine end to end" 250 "$PY" scripts/bench_engine_gpu.py \
+    section "engine end to end" 240 "$PY" scripts/bench_engine_gpu.py \
       "${SMOKE[@]}" --json "$DIR/engine.jsonl" || status=1
   fi
-  section "layer scan probe" 45 "$PY" scripts/bench_layer_scan.py "${SMOKE[@]}" \
+  section "layer scan probe" 40 "$PY" scripts/bench_layer_scan.py "${SMOKE[@]}" \
     --tokens 1 --hlo "$DIR/layer_scan_hlo.txt" || status=1
 
   local xdist=()
   "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
   # Several test processes share the GPU: no process takes 75% of it up front.
-  XLA_PYTHON_CLIENT_PREALLOCATE=false section "kernel tests ($MODE)" 100 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false section "kernel tests ($MODE)" 130 \
     "$PY" -m pytest tests/pallas_kernels -q -p no:cacheprovider \
     --kernel-mode=$MODE "${xdist[@]}" -rfEs --tb=short --durations=8 \
     || status=1
@@ -179,7 +179,7 @@ PYEOF
   XLA_PYTHON_CLIENT_PREALLOCATE=false section "kernel tests 8B ($MODE)" 45 \
     "$PY" -m pytest tests/pallas_kernels -q -p no:cacheprovider -m slow -k llama3_8b \
     --kernel-mode=$MODE -rfEs --tb=short --durations=4 || status=1
-  section "kernel benchmarks" 90 "$PY" scripts/bench_kernels.py "${SMOKE[@]}" \
+  section "kernel benchmarks" 75 "$PY" scripts/bench_kernels.py "${SMOKE[@]}" \
     --json "$DIR/bench_kernels.jsonl" || status=1
 
   # The sweep takes what is left; stopped at its limit, it still writes the rows it timed.
