@@ -246,6 +246,8 @@ class LLMEngine:
                             command_buffers=args.command_buffers,
                             # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes
                             min_token_bucket=16 if on_gpu else 1,
+                            # and one request alone gets S = 1: its LM head is one row, not 4 (3 of them padding)
+                            min_seq_bucket=4 if on_gpu else 1,
                             max_num_partial_prefills=min(args.max_num_partial_prefills or (16 if on_gpu else 4),
                                                          max_num_seqs))
 

@@ -41,7 +41,7 @@ from jaxpaged import parallel, sampler
 from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
 
 from jaxpaged.models.llama import (LlamaConfig, Params, WeightLayout, cos_sin, decoder_layer, embed_tokens,
-                                   layer_constants, lm_logits)
+                                   layer_constants, lm_logits, untie_lm_head)
 from jaxpaged.sampler import RowInfo, SamplerOutput, make_sampling_batch, num_top_logprobs_for, sample_jit
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import ScheduledRequest, SchedulerOutput
@@ -270,6 +270,8 @@ class RunnerConfig:
       page_buckets   P: one width, max_pages_per_seq (Pallas and blocked XLA loop over live pages only);
                         the reference backend gathers whole rows: min_page_bucket, x2, ... up to that width
       decode_seq_buckets: S buckets that are no T bucket also serve as T (T = S: a decode-only call)
+    An S bucket of 1 (min_seq_bucket=1, CPU: one request's LM head on one row) serves only T = 1, one
+    decode; one sequence fed more tokens takes the next S bucket, so S = 1 adds no shape ((1, 1) replaces (1, 4)).
     `buckets` lists every (T, S, P) shape compiled at warm-up; `bucket_for(tokens, seqs, pages)` picks
     the smallest that fits (always one of `buckets`).
     """
@@ -373,13 +375,16 @@ class RunnerConfig:
         also pair with T = s.
         """
         lower = dict(zip(self.seq_buckets, (0,) + self.seq_buckets[:-1]))
-        shapes = [(t, s) for t in self.token_buckets for s in self.seq_buckets if lower[s] < t]
+        shapes = [(t, s) for t in self.token_buckets for s in self.seq_buckets
+                  if lower[s] < t and (s > 1 or t == 1 or len(self.seq_buckets) == 1)]
         shapes += [(s, s) for s in self.decode_seq_buckets]
         return tuple((t, s, p) for t, s in sorted(shapes) for p in self.page_buckets)
 
     def bucket_for(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
         t = next(b for b in self.token_buckets if b >= num_tokens)
         s = next(b for b in self.seq_buckets if b >= num_seqs)
+        if s == 1 and t > 1 and len(self.seq_buckets) > 1:  # S = 1 serves one decode only (see buckets)
+            s = self.seq_buckets[1]
         p = next(b for b in self.page_buckets if b >= num_pages)
         if num_tokens <= s < t:  # s is then a decode S bucket
             t = s
@@ -493,7 +498,8 @@ class ModelRunner:
         self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (T, S, P) -> step; warmup()
         options = config.compiler_options()
         if mesh is None:
-            self.params = params
+            # XLA:CPU: a tied LM head runs as its own [E, V] copy (llama.untie_lm_head)
+            self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
             self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,), compiler_options=options)
             return
         shardings = parallel.param_shardings(model_config, mesh, self.layout)

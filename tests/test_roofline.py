@@ -1,0 +1,53 @@
+"""scripts/roofline.py (bandwidth probe, weight bytes) and compare_servers.py's --roofline footer."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def roofline():
+    return _script("roofline")
+
+
+def test_weight_bytes_count_every_smollm2_param_once(roofline, smollm2_path):
+    """SmolLM2-135M has 134,515,008 params (its tied embedding once): 4 bytes each in float32, 2 in bfloat16."""
+    assert roofline.weight_bytes(str(smollm2_path), "float32") == 4 * 134_515_008
+    assert roofline.weight_bytes(str(smollm2_path), "bfloat16") == 2 * 134_515_008
+
+
+def test_read_bandwidth_probes(roofline):
+    bw = roofline.read_bandwidth(probe_mib=8, rounds=2, threads=2)
+    assert set(bw) == {"numpy sum, 1 thread", "numpy sum, 2 threads", "numpy matvec", "jax matvec", "jax sum",
+                       "best"}
+    assert all(v > 0 for v in bw.values()) and bw["best"] == max(v for k, v in bw.items() if k != "best")
+
+
+def test_compare_servers_prints_the_batch1_share_of_the_roofline():
+    compare = _script("compare_servers")
+    roof = {"bandwidth": {"numpy sum, 1 thread": 8e9, "best": 10e9}, "weight_bytes": 500_000_000, "dtype": "float32",
+            "tok_s": 20.0, "loadavg": [1.0, 1.0, 1.0]}
+    run = {"max_concurrency": 1, "sampling": "greedy", "median_tpot_ms": 62.5, "completed": 4, "failed": 0,
+           "output_throughput": 15.0, "peak_output_throughput": 16.0, "median_ttft_ms": 100.0,
+           "mean_output_tokens_per_request": 128.0, "output_token_mismatches": 0}
+    busy = dict(run, max_concurrency=32, median_tpot_ms=10.0)
+    results = [compare.PeerResult("jaxpaged", runs=[run, busy]), compare.PeerResult("llamacpp", status="failed: x")]
+    table = compare.format_table(results, roof)
+    assert "500 MB of float32 weights per token at 10.0 GB/s" in table and "**20.0 tok/s**" in table
+    assert "| jaxpaged | greedy | 16.0 | 80% |" in table  # 1000 / 62.5 ms = 16 tok/s = 80% of 20
+    assert table.count("% |") == 1  # concurrency 32 and the failed peer have no roofline row
+    assert "roofline" not in compare.format_table(results)
