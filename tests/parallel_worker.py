@@ -5,11 +5,12 @@ subprocesses with XLA_FLAGS=--xla_force_host_platform_device_count=N (or under
 jax.distributed); each mode prints one JSON line, prefixed RESULT=, on stdout.
 
 Modes:
-  serve       {model, tps, prompts, max_tokens, checkpoint?, save_to?, attention_backend?}  per tp: greedy tokens,
+  serve       {model, tps, prompts, max_tokens, checkpoint?, save_to?, attention_backend?, engine_args?}
+              per tp: greedy tokens,
               the logits of a 30-token prefill, the params' shardings and per-device bytes;
               checkpoint: `model` is a jaxpaged checkpoint, restored into each tp's shardings;
               save_to: save the last tp's sharded params there as a jaxpaged checkpoint;
-              attention_backend: reference (default), xla or pallas
+              attention_backend: reference (default), xla or pallas; engine_args: more EngineArgs fields
   error       {model, tp}                                     the ValueError message LLMEngine raises
   multihost   {model, tp, prompts, max_tokens, coordinator, num_processes, process_id}
               process 0: greedy tokens; others: how many steps they followed
@@ -70,7 +71,8 @@ def serve(args: dict) -> dict:
     loaded = None if args.get("checkpoint") else load(args["model"])
     for tp in args["tps"]:
         engine_args = EngineArgs(model=args["model"], dtype="float32", tensor_parallel_size=tp,
-                                 **{**ENGINE, "attention_backend": args.get("attention_backend", "reference")})
+                                 **{**ENGINE, "attention_backend": args.get("attention_backend", "reference"),
+                                    **args.get("engine_args", {})})
         engine = LLMEngine(engine_args, loaded=loaded)  # a checkpoint restores into tp's shardings
         results[str(tp)] = {
             "tokens": greedy_tokens(engine, args["prompts"], args["max_tokens"]),
