@@ -45,8 +45,9 @@ import numpy as np
 from jaxpaged import parallel
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import InvalidRequestError
-from jaxpaged.model_runner import (FaultInjector, ModelRunner, ModelRunnerOutput, PendingStep, PromptLogprobs,
-                                   RunnerConfig, check_kv_cache_dtype, kv_bytes_per_page, resolve_kv_cache_dtype)
+from jaxpaged.model_runner import (GPU_COMMAND_BUFFERS, FaultInjector, ModelRunner, ModelRunnerOutput,
+                                   PendingStep, PromptLogprobs, RunnerConfig, check_kv_cache_dtype, kv_bytes_per_page,
+                                   resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -57,6 +58,7 @@ from jaxpaged.spec_decode import NgramProposer, SpecDecodingStats, SpeculativeCo
 from jaxpaged.structured_outputs import GrammarMatcher, StructuredOutputManager
 from jaxpaged.structured_outputs import available as structured_outputs_available  # noqa: I001
 from jaxpaged.validation import validate_request
+from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None  # default: the model's context length (capped at 2048 on CPU)
     max_num_seqs: int | None = None  # default: 256 on GPU, 64 on CPU
-    max_num_batched_tokens: int | None = None  # default: 2048 on GPU, 512 on CPU
+    max_num_batched_tokens: int | None = None  # default: 8192 on GPU (vLLM's serving budget), 512 on CPU
     # requests fed a prefill chunk in one step; default 16 on GPU, 4 on CPU (bounds attention's prefill tiles)
     max_num_partial_prefills: int | None = None
     block_size: int = 16
@@ -90,6 +92,12 @@ class EngineArgs:
     num_pages: int | None = None  # KV pool size in pages (incl. the null page); overrides the above
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"  # the KV pool's dtype (see model_runner.resolve_kv_cache_dtype)
+    # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays on GPU, read in place;
+    # the stacked scan on CPU), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up one gemm each
+    weight_layout: str = "auto"
+    fuse_projections: bool = True
+    # XLA:GPU command buffers (CUDA graphs) over the step: "auto", "xla", "off" or "full" (model_runner)
+    command_buffers: str = "auto"
     tensor_parallel_size: int = 1  # devices in the "tp" mesh (see jaxpaged/parallel.py)
     distributed_coordinator: str | None = None  # multi-host: "host:port" of process 0
     num_processes: int = 1  # multi-host: processes in jax.distributed
@@ -131,6 +139,10 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
         check_kv_cache_dtype(self.kv_cache_dtype)  # before the model loads
+        check_weight_layout(self.weight_layout)
+        if self.command_buffers not in ("auto", *GPU_COMMAND_BUFFERS):
+            raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
+                             f"{('auto', *GPU_COMMAND_BUFFERS)}")
         if not isinstance(self.compilation_cache_min_compile_secs, (int, float)) or \
                 not 0 <= self.compilation_cache_min_compile_secs < math.inf:
             raise ValueError(f"compilation_cache_min_compile_secs={self.compilation_cache_min_compile_secs!r} "
@@ -205,6 +217,11 @@ class LLMEngine:
                                           generation_config=args.generation_config, mesh=self.mesh,
                                           cache_dir=args.model_cache_dir)
         self.tokenizer = self.model.tokenizer
+        # The step's weight layout, before the KV pool is sized from free memory: weights this engine
+        # loaded are converted in place (one group of tensors at a time); a caller's `loaded` is left usable.
+        layout = resolve_weight_layout(args.weight_layout, args.fuse_projections, jax.default_backend())
+        self.model = dataclasses.replace(self.model, params=to_weight_layout(
+            self.model.config, self.model.params, layout, self.mesh, consume=loaded is None))
         phases = {"load": time.perf_counter() - start}  # seconds per start-up phase, for the ready line
         self.runner_config = self._runner_config()
         # async scheduling runs on one process (followers take each step's tokens from the host)
@@ -271,7 +288,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length "
                              f"{config.max_position_embeddings}")
         max_num_seqs = args.max_num_seqs or (256 if on_gpu else 64)
-        max_tokens = args.max_num_batched_tokens or max(2048 if on_gpu else 512, max_num_seqs)
+        max_tokens = args.max_num_batched_tokens or max(8192 if on_gpu else 512, max_num_seqs)
         num_pages = args.num_pages or self._pages_from_memory(on_gpu)
         needed = math.ceil(max_model_len / args.block_size) + 1
         if num_pages < needed:
@@ -281,6 +298,8 @@ class LLMEngine:
         return RunnerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                             max_model_len=max_model_len, page_size=args.block_size, num_pages=num_pages,
                             attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+                            weight_layout=args.weight_layout, fuse_projections=args.fuse_projections,
+                            command_buffers=args.command_buffers,
                             # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes
                             min_token_bucket=16 if on_gpu else 1,
                             # and one request alone gets S = 1: its LM head is one row, not 4 (3 of them padding)

@@ -31,10 +31,12 @@ logits come back replicated.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -44,8 +46,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpaged import parallel, sampler
+from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
 
-from jaxpaged.models.llama import (LlamaConfig, Params, cos_sin, decoder_layer, embed_tokens,
+from jaxpaged.models.llama import (LlamaConfig, Params, WeightLayout, cos_sin, decoder_layer, embed_tokens,
                                    layer_constants, lm_logits, untie_lm_head)
 from jaxpaged.sampler import (RowInfo, SamplerOutput, make_sampling_batch, num_top_logprobs_for, sample_deferred,
                               sample_jit)
@@ -55,6 +58,7 @@ from pallas_kernels import ragged_paged_attention, write_kv_inner
 
 logger = logging.getLogger(__name__)
 
+_MAX_COMPILE_THREADS = 8  # warm-up compiles step shapes in parallel on up to this many threads (half the cores)
 _WARMUP_BARRIER_SECONDS = 1800.0  # multi-host: how long a process waits for the others to finish warming up
 ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -122,6 +126,38 @@ def cpu_compiler_options(platform: str | None = None) -> dict[str, str]:
         logger.warning("XLA:CPU does not take %s (%s); compiling with its defaults", CPU_COMPILER_OPTIONS, err)
         return {}
     return dict(CPU_COMPILER_OPTIONS)
+
+
+# XLA:GPU command buffers (CUDA graphs): the kinds of work XLA records into graphs that replay with one
+# launch (`xla_gpu_enable_command_buffer`). "xla": XLA's own default set; "off": every kernel launched one
+# by one (the baseline that shows the launch overhead); "full": also while loops and conditionals, so a
+# step's layer loop and attention's branches sit inside graphs too. RunnerConfig.command_buffers picks one;
+# scripts/bench_engine_gpu.py times the batch-1 forward under each.
+GPU_COMMAND_BUFFERS: dict[str, str | None] = {
+    "xla": None, "off": "", "full": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+DEFAULT_GPU_COMMAND_BUFFERS = "full"  # "auto"; unmeasured on a GPU so far (docs/benchmarks.md, issue 15)
+
+
+def command_buffer_options(command_buffers: str) -> dict[str, str]:
+    """The XLA:GPU option of a GPU_COMMAND_BUFFERS choice ("auto": DEFAULT_GPU_COMMAND_BUFFERS)."""
+    value = GPU_COMMAND_BUFFERS[DEFAULT_GPU_COMMAND_BUFFERS if command_buffers == "auto" else command_buffers]
+    return {} if value is None else {"xla_gpu_enable_command_buffer": value}
+
+
+@functools.cache
+def gpu_compiler_options(command_buffers: str = "auto", platform: str | None = None) -> dict[str, str]:
+    """XLA options the runner compiles its step with on GPU: the command-buffer choice, checked once on a
+    tiny program (an XLA that refuses it gets its defaults, with a warning); none on other platforms."""
+    if (platform or jax.default_backend()) != "gpu":
+        return {}
+    options = command_buffer_options(command_buffers)
+    try:
+        x = np.ones((2, 2), np.float32)
+        jax.jit(lambda a: a @ a, compiler_options=options).lower(x).compile()
+    except Exception as err:  # an XLA that does not know the option or the value
+        logger.warning("XLA:GPU does not take %s (%s); compiling with its defaults", options, err)
+        return {}
+    return options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,6 +463,12 @@ class RunnerConfig:
     max_num_partial_prefills: int | None = None
     # Speculative decoding: drafts verified per request and step (SpeculativeConfig's k); 0: off
     num_speculative_tokens: int = 0
+    # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays on GPU, the stacked scan
+    # on CPU), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up as one gemm each.
+    weight_layout: str = "auto"
+    fuse_projections: bool = True
+    # XLA:GPU command buffers over the step: "auto" or a GPU_COMMAND_BUFFERS key (ignored off GPU)
+    command_buffers: str = "auto"
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -441,6 +483,10 @@ class RunnerConfig:
             raise ValueError(f"max_num_partial_prefills={self.max_num_partial_prefills} must be >= 1 or None")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 0")
+        check_weight_layout(self.weight_layout)
+        if self.command_buffers not in ("auto", *GPU_COMMAND_BUFFERS):
+            raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
+                             f"{('auto', *GPU_COMMAND_BUFFERS)}")
 
     @property
     def backend(self) -> str:
@@ -451,6 +497,14 @@ class RunnerConfig:
     def kv_dtype(self, model_dtype) -> np.dtype:
         """The pool's dtype for a model of `model_dtype` on the default backend."""
         return resolve_kv_cache_dtype(self.kv_cache_dtype, model_dtype, jax.default_backend())
+
+    def layout(self, platform: str | None = None) -> WeightLayout:
+        """The step's weight layout on `platform` (default: JAX's default backend)."""
+        return resolve_weight_layout(self.weight_layout, self.fuse_projections, platform or jax.default_backend())
+
+    def compiler_options(self, platform: str | None = None) -> dict[str, str]:
+        """XLA options of the step: XLA:CPU dot fusions on CPU, command buffers on GPU."""
+        return {**cpu_compiler_options(platform), **gpu_compiler_options(self.command_buffers, platform)}
 
     @property
     def attention(self) -> AttentionConfig:
@@ -550,8 +604,8 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
 
     params["layers"] is either stacked ({name: [L, ...]}, scanned: one layer compiled) or a list of L
     per-layer dicts (a Python loop: L layers compiled, but no weight is sliced out of a stack, which
-    XLA:GPU may copy before each gemm; docs/benchmarks.md). With a mesh, attention runs per
-    tensor-parallel shard (local heads, local pool slice).
+    XLA:GPU may copy before each gemm), with fused projections or not (jaxpaged/weight_layout.py). With a
+    mesh, attention runs per tensor-parallel shard (local heads, local pool slice).
     """
     attend_paged = functools.partial(_attend_paged, sm_scale=config.attn_scale, attention=attention)
     if mesh is not None:
@@ -625,26 +679,25 @@ class ModelRunner:
         self.mesh = mesh
         if mesh is not None:
             parallel.check_tensor_parallel(model_config, mesh.shape[parallel.TP])
-            if isinstance(params["layers"], Sequence):
-                raise ValueError("per-layer weights (a list of layers, see llama.unstack_layers) run on one "
-                                 "device; a tensor-parallel mesh takes the stacked layout")
+        # params in the checkpoint layout are converted here (the engine converts before sizing the pool)
+        self.layout = config.layout()
+        params = to_weight_layout(model_config, params, self.layout, mesh)
         self.dtype = params["embed"].dtype
         self.kv_dtype = config.kv_dtype(self.dtype)
         self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.kv_dtype, mesh)
         self._followers_released = False
         self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (T, S, P) -> step; warmup()
+        options = config.compiler_options()
         if mesh is None:
             # XLA:CPU: a tied LM head runs as its own [E, V] copy (llama.untie_lm_head)
             self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
-            self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,),
-                                 compiler_options=cpu_compiler_options())
+            self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,), compiler_options=options)
             return
-        shardings = parallel.param_shardings(model_config, mesh)
+        shardings = parallel.param_shardings(model_config, mesh, self.layout)
         self.params = parallel.shard_params(params, shardings)
         pool = parallel.kv_pool_sharding(mesh)
         rep = parallel.replicated(mesh)
-        self._step = jax.jit(paged_forward, static_argnums=(0, 1, 5), donate_argnums=(3,),
-                             compiler_options=cpu_compiler_options(),
+        self._step = jax.jit(paged_forward, static_argnums=(0, 1, 5), donate_argnums=(3,), compiler_options=options,
                              in_shardings=(shardings, KVPool(pool, pool), rep),
                              out_shardings=(rep, rep, KVPool(pool, pool)))
 
@@ -832,18 +885,31 @@ class ModelRunner:
             self._followers_released = True
             parallel.broadcast_step(None, empty_step)
 
-    def lower(self, step: StepInput, params: Params | None = None) -> jax.stages.Lowered:
+    def lower(self, step: StepInput, params: Params | None = None,
+              platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         """The jitted step lowered at `step`'s shapes (and `params`' layout, by default the runner's),
         to read its HLO or compile it with XLA options (`.compile(compiler_options={...})`). The
-        compiled program takes (params, kv, step), donates kv and returns (logits, hidden, kv)."""
+        compiled program takes (params, kv, step), donates kv and returns (logits, hidden, kv).
+        platforms: lower for those instead of this machine's (e.g. ("cuda",) on a CPU: StableHLO only)."""
         args = (self.model_config, self.config.attention, self.params if params is None else params,
-                self.kv, step)
-        return self._step.lower(*args) if self.mesh is None else self._step.lower(*args, self.mesh)
+                self.kv, step) + (() if self.mesh is None else (self.mesh,))
+        if platforms is None:
+            return self._step.lower(*args)
+        return self._step.trace(*args).lower(lowering_platforms=platforms)
+
+    def compiled_program(self, step: StepInput) -> jax.stages.Compiled | None:
+        """The program `warmup` compiled for `step`'s (T, S, P) shape (None before warm-up): to read its HLO
+        or to call it as `execute` does, (params, kv, step) -> (logits, hidden, kv), kv donated."""
+        return self._compiled.get((len(step.token_ids), *step.page_table.shape))
+
+    def forget_compiled(self) -> None:
+        """Drop the warm programs (a later `warmup` compiles or loads them again)."""
+        self._compiled.clear()
 
     def _run(self, step: StepInput) -> tuple[jax.Array, jax.Array]:
         """(logits, hidden) from the step's program compiled by `warmup` (else the jitted step, compiling
         on first use)."""
-        compiled = self._compiled.get((len(step.token_ids), *step.page_table.shape))
+        compiled = self.compiled_program(step)
         if self.mesh is None:
             if compiled is not None:
                 logits, hidden, self.kv = compiled(self.params, self.kv, step)
@@ -865,16 +931,22 @@ class ModelRunner:
         """Compile every (T, S, P) bucket and the sampler ahead of time, so serving never compiles.
 
         Returns the seconds spent: {"compile": step shapes, "sampler": sampler and prompt-logprob shapes}.
-        Nothing runs: each shape is lowered and compiled (a persistent-cache hit loads the
-        program instead), and `_run` calls the compiled programs. Logs each shape as it
-        starts, so a cold start shows its progress. Every process compiles the same shapes.
+        Nothing runs: each shape is lowered here and compiled on a pool of threads (XLA compiles
+        outside the GIL; a persistent-cache hit loads the program instead), and `_run` calls the
+        compiled programs. Logs each shape as it is handed to the pool, so a cold start shows its
+        progress. Every process compiles the same shapes.
         """
         start, buckets = time.perf_counter(), self.config.buckets
-        for i, (t, s, p) in enumerate(buckets, 1):
-            logger.info("compiling step shape %d/%d: (T, S, P) = (%d, %d, %d)", i, len(buckets), t, s, p)
-            self._compiled[(t, s, p)] = self.lower(empty_step(t, s, p)).compile()
+        workers = max(1, min(len(buckets), (os.cpu_count() or 1) // 2, _MAX_COMPILE_THREADS))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxpaged-compile") as pool:
+            futures = {}
+            for i, (t, s, p) in enumerate(buckets, 1):
+                logger.info("compiling step shape %d/%d: (T, S, P) = (%d, %d, %d)", i, len(buckets), t, s, p)
+                futures[pool.submit(self.lower(empty_step(t, s, p)).compile)] = (t, s, p)
+            for future in concurrent.futures.as_completed(futures):
+                self._compiled[futures[future]] = future.result()
         seconds = time.perf_counter() - start
-        logger.info("compiled %d step shapes (T, S, P) in %.1f s", len(buckets), seconds)
+        logger.info("compiled %d step shapes (T, S, P) in %.1f s on %d threads", len(buckets), seconds, workers)
         start = time.perf_counter()
         self.warmup_sampler()
         if self.mesh is None:  # prompt log-probs are computed on one device only (the engine refuses them on a mesh)

@@ -11,6 +11,8 @@ Sharding rule (N = tensor_parallel_size; shapes as in jaxpaged/models/llama.py):
     wo [L, H, D, E]                       head axis (input rows)
     bq [L, H, D], bk/bv [L, K, D]         head axis (Qwen2's biases)
     w_gate/w_up [L, E, F]                 F (output columns)
+    wqkv [L, E, K, G+2, D] (fused)        K: each device its kv heads with their query heads
+    w_gate_up [L, E, 2, F] (fused)        F
     w_down [L, F, E]                      F (input rows)
     embed [V, E], lm_head [E, V]          V, when V % N == 0; else replicated
     norms (incl. q/k and sandwich norms)  replicated
@@ -18,6 +20,7 @@ Sharding rule (N = tensor_parallel_size; shapes as in jaxpaged/models/llama.py):
 N must divide num_key_value_heads, num_attention_heads and intermediate_size
 (a ValueError names the numbers otherwise); query head h uses kv head
 h // (H/K), so contiguous head shards keep every GQA group on one device.
+Per-layer weights (WeightLayout.per_layer) take the same specs without the leading L axis.
 
 Multi-host: every process runs the same jitted step on its own devices of a
 global mesh. Process 0 owns the scheduler; before each step it broadcasts a
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpaged.models.llama import LlamaConfig, Params, param_shapes
+from jaxpaged.models.llama import LlamaConfig, Params, WeightLayout, param_shapes
 
 TP = "tp"
 POOL_SPEC = P(None, TP, None, None, None)  # [L, K, N, page_size, D], sharded on K
@@ -87,8 +90,8 @@ def vocab_sharded(config: LlamaConfig, tp: int) -> bool:
 # ----------------------------------------------------------------------------- shardings
 
 
-def param_partition_specs(config: LlamaConfig, tp: int) -> Params:
-    """PartitionSpecs of the params pytree, mirroring `param_shapes` (see the module docstring)."""
+def param_partition_specs(config: LlamaConfig, tp: int, layout: WeightLayout = WeightLayout()) -> Params:
+    """PartitionSpecs of the params pytree in `layout`, mirroring `param_shapes` (module docstring)."""
     v = TP if vocab_sharded(config, tp) else None
     specs: Params = {
         "embed": P(v, None),
@@ -98,21 +101,25 @@ def param_partition_specs(config: LlamaConfig, tp: int) -> Params:
             "wo": P(None, TP, None, None),
             "w_gate": P(None, None, TP), "w_up": P(None, None, TP), "w_down": P(None, TP, None),
             "bq": P(None, TP, None), "bk": P(None, TP, None), "bv": P(None, TP, None),  # [L, H|K, D]
+            "wqkv": P(None, None, TP, None, None), "w_gate_up": P(None, None, None, TP),
         },
         "final_norm": P(),
     }
     # Only the layer params this family has; the ones not named above (q/k/post norms) are replicated.
-    specs["layers"] = {key: specs["layers"].get(key, P()) for key in param_shapes(config)["layers"]}
+    specs["layers"] = {key: specs["layers"].get(key, P()) for key in param_shapes(config, layout.fused)["layers"]}
+    if layout.per_layer:
+        one = {key: P(*spec[1:]) for key, spec in specs["layers"].items()}
+        specs["layers"] = [dict(one) for _ in range(config.num_hidden_layers)]
     if not config.tie_word_embeddings:
         specs["lm_head"] = P(None, v)
     return specs
 
 
-def param_shardings(config: LlamaConfig, mesh: Mesh) -> Params:
-    """NamedShardings of the params pytree on `mesh` (validated for its size)."""
+def param_shardings(config: LlamaConfig, mesh: Mesh, layout: WeightLayout = WeightLayout()) -> Params:
+    """NamedShardings of the params pytree in `layout` on `mesh` (validated for its size)."""
     tp = mesh.shape[TP]
     check_tensor_parallel(config, tp)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_partition_specs(config, tp),
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_partition_specs(config, tp, layout),
                         is_leaf=lambda x: isinstance(x, P))
 
 

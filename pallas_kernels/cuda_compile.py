@@ -108,6 +108,12 @@ def _int_attr(cfg: str, key: str) -> int:
   return int(m.group(1))
 
 
+def gpu_target(device=H200):
+  """Context under which lowering for CUDA needs no GPU on this host (e.g. a
+  whole engine step: `ModelRunner.lower(step, platforms=("cuda",))`)."""
+  return _gpu_target(device)
+
+
 def _gpu_target(device):
   """Context under which lowering for CUDA needs no GPU on this host."""
   if jax.__version_info__ < (0, 11):    # falls back to sm_90 by itself

@@ -295,6 +295,17 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m("spec-drafts-always-accepted", "engine: speculative decoding", "jaxpaged/model_runner.py",
        "return jnp.sum(jnp.cumprod(match, axis=1), axis=1)", "return jnp.sum(jnp.ones_like(match), axis=1)",
        SPEC + "test_sampling_distribution_is_the_models"),
+    _m("fused-qkv-k-v-swapped", "engine: weight layout", "jaxpaged/models/llama.py",
+       "return jnp.concatenate([q, wk[..., None, :], wv[..., None, :]], axis=-2)",
+       "return jnp.concatenate([q, wv[..., None, :], wk[..., None, :]], axis=-2)",
+       "tests/test_weight_layout.py::test_every_layout_gives_the_same_logits_and_pool"),
+    _m("layout-converted-from-any", "engine: weight layout", "jaxpaged/weight_layout.py",
+       "    if current != WeightLayout():\n", "    if False:\n",
+       "tests/test_weight_layout.py::test_conversion_shapes_ownership_and_refusals"),
+    _m("gpu-keeps-the-scan", "engine: weight layout", "jaxpaged/weight_layout.py",
+       'PER_LAYER_PLATFORMS = ("gpu", "cuda", "rocm")', "PER_LAYER_PLATFORMS = ()",
+       "tests/test_weight_layout.py::test_resolve_weight_layout",
+       "tests/test_weight_layout.py::test_cuda_lowering_of_the_gpu_default_has_no_weight_slices"),
 )
 
 

@@ -54,7 +54,7 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch "
                    "(default: 256 on GPU, 64 on CPU)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step "
-                   "(default: 2048 on GPU, 512 on CPU)")
+                   "(default: 8192 on GPU, 512 on CPU)")
     e.add_argument("--max-num-partial-prefills", type=int, default=None, help="most requests fed a prefill "
                    "chunk in one step (default: 16 on GPU, 4 on CPU)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of accelerator memory "
@@ -72,6 +72,13 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="KV cache dtype; auto: the model's, but float32 for a bfloat16 model on CPU "
                    "(XLA:CPU would convert the whole cache around every write)")
+    e.add_argument("--weight-layout", default="auto", choices=["auto", "stacked", "per_layer"],
+                   help="how the step holds the layer weights; auto: per-layer arrays on GPU (read in place, "
+                   "more to compile), the stacked scan on CPU")
+    e.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=True,
+                   help="q/k/v and gate/up projections as one matmul each")
+    e.add_argument("--command-buffers", default="auto", choices=["auto", "xla", "off", "full"],
+                   help="XLA:GPU command buffers (CUDA graphs) over the step (GPU only)")
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=EngineArgs.async_scheduling, help="keep one step in flight: schedule and dispatch the "
@@ -140,7 +147,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         max_num_partial_prefills=ns.max_num_partial_prefills, block_size=ns.block_size,
         enable_prefix_caching=ns.enable_prefix_caching, gpu_memory_utilization=ns.gpu_memory_utilization,
         kv_cache_memory=ns.kv_cache_memory, num_pages=ns.num_pages, attention_backend=ns.attention_backend,
-        kv_cache_dtype=ns.kv_cache_dtype,
+        kv_cache_dtype=ns.kv_cache_dtype, weight_layout=ns.weight_layout, fuse_projections=ns.fuse_projections,
+        command_buffers=ns.command_buffers,
         tensor_parallel_size=ns.tensor_parallel_size, chat_template=chat_template_arg(ns.chat_template),
         generation_config=ns.generation_config, distributed_coordinator=ns.distributed_coordinator,
         num_processes=ns.num_processes, process_id=ns.process_id, speculative_config=ns.speculative_config,

@@ -5,12 +5,14 @@ subprocesses with XLA_FLAGS=--xla_force_host_platform_device_count=N (or under
 jax.distributed); each mode prints one JSON line, prefixed RESULT=, on stdout.
 
 Modes:
-  serve       {model, tps, prompts, max_tokens, checkpoint?, save_to?, attention_backend?, async_scheduling?}
+  serve       {model, tps, prompts, max_tokens, checkpoint?, save_to?, attention_backend?, engine_args?,
+              async_scheduling?}
               per tp: greedy tokens,
               the logits of a 30-token prefill, the params' shardings and per-device bytes;
               checkpoint: `model` is a jaxpaged checkpoint, restored into each tp's shardings;
               save_to: save the last tp's sharded params there as a jaxpaged checkpoint;
-              attention_backend: reference (default), xla or pallas; async_scheduling: EngineArgs'
+              attention_backend: reference (default), xla or pallas; engine_args: more EngineArgs fields;
+              async_scheduling: EngineArgs'
   error       {model, tp}                                     the ValueError message LLMEngine raises
   multihost   {model, tp, prompts, max_tokens, coordinator, num_processes, process_id, async_scheduling?}
               process 0: greedy tokens; others: how many steps they followed; each: whether the engine
@@ -73,7 +75,8 @@ def serve(args: dict) -> dict:
     for tp in args["tps"]:
         engine_args = EngineArgs(model=args["model"], dtype="float32", tensor_parallel_size=tp,
                                  async_scheduling=args.get("async_scheduling", False),
-                                 **{**ENGINE, "attention_backend": args.get("attention_backend", "reference")})
+                                 **{**ENGINE, "attention_backend": args.get("attention_backend", "reference"),
+                                    **args.get("engine_args", {})})
         engine = LLMEngine(engine_args, loaded=loaded)  # a checkpoint restores into tp's shardings
         results[str(tp)] = {
             "tokens": greedy_tokens(engine, args["prompts"], args["max_tokens"]),

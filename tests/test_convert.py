@@ -71,7 +71,9 @@ def test_sharded_restore_at_other_tp_and_save_from_shards(converted, source, tmp
     expected = prefill_logits(engine, list(range(3, 33)))
     resaved = tmp_path / "from-tp4"
     result = run_worker("serve", {"model": str(converted), "checkpoint": True, "tps": [1, 2, 4],
-                                  "prompts": PROMPTS, "max_tokens": 8, "save_to": str(resaved)})
+                                  "prompts": PROMPTS, "max_tokens": 8, "save_to": str(resaved),
+                                  # the runner's params are saved: keep the checkpoint layout
+                                  "engine_args": {"fuse_projections": False}})
     np.testing.assert_array_equal(result["1"]["logits"], expected)
     for tp in ("2", "4"):
         assert result[tp]["tokens"] == result["1"]["tokens"]

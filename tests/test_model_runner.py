@@ -186,10 +186,10 @@ def test_cpu_runner_holds_a_tied_lm_head_as_its_own_copy(tiny_checkpoints):
 
 def test_per_layer_weights_match_the_scanned_stack(tiny):
     """Per-layer weights (a list, looped over: nothing sliced out of a stack) give the scanned stack's
-    logits and pool, and their step has no loop left."""
+    logits and pool, and their step has no loop left; on a mesh too (each layer's weights sharded)."""
     tokens = np.random.default_rng(2).integers(0, 256, size=20).tolist()
-    stacked = ModelRunner(tiny.config, tiny.params, CONFIG)
-    per_layer = ModelRunner(tiny.config, unstack_layers(tiny.params), CONFIG)
+    stacked = ModelRunner(tiny.config, tiny.params, dataclasses.replace(CONFIG, weight_layout="stacked"))
+    per_layer = ModelRunner(tiny.config, tiny.params, dataclasses.replace(CONFIG, weight_layout="per_layer"))
     assert len(per_layer.params["layers"]) == tiny.config.num_hidden_layers
     step = stacked.prepare([entry("a", tokens, 0, [3, 7])])
     assert "stablehlo.while" in stacked.lower(step).as_text()
@@ -198,8 +198,11 @@ def test_per_layer_weights_match_the_scanned_stack(tiny):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(per_layer.kv.k), np.asarray(stacked.kv.k))
     np.testing.assert_array_equal(np.asarray(per_layer.kv.v), np.asarray(stacked.kv.v))
-    with pytest.raises(ValueError, match="a tensor-parallel mesh takes the stacked layout"):
-        ModelRunner(tiny.config, unstack_layers(tiny.params), CONFIG, parallel.make_mesh(1))
+    on_mesh = ModelRunner(tiny.config, tiny.params, dataclasses.replace(CONFIG, weight_layout="per_layer"),
+                          parallel.make_mesh(1))
+    np.testing.assert_allclose(np.asarray(on_mesh.execute(step)), np.asarray(want), atol=1e-6)
+    with pytest.raises(ValueError, match="only the checkpoint layout"):
+        ModelRunner(tiny.config, unstack_layers(tiny.params), CONFIG)
 
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
@@ -216,7 +219,8 @@ def test_resolve_kv_cache_dtype(choice, model, platform, want):
 
 
 def _pool_sized_passes(config, params, num_pages, kv_dtype):
-    """Lines of the compiled CPU step that convert or copy an array of the pool's size."""
+    """Lines of the compiled CPU step that convert or copy an array of the pool's size (pick num_pages so that
+    no weight has the pool's element count: a bf16 weight is converted for its dot on CPU)."""
     runner_cfg = dataclasses.replace(CONFIG, attention_backend="xla", num_pages=num_pages, kv_cache_dtype=kv_dtype)
     runner = ModelRunner(config, params, runner_cfg)
     pool = runner.kv
@@ -231,8 +235,8 @@ def test_bf16_model_on_cpu_gets_an_f32_pool_written_in_place(tiny):
     """A bf16 pool on XLA:CPU is converted to f32 and back around every layer's scatter (seconds a step at
     a real pool size); "auto" gives a bf16 model an f32 pool there, which the step updates in place."""
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny.params)
-    assert _pool_sized_passes(tiny.config, params, 64, "bfloat16"), "the hazard this guards against is gone?"
-    assert _pool_sized_passes(tiny.config, params, 64, "auto") == []
+    assert _pool_sized_passes(tiny.config, params, 40, "bfloat16"), "the hazard this guards against is gone?"
+    assert _pool_sized_passes(tiny.config, params, 40, "auto") == []
     runner = ModelRunner(tiny.config, params, dataclasses.replace(CONFIG, attention_backend="xla"))
     assert runner.kv.k.dtype == jnp.float32 and runner.kv_dtype == F32
     tokens = np.random.default_rng(0).integers(0, 256, size=20).tolist()

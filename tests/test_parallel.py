@@ -20,11 +20,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpaged import parallel
 from jaxpaged.engine import EngineArgs
-from jaxpaged.models.llama import LlamaConfig, param_shapes
+from jaxpaged.models.llama import LlamaConfig, WeightLayout, init_params, param_shapes
+from jaxpaged.weight_layout import to_weight_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
-SHARDED_AXIS = {"embed": 0, "lm_head": 1, "wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_gate": 2, "w_up": 2, "w_down": 1}
+SHARDED_AXIS = {"embed": 0, "lm_head": 1, "wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_gate": 2, "w_up": 2, "w_down": 1,
+                "wqkv": 2, "w_gate_up": 3}  # the last two: fused projections (the engine's default)
 
 
 def run_worker(mode: str, payload: dict, devices: int = 8, timeout: int = 300, platform: str = "cpu") -> dict:
@@ -71,9 +73,42 @@ def test_partition_specs_mirror_param_shapes():
         for name, axis in SHARDED_AXIS.items():
             spec = specs.get(name) or specs["layers"].get(name)
             if spec is None:
-                assert tied and name == "lm_head"
+                assert (tied and name == "lm_head") or name in ("wqkv", "w_gate_up")  # fused: not this layout
                 continue
             assert spec[axis] == parallel.TP and sum(a == parallel.TP for a in spec) == 1, (name, spec)
+
+
+def test_partition_specs_of_every_weight_layout():
+    """Fused and per-layer params get specs of their own structure: wqkv split on K (each device its kv heads
+    with their query heads), w_gate_up on F; per-layer ones drop the L axis."""
+    config = small_config()
+    for layout in (WeightLayout(fused=True), WeightLayout(per_layer=True), WeightLayout(True, True)):
+        specs = parallel.param_partition_specs(config, 2, layout)
+        params = to_weight_layout(config, init_params(config, jax.random.PRNGKey(0)), layout)
+        assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(params)
+        layer = specs["layers"][0] if layout.per_layer else specs["layers"]
+        lead = () if layout.per_layer else (None,)
+        if layout.fused:
+            assert layer["wqkv"] == P(*lead, None, parallel.TP, None, None)
+            assert layer["w_gate_up"] == P(*lead, None, None, parallel.TP)
+        else:
+            assert layer["wq"] == P(*lead, None, parallel.TP, None)
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "stacked unfused"])
+def test_tp_agrees_in_other_weight_layouts(gqa8, tiny_tp, layout):
+    """Per-layer weights (fused) and the unfused stack, sharded at tp = 2 and 4, give tp = 1's tokens and logits
+    (the default run, tiny_tp, is stacked and fused on CPU)."""
+    engine_args = {"weight_layout": "per_layer"} if layout == "per_layer" else {"fuse_projections": False}
+    result = run_worker("serve", {"model": str(gqa8), "tps": [2, 4], "prompts": PROMPTS, "max_tokens": 8,
+                                  "engine_args": engine_args})
+    for tp in ("2", "4"):
+        assert result[tp]["tokens"] == tiny_tp["1"]["tokens"], tp
+        np.testing.assert_allclose(result[tp]["logits"], tiny_tp["1"]["logits"], atol=1e-4, rtol=0)
+        for path, leaf in result[tp]["shards"].items():
+            name = path.split("'")[-2]
+            if name in SHARDED_AXIS:
+                assert leaf["device_bytes"] == [leaf["bytes"] // int(tp)] * int(tp), path
 
 
 def test_vocab_replicated_when_not_divisible():
@@ -173,8 +208,8 @@ def test_smollm2_tp3_matches_tp1(smollm2_path):
     result = run_worker("serve", {"model": str(smollm2_path), "tps": [1, 3], "prompts": [prompt], "max_tokens": 6})
     assert result["3"]["tokens"] == result["1"]["tokens"]
     np.testing.assert_allclose(result["3"]["logits"], result["1"]["logits"], atol=1e-3, rtol=0)
-    wq = result["3"]["shards"]["['layers']['wq']"]
-    assert wq["device_bytes"] == [wq["bytes"] // 3] * 3
+    wqkv = result["3"]["shards"]["['layers']['wqkv']"]  # each device: 1 kv head, its 3 query heads, k and v
+    assert wqkv["device_bytes"] == [wqkv["bytes"] // 3] * 3
 
 
 def test_smollm2_tp2_is_a_clear_error(smollm2_path):

@@ -22,6 +22,12 @@ Params pytree (layer weights stacked on a leading L axis, scanned over):
       post_attn_norm, post_mlp_norm [L, E]           (sandwich_norms: Gemma 3)
     final_norm  [E]
     lm_head     [E, V]        (absent when the embeddings are tied)
+That is the checkpoint layout (loaders, converters and `forward` use it). The engine's step may hold
+the layers another way (`WeightLayout`, `to_weight_layout`): projections sharing an input fused,
+    wqkv      [L, E, K, G + 2, D]  per kv head: its G query heads, then its k and its v
+    w_gate_up [L, E, 2, F]         gate, then up
+(replacing wq/wk/wv and w_gate/w_up: one gemm each), and/or "layers" as a list of L per-layer dicts
+(no weight is sliced out of a stack at run time). `decoder_layer` takes every layout.
 Letters: B batch, T/S query/key tokens, E hidden, H query heads, K kv heads,
 G = H // K query heads per kv head, D head dim, F MLP width, V vocab, L layers.
 """
@@ -222,9 +228,13 @@ def norm(config: LlamaConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
 
 
 def mlp(p: Params, x: jax.Array, hidden_act: str = "silu") -> jax.Array:
-    """Gated MLP: SwiGLU (silu) or GeGLU (gelu_tanh)."""
-    gate = jnp.einsum("...e,ef->...f", x, p["w_gate"])
-    up = jnp.einsum("...e,ef->...f", x, p["w_up"])
+    """Gated MLP: SwiGLU (silu) or GeGLU (gelu_tanh); gate and up as one gemm when fused."""
+    if "w_gate_up" in p:
+        gate_up = jnp.einsum("...e,eyf->...yf", x, p["w_gate_up"])  # [..., 2, F]
+        gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
+    else:
+        gate = jnp.einsum("...e,ef->...f", x, p["w_gate"])
+        up = jnp.einsum("...e,ef->...f", x, p["w_up"])
     act = jax.nn.silu(gate) if hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
     return jnp.einsum("...f,fe->...e", act * up, p["w_down"])
 
@@ -240,16 +250,14 @@ def decoder_layer(config: LlamaConfig, p: Params, h: jax.Array, cos: jax.Array, 
 
     The optional pieces (biases, q/k norms, sandwich norms) follow the config's family fields."""
     x = norm(config, h, p["attn_norm"])
-    q = jnp.einsum("...te,ehd->...thd", x, p["wq"])  # [..., T, H, D]
-    k = jnp.einsum("...te,ekd->...tkd", x, p["wk"])  # [..., T, K, D]
-    v = jnp.einsum("...te,ekd->...tkd", x, p["wv"])
+    q, k, v = project_qkv(config, p, x)
     if config.attention_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if config.qk_norm:
         q, k = norm(config, q, p["q_norm"]), norm(config, k, p["k_norm"])
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, aux = attend(q, k, v)
-    a = jnp.einsum("...thd,hde->...te", o.astype(h.dtype), p["wo"])
+    a = project_out(o.astype(h.dtype), p["wo"])
     if config.sandwich_norms:
         a = norm(config, a, p["post_attn_norm"])
     h = h + a
@@ -257,6 +265,25 @@ def decoder_layer(config: LlamaConfig, p: Params, h: jax.Array, cos: jax.Array, 
     if config.sandwich_norms:
         m = norm(config, m, p["post_mlp_norm"])
     return h + m, aux
+
+
+def project_qkv(config: LlamaConfig, p: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [..., T, E] -> q [..., T, H, D], k and v [..., T, K, D]: one gemm when fused (wqkv)."""
+    if "wqkv" not in p:
+        return (jnp.einsum("...te,ehd->...thd", x, p["wq"]), jnp.einsum("...te,ekd->...tkd", x, p["wk"]),
+                jnp.einsum("...te,ekd->...tkd", x, p["wv"]))
+    g = config.num_queries_per_kv
+    qkv = jnp.einsum("...te,ekgd->...tkgd", x, p["wqkv"])  # [..., T, K, G + 2, D]
+    q = qkv[..., :g, :].reshape(*qkv.shape[:-3], config.num_attention_heads, config.head_dim)  # h = k * G + g
+    return q, qkv[..., g, :], qkv[..., g + 1, :]
+
+
+def project_out(o: jax.Array, wo: jax.Array) -> jax.Array:
+    """o [..., T, H, D] @ wo [H, D, E] -> [..., T, E], as one [T, H*D] x [H*D, E] matmul: the 2-D operands pin
+    the layouts, so XLA reshapes the (small) attention output, never the weight (XLA:CPU transposed wo
+    into a copy every step when handed the 3-D contraction)."""
+    hd = wo.shape[0] * wo.shape[1]
+    return jnp.einsum("...tn,ne->...te", o.reshape(*o.shape[:-2], hd), wo.reshape(hd, wo.shape[-1]))
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float,
@@ -332,8 +359,11 @@ forward_jit = jax.jit(forward, static_argnums=0)
 # ----------------------------------------------------------------------------- params
 
 
-def param_shapes(config: LlamaConfig) -> Params:
-    """Shapes of the params pytree (see the module docstring)."""
+UNFUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # fused name -> the checkpoint's
+
+
+def param_shapes(config: LlamaConfig, fused: bool = False) -> Params:
+    """Shapes of the params pytree, stacked layers (see the module docstring); fused: wqkv, w_gate_up."""
     c = config
     e, h, k, d, f, n = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, \
         c.intermediate_size, c.num_hidden_layers
@@ -354,7 +384,43 @@ def param_shapes(config: LlamaConfig) -> Params:
         shapes["layers"].update(post_attn_norm=(n, e), post_mlp_norm=(n, e))
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (e, c.vocab_size)
+    if fused:
+        layers = {name: shape for name, shape in shapes["layers"].items() if name not in sum(UNFUSED.values(), ())}
+        shapes["layers"] = dict(layers, wqkv=(n, e, k, h // k + 2, d), w_gate_up=(n, e, 2, f))
     return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """How the engine's step holds the layer weights (see the module docstring).
+
+    per_layer: "layers" is a list of L per-layer dicts, not {name: [L, ...]} scanned over. A scan
+        slices each layer's weights out of the stack at run time; XLA:GPU may copy a slice before
+        its gemm (each weight crossing HBM three times). Costs compile time (L layers compiled).
+    fused: wqkv and w_gate_up instead of wq/wk/wv and w_gate/w_up (one gemm each, wider N).
+    WeightLayout() is the checkpoint layout.
+    """
+
+    per_layer: bool = False
+    fused: bool = False
+
+    @classmethod
+    def of(cls, params: Params) -> WeightLayout:
+        layers = params["layers"]
+        per_layer = isinstance(layers, (list, tuple))
+        return cls(per_layer=per_layer, fused="wqkv" in (layers[0] if per_layer else layers))
+
+
+def fuse_qkv(config: LlamaConfig, wq: jax.Array, wk: jax.Array, wv: jax.Array) -> jax.Array:
+    """wq [..., E, H, D], wk/wv [..., E, K, D] -> wqkv [..., E, K, G + 2, D] (stacked or one layer)."""
+    *lead, e, _, d = wq.shape
+    q = wq.reshape(*lead, e, config.num_key_value_heads, config.num_queries_per_kv, d)  # h = k * G + g
+    return jnp.concatenate([q, wk[..., None, :], wv[..., None, :]], axis=-2)
+
+
+def fuse_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+    """w_gate, w_up [..., E, F] -> w_gate_up [..., E, 2, F]."""
+    return jnp.stack([w_gate, w_up], axis=-2)
 
 
 def unstack_layers(params: Params) -> Params:

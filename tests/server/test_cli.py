@@ -12,7 +12,8 @@ FLAGS = ["--model", "--served-model-name", "--tokenizer", "--revision", "--dtype
          "--num-pages", "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching",
          "--tensor-parallel-size", "--api-key", "--host", "--port", "--seed", "--chat-template",
          "--generation-config", "--attention-backend", "--kv-cache-dtype", "--log-level", "--max-request-bytes",
-         "--enable-auto-tool-choice", "--tool-call-parser"]
+         "--enable-auto-tool-choice", "--tool-call-parser", "--weight-layout", "--fuse-projections",
+         "--no-fuse-projections", "--command-buffers"]
 
 
 def test_help_lists_the_flags():
@@ -28,10 +29,12 @@ def test_parse_to_configs(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXPAGED_API_KEY", "from-env")
     ns = build_parser().parse_args(["--model", "org/m", "--served-model-name", "a", "b", "--max-model-len", "64",
                                     "--no-enable-prefix-caching", "--chat-template", str(template),
-                                    "--kv-cache-dtype", "float16"])
+                                    "--kv-cache-dtype", "float16", "--weight-layout", "per_layer",
+                                    "--no-fuse-projections", "--command-buffers", "off"])
     args, config = engine_args(ns), server_config(ns)
     assert args.model == "org/m" and args.max_model_len == 64 and args.enable_prefix_caching is False
     assert args.kv_cache_dtype == "float16"
+    assert (args.weight_layout, args.fuse_projections, args.command_buffers) == ("per_layer", False, "off")
     assert args.chat_template == "{{ messages[0]['content'] }}"
     assert config.served_model_names == ("a", "b", "org/m") and config.api_key == "from-env"
     ns = build_parser().parse_args(["--api-key", "flag"])
