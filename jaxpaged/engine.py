@@ -554,14 +554,7 @@ class LLMEngine:
         if self.spec_decoding_stats is not None:
             self._observe_drafts(out.scheduled_requests, result)
         self.scheduler.update_from_output(out, sampled, stops)
-        now = time.time()
-        outputs = failed
-        for parent, fresh in touched.values():
-            _record_token_time(parent.metrics, now)
-            output = self._make_output(parent, fresh)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        return failed + self._outputs(touched)
 
     # ---- the overlapped step (async scheduling) ---------------------------
 
@@ -635,6 +628,10 @@ class LLMEngine:
         out = flight.scheduler_output
         entries = tuple(e for e in out.scheduled_requests if e.request_id in live)
         self.scheduler.update_from_output(dataclasses.replace(out, scheduled_requests=entries), sampled, stops)
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, tuple[_Parent, set[int]]]) -> list[RequestOutput]:
+        """The outputs of the parents whose children got tokens this step (their token times recorded)."""
         now = time.time()
         outputs = []
         for parent, fresh in touched.values():
