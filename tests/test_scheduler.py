@@ -60,6 +60,17 @@ def reference_output(prompt, params: SamplingParams, max_model_len: int) -> list
         pass
     return r.output_token_ids
 
+def assert_reference_outputs(requests, max_model_len: int) -> None:
+    """Every request finished with its reference output (an aborted one with a prefix of it)."""
+    for r in requests:
+        assert r.is_finished
+        expected = reference_output(r.prompt_token_ids, r.sampling_params, max_model_len)
+        if r.finish_reason == "abort":
+            assert r.output_token_ids == expected[: r.num_output_tokens]
+        else:
+            assert r.output_token_ids == expected
+
+
 
 def make(rid: str, prompt, **params) -> Request:
     return Request(rid, list(prompt), SamplingParams(**params), eos_token_ids=(EOS,), arrival_time=0.0)
@@ -512,13 +523,7 @@ def test_random_workloads_finish_with_reference_outputs(workload):
         assert partial <= (cfg.max_num_partial_prefills or partial)
     else:
         pytest.fail("workload did not finish")
-    for r in requests.values():
-        assert r.is_finished
-        expected = reference_output(r.prompt_token_ids, r.sampling_params, cfg.max_model_len)
-        if r.finish_reason == "abort":
-            assert r.output_token_ids == expected[: r.num_output_tokens]
-        else:
-            assert r.output_token_ids == expected
+    assert_reference_outputs(requests.values(), cfg.max_model_len)
     event(f"preemptions: {min(sched.num_preemptions, 3)}+")
     event(f"prefix-cache hits: {sched.pool.prefix_cache_hits > 0}")
     event(f"aborted: {any(r.finish_reason == 'abort' for r in requests.values())}")
@@ -671,13 +676,8 @@ def test_async_random_workloads_finish_with_reference_outputs(workload):
             samples[e.request_id] += e.samples
     else:
         pytest.fail("workload did not finish")
+    assert_reference_outputs(requests.values(), cfg.max_model_len)
     for r in requests.values():
-        assert r.is_finished
-        expected = reference_output(r.prompt_token_ids, r.sampling_params, cfg.max_model_len)
-        if r.finish_reason == "abort":
-            assert r.output_token_ids == expected[: r.num_output_tokens]
-        else:
-            assert r.output_token_ids == expected
         wasted = samples[r.request_id] - r.num_output_tokens
         assert wasted == 0 if r.finish_reason == "length" else 0 <= wasted <= 1, (r, wasted)
     event(f"preemptions: {min(sched.num_preemptions, 3)}+")
