@@ -79,11 +79,13 @@ _DECODE_BLOCK_KEYS = 32
 _PREFILL_BLOCK_KEYS = 64
 _DECODE_BUFFER_BYTES = 48 * 1024
 _PREFILL_SHARED_BYTES = 160 * 1024
-# XLA path (CPU-tuned on the 2-core machine, fastest of 32-256 keys): decode
-# tiles of one token and 64-key blocks, prefill tiles of 16 tokens and
-# 128-key blocks.
+# XLA path (CPU-tuned on the 2-core machine): decode tiles of one token and
+# 64-key blocks (fastest of 16-256), prefill tiles of 16 tokens and 64-key
+# blocks (of 8-32 tokens and 32-128 keys, SmolLM2 shapes, 512-token mixed
+# steps: 0.73x the time of 128-key blocks, whose lockstep loop computes more
+# masked keys past each tile's causal end; docs/benchmarks.md, issue 21).
 _XLA_DECODE_BLOCK_KEYS = 64
-_XLA_PREFILL_BLOCK_KEYS = 128
+_XLA_PREFILL_BLOCK_KEYS = 64
 _XLA_PREFILL_BLOCK_Q = 16
 
 

@@ -12,12 +12,16 @@ timed on that same batch: the fastest of --steps rounds, each round calling ever
               shapes through the same layer math (`llama.linear` where it exists), with attention,
               norms, RoPE and the activation left out (h + o @ wo and gate * up are the only other ops)
   attention   forward - (the same forward with attention reduced to its KV write, q passed through)
-  rest        forward - matmuls - attention: embedding, norms, RoPE, activation, KV write, loop
+  kv write    (that forward) - (the same forward with neither attention nor KV write, q passed through)
+  rest        forward - matmuls - attention - kv write: embedding, norms, RoPE, activation, loop
   sampler     sample_jit on the step's logits (greedy; --sampling adds top_p, top_k, temperature-only)
   prepare     ModelRunner.prepare (host packing of the step input)
   sampling batch  make_sampling_batch (host: the sampler's per-row arrays)
   host other  step - forward - sampler - prepare - sampling batch: scheduler, output processing,
               detokenizer, dispatch
+--prefill N [N ...] adds prefill steps: N // 128 fresh 128-token prompts (distinct, so no prefix is
+shared) scheduled as one step of N tokens; only the forward's parts are timed there (the engine is
+not stepped, the same step input is run each round: it rewrites the same KV slots).
 All jitted parts are compiled with the engine's XLA:CPU options (`model_runner.cpu_compiler_options`).
 Parts are separate programs timed alone, so they need not add up exactly on a busy machine.
 
@@ -28,7 +32,8 @@ process, weight bytes / bandwidth) is printed next to the step's tok/s (1000 / s
 tree's jaxpaged) and prints before / after side by side; --hlo DIR writes each batch's compiled step
 HLO and prints which dots run as XLA:CPU library (YNNPACK) fusions and which stay XLA's own.
 
-    python scripts/bench_cpu_step.py --batch 1 32 [--steps 5] [--before-tree /tmp/main] [--hlo /tmp/hlo]
+    python scripts/bench_cpu_step.py --batch 1 32 [--prefill 256 512] [--steps 5] [--before-tree /tmp/main]
+        [--hlo /tmp/hlo]
 """
 
 from __future__ import annotations
@@ -71,13 +76,18 @@ OPTION_SETS = {
 }
 PROMPT = ("You are a helpful assistant. Explain, step by step and with a short example, how a hash map handles "
           "collisions, and when a balanced tree would be the better choice for a given workload. ")
-PARTS = ("step", "forward", "matmuls", "attention", "rest", "sampler greedy", "prepare", "sampling batch",
+PARTS = ("step", "forward", "matmuls", "attention", "kv write", "rest", "sampler greedy", "prepare", "sampling batch",
          "host other")
 
 
 def _write_only(q, k, v, k_pool, v_pool, step, layer, *args, **kwargs):
     kp, vp = model_runner.write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer)
     return q, kp, vp
+
+
+def _no_kv(q, k, v, k_pool, v_pool, step, layer, *args, **kwargs):
+    """No attention and no KV write; k and v stay live (their projections are not cut)."""
+    return q + 0 * (jnp.sum(k) + jnp.sum(v)), k_pool, v_pool
 
 
 def _patched_forward(attend, *args):
@@ -157,14 +167,9 @@ def _rows(engine, entries, params):
     return rows
 
 
-def measure(engine: LLMEngine, steps: int, sampling: bool, xla_options: bool, hlo_dir: str | None,
-            batch: int) -> dict[str, float]:
-    """{part: ms} for the engine's current decode batch (see the module docstring): the fastest of
-    `steps` rounds; within a round every part (but the whole step, timed first) runs once, in turn."""
-    step_times = _rounds({"step": engine.step}, steps)
-    runner = engine.runner
-    entries = engine.scheduler.schedule().scheduled_requests  # from here on the engine is not stepped
-    step = runner.prepare(entries)
+def forward_parts(runner, step) -> dict:
+    """{part: fn} timing the runner's forward on `step`, and its variants without attention (KV write
+    kept), without attention nor KV write, and its dots alone (see the module docstring)."""
     cfg, att = runner.model_config, runner.config.attention
 
     def donating(compiled):  # the pool is donated, as in the runner: thread it through
@@ -174,20 +179,43 @@ def measure(engine: LLMEngine, steps: int, sampling: bool, xla_options: bool, hl
             return res[0]
         return call
 
-    def compile_forward(forward, opts):
-        return jax.jit(forward, static_argnums=(0, 1), donate_argnums=(3,), compiler_options=opts) \
+    def compile_forward(attend):
+        forward = functools.partial(_patched_forward, attend)
+        return jax.jit(forward, static_argnums=(0, 1), donate_argnums=(3,), compiler_options=_options()) \
             .lower(cfg, att, runner.params, runner.kv, step).compile()
 
     dots = jax.jit(matmuls_only, static_argnums=0, compiler_options=_options()) \
         .lower(cfg, runner.params, step.token_ids, step.logits_indices).compile()
+    return {
+        "forward": lambda: runner.execute(step),
+        "no attention": donating(compile_forward(_write_only)),
+        "no kv": donating(compile_forward(_no_kv)),
+        "matmuls": lambda: dots(runner.params, step.token_ids, step.logits_indices),
+    }
+
+
+def split_forward(out: dict[str, float]) -> dict[str, float]:
+    """Derives attention, kv write and rest from the timed forward variants (removed from `out`)."""
+    out["attention"] = out["forward"] - out.pop("no attention")
+    out["kv write"] = out["forward"] - out["attention"] - out.pop("no kv")
+    out["rest"] = out["forward"] - out["matmuls"] - out["attention"] - out["kv write"]
+    return out
+
+
+def measure(engine: LLMEngine, steps: int, sampling: bool, xla_options: bool, hlo_dir: str | None,
+            batch: int) -> dict[str, float]:
+    """{part: ms} for the engine's current decode batch (see the module docstring): the fastest of
+    `steps` rounds; within a round every part (but the whole step, timed first) runs once, in turn."""
+    step_times = _rounds({"step": engine.step}, steps)
+    runner = engine.runner
+    entries = engine.scheduler.schedule().scheduled_requests  # from here on the engine is not stepped
+    step = runner.prepare(entries)
     logits = runner.execute(step)
     rows = _rows(engine, entries, SETTINGS["greedy"])
     greedy = make_sampling_batch(rows, logits.shape[0], logits.shape[1])
     parts = {
         "prepare": lambda: runner.prepare(entries),
-        "forward": lambda: runner.execute(step),
-        "no attention": donating(compile_forward(functools.partial(_patched_forward, _write_only), _options())),
-        "matmuls": lambda: dots(runner.params, step.token_ids, step.logits_indices),
+        **forward_parts(runner, step),
         "sampling batch": lambda: make_sampling_batch(rows, logits.shape[0], logits.shape[1]),
         "sampler greedy": lambda: sample_jit(logits, greedy, num_top_logprobs=0),
     }
@@ -197,17 +225,54 @@ def measure(engine: LLMEngine, steps: int, sampling: bool, xla_options: bool, hl
             parts[f"sampler {name}"] = functools.partial(sample_jit, logits, sb, num_top_logprobs=0)
     if xla_options:
         for name, opts in OPTION_SETS.items():
-            parts[f"forward[{name}]"] = donating(compile_forward(model_runner.paged_forward, opts))
-    out = {**step_times, **_rounds(parts, steps)}
-    out["attention"] = out["forward"] - out.pop("no attention")
-    out["rest"] = out["forward"] - out["matmuls"] - out["attention"]
+            parts[f"forward[{name}]"] = _option_forward(runner, step, opts)
+    out = split_forward({**step_times, **_rounds(parts, steps)})
     out["host other"] = out["step"] - out["forward"] - out["sampler greedy"] - out["prepare"] - out["sampling batch"]
     if hlo_dir:
-        text = runner.lower(step).compile().as_text()
-        path = pathlib.Path(hlo_dir) / f"step-b{batch}.hlo.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"  compiled step HLO: {path}\n" + "\n".join("  " + line for line in hlo_summary(text)), flush=True)
+        _write_hlo(runner, step, pathlib.Path(hlo_dir) / f"step-b{batch}.hlo.txt")
+    return out
+
+
+def _option_forward(runner, step, opts):
+    """The runner's forward compiled with other XLA options, the pool threaded through (donated)."""
+    compiled = jax.jit(model_runner.paged_forward, static_argnums=(0, 1), donate_argnums=(3,),
+                       compiler_options=opts).lower(runner.model_config, runner.config.attention, runner.params,
+                                                    runner.kv, step).compile()
+
+    def call():
+        logits, _, runner.kv = compiled(runner.params, runner.kv, step)
+        return logits
+    return call
+
+
+def _write_hlo(runner, step, path: pathlib.Path):
+    text = runner.lower(step).compile().as_text()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"  compiled step HLO: {path}\n" + "\n".join("  " + line for line in hlo_summary(text)), flush=True)
+
+
+def prefill_step(engine: LLMEngine, tokens: int, prompt_len: int = 128):
+    """Adds tokens // prompt_len fresh prompts (each starting with its own token: no shared prefix) and
+    returns the scheduled entries of the one step that prefills them all."""
+    base = engine.tokenizer.encode(PROMPT * (1 + prompt_len // 30))[:prompt_len - 1]
+    for i in range(tokens // prompt_len):
+        engine.add_request(f"prefill{tokens}-{i}", [1000 + i] + base,
+                           SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    entries = engine.scheduler.schedule().scheduled_requests
+    fed = sum(e.num_tokens for e in entries)
+    if fed != tokens // prompt_len * prompt_len:
+        raise SystemExit(f"the scheduler fed {fed} tokens, not {tokens}: raise max_num_batched_tokens")
+    return entries
+
+
+def measure_prefill(engine: LLMEngine, steps: int, tokens: int, hlo_dir: str | None) -> dict[str, float]:
+    """{part: ms} of the forward of one step prefilling `tokens` prompt tokens (see the docstring)."""
+    runner = engine.runner
+    step = runner.prepare(prefill_step(engine, tokens))
+    out = split_forward(_rounds(forward_parts(runner, step), steps))
+    if hlo_dir:
+        _write_hlo(runner, step, pathlib.Path(hlo_dir) / f"step-prefill{tokens}.hlo.txt")
     return out
 
 
@@ -286,6 +351,14 @@ def run_here(args) -> dict[str, dict[str, float]]:
         print(f"  [{_tree(sys.argv).name}] batch {batch}: " +
               ", ".join(f"{k} {v:.1f}" for k, v in results[str(batch)].items()), flush=True)
         del engine
+    for tokens in args.prefill:
+        engine = LLMEngine(EngineArgs(model="smollm2-135m-instruct", dtype="float32", max_num_seqs=32,
+                                      max_model_len=512, max_num_batched_tokens=max(512, tokens), warmup=False))
+        key = f"prefill {tokens}"
+        results[key] = measure_prefill(engine, args.steps, tokens, args.hlo)
+        print(f"  [{_tree(sys.argv).name}] {key}: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in results[key].items()), flush=True)
+        del engine
     if 1 in args.batch and not args.no_roofline:
         import roofline  # pylint: disable=import-outside-toplevel  (scripts/roofline.py)
         results["roofline"] = roofline.roofline()
@@ -295,7 +368,8 @@ def run_here(args) -> dict[str, dict[str, float]]:
 def run_tree(tree: str, args) -> dict:
     """run_here in a subprocess importing `tree`'s jaxpaged; its JSON result."""
     argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--tree", tree, "--json", "--no-roofline",
-            "--batch", *map(str, args.batch), "--context", str(args.context), "--steps", str(args.steps)]
+            "--batch", *map(str, args.batch), "--prefill", *map(str, args.prefill),
+            "--context", str(args.context), "--steps", str(args.steps)]
     argv += ["--sampling"] if args.sampling else []
     proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
     sys.stderr.write(proc.stderr[-2000:] if proc.returncode else "")
@@ -323,7 +397,9 @@ def table(columns: dict[str, dict], batches) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--batch", type=int, nargs="*", default=[1, 32])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[],
+                        help="also time the forward of a step prefilling this many tokens (multiples of 128)")
     parser.add_argument("--context", type=int, default=170)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--sampling", action="store_true", help="also time the sampler at top_p, top_k, temperature")
@@ -351,7 +427,8 @@ def main(argv=None) -> int:
             columns[list(columns)[-1]]["roofline"] = roofline.roofline()
     else:
         columns[f"{pathlib.Path(here).name} ({_commit(here)})"] = run_here(args)
-    print("\n" + "\n".join(table(columns, args.batch)))
+    rows = [*args.batch, *(f"prefill {n}" for n in args.prefill)]
+    print("\n" + "\n".join(table(columns, rows)))
     roof = next((c["roofline"] for c in reversed(list(columns.values())) if "roofline" in c), None)
     if roof:
         import roofline  # pylint: disable=import-outside-toplevel

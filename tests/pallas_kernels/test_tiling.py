@@ -101,13 +101,13 @@ def test_plan_kernel_calls_splits_mixed_batches(backend):
 
 def test_xla_tiling_is_one_token_decode_tiles_and_cpu_blocks():
   """The XLA path's tiles: one-token decode tiles with 64-key blocks,
-  16-token prefill tiles with 128-key blocks, no wider than the table, and
+  16-token prefill tiles with 64-key blocks, no wider than the table, and
   no Triton settings."""
   plan = lambda t, s, p, **kw: plan_kernel_calls(
       t, s, 3, 16, p, 3, head_dim=64, itemsize=4, backend="xla", **kw)
   decode, prefill = plan(128, 64, 32)
   assert (decode.cfg.block_q, decode.cfg.pages_per_block) == (1, 4)
-  assert (prefill.cfg.block_q, prefill.cfg.pages_per_block) == (16, 8)
+  assert (prefill.cfg.block_q, prefill.cfg.pages_per_block) == (16, 4)
   assert decode.cfg.num_warps is None and prefill.cfg.num_splits == 1
   assert plan(8, 8, 2)[0].cfg.pages_per_block == 2      # clamped to P
   assert plan(8, 8, 32, pages_per_block=5)[0].cfg.pages_per_block == 5
