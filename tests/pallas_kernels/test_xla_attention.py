@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from pallas_kernels.tiling import effective_window, tile_schedule
-from pallas_kernels.xla_attention import tile_blocks
+from pallas_kernels.xla_attention import _scores, tile_blocks
 
 
 def _schedule(q_lens, kv_lens, block_q):
@@ -40,3 +41,17 @@ def test_windowed_prefill_tiles_start_at_their_own_window():
   assert list(np.asarray(first)) == want
   ends = [-(-(1000 + 16 * (i + 1)) // 128) for i in range(16)]  # last query
   assert int(n) == max(e - f for e, f in zip(ends, want)) == 3
+
+
+def test_scores_take_either_operand_order_to_the_same_result():
+  """One-token tiles run the score dot as K @ q, taller tiles as q @ K^T:
+  both give q . k for every (tile, head, group row, query, key)."""
+  rng = np.random.default_rng(0)
+  k = jnp.asarray(rng.standard_normal((5, 2, 32, 16)), jnp.float32)
+  for bq in (1, 4):
+    qt = jnp.asarray(rng.standard_normal((5, 2, 3, bq, 16)), jnp.float32)
+    want = np.einsum("nhgud,nhkd->nhguk", np.asarray(qt, np.float64),
+                     np.asarray(k, np.float64))
+    got = _scores(k, qt, lax.Precision.HIGHEST)
+    assert got.shape == (5, 2, 3, bq, 32)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
