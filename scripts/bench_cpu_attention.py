@@ -4,7 +4,7 @@
 SmolLM2-135M attention shapes (9 q heads, 3 kv heads, D = 64, page size 16, float32), a layer-stacked
 pool [30, 3, N, 16, 64], each program a 30-layer `lax.scan` as in the engine's step: every layer writes
 the step's K/V into the pool (`write_kv_inner`, pool donated) and attends (`backend="xla"`, the engine's
-XLA:CPU options). Cases:
+XLA:CPU options for a step of T tokens). Cases:
 
   decode B     B sequences in decode, contexts 150-200 (170 at B = 1), T = S = B
   prefill 256  two fresh prompts, 160 and 96 tokens (T = 256, S = 4)
@@ -103,7 +103,8 @@ def time_case(args, num_pages, programs, rounds):
     kp = jnp.asarray(np.random.default_rng(1).standard_normal(shape).astype(np.float32))
     vp = kp * 0.5
     args = [jnp.asarray(a) for a in args]
-    compiled = {name: jax.jit(program(fn), donate_argnums=(1, 2), compiler_options=cpu_compiler_options())
+    options = cpu_compiler_options(num_tokens=args[0].shape[0])  # the engine's, for a step of T tokens
+    compiled = {name: jax.jit(program(fn), donate_argnums=(1, 2), compiler_options=options)
                 .lower(args[0], kp, vp, *args[1:]).compile() for name, fn in programs.items()}
     times, outs = {name: [] for name in compiled}, {}
     for _ in range(rounds + 1):  # the first round warms up

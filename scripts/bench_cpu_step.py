@@ -137,7 +137,13 @@ def matmuls_only(config, params, token_ids, logits_indices):
     return x @ head if head is not None else jnp.einsum("se,ve->sv", x, params["embed"])
 
 
-def _options():
+def _options(runner=None, step=None):
+    """The XLA options the engine compiles `step` with (its T bucket's, where the runner has them)."""
+    if runner is not None and step is not None and hasattr(runner.config, "compiler_options"):
+        try:
+            return runner.config.compiler_options(num_tokens=len(step.token_ids))
+        except TypeError:  # a runner before per-size options
+            return runner.config.compiler_options()
     return getattr(model_runner, "cpu_compiler_options", dict)()
 
 
@@ -181,10 +187,10 @@ def forward_parts(runner, step) -> dict:
 
     def compile_forward(attend):
         forward = functools.partial(_patched_forward, attend)
-        return jax.jit(forward, static_argnums=(0, 1), donate_argnums=(3,), compiler_options=_options()) \
+        return jax.jit(forward, static_argnums=(0, 1), donate_argnums=(3,), compiler_options=_options(runner, step)) \
             .lower(cfg, att, runner.params, runner.kv, step).compile()
 
-    dots = jax.jit(matmuls_only, static_argnums=0, compiler_options=_options()) \
+    dots = jax.jit(matmuls_only, static_argnums=0, compiler_options=_options(runner, step)) \
         .lower(cfg, runner.params, step.token_ids, step.logits_indices).compile()
     return {
         "forward": lambda: runner.execute(step),
