@@ -35,6 +35,11 @@ random parts with and without the penalty arrays (`output_counts`/
 for logprobs: `num_top_logprobs_for`), the two fallbacks, and the token-bitmask
 pass (run only when some row is constrained: an unconstrained batch pays
 nothing for it). Parameter values never cause a recompile.
+
+The fused step (jaxpaged/model_runner.py, `fuse_sampler`) traces `sample_in_step` into the step's own
+program instead: the same operations as the parts above (so the same samples), every optional array present
+(`neutral_arrays` when absent), greedy-only batches and steps without logprobs skipping the candidate and
+top-k passes under lax.cond; `finish_in_step` runs the two fallbacks when its flags ask.
 """
 
 from __future__ import annotations
@@ -313,6 +318,91 @@ def _finish_random(logits, batch: SamplingBatch, random_rows: np.ndarray, out: S
 sample_jit = sample  # the former name: `sample` jits its own parts
 
 
+# ---- the sampler inside the step program (ModelRunner's fused step) ----------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepSample:
+    """The sampler's part of a fused step program (`sample_in_step`): S rows over V. A pytree."""
+
+    out: SamplerOutput  # K = the num_top_logprobs compiled in (junk unless the step asked: the host slices)
+    logits: jax.Array  # f32[S, V]: raw logits after the token bitmask (the fallbacks read them)
+    scaled: jax.Array  # f32[S, V]: tempered, min_p-cut logits (idem)
+    threshold: jax.Array  # f32[S]: each random row's cut
+    flags: jax.Array  # bool[2, S]: (covered, exact) of `_candidate_tokens`; all True when no row is random
+
+
+jax.tree_util.register_dataclass(
+    StepSample, data_fields=["out", "logits", "scaled", "threshold", "flags"], meta_fields=[])
+
+
+def neutral_arrays(num_rows: int, vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Device arrays standing in for a batch's absent optional fields in the fused step, so that one program
+    serves every batch: output counts i32[S, V] of zeros, prompt mask bool[S, V] all False (penalties then
+    change nothing) and a token bitmask i32[S, ceil(V / 32)] allowing every token. Made once per S."""
+    width = (vocab_size + 31) // 32
+    return (jnp.zeros((num_rows, vocab_size), jnp.int32), jnp.zeros((num_rows, vocab_size), jnp.bool_),
+            jnp.full((num_rows, width), -1, jnp.int32))
+
+
+def with_neutral_arrays(batch: SamplingBatch, neutral: tuple[jax.Array, jax.Array, jax.Array]) -> SamplingBatch:
+    """`batch` with its absent counts, prompt mask and token bitmask taken from `neutral_arrays`."""
+    counts, prompt_mask, bitmask = neutral
+    if batch.output_counts is None:
+        batch = dataclasses.replace(batch, output_counts=counts, prompt_mask=prompt_mask)
+    return batch if batch.token_bitmask is not None else dataclasses.replace(batch, token_bitmask=bitmask)
+
+
+def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.Array, want_top_logprobs: jax.Array,
+                   *, num_top_logprobs: int = MAX_LOGPROBS, prefilter_k: int = PREFILTER_K) -> StepSample:
+    """`sample_deferred`'s device part, traced inside the step's own program (pure; not jitted here).
+
+    logits f32[S, V]; batch: every field present (`with_neutral_arrays`); fed_token_ids i32[S]: an output
+    token of the row the host's counts do not hold yet (async scheduling: the previous step's token, fed
+    this step as a placeholder), -1 for none; want_top_logprobs bool[]: run the top-k log-prob pass.
+    Greedy-only batches skip the candidate pass and no-logprobs steps the top-k pass, each under a
+    lax.cond, so one program serves every batch. Same operations as the separate parts, so the same
+    samples; `finish_in_step` runs the rare fallbacks from the returned flags.
+    """
+    S, V = logits.shape
+    unmasked = logits.astype(jnp.float32)
+    raw = apply_token_bitmask(unmasked, batch.token_bitmask)  # identity under an all-ones bitmask
+    batch = dataclasses.replace(batch, output_counts=_count_fed_tokens(batch.output_counts, fed_token_ids))
+    processed = process_logits(raw, batch)
+    scaled, min_p_threshold = _scale(processed, batch)
+
+    def random_rows():
+        return _candidate_tokens(processed, scaled, min_p_threshold, batch, prefilter_k)
+
+    def greedy_rows():
+        return _argmax(processed), jnp.zeros((S,), jnp.float32), jnp.ones((2, S), jnp.bool_)
+
+    any_random = jnp.any(batch.temperature >= GREEDY_TEMPERATURE_EPS)
+    token_ids, threshold, flags = jax.lax.cond(any_random, random_rows, greedy_rows)
+    out = _raw_logprobs(raw, token_ids, num_top_logprobs, want_top_logprobs)
+    out = dataclasses.replace(out, finite=jnp.all(jnp.isfinite(unmasked), axis=-1))
+    return StepSample(out, raw, scaled, threshold, flags)
+
+
+def _count_fed_tokens(counts: jax.Array, fed_token_ids: jax.Array) -> jax.Array:
+    """i32[S, V]: counts with one more of each row's fed token (-1: none); elementwise, fuses with its users."""
+    vocabulary = jnp.arange(counts.shape[-1], dtype=jnp.int32)[None, :]  # i32[1, V]
+    return counts + (vocabulary == fed_token_ids[:, None]).astype(counts.dtype)
+
+
+def finish_in_step(state: StepSample, batch: SamplingBatch) -> Callable[[], SamplerOutput]:
+    """`sample_deferred`'s `finish` for a fused step: returns `state.out` itself when no random row needs a
+    fallback (the flags are read back only when some row samples at random), else the output with
+    `_bisect_thresholds` / `_full_vocabulary_sample` applied. These stay separate programs, run only when
+    the flags ask: they cost O(V) passes per row (32 halvings, noise over the whole vocabulary) that the
+    candidate pass almost always makes unnecessary, and a lax.cond around them would sit in every step."""
+    random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch: free)
+    if not random_rows.any():
+        return lambda: state.out
+    return functools.partial(_finish_random, state.logits, batch, random_rows, state.out, state.scaled,
+                             state.threshold, state.flags)
+
+
 def num_top_logprobs_for(requested: Sequence[int | None]) -> int:
     """The num_top_logprobs a step needs: MAX_LOGPROBS when any row asks for logprobs, else 0
     (two compile variants; the engine warms up both)."""
@@ -363,30 +453,47 @@ def _candidate_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs:
     each row's kp largest logits (no sort of the vocabulary).
 
     Returns (SamplerOutput, scaled f32[S, V] (the tempered, min_p-cut logits), threshold f32[S],
-    flags bool[2, S] = (covered, exact)). The cut is a per-row threshold (keep logits >= it) read off
-    the candidates (`_prefilter_threshold`; `exact` when they decide it). A random row's token is
-    final when no other token can beat its best candidate score (`covered`): every kept token is a
-    candidate, or the score exceeds the last candidate's logit + the largest noise the stream can
-    draw (GUMBEL_MAX). Other rows are resampled by `_full_vocabulary_sample`; either way a row's
-    sample is argmax(kept logits + its noise), ties to the lowest id.
+    flags bool[2, S] = (covered, exact)); see `_candidate_tokens`.
     """
-    S, V = logits.shape
-    kp = min(kp, V)
     raw = logits.astype(jnp.float32)
     processed = process_logits(raw, batch)
+    scaled, min_p_threshold = _scale(processed, batch)
+    token_ids, threshold, flags = _candidate_tokens(processed, scaled, min_p_threshold, batch, kp)
+    return _raw_logprobs(raw, token_ids, num_top_logprobs), scaled, threshold, flags
+
+
+def _scale(processed: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """(scaled f32[S, V]: processed / temperature (1 for greedy rows), tokens below the min_p cut at -inf;
+    the min_p threshold f32[S], -inf when off)."""
     is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # bool[S]
     temperature = jnp.where(is_greedy, 1.0, batch.temperature)[:, None]  # f32[S, 1]
     scaled = processed / temperature  # f32[S, V]
     min_p_threshold = jnp.max(scaled, axis=-1) + jnp.log(batch.min_p)  # f32[S]; -inf when off
-    scaled = jnp.where(scaled >= min_p_threshold[:, None], scaled, -jnp.inf)
+    return jnp.where(scaled >= min_p_threshold[:, None], scaled, -jnp.inf), min_p_threshold
+
+
+def _candidate_tokens(processed: jax.Array, scaled: jax.Array, min_p_threshold: jax.Array, batch: SamplingBatch,
+                      kp: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(token_ids i32[S], threshold f32[S], flags bool[2, S] = (covered, exact)) of `_candidate_sample`.
+
+    The cut is a per-row threshold (keep logits >= it) read off the candidates (`_prefilter_threshold`;
+    `exact` when they decide it). A random row's token is final when no other token can beat its best
+    candidate score (`covered`): every kept token is a candidate, or the score exceeds the last
+    candidate's logit + the largest noise the stream can draw (GUMBEL_MAX). Other rows are resampled by
+    `_full_vocabulary_sample`; either way a row's sample is argmax(kept logits + its noise), ties to the
+    lowest id. Greedy rows take argmax(processed).
+    """
+    V = scaled.shape[-1]
+    kp = min(kp, V)
     values, ids = _top_k(scaled, kp)  # f32[S, kp] descending, i32[S, kp]
     threshold, exact, valid = _prefilter_threshold(scaled, values, batch.top_k, batch.top_p, V)
     threshold = jnp.maximum(threshold, min_p_threshold)  # f32[S]
     token_ids, best = _gumbel_argmax(values, ids, threshold, batch.key_data, batch.steps)
     last = values[:, -1]  # f32[S]; no other token's logit is above it
     covered = (exact & (threshold > last)) | (valid & (best > last + GUMBEL_MAX)) | (kp == V)  # bool[S]
+    is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # bool[S]
     token_ids = jnp.where(is_greedy, _argmax(processed), token_ids)
-    return _raw_logprobs(raw, token_ids, num_top_logprobs), scaled, threshold, jnp.stack([covered, exact])
+    return token_ids, threshold, jnp.stack([covered, exact])
 
 
 @jax.jit
@@ -592,15 +699,18 @@ def _gumbel_noise_at(key_data: jax.Array, steps: jax.Array, ids: jax.Array) -> j
     return jax.vmap(row)(key_data, steps, ids)
 
 
-def _raw_logprobs(raw: jax.Array, token_ids: jax.Array, k: int) -> SamplerOutput:
-    """Log-probs under log_softmax(raw) of the sampled ids and of the raw top-k."""
+def _raw_logprobs(raw: jax.Array, token_ids: jax.Array, k: int, want_top: jax.Array | None = None) -> SamplerOutput:
+    """Log-probs under log_softmax(raw) of the sampled ids and of the raw top-k. want_top (bool[], the fused
+    step's): the top-k pass runs under lax.cond only when it holds (zeros otherwise)."""
     lse = _logsumexp(raw)  # f32[S, 1]
     sampled = jnp.take_along_axis(raw, token_ids[:, None], axis=-1) - lse  # f32[S, 1]
+    zeros = (jnp.zeros((raw.shape[0], k), jnp.float32), jnp.zeros((raw.shape[0], k), jnp.int32))
     if k == 0:
-        top_values = jnp.zeros((raw.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((raw.shape[0], 0), jnp.int32)
-    else:
+        top_values, top_ids = zeros
+    elif want_top is None:
         top_values, top_ids = _top_k(raw, k)  # f32[S, K], i32[S, K]
+    else:
+        top_values, top_ids = jax.lax.cond(want_top, lambda: _top_k(raw, k), lambda: zeros)
     return SamplerOutput(token_ids=token_ids, logprobs=sampled[:, 0],
                          top_token_ids=top_ids.astype(jnp.int32), top_logprobs=top_values - lse,
                          finite=jnp.all(jnp.isfinite(raw), axis=-1))
