@@ -17,15 +17,18 @@ tokens to the host. Same programs, same results as `execute_model`.
 
 The fused sampler (`RunnerConfig.fuse_sampler`; on with a GPU by default): one jitted program per step,
 `fused_step`, gathers the placeholder tokens, runs the forward, samples every row (sampler.sample_in_step:
-grammar bitmask, logit_bias, penalties, greedy and candidate sampling, raw top log-probs) and counts the
-accepted packed drafts, so a step is one executable call. The sampler's inputs are then built before the
-dispatch: the grammar bitmask is filled first (execute_model), and in `dispatch` the rows are known at
-once (penalties count the token in flight on the device); a step with a constrained row under async
-scheduling, or with a fault injector, takes the fused program's logits and samples in separate programs as
-before. The sampler's rare exact fallbacks (bisection, full-vocabulary noise), unpacked drafts and prompt
-log-probs stay separate programs, run only when needed. One fused program per (T, S, P) bucket: absent
-optional sampler arrays are device-resident neutral ones, and greedy-only / no-logprobs steps skip the
-candidate / top-k passes under lax.cond.
+grammar bitmask, logit_bias, penalties, greedy and candidate sampling, the sampled ids' raw log-probs) and
+counts the accepted packed drafts, so a step is one executable call. The sampler's inputs are then built
+before the dispatch: the grammar bitmask is filled first (execute_model), and in `dispatch` the rows are
+known at once (penalties count the token in flight on the device); a step with a constrained row under
+async scheduling, or with a fault injector, takes the fused program's logits and samples in separate
+programs as before. What only some steps need stays in separate programs, run only then: the sampler's
+exact fallbacks (bisection, full-vocabulary noise), the top log-probs (a vocabulary top-k: a sort on
+XLA:GPU), unpacked drafts and prompt log-probs. Two fused programs per (T, S, P) bucket, the host picking
+as the separate sampler does: greedy-only batches (argmax) and batches with random rows (the candidate
+pass); no lax.cond (XLA:GPU reads a conditional's predicate back to the host unless the branches fit a
+command buffer, which would stall async scheduling; XLA:CPU pays for untaken branches). Absent optional
+sampler arrays (penalty counts, prompt mask, grammar bitmask) are device-resident neutral ones.
 
 The step is a pure function of (params, KV pool, step input) returning the
 logits of each sequence's last fed token and the updated pool (donated, so it
@@ -326,7 +329,7 @@ class PendingStep:
     finish_sample: Callable[[], SamplerOutput] | None = None  # set by dispatch_sample (sampler.sample_deferred)
     fused: FusedStep | None = None  # the fused sampler's device results (ModelRunner._dispatch_fused)
     batch: SamplingBatch | None = None  # the fused step's host batch (its fallbacks read it)
-    num_top_logprobs: int | None = None  # the fused step's: its K = MAX_LOGPROBS columns are cut to this
+    num_top_logprobs: int = 0  # the fused step's (its finish adds the top log-probs when > 0)
     sampled: SamplerOutput | None = None  # finish_sample's result, once called (`sampler_output`)
     prompt_spans: dict | None = None  # prompt_logprob_spans(entries) when some entry asks
     prompt_arrays: tuple | None = None  # prompt_logprobs_step's device outputs over the spans
@@ -352,23 +355,15 @@ class PendingStep:
             out = jax.device_get(self.prompt_arrays)
             prompt = {rid: PromptLogprobs(first, *(a[offset:offset + count] for a in out))
                       for rid, (offset, first, count, _) in self.prompt_spans.items()}
-        return ModelRunnerOutput.from_sampler(self.entries, _top_columns(jax.device_get(sampled),
-                                                                         self.num_top_logprobs), prompt)
+        return ModelRunnerOutput.from_sampler(self.entries, jax.device_get(sampled), prompt)
 
     def next_tokens(self, size: int) -> jax.Array:
         """i32[size]: the step's sampled tokens, zero-padded (the next fused step's previous_tokens): the
         program's own copy unless a fallback (or a separate sampler) produced them."""
         sampled = self.sampler_output()
-        if self.fused is not None and sampled is self.fused.sample.out:
+        if self.fused is not None and sampled.token_ids is self.fused.sample.out.token_ids:
             return self.fused.next_tokens
         return pad_sampled_tokens(sampled.token_ids, size)
-
-
-def _top_columns(out: SamplerOutput, top: int | None) -> SamplerOutput:
-    """A host SamplerOutput with its top log-prob arrays cut to `top` columns (None: as they are)."""
-    if top is None:
-        return out
-    return dataclasses.replace(out, top_token_ids=out.top_token_ids[:, :top], top_logprobs=out.top_logprobs[:, :top])
 
 
 @jax.jit
@@ -694,10 +689,9 @@ class StepSampling:
     """The sampler's inputs of a fused step (`fused_step`): S rows, T tokens, R = max_num_seqs, k drafts a row.
 
     Every field is present in every step (absent optional sampler arrays are `sampler.neutral_arrays`), so
-    one program per (T, S, P) bucket serves every batch."""
+    two programs per (T, S, P) bucket serve every batch: greedy-only, and with random rows."""
 
     batch: SamplingBatch  # S rows, every optional array present (sampler.with_neutral_arrays)
-    want_top_logprobs: np.ndarray  # bool[]: some row asks for logprobs (the top-k pass runs)
     previous_tokens: jax.Array  # i32[R]: the previous step's sampled tokens (async scheduling), zero-padded
     sources: np.ndarray  # i32[T]: the row of previous_tokens each placeholder position takes, else -1
     draft_rows: np.ndarray  # i32[S, k]: speculative decoding (packed drafts): slot m's draft rows (else 0)
@@ -714,22 +708,28 @@ class FusedStep:
     next_tokens: jax.Array  # i32[R]: sample.out.token_ids zero-padded, the next step's previous_tokens
 
 
-def fused_step(config: LlamaConfig, attention: AttentionConfig, params: Params, kv: KVPool, step: StepInput,
-               sampling: StepSampling) -> tuple[FusedStep, jax.Array, KVPool]:
+def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, params: Params, kv: KVPool,
+               step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array, KVPool]:
     """One step in one program: placeholder tokens gathered from the previous step's (async scheduling),
-    `paged_forward`, the sampler's common part (`sampler.sample_in_step`: bitmask, bias, penalties, greedy
-    and candidate sampling, raw log-probs) and the acceptance of packed drafts. Returns the FusedStep, the
-    hidden states [T, E] and the updated pool (donated)."""
+    `paged_forward`, the sampler's common part (`sampler.sample_in_step`: bitmask, bias, penalties, argmax,
+    or the candidate pass when `random` (static: some row samples at random), the sampled ids' raw
+    log-probs) and the acceptance of packed drafts. Returns the FusedStep, the hidden states [T, E] and
+    the updated pool (donated)."""
     token_ids = merge_sampled_tokens(step.token_ids, sampling.previous_tokens, sampling.sources)  # i32[T]
     step = dataclasses.replace(step, token_ids=token_ids)
     logits, hidden, kv = paged_forward(config, attention, params, kv, step)  # f32[S, V], [T, E]
     last = step.logits_indices  # i32[S]
     # a row fed the previous step's token as a placeholder: the host's penalty counts do not hold it yet
     fed = jnp.where(sampling.sources[last] >= 0, token_ids[last], -1)  # i32[S]
-    sample = sampler.sample_in_step(logits, sampling.batch, fed, sampling.want_top_logprobs)
+    sample = sampler.sample_in_step(logits, sampling.batch, fed, random=random)
     num_accepted = accept_drafts(sample.out.token_ids, sampling.draft_rows, sampling.draft_ids)  # i32[S]
     next_tokens = pad_sampled_tokens(sample.out.token_ids, sampling.previous_tokens.shape[0])
     return FusedStep(sample, num_accepted, next_tokens), hidden, kv
+
+
+def has_random_rows(batch: SamplingBatch) -> bool:
+    """Whether some row of a host batch samples at random (the fused step's static choice of program)."""
+    return bool(np.any(np.asarray(batch.temperature) >= sampler.GREEDY_TEMPERATURE_EPS))
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -808,8 +808,10 @@ class ModelRunner:
             raise ValueError("fuse_sampler='on' needs one device: a tensor-parallel mesh samples on the host's "
                              "replicated logits ('auto' or 'off')")
         self.fuse_sampler = self.mesh is None and self.config.sampler_fused()
-        self._fused_step = jax.jit(fused_step, static_argnums=(0, 1), donate_argnums=(3,), compiler_options=options)
-        self._compiled_fused: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (T, S, P) -> fused step
+        self._fused_step = jax.jit(fused_step, static_argnums=(0, 1, 2), donate_argnums=(4,),
+                                   compiler_options=options)
+        # (T, S, P, random) -> fused step; warmup()
+        self._compiled_fused: dict[tuple[int, int, int, bool], jax.stages.Compiled] = {}
         self._neutral = {}
         if self.fuse_sampler:  # what the absent optional sampler arrays read; ~5 bytes x S x V for each S bucket
             self._neutral = {s: sampler.neutral_arrays(s, self.model_config.vocab_size)
@@ -881,25 +883,22 @@ class ModelRunner:
     def _execute_fused(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
                        grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput:
         """execute_model in one program (`fused_step`); the grammar bitmask, one of its inputs, is filled first.
-        Only the rare sampler fallbacks, unpacked drafts and prompt log-probs run other programs."""
+        Only the rare sampler fallbacks, top log-probs, unpacked drafts and prompt log-probs run other programs."""
         if callable(grammar_bitmask):
             grammar_bitmask = grammar_bitmask()
         batch, top = self._sampling_batch(entries, step, layout, grammar_bitmask)
-        fused, hidden = self._run_fused(step, self._step_sampling(batch, top, step, layout=layout))
-        sampled = sampler.finish_in_step(fused.sample, batch)()
+        fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout))
+        sampled = sampler.finish_in_step(fused.sample, batch, top)()
         drafts = None
         if layout is not None and layout.packed:  # the program counted them, unless a fallback changed a token
-            accepted = fused.num_accepted if sampled is fused.sample.out else \
+            accepted = fused.num_accepted if sampled.token_ids is fused.sample.out.token_ids else \
                 accept_drafts(sampled.token_ids, layout.sample_rows, layout.draft_ids)
             drafts = VerifiedDrafts(layout, sampled, accepted)
         elif layout is not None:
             drafts = self._verify_drafts(layout, sampled, hidden, top)
         prompt = self._prompt_logprobs(entries, step, hidden)
-        sampled = _top_columns(jax.device_get(sampled), top)
-        if drafts is not None:
-            drafts = drafts.to_host()
-            drafts = dataclasses.replace(drafts, sampled=_top_columns(drafts.sampled, top))
-        return ModelRunnerOutput.from_sampler(entries, sampled, prompt, drafts)
+        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt,
+                                              None if drafts is None else drafts.to_host())
 
     def _sampling_batch(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
                         grammar_bitmask: np.ndarray | None) -> tuple[SamplingBatch, int]:
@@ -909,7 +908,7 @@ class ModelRunner:
         batch = make_sampling_batch(rows, S, V, token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
         return batch, num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
 
-    def _step_sampling(self, batch: SamplingBatch, top: int, step: StepInput, *, layout: DraftRows | None = None,
+    def _step_sampling(self, batch: SamplingBatch, step: StepInput, *, layout: DraftRows | None = None,
                        sources: np.ndarray | None = None, previous: jax.Array | None = None) -> StepSampling:
         """A fused step's sampler inputs (StepSampling) from its host batch; absent parts neutral."""
         S, k, V = batch.num_rows, self.config.num_speculative_tokens, self.model_config.vocab_size
@@ -922,18 +921,18 @@ class ModelRunner:
         if previous is None:
             previous = self._no_previous if self.fuse_sampler else jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)
         neutral = self._neutral.get(S) or sampler.neutral_arrays(S, V)  # made here only for `lower_fused`
-        return StepSampling(sampler.with_neutral_arrays(batch, neutral), np.bool_(top > 0), previous, sources,
-                            draft_rows, draft_ids)
+        return StepSampling(sampler.with_neutral_arrays(batch, neutral), previous, sources, draft_rows, draft_ids)
 
     def _run_fused(self, step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array]:
-        """(FusedStep, hidden [T, E]) from the fused program `warmup` compiled for the step's shape (else the
-        jitted one, compiling on first use)."""
-        compiled = self.compiled_fused_program(step)
+        """(FusedStep, hidden [T, E]) from the fused program `warmup` compiled for the step's shape and batch
+        (greedy-only or not; else the jitted one, compiling on first use)."""
+        random = has_random_rows(sampling.batch)
+        compiled = self.compiled_fused_program(step, random)
         if compiled is not None:
             fused, hidden, self.kv = compiled(self.params, self.kv, step, sampling)
         else:
-            fused, hidden, self.kv = self._fused_step(self.model_config, self.config.attention, self.params, self.kv,
-                                                      step, sampling)
+            fused, hidden, self.kv = self._fused_step(self.model_config, self.config.attention, random, self.params,
+                                                      self.kv, step, sampling)
         return fused, hidden
 
     def _layout_drafts(self, entries: Sequence[ScheduledRequest], step: StepInput) -> DraftRows:
@@ -1019,7 +1018,7 @@ class ModelRunner:
             logits, hidden = self._forward(step, sources, tokens)
             return PendingStep(entries, step, logits, hidden)
         batch, top = self._sampling_batch(entries, step, None, None)
-        fused, hidden = self._run_fused(step, self._step_sampling(batch, top, step, sources=sources, previous=tokens))
+        fused, hidden = self._run_fused(step, self._step_sampling(batch, step, sources=sources, previous=tokens))
         return PendingStep(entries, step, None, hidden, fused=fused, batch=batch, num_top_logprobs=top)
 
     def dispatch_sample(self, pending: PendingStep, grammar_bitmask: GrammarBitmask | None = None) -> None:
@@ -1027,7 +1026,8 @@ class ModelRunner:
         A fused step sampled in its own program: only its fallbacks are left (run by `pending.result`)."""
         entries = pending.entries
         if pending.fused is not None:
-            pending.finish_sample = sampler.finish_in_step(pending.fused.sample, pending.batch)
+            pending.finish_sample = sampler.finish_in_step(pending.fused.sample, pending.batch,
+                                                           pending.num_top_logprobs)
         else:
             logits = pending.logits
             if callable(grammar_bitmask):
@@ -1069,7 +1069,7 @@ class ModelRunner:
         `previous` (i32[R]) at `sources` (i32[T]) as in `fused_step`."""
         if self.fuse_sampler:
             batch = make_sampling_batch([], len(step.logits_indices), self.model_config.vocab_size)
-            fused, hidden = self._run_fused(step, self._step_sampling(batch, 0, step, sources=sources,
+            fused, hidden = self._run_fused(step, self._step_sampling(batch, step, sources=sources,
                                                                       previous=previous))
             return fused.sample.logits, hidden
         if self.multi_process:
@@ -1102,11 +1102,13 @@ class ModelRunner:
             return self._step.lower(*args)
         return self._step.trace(*args).lower(lowering_platforms=platforms)
 
-    def lower_fused(self, step: StepInput, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
-        """The fused step (`fused_step`: forward, sampler, draft acceptance) lowered at `step`'s shapes; its
-        compiled program takes (params, kv, step, StepSampling) and returns (FusedStep, hidden, kv).
-        platforms: as in `lower`."""
-        args = (self.model_config, self.config.attention, self.params, self.kv, step, self.neutral_sampling(step))
+    def lower_fused(self, step: StepInput, random: bool = True,
+                    platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
+        """The fused step (`fused_step`: forward, sampler, draft acceptance) lowered at `step`'s shapes, its
+        greedy-only program or (random) the one with random rows; the compiled program takes
+        (params, kv, step, StepSampling) and returns (FusedStep, hidden, kv). platforms: as in `lower`."""
+        args = (self.model_config, self.config.attention, random, self.params, self.kv, step,
+                self.neutral_sampling(step))
         if platforms is None:
             return self._fused_step.lower(*args)
         return self._fused_step.trace(*args).lower(lowering_platforms=platforms)
@@ -1114,16 +1116,17 @@ class ModelRunner:
     def neutral_sampling(self, step: StepInput) -> StepSampling:
         """A fused step's sampler inputs at `step`'s shape with greedy padding rows only (lowering, benches)."""
         batch = make_sampling_batch([], len(step.logits_indices), self.model_config.vocab_size)
-        return self._step_sampling(batch, 0, step)
+        return self._step_sampling(batch, step)
 
-    def compiled_fused_program(self, step: StepInput) -> jax.stages.Compiled | None:
-        """The fused program `warmup` compiled for `step`'s (T, S, P) shape (None before warm-up or when
-        the sampler is not fused)."""
-        return self._compiled_fused.get((len(step.token_ids), *step.page_table.shape))
+    def compiled_fused_program(self, step: StepInput, random: bool) -> jax.stages.Compiled | None:
+        """The fused program `warmup` compiled for `step`'s (T, S, P) shape, greedy-only or with random rows
+        (None before warm-up or when the sampler is not fused)."""
+        return self._compiled_fused.get((len(step.token_ids), *step.page_table.shape, random))
 
     def step_program(self, step: StepInput) -> jax.stages.Compiled | None:
-        """The program a step of `step`'s shape runs: the fused one when the sampler is fused, else the forward."""
-        return self.compiled_fused_program(step) if self.fuse_sampler else self.compiled_program(step)
+        """The program a greedy step of `step`'s shape runs: the fused one (takes `neutral_sampling(step)` too)
+        when the sampler is fused, else the forward."""
+        return self.compiled_fused_program(step, False) if self.fuse_sampler else self.compiled_program(step)
 
     def compiled_program(self, step: StepInput) -> jax.stages.Compiled | None:
         """The program `warmup` compiled for `step`'s (T, S, P) shape (None before warm-up): to read its HLO
@@ -1159,8 +1162,8 @@ class ModelRunner:
     def warmup(self) -> dict[str, float]:
         """Compile every (T, S, P) bucket and the sampler ahead of time, so serving never compiles.
 
-        With the fused sampler each shape's program is the fused step (the forward alone is never compiled:
-        steps that sample outside it use the fused program's logits).
+        With the fused sampler each shape gets the fused step's two programs, greedy-only and with random rows
+        (the forward alone is never compiled: steps that sample outside it use the greedy program's logits).
         Returns the seconds spent: {"compile": step shapes, "sampler": sampler and prompt-logprob shapes}.
         Nothing runs: each shape is lowered here and compiled on a pool of threads (XLA compiles
         outside the GIL; a persistent-cache hit loads the program instead), and `_run` calls the
@@ -1171,13 +1174,16 @@ class ModelRunner:
         workers = max(1, min(len(buckets), (os.cpu_count() or 1) // 2, _MAX_COMPILE_THREADS))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxpaged-compile") as pool:
             futures = {}
-            lower = self.lower_fused if self.fuse_sampler else self.lower
-            compiled = self._compiled_fused if self.fuse_sampler else self._compiled
             for i, (t, s, p) in enumerate(buckets, 1):
                 logger.info("compiling step shape %d/%d: (T, S, P) = (%d, %d, %d)", i, len(buckets), t, s, p)
-                futures[pool.submit(lower(empty_step(t, s, p)).compile)] = (t, s, p)
+                if not self.fuse_sampler:
+                    futures[pool.submit(self.lower(empty_step(t, s, p)).compile)] = (self._compiled, (t, s, p))
+                for random in (False, True) if self.fuse_sampler else ():
+                    lowered = self.lower_fused(empty_step(t, s, p), random)
+                    futures[pool.submit(lowered.compile)] = (self._compiled_fused, (t, s, p, random))
             for future in concurrent.futures.as_completed(futures):
-                compiled[futures[future]] = future.result()
+                compiled, key = futures[future]
+                compiled[key] = future.result()
         seconds = time.perf_counter() - start
         logger.info("compiled %d step shapes (T, S, P) in %.1f s on %d threads", len(buckets), seconds, workers)
         start = time.perf_counter()

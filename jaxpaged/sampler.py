@@ -38,8 +38,9 @@ nothing for it). Parameter values never cause a recompile.
 
 The fused step (jaxpaged/model_runner.py, `fuse_sampler`) traces `sample_in_step` into the step's own
 program instead: the same operations as the parts above (so the same samples), every optional array present
-(`neutral_arrays` when absent), greedy-only batches and steps without logprobs skipping the candidate and
-top-k passes under lax.cond; `finish_in_step` runs the two fallbacks when its flags ask.
+(`neutral_arrays` when absent), in two programs the host picks between as above (greedy-only batches:
+argmax; else the candidate pass); `finish_in_step` runs the two fallbacks when its flags ask and
+`_top_logprobs` when a row asks for logprobs.
 """
 
 from __future__ import annotations
@@ -325,11 +326,11 @@ sample_jit = sample  # the former name: `sample` jits its own parts
 class StepSample:
     """The sampler's part of a fused step program (`sample_in_step`): S rows over V. A pytree."""
 
-    out: SamplerOutput  # K = the num_top_logprobs compiled in (junk unless the step asked: the host slices)
-    logits: jax.Array  # f32[S, V]: raw logits after the token bitmask (the fallbacks read them)
-    scaled: jax.Array  # f32[S, V]: tempered, min_p-cut logits (idem)
-    threshold: jax.Array  # f32[S]: each random row's cut
-    flags: jax.Array  # bool[2, S]: (covered, exact) of `_candidate_tokens`; all True when no row is random
+    out: SamplerOutput  # K = 0 (finish_in_step adds the top log-probs)
+    logits: jax.Array  # f32[S, V]: raw logits after the token bitmask (the fallbacks and top log-probs read them)
+    scaled: jax.Array | None  # f32[S, V]: tempered, min_p-cut logits; None in the greedy program
+    threshold: jax.Array | None  # f32[S]: each random row's cut; idem
+    flags: jax.Array | None  # bool[2, S]: (covered, exact) of `_candidate_tokens`; idem
 
 
 jax.tree_util.register_dataclass(
@@ -353,35 +354,28 @@ def with_neutral_arrays(batch: SamplingBatch, neutral: tuple[jax.Array, jax.Arra
     return batch if batch.token_bitmask is not None else dataclasses.replace(batch, token_bitmask=bitmask)
 
 
-def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.Array, want_top_logprobs: jax.Array,
-                   *, num_top_logprobs: int = MAX_LOGPROBS, prefilter_k: int = PREFILTER_K) -> StepSample:
+def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.Array, *, random: bool,
+                   prefilter_k: int = PREFILTER_K) -> StepSample:
     """`sample_deferred`'s device part, traced inside the step's own program (pure; not jitted here).
 
     logits f32[S, V]; batch: every field present (`with_neutral_arrays`); fed_token_ids i32[S]: an output
     token of the row the host's counts do not hold yet (async scheduling: the previous step's token, fed
-    this step as a placeholder), -1 for none; want_top_logprobs bool[]: run the top-k log-prob pass.
-    Greedy-only batches skip the candidate pass and no-logprobs steps the top-k pass, each under a
-    lax.cond, so one program serves every batch. Same operations as the separate parts, so the same
-    samples; `finish_in_step` runs the rare fallbacks from the returned flags.
+    this step as a placeholder), -1 for none. random (static, the host's choice, as `sample` makes it):
+    some row samples at random, so the candidate pass runs (else argmax only). No top log-probs
+    (`finish_in_step` adds them when asked). Same operations as the separate parts, so the same samples.
     """
-    S, V = logits.shape
     unmasked = logits.astype(jnp.float32)
     raw = apply_token_bitmask(unmasked, batch.token_bitmask)  # identity under an all-ones bitmask
     batch = dataclasses.replace(batch, output_counts=_count_fed_tokens(batch.output_counts, fed_token_ids))
     processed = process_logits(raw, batch)
+    finite = jnp.all(jnp.isfinite(unmasked), axis=-1)  # bool[S]; before the grammar's -inf
+    if not random:
+        out = _raw_logprobs(raw, _argmax(processed), 0)
+        return StepSample(dataclasses.replace(out, finite=finite), raw, None, None, None)
     scaled, min_p_threshold = _scale(processed, batch)
-
-    def random_rows():
-        return _candidate_tokens(processed, scaled, min_p_threshold, batch, prefilter_k)
-
-    def greedy_rows():
-        return _argmax(processed), jnp.zeros((S,), jnp.float32), jnp.ones((2, S), jnp.bool_)
-
-    any_random = jnp.any(batch.temperature >= GREEDY_TEMPERATURE_EPS)
-    token_ids, threshold, flags = jax.lax.cond(any_random, random_rows, greedy_rows)
-    out = _raw_logprobs(raw, token_ids, num_top_logprobs, want_top_logprobs)
-    out = dataclasses.replace(out, finite=jnp.all(jnp.isfinite(unmasked), axis=-1))
-    return StepSample(out, raw, scaled, threshold, flags)
+    token_ids, threshold, flags = _candidate_tokens(processed, scaled, min_p_threshold, batch, prefilter_k)
+    out = _raw_logprobs(raw, token_ids, 0)
+    return StepSample(dataclasses.replace(out, finite=finite), raw, scaled, threshold, flags)
 
 
 def _count_fed_tokens(counts: jax.Array, fed_token_ids: jax.Array) -> jax.Array:
@@ -390,17 +384,31 @@ def _count_fed_tokens(counts: jax.Array, fed_token_ids: jax.Array) -> jax.Array:
     return counts + (vocabulary == fed_token_ids[:, None]).astype(counts.dtype)
 
 
-def finish_in_step(state: StepSample, batch: SamplingBatch) -> Callable[[], SamplerOutput]:
-    """`sample_deferred`'s `finish` for a fused step: returns `state.out` itself when no random row needs a
-    fallback (the flags are read back only when some row samples at random), else the output with
-    `_bisect_thresholds` / `_full_vocabulary_sample` applied. These stay separate programs, run only when
-    the flags ask: they cost O(V) passes per row (32 halvings, noise over the whole vocabulary) that the
-    candidate pass almost always makes unnecessary, and a lax.cond around them would sit in every step."""
-    random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch: free)
-    if not random_rows.any():
-        return lambda: state.out
-    return functools.partial(_finish_random, state.logits, batch, random_rows, state.out, state.scaled,
-                             state.threshold, state.flags)
+def finish_in_step(state: StepSample, batch: SamplingBatch, num_top_logprobs: int) -> Callable[[], SamplerOutput]:
+    """`sample_deferred`'s `finish` for a fused step. Its token_ids are `state.out.token_ids` themselves
+    unless a random row needed a fallback (the flags are read back only when some row samples at random):
+    `_bisect_thresholds` / `_full_vocabulary_sample`, separate programs run only when the flags ask (O(V)
+    passes per row, 32 halvings and noise over the whole vocabulary, that the candidate pass almost always
+    makes unnecessary). num_top_logprobs > 0 (some row asks): `_top_logprobs` adds the raw top-k, also a
+    separate program, as a top-k over the vocabulary in every step (XLA:GPU sorts for k = 20) would cost
+    more than one small dispatch on the steps that ask."""
+    def finish() -> SamplerOutput:
+        out = state.out
+        if state.flags is not None:
+            random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch)
+            out = _finish_random(state.logits, batch, random_rows, out, state.scaled, state.threshold, state.flags)
+        if num_top_logprobs:
+            top_ids, top_logprobs = _top_logprobs(state.logits, num_top_logprobs)
+            out = dataclasses.replace(out, top_token_ids=top_ids, top_logprobs=top_logprobs)
+        return out
+    return finish
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _top_logprobs(raw: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(i32[S, K] ids, f32[S, K] log-probs) of the raw distribution's k most likely tokens (`_raw_logprobs`')."""
+    out = _raw_logprobs(raw, jnp.zeros(raw.shape[:1], jnp.int32), k)
+    return out.top_token_ids, out.top_logprobs
 
 
 def num_top_logprobs_for(requested: Sequence[int | None]) -> int:
@@ -420,18 +428,20 @@ def warmup(num_rows: int, vocab_size: int, num_top_logprobs: Sequence[int] = (0,
             for k in num_top_logprobs:
                 jax.block_until_ready(sample(logits, batch, num_top_logprobs=k))
     batch = make_sampling_batch([RowInfo(SamplingParams(temperature=1.0), seed=0)], num_rows, vocab_size)
-    out, scaled, threshold, _ = _candidate_sample(logits, batch, MAX_LOGPROBS, PREFILTER_K)
     rows = np.ones(num_rows, bool)
-    threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, rows)
-    jax.block_until_ready(_full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps,
-                                                  rows))
+    for k in num_top_logprobs:  # the fallbacks over the output of each K (the fused step's: K = 0)
+        out, scaled, threshold, _ = _candidate_sample(logits, batch, k, PREFILTER_K)
+        threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, rows)
+        jax.block_until_ready(_full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps,
+                                                      rows))
     jax.block_until_ready(_mask_logits(logits, np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)))
+    jax.block_until_ready(_top_logprobs(logits, MAX_LOGPROBS))  # the fused step's top log-probs
 
 
 def compiled_variants() -> int:
     """How many programs the sampler's parts have compiled so far (tests: no recompiles)."""
     return sum(f._cache_size() for f in (_greedy_sample, _candidate_sample, _bisect_thresholds,
-                                         _full_vocabulary_sample, _mask_logits))
+                                         _full_vocabulary_sample, _mask_logits, _top_logprobs))
 
 
 @jax.jit
@@ -699,18 +709,15 @@ def _gumbel_noise_at(key_data: jax.Array, steps: jax.Array, ids: jax.Array) -> j
     return jax.vmap(row)(key_data, steps, ids)
 
 
-def _raw_logprobs(raw: jax.Array, token_ids: jax.Array, k: int, want_top: jax.Array | None = None) -> SamplerOutput:
-    """Log-probs under log_softmax(raw) of the sampled ids and of the raw top-k. want_top (bool[], the fused
-    step's): the top-k pass runs under lax.cond only when it holds (zeros otherwise)."""
+def _raw_logprobs(raw: jax.Array, token_ids: jax.Array, k: int) -> SamplerOutput:
+    """Log-probs under log_softmax(raw) of the sampled ids and of the raw top-k."""
     lse = _logsumexp(raw)  # f32[S, 1]
     sampled = jnp.take_along_axis(raw, token_ids[:, None], axis=-1) - lse  # f32[S, 1]
-    zeros = (jnp.zeros((raw.shape[0], k), jnp.float32), jnp.zeros((raw.shape[0], k), jnp.int32))
     if k == 0:
-        top_values, top_ids = zeros
-    elif want_top is None:
-        top_values, top_ids = _top_k(raw, k)  # f32[S, K], i32[S, K]
+        top_values = jnp.zeros((raw.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((raw.shape[0], 0), jnp.int32)
     else:
-        top_values, top_ids = jax.lax.cond(want_top, lambda: _top_k(raw, k), lambda: zeros)
+        top_values, top_ids = _top_k(raw, k)  # f32[S, K], i32[S, K]
     return SamplerOutput(token_ids=token_ids, logprobs=sampled[:, 0],
                          top_token_ids=top_ids.astype(jnp.int32), top_logprobs=top_values - lse,
                          finite=jnp.all(jnp.isfinite(raw), axis=-1))

@@ -206,12 +206,13 @@ def compiles_while(fn) -> tuple[list, list]:
 
 @pytest.mark.parametrize("mode", ["sync", "async", "spec"])
 def test_no_compilation_after_warmup(tiny, mode):
-    """Warm-up compiles one fused program per (T, S, P) bucket (no forward-only program) and every sampler
-    part; the mixed workload (fallbacks, logprobs, penalties, preemption) then compiles nothing."""
+    """Warm-up compiles two fused programs per (T, S, P) bucket (greedy-only, random rows; no forward-only
+    program) and every sampler part; the mixed workload (fallbacks, logprobs, penalties, preemption) then
+    compiles nothing."""
     extra = {"async": dict(async_scheduling=True), "spec": dict(speculative_config=SPEC3)}.get(mode, {})
     engine = make_engine(tiny, "on", num_pages=40, warmup=True, **extra)
     runner = engine.runner
-    assert len(runner._compiled_fused) == len(runner.config.buckets) and not runner._compiled
+    assert len(runner._compiled_fused) == 2 * len(runner.config.buckets) and not runner._compiled
     requests = {str(i): (p, mix(i)) for i, p in enumerate(mixed_prompts(12, seed=4) + repetitive_prompts(8))}
     traces, compiles = compiles_while(lambda: run(engine, requests, {"1": 2, "4": 1}))
     assert traces == [] and compiles == []
@@ -221,11 +222,11 @@ def test_no_compilation_after_warmup(tiny, mode):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_one_program_per_step(tiny, async_scheduling):
     """A fused step is one executable call when no fallback is needed (greedy and top-k rows, penalties,
-    logit_bias; no prompt logprobs): the placeholder gather (async), the forward, the sampler. The unfused
-    engine makes two or three calls per step."""
+    logit_bias; no logprobs): the placeholder gather (async), the forward, the sampler. The unfused engine
+    makes two or three calls per step."""
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0.9, top_k=8, seed=3, max_tokens=8, logit_bias={7: 2.0}),
-              SamplingParams(temperature=0.7, top_k=3, seed=4, max_tokens=9, repetition_penalty=1.2, logprobs=2)]
+              SamplingParams(temperature=0.7, top_k=3, seed=4, max_tokens=9, repetition_penalty=1.2)]
     prompts = mixed_prompts(6, seed=8)
     per_step = {}
     for fuse in ("off", "on"):
@@ -268,32 +269,38 @@ def fused_runner(params, **fields) -> tuple[ModelRunner, object]:
     return runner, runner.prepare([entry("a", [11], 40, [3, 7, 9])])  # one decode token
 
 
+def entry_result(text: str) -> str:
+    """The result type of a compiled HLO module's entry computation."""
+    return next(line for line in text.splitlines() if line.startswith("ENTRY")).split("->")[-1]
+
+
 def test_compiled_cpu_step_holds_the_sampler(small_params):  # noqa: F811
-    """The compiled fused program (this CPU) computes the LM head and samples: its result holds the sampled ids
-    i32[S] and the top log-probs, its body the candidate top-k, the Gumbel noise's threefry and the two
-    lax.conds; the forward-only program holds none of them."""
+    """The compiled fused programs (this CPU) compute the LM head and sample in the same program: their result
+    holds the sampled ids i32[S] beside the hidden states; the program with random rows holds the candidate
+    top-k (ids s32[S, kp], kp = min(256, V)) and the Gumbel noise's threefry (xor-rotate rounds); the
+    forward-only program returns logits and holds none of it."""
     runner, step = fused_runner(small_params)
-    S = step.page_table.shape[0]
-    fused = runner.lower_fused(step).compile().as_text()
+    S, V = step.page_table.shape[0], SMALL.vocab_size
+    random = runner.lower_fused(step, random=True).compile().as_text()
+    greedy = runner.lower_fused(step, random=False).compile().as_text()
     plain = runner.lower(step).compile().as_text()
-    entry_line = next(line for line in fused.splitlines() if line.startswith("ENTRY"))
-    assert f"s32[{S}]" in entry_line and f"f32[{S},20]" in entry_line  # token ids, top log-probs
-    for text, expected in ((fused, True), (plain, False)):
-        assert (" conditional(" in text) is expected
-        assert ("threefry" in text.lower() or "xor(" in text) is expected
-        assert (f"s32[{S},256]" in text or f"s32[{S},200]" in text) is expected  # candidate ids (kp = min(256, V))
-    assert fused.count(" conditional(") >= 2
+    for text in (random, greedy):
+        assert f"s32[{S}]" in entry_result(text) and f"f32[{S},{V}]" in entry_result(text)
+    assert f"s32[{S}]" not in entry_result(plain)
+    candidates = f"s32[{S},{min(256, V)}]"
+    assert candidates in random and candidates not in greedy and candidates not in plain
+    assert " xor(" in random and " xor(" not in plain and " conditional(" not in random + greedy
 
 
 def test_cuda_lowering_holds_the_sampler(small_params):  # noqa: F811
-    """The fused step lowered for CUDA from this CPU (the Pallas attention kernel as on a GPU): one module
-    with the kernel, the LM head and the sampler (top-k, the lax.conds); the forward-only lowering has
-    no top-k and no conditional."""
+    """The fused step lowered for CUDA from this CPU (the Pallas attention kernel as on a GPU): one module with
+    the kernel, the LM head and the sampler (the candidate top-k, threefry's xor rounds, the sampled ids
+    in its results), no conditional; the forward-only lowering has none of the sampler."""
     runner, step = fused_runner(small_params, attention_backend="pallas")
     with cuda_compile.gpu_target():
-        fused = runner.lower_fused(step, platforms=("cuda",)).as_text()
+        fused = runner.lower_fused(step, random=True, platforms=("cuda",)).as_text()
         plain = runner.lower(step, platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in fused and "__gpu$xla.gpu.triton" in plain
-    for text, expected in ((fused, True), (plain, False)):
-        assert ("top_k" in text) is expected
-        assert ("stablehlo.case" in text or "stablehlo.if" in text) is expected
+    for marker in ("top_k", "stablehlo.xor"):
+        assert marker in fused and marker not in plain, marker
+    assert "stablehlo.case" not in fused and "stablehlo.if" not in fused
