@@ -93,7 +93,8 @@ def build_engine(config: LlamaConfig, args) -> LLMEngine:
     del params
     engine_args = EngineArgs(model="random", max_model_len=args.prompt_len + args.output_len + 16,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory)
+                             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
+                             fuse_sampler=args.fuse_sampler)
     return LLMEngine(engine_args, loaded=loaded)
 
 
@@ -367,6 +368,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="append one JSON object per measurement here")
     parser.add_argument("--skip-variants", action="store_true")
     parser.add_argument("--skip-spec", action="store_true", help="leave out issue 17's speculative decoding rows")
+    parser.add_argument("--fuse-sampler", default="auto", choices=["auto", "on", "off"],
+                        help="the engine's fuse_sampler (auto: on with a GPU)")
     args = parser.parse_args(argv)
     if not args.smoke and jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (backend is {jax.default_backend()!r}); use --smoke elsewhere")
@@ -383,7 +386,7 @@ def main(argv=None) -> int:
     rc = engine.runner_config
     report.row("start-up", f"{time.perf_counter() - start:.1f} s",
                f"warm-up {sum(engine.startup_phases.get(k, 0.0) for k in ('compile', 'sampler')):.1f} s "
-               f"({len(rc.buckets)} step shapes); weights {weight_bytes / 2**30:.2f} GiB, layout "
+               f"({len(rc.buckets)} step shapes{' x 2 fused programs' if engine.runner.fuse_sampler else ''}); weights {weight_bytes / 2**30:.2f} GiB, layout "
                f"{engine.runner.layout}; KV pool {rc.num_pages - 1} pages ({(rc.num_pages - 1) * rc.page_size} "
                f"tokens); copy bandwidth {bandwidth / 1e9:.0f} GB/s",
                seconds=time.perf_counter() - start, phases=engine.startup_phases, bandwidth=bandwidth,
