@@ -121,7 +121,8 @@ def verdict(label, value, target, higher=True, unit=""):
     print(f"{'UNMEASURED':10s} {label}")
     return
   ok = value >= target if higher else value < target
-  print(f"{'PASS' if ok else 'MISS':10s} {label}: {value:,.1f}{unit} "
+  shown = f"{value:.2f}" if unit == "x" else f"{value:,.1f}"
+  print(f"{'PASS' if ok else 'MISS':10s} {label}: {shown}{unit} "
         f"({'>=' if higher else '<'} {target:,}{unit})")
 print("issue 15 targets" + (" (smoke: tiny model on this machine, not the target)" if smoke else "") + ":")
 b1 = find("batch-1 decode")
