@@ -92,8 +92,8 @@ class EngineArgs:
     num_pages: int | None = None  # KV pool size in pages (incl. the null page); overrides the above
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"  # the KV pool's dtype (see model_runner.resolve_kv_cache_dtype)
-    # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays on GPU, read in place;
-    # the stacked scan on CPU), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up one gemm each
+    # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays, read in place; the
+    # stacked scan compiles faster), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up one gemm each
     weight_layout: str = "auto"
     fuse_projections: bool = True
     # XLA:GPU command buffers (CUDA graphs) over the step: "auto", "xla", "off" or "full" (model_runner)

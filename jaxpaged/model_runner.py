@@ -134,22 +134,34 @@ class StepInput:
 # XLA:CPU library fusions for dots (YNNPACK, a dot with its elementwise neighbours). jaxlib 0.10.2's
 # default already sends each dot and reduction to YNNPACK one by one; this setting fused the step's
 # dots with their neighbours and was the fastest set measured (docs/benchmarks.md, "XLA:CPU options").
-CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+# 512-bit vectors where the CPU has them (XLA:CPU prefers 256): a one-row decode's matrix-vector products
+# are XLA's own reductions, not library calls, and ran ~10% faster (batch-1 step 17.4 -> 15.6 ms with
+# per-layer weights, SmolLM2 f32, AVX-512 machine; no change at batch 32 or in prefill; docs/benchmarks.md).
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+                        "xla_cpu_prefer_vector_width": "512"}
+# Steps of at most CPU_SMALL_STEP_TOKENS tokens (a few decodes, a speculative verification) compile without
+# YNNPACK: XLA's own dots ran a 2-16-row matmul stack 5-30% faster than YNNPACK's, which wins from ~32 rows
+# on (docs/benchmarks.md, "XLA:CPU options per step shape").
+CPU_SMALL_STEP_TOKENS = 16
+CPU_SMALL_STEP_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_prefer_vector_width": "512"}
 
 
 @functools.cache
-def cpu_compiler_options(platform: str | None = None) -> dict[str, str]:
-    """XLA options the runner compiles its step with: CPU_COMPILER_OPTIONS on CPU when this jaxlib
-    accepts them (checked once on a tiny program; else none, with a warning), none on other platforms."""
+def cpu_compiler_options(platform: str | None = None, num_tokens: int | None = None) -> dict[str, str]:
+    """XLA options the runner compiles a step of `num_tokens` tokens (T; None: any) with: on CPU,
+    CPU_SMALL_STEP_OPTIONS up to CPU_SMALL_STEP_TOKENS, else CPU_COMPILER_OPTIONS, when this jaxlib accepts
+    them (checked once on a tiny program; else none, with a warning); none on other platforms."""
     if (platform or jax.default_backend()) != "cpu":
         return {}
+    options = CPU_SMALL_STEP_OPTIONS if num_tokens is not None and num_tokens <= CPU_SMALL_STEP_TOKENS else \
+        CPU_COMPILER_OPTIONS
     try:
         x = np.ones((2, 2), np.float32)
-        jax.jit(lambda a: a @ a, compiler_options=CPU_COMPILER_OPTIONS).lower(x).compile()
+        jax.jit(lambda a: a @ a, compiler_options=options).lower(x).compile()
     except Exception as err:  # an XLA that does not know the option
-        logger.warning("XLA:CPU does not take %s (%s); compiling with its defaults", CPU_COMPILER_OPTIONS, err)
+        logger.warning("XLA:CPU does not take %s (%s); compiling with its defaults", options, err)
         return {}
-    return dict(CPU_COMPILER_OPTIONS)
+    return dict(options)
 
 
 # XLA:GPU command buffers (CUDA graphs): the kinds of work XLA records into graphs that replay with one
@@ -498,8 +510,8 @@ class RunnerConfig:
     max_num_partial_prefills: int | None = None
     # Speculative decoding: drafts verified per request and step (SpeculativeConfig's k); 0: off
     num_speculative_tokens: int = 0
-    # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays on GPU, the stacked scan
-    # on CPU), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up as one gemm each.
+    # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays on GPU and CPU; the stacked
+    # scan compiles faster), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up as one gemm each.
     weight_layout: str = "auto"
     fuse_projections: bool = True
     # XLA:GPU command buffers over the step: "auto" or a GPU_COMMAND_BUFFERS key (ignored off GPU)
@@ -547,9 +559,10 @@ class RunnerConfig:
         """The step's weight layout on `platform` (default: JAX's default backend)."""
         return resolve_weight_layout(self.weight_layout, self.fuse_projections, platform or jax.default_backend())
 
-    def compiler_options(self, platform: str | None = None) -> dict[str, str]:
-        """XLA options of the step: XLA:CPU dot fusions on CPU, command buffers on GPU."""
-        return {**cpu_compiler_options(platform), **gpu_compiler_options(self.command_buffers, platform)}
+    def compiler_options(self, platform: str | None = None, num_tokens: int | None = None) -> dict[str, str]:
+        """XLA options of a step of num_tokens (T bucket; None: any): XLA:CPU's dot settings for that size
+        on CPU (see cpu_compiler_options), command buffers on GPU."""
+        return {**cpu_compiler_options(platform, num_tokens), **gpu_compiler_options(self.command_buffers, platform)}
 
     @property
     def attention(self) -> AttentionConfig:
@@ -1176,11 +1189,14 @@ class ModelRunner:
             futures = {}
             for i, (t, s, p) in enumerate(buckets, 1):
                 logger.info("compiling step shape %d/%d: (T, S, P) = (%d, %d, %d)", i, len(buckets), t, s, p)
+                options = self.config.compiler_options(num_tokens=t)
                 if not self.fuse_sampler:
-                    futures[pool.submit(self.lower(empty_step(t, s, p)).compile)] = (self._compiled, (t, s, p))
+                    lowered = self.lower(empty_step(t, s, p))
+                    futures[pool.submit(lowered.compile, compiler_options=options)] = (self._compiled, (t, s, p))
                 for random in (False, True) if self.fuse_sampler else ():
                     lowered = self.lower_fused(empty_step(t, s, p), random)
-                    futures[pool.submit(lowered.compile)] = (self._compiled_fused, (t, s, p, random))
+                    futures[pool.submit(lowered.compile, compiler_options=options)] = \
+                        (self._compiled_fused, (t, s, p, random))
             for future in concurrent.futures.as_completed(futures):
                 compiled, key = futures[future]
                 compiled[key] = future.result()

@@ -10,10 +10,14 @@ Checkpoints load stacked ({name: [L, ...]}) and unfused (wq, wk, wv, w_gate, w_u
     L layers compiled instead of one (the persistent compilation cache keeps it to the first start).
   - fused projections: wqkv [E, K, G + 2, D] and w_gate_up [E, 2, F], one gemm each instead of three
     and two, on the same input.
-"auto" (RunnerConfig.weight_layout, EngineArgs.weight_layout) picks per-layer on GPU and the stacked
-scan on CPU: there a per-layer step ran 1.2-1.5x faster (median, loaded machine) but compiled 4-7x slower
-(15-19 s against 2-3 s a step shape for SmolLM2), which a cold start pays for each of its ~22 shapes
-(docs/benchmarks.md, "GPU step (issue 15)"). Fusing was neutral on CPU and is on everywhere.
+"auto" (RunnerConfig.weight_layout, EngineArgs.weight_layout) picks per-layer weights on GPU and on CPU.
+On CPU the scan's slices are copied too (at 2-32 rows the dot reads a copy of each weight) and the
+per-layer step ran ~10% faster at every shape measured, quiet machine, engine steps interleaved
+(SmolLM2 f32: batch-1 decode 19.4 -> 17.4 ms, batch 32 83.9 -> 75.4 ms, a 256-token prefill 178 ->
+162 ms). Its price is compile time: 30 layers compiled instead of one, a cold start of 19 step shapes
+~75 s instead of ~20-35 s, paid once per machine (the persistent compilation cache loads them in ~1 s
+later; docs/benchmarks.md, "CPU weight layout"). "stacked" keeps the scan (fast cold starts, e.g.
+for short-lived test engines). Fusing was neutral on CPU and is on everywhere.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from jaxpaged import parallel
 from jaxpaged.models.llama import UNFUSED, LlamaConfig, Params, WeightLayout, fuse_gate_up, fuse_qkv
 
 WEIGHT_LAYOUTS = ("auto", "stacked", "per_layer")
-PER_LAYER_PLATFORMS = ("gpu", "cuda", "rocm")  # where "auto" picks per-layer weights
+PER_LAYER_PLATFORMS = ("cpu", "gpu", "cuda", "rocm")  # where "auto" picks per-layer weights
 
 
 def check_weight_layout(weight_layout: str) -> None:

@@ -73,8 +73,8 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
                    help="KV cache dtype; auto: the model's, but float32 for a bfloat16 model on CPU "
                    "(XLA:CPU would convert the whole cache around every write)")
     e.add_argument("--weight-layout", default="auto", choices=["auto", "stacked", "per_layer"],
-                   help="how the step holds the layer weights; auto: per-layer arrays on GPU (read in place, "
-                   "more to compile), the stacked scan on CPU")
+                   help="how the step holds the layer weights; auto: per-layer arrays (read in place, faster "
+                   "steps, a longer cold compile); stacked: one layer scanned over the stack (compiles fast)")
     e.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=True,
                    help="q/k/v and gate/up projections as one matmul each")
     e.add_argument("--command-buffers", default="auto", choices=["auto", "xla", "off", "full"],

@@ -73,7 +73,7 @@ def test_sharded_restore_at_other_tp_and_save_from_shards(converted, source, tmp
     result = run_worker("serve", {"model": str(converted), "checkpoint": True, "tps": [1, 2, 4],
                                   "prompts": PROMPTS, "max_tokens": 8, "save_to": str(resaved),
                                   # the runner's params are saved: keep the checkpoint layout
-                                  "engine_args": {"fuse_projections": False}})
+                                  "engine_args": {"fuse_projections": False, "weight_layout": "stacked"}})
     np.testing.assert_array_equal(result["1"]["logits"], expected)
     for tp in ("2", "4"):
         assert result[tp]["tokens"] == result["1"]["tokens"]

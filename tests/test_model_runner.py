@@ -12,7 +12,8 @@ import pytest
 
 from jaxpaged import parallel
 from jaxpaged.engine import EngineArgs, LLMEngine
-from jaxpaged.model_runner import (CPU_COMPILER_OPTIONS, ModelRunner, RunnerConfig, cpu_compiler_options,
+from jaxpaged.model_runner import (CPU_COMPILER_OPTIONS, CPU_SMALL_STEP_OPTIONS, CPU_SMALL_STEP_TOKENS, ModelRunner,
+                                   RunnerConfig, cpu_compiler_options,
                                    kv_bytes_per_page, paged_forward, resolve_kv_cache_dtype)
 from jaxpaged.models.llama import forward_jit, unstack_layers
 from jaxpaged.models.loader import load_model
@@ -168,6 +169,25 @@ def test_cpu_step_compiles_with_the_engine_xla_options(tiny):
     logits = runner.execute(step)
     plain = forward_jit(tiny.config, tiny.params, jnp.asarray([tokens]))[0, -1]
     np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)
+
+
+def test_warm_cpu_steps_take_xla_dots_up_to_small_shapes_and_library_fusions_above(tiny):
+    """Warm-up compiles each CPU step shape with its size's options: T <= CPU_SMALL_STEP_TOKENS without
+    YNNPACK (XLA's own dots: faster at a few rows), larger T with YNNPACK's dot fusions; both give the
+    plain forward's logits."""
+    assert cpu_compiler_options(num_tokens=CPU_SMALL_STEP_TOKENS) == CPU_SMALL_STEP_OPTIONS
+    assert cpu_compiler_options(num_tokens=CPU_SMALL_STEP_TOKENS + 1) == CPU_COMPILER_OPTIONS
+    config = dataclasses.replace(CONFIG, attention_backend="xla", min_token_bucket=1, min_seq_bucket=1)
+    runner = ModelRunner(tiny.config, tiny.params, config)
+    runner.warmup()
+    for n in (1, 20):
+        tokens = np.random.default_rng(n).integers(0, 256, size=n).tolist()
+        step = runner.prepare([entry("a", tokens, 0, [3, 7])])
+        fusions = runner.compiled_program(step).as_text().count('"__ynn_fusion"')
+        assert (fusions == 0) == (len(step.token_ids) <= CPU_SMALL_STEP_TOKENS), (n, len(step.token_ids), fusions)
+        logits = runner.execute(step)
+        plain = forward_jit(tiny.config, tiny.params, jnp.asarray([tokens]))[0, -1]
+        np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)
 
 
 def test_cpu_runner_holds_a_tied_lm_head_as_its_own_copy(tiny_checkpoints):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -95,11 +96,11 @@ def test_partition_specs_of_every_weight_layout():
             assert layer["wq"] == P(*lead, None, parallel.TP, None)
 
 
-@pytest.mark.parametrize("layout", ["per_layer", "stacked unfused"])
+@pytest.mark.parametrize("layout", ["stacked", "stacked unfused"])
 def test_tp_agrees_in_other_weight_layouts(gqa8, tiny_tp, layout):
-    """Per-layer weights (fused) and the unfused stack, sharded at tp = 2 and 4, give tp = 1's tokens and logits
-    (the default run, tiny_tp, is stacked and fused on CPU)."""
-    engine_args = {"weight_layout": "per_layer"} if layout == "per_layer" else {"fuse_projections": False}
+    """The stacked scan (fused) and the unfused stack, sharded at tp = 2 and 4, give tp = 1's tokens and logits
+    (the default run, tiny_tp, is per-layer and fused on CPU)."""
+    engine_args = {"weight_layout": "stacked"} if layout == "stacked" else {"weight_layout": "stacked", "fuse_projections": False}
     result = run_worker("serve", {"model": str(gqa8), "tps": [2, 4], "prompts": PROMPTS, "max_tokens": 8,
                                   "engine_args": engine_args})
     for tp in ("2", "4"):
@@ -191,8 +192,8 @@ def test_each_device_holds_one_nth(tiny_tp, tp):
     for path, leaf in report["shards"].items():
         name = path.split("'")[-2]
         assert leaf["devices"] == tp, path
-        if name in SHARDED_AXIS:
-            axis = SHARDED_AXIS[name]
+        if name in SHARDED_AXIS:  # axes of the stacked layout; a per-layer weight has no leading L axis
+            axis = SHARDED_AXIS[name] - bool(re.search(r"\['layers'\]\[\d+\]", path))
             expected = ["None"] * axis + ["'tp'"]
             assert leaf["spec"].startswith("P(" + ", ".join(expected)), (path, leaf["spec"])
             assert leaf["device_bytes"] == [leaf["bytes"] // tp] * tp, path
@@ -208,7 +209,7 @@ def test_smollm2_tp3_matches_tp1(smollm2_path):
     result = run_worker("serve", {"model": str(smollm2_path), "tps": [1, 3], "prompts": [prompt], "max_tokens": 6})
     assert result["3"]["tokens"] == result["1"]["tokens"]
     np.testing.assert_allclose(result["3"]["logits"], result["1"]["logits"], atol=1e-3, rtol=0)
-    wqkv = result["3"]["shards"]["['layers']['wqkv']"]  # each device: 1 kv head, its 3 query heads, k and v
+    wqkv = result["3"]["shards"]["['layers'][0]['wqkv']"]  # each device: 1 kv head, its 3 query heads, k and v
     assert wqkv["device_bytes"] == [wqkv["bytes"] // 3] * 3
 
 

@@ -114,7 +114,7 @@ def test_tensor_parallel_2_matches_1(family_checkpoints, variant):
     np.testing.assert_allclose(result["2"]["logits"], result["1"]["logits"], atol=1e-4, rtol=0)
     shards = result["2"]["shards"]
     for name in (["bq", "bk", "bv"] if variant == "qwen2" else ["q_norm", "post_mlp_norm"]):
-        leaf = shards[f"['layers']['{name}']"]
+        leaf = shards[f"['layers'][0]['{name}']"]  # per-layer weights (the CPU default): layer 0
         expected = [leaf["bytes"] // 2] * 2 if name.startswith("b") else [leaf["bytes"]] * 2
         assert leaf["device_bytes"] == expected, name
 
