@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 
 import jax
 import numpy as np
@@ -31,6 +32,16 @@ from tests.test_weight_layout import SMALL, entry, runner_config, small_params  
 from jaxpaged.models.llama import WeightLayout
 
 SPEC3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(autouse=True)
+def _drop_programs_after_each_test():
+    """Each test builds engines that compile every step shape twice (fused programs): drop them after each
+    test, not only after the module (conftest), or the executables' memory mappings reach the kernel's
+    vm.max_map_count within this module and LLVM's JIT aborts."""
+    yield
+    gc.collect()
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="module")
