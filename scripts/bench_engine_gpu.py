@@ -200,7 +200,8 @@ def profile(engine: LLMEngine, report: Report, num_seqs: int, timed, bandwidth: 
     counts = hlo_stats.op_counts(engine.runner.step_program(steps[-1][1]).as_text())
     fused = " (fused step: forward + sampler)" if engine.runner.fuse_sampler else ""
     report.row(f"profile b={num_seqs}", f"forward {fwd:.2f} ms",
-               f"step {wall:.2f} ms{fused}; sampler alone {sample:.2f} ms; weight read {weight_ms:.2f} ms + KV {kv_ms:.2f} ms "
+               f"step {wall:.2f} ms{fused}; sampler alone {sample:.2f} ms; "
+               f"weight read {weight_ms:.2f} ms + KV {kv_ms:.2f} ms "
                f"= {(weight_ms + kv_ms) / fwd:.0%} of roofline; host not hidden {unhidden:.2f} ms "
                f"({unhidden / wall:.1%} of the step); HLO " + " ".join(f"{k}={v}" for k, v in counts.items()),
                batch=num_seqs, forward_ms=fwd, step_ms=wall, sampler_ms=sample, weight_ms=weight_ms, kv_ms=kv_ms,
@@ -384,9 +385,10 @@ def main(argv=None) -> int:
     engine = build_engine(config, args)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.model.params))
     rc = engine.runner_config
+    programs = " x 2 fused programs" if engine.runner.fuse_sampler else ""
     report.row("start-up", f"{time.perf_counter() - start:.1f} s",
                f"warm-up {sum(engine.startup_phases.get(k, 0.0) for k in ('compile', 'sampler')):.1f} s "
-               f"({len(rc.buckets)} step shapes{' x 2 fused programs' if engine.runner.fuse_sampler else ''}); weights {weight_bytes / 2**30:.2f} GiB, layout "
+               f"({len(rc.buckets)} step shapes{programs}); weights {weight_bytes / 2**30:.2f} GiB, layout "
                f"{engine.runner.layout}; KV pool {rc.num_pages - 1} pages ({(rc.num_pages - 1) * rc.page_size} "
                f"tokens); copy bandwidth {bandwidth / 1e9:.0f} GB/s",
                seconds=time.perf_counter() - start, phases=engine.startup_phases, bandwidth=bandwidth,
