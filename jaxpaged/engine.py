@@ -46,8 +46,8 @@ from jaxpaged import parallel
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.model_runner import (GPU_COMMAND_BUFFERS, FaultInjector, ModelRunner, ModelRunnerOutput,
-                                   PendingStep, PromptLogprobs, RunnerConfig, check_kv_cache_dtype, kv_bytes_per_page,
-                                   resolve_kv_cache_dtype)
+                                   PendingStep, PromptLogprobs, RunnerConfig, check_fuse_sampler, check_kv_cache_dtype,
+                                   kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -98,6 +98,9 @@ class EngineArgs:
     fuse_projections: bool = True
     # XLA:GPU command buffers (CUDA graphs) over the step: "auto", "xla", "off" or "full" (model_runner)
     command_buffers: str = "auto"
+    # The sampler inside the step's jitted program, one executable call per step (model_runner.FUSE_SAMPLER):
+    # "auto" (on with a GPU backend, off on CPU: docs/benchmarks.md, "The fused sampler"), "on" or "off"
+    fuse_sampler: str = "auto"
     tensor_parallel_size: int = 1  # devices in the "tp" mesh (see jaxpaged/parallel.py)
     distributed_coordinator: str | None = None  # multi-host: "host:port" of process 0
     num_processes: int = 1  # multi-host: processes in jax.distributed
@@ -143,6 +146,10 @@ class EngineArgs:
         if self.command_buffers not in ("auto", *GPU_COMMAND_BUFFERS):
             raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
                              f"{('auto', *GPU_COMMAND_BUFFERS)}")
+        check_fuse_sampler(self.fuse_sampler)
+        if self.fuse_sampler == "on" and (self.tensor_parallel_size > 1 or self.num_processes > 1):
+            raise ValueError("fuse_sampler='on' is not supported with tensor parallelism or several processes: "
+                             "leave it 'auto' (off there) or 'off'")
         if not isinstance(self.compilation_cache_min_compile_secs, (int, float)) or \
                 not 0 <= self.compilation_cache_min_compile_secs < math.inf:
             raise ValueError(f"compilation_cache_min_compile_secs={self.compilation_cache_min_compile_secs!r} "
@@ -299,7 +306,7 @@ class LLMEngine:
                             max_model_len=max_model_len, page_size=args.block_size, num_pages=num_pages,
                             attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
                             weight_layout=args.weight_layout, fuse_projections=args.fuse_projections,
-                            command_buffers=args.command_buffers,
+                            command_buffers=args.command_buffers, fuse_sampler=args.fuse_sampler,
                             # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes
                             min_token_bucket=16 if on_gpu else 1,
                             # and one request alone gets S = 1: its LM head is one row, not 4 (3 of them padding)

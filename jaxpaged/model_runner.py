@@ -15,6 +15,21 @@ dispatches the sampler once the host has handled the previous step's outputs (so
 penalties and grammar masks see its tokens); `pending.result()` brings the sampled
 tokens to the host. Same programs, same results as `execute_model`.
 
+The fused sampler (`RunnerConfig.fuse_sampler`; on with a GPU by default): one jitted program per step,
+`fused_step`, gathers the placeholder tokens, runs the forward, samples every row (sampler.sample_in_step:
+grammar bitmask, logit_bias, penalties, greedy and candidate sampling, the sampled ids' raw log-probs) and
+counts the accepted packed drafts, so a step is one executable call. The sampler's inputs are then built
+before the dispatch: the grammar bitmask is filled first (execute_model), and in `dispatch` the rows are
+known at once (penalties count the token in flight on the device); a step with a constrained row under
+async scheduling, or with a fault injector, takes the fused program's logits and samples in separate
+programs as before. What only some steps need stays in separate programs, run only then: the sampler's
+exact fallbacks (bisection, full-vocabulary noise), the top log-probs (a vocabulary top-k: a sort on
+XLA:GPU), unpacked drafts and prompt log-probs. Two fused programs per (T, S, P) bucket, the host picking
+as the separate sampler does: greedy-only batches (argmax) and batches with random rows (the candidate
+pass); no lax.cond (XLA:GPU reads a conditional's predicate back to the host unless the branches fit a
+command buffer, which would stall async scheduling; XLA:CPU pays for untaken branches). Absent optional
+sampler arrays (penalty counts, prompt mask, grammar bitmask) are device-resident neutral ones.
+
 The step is a pure function of (params, KV pool, step input) returning the
 logits of each sequence's last fed token and the updated pool (donated, so it
 is written in place). Token count T, sequence slots S and page-table width P
@@ -31,12 +46,15 @@ logits come back replicated.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -50,8 +68,8 @@ from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, t
 
 from jaxpaged.models.llama import (LlamaConfig, Params, WeightLayout, cos_sin, decoder_layer, embed_tokens,
                                    layer_constants, lm_logits, untie_lm_head)
-from jaxpaged.sampler import (RowInfo, SamplerOutput, make_sampling_batch, num_top_logprobs_for, sample_deferred,
-                              sample_jit)
+from jaxpaged.sampler import (RowInfo, SamplerOutput, SamplingBatch, make_sampling_batch, num_top_logprobs_for,
+                              sample_deferred, sample_jit)
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
@@ -61,12 +79,18 @@ logger = logging.getLogger(__name__)
 _MAX_COMPILE_THREADS = 8  # warm-up compiles step shapes in parallel on up to this many threads (half the cores)
 _WARMUP_BARRIER_SECONDS = 1800.0  # multi-host: how long a process waits for the others to finish warming up
 ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
+FUSE_SAMPLER = ("auto", "on", "off")  # RunnerConfig.fuse_sampler: the sampler inside the step program
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: choose one of {tuple(KV_CACHE_DTYPES)}")
+
+
+def check_fuse_sampler(fuse_sampler: str) -> None:
+    if fuse_sampler not in FUSE_SAMPLER:
+        raise ValueError(f"fuse_sampler={fuse_sampler!r}: choose one of {FUSE_SAMPLER}")
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype, platform: str) -> np.dtype:
@@ -315,6 +339,9 @@ class PendingStep:
     logits: jax.Array | None  # f32[S, V]; dropped once the sampler is dispatched
     hidden: jax.Array | None  # [T, E]; idem
     finish_sample: Callable[[], SamplerOutput] | None = None  # set by dispatch_sample (sampler.sample_deferred)
+    fused: FusedStep | None = None  # the fused sampler's device results (ModelRunner._dispatch_fused)
+    batch: SamplingBatch | None = None  # the fused step's host batch (its fallbacks read it)
+    num_top_logprobs: int = 0  # the fused step's (its finish adds the top log-probs when > 0)
     sampled: SamplerOutput | None = None  # finish_sample's result, once called (`sampler_output`)
     prompt_spans: dict | None = None  # prompt_logprob_spans(entries) when some entry asks
     prompt_arrays: tuple | None = None  # prompt_logprobs_step's device outputs over the spans
@@ -342,6 +369,14 @@ class PendingStep:
                       for rid, (offset, first, count, _) in self.prompt_spans.items()}
         return ModelRunnerOutput.from_sampler(self.entries, jax.device_get(sampled), prompt)
 
+    def next_tokens(self, size: int) -> jax.Array:
+        """i32[size]: the step's sampled tokens, zero-padded (the next fused step's previous_tokens): the
+        program's own copy unless a fallback (or a separate sampler) produced them."""
+        sampled = self.sampler_output()
+        if self.fused is not None and sampled.token_ids is self.fused.sample.out.token_ids:
+            return self.fused.next_tokens
+        return pad_sampled_tokens(sampled.token_ids, size)
+
 
 @jax.jit
 def merge_sampled_tokens(token_ids: jax.Array, sampled: jax.Array, sources: jax.Array) -> jax.Array:
@@ -351,8 +386,8 @@ def merge_sampled_tokens(token_ids: jax.Array, sampled: jax.Array, sources: jax.
 
 
 def _placeholder_sources(entries: Sequence[ScheduledRequest], step: StepInput,
-                         previous: PendingStep | None) -> tuple[jax.Array, np.ndarray]:
-    """(the previous step's sampled tokens i32[S'], sources i32[T]: the row of each placeholder, else -1)."""
+                         previous: PendingStep | None) -> np.ndarray:
+    """i32[T]: the previous step's sampler row of each placeholder token, else -1."""
     if previous is None:
         raise RuntimeError("placeholder tokens need the previous step, dispatched with its sampler")
     sources = np.full(len(step.token_ids), -1, np.int32)
@@ -365,7 +400,7 @@ def _placeholder_sources(entries: Sequence[ScheduledRequest], step: StepInput,
             sources[step.cu_q_lens[i]] = row
     if not np.array_equal(sources >= 0, step.token_ids == PLACEHOLDER_TOKEN_ID):
         raise RuntimeError("placeholder tokens outside the placeholder entries' single token")
-    return previous.sampler_output().token_ids, sources
+    return sources
 
 
 def _prompt_targets(spans: dict, num_tokens: int) -> np.ndarray:
@@ -481,6 +516,9 @@ class RunnerConfig:
     fuse_projections: bool = True
     # XLA:GPU command buffers over the step: "auto" or a GPU_COMMAND_BUFFERS key (ignored off GPU)
     command_buffers: str = "auto"
+    # The sampler inside the step's jitted program (`fused_step`): "auto" (on with a GPU backend; off on CPU,
+    # where it measured slower: docs/benchmarks.md, "The fused sampler"), "on" or "off". One device only.
+    fuse_sampler: str = "auto"
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -499,6 +537,13 @@ class RunnerConfig:
         if self.command_buffers not in ("auto", *GPU_COMMAND_BUFFERS):
             raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
                              f"{('auto', *GPU_COMMAND_BUFFERS)}")
+        check_fuse_sampler(self.fuse_sampler)
+
+    def sampler_fused(self, platform: str | None = None) -> bool:
+        """Whether the step program samples too (fuse_sampler; "auto": on a GPU backend only)."""
+        if self.fuse_sampler != "auto":
+            return self.fuse_sampler == "on"
+        return (platform or jax.default_backend()) == "gpu"
 
     @property
     def backend(self) -> str:
@@ -651,6 +696,61 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     return logits, h, KVPool(k, v)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepSampling:
+    """The sampler's inputs of a fused step (`fused_step`): S rows, T tokens, R = max_num_seqs, k drafts a row.
+
+    Every field is present in every step (absent optional sampler arrays are `sampler.neutral_arrays`), so
+    two programs per (T, S, P) bucket serve every batch: greedy-only, and with random rows."""
+
+    batch: SamplingBatch  # S rows, every optional array present (sampler.with_neutral_arrays)
+    previous_tokens: jax.Array  # i32[R]: the previous step's sampled tokens (async scheduling), zero-padded
+    sources: np.ndarray  # i32[T]: the row of previous_tokens each placeholder position takes, else -1
+    draft_rows: np.ndarray  # i32[S, k]: speculative decoding (packed drafts): slot m's draft rows (else 0)
+    draft_ids: np.ndarray  # i32[S, k]: slot m's drafts, -1 for none (never accepted)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FusedStep:
+    """A fused step's sampling results, on device."""
+
+    sample: sampler.StepSample  # the sampler's output before its rare fallbacks (`sampler.finish_in_step`)
+    num_accepted: jax.Array  # i32[S]: slot m's accepted drafts, valid when no fallback changed a token
+    next_tokens: jax.Array  # i32[R]: sample.out.token_ids zero-padded, the next step's previous_tokens
+
+
+def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, params: Params, kv: KVPool,
+               step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array, KVPool]:
+    """One step in one program: placeholder tokens gathered from the previous step's (async scheduling),
+    `paged_forward`, the sampler's common part (`sampler.sample_in_step`: bitmask, bias, penalties, argmax,
+    or the candidate pass when `random` (static: some row samples at random), the sampled ids' raw
+    log-probs) and the acceptance of packed drafts. Returns the FusedStep, the hidden states [T, E] and
+    the updated pool (donated)."""
+    token_ids = merge_sampled_tokens(step.token_ids, sampling.previous_tokens, sampling.sources)  # i32[T]
+    step = dataclasses.replace(step, token_ids=token_ids)
+    logits, hidden, kv = paged_forward(config, attention, params, kv, step)  # f32[S, V], [T, E]
+    last = step.logits_indices  # i32[S]
+    # a row fed the previous step's token as a placeholder: the host's penalty counts do not hold it yet
+    fed = jnp.where(sampling.sources[last] >= 0, token_ids[last], -1)  # i32[S]
+    sample = sampler.sample_in_step(logits, sampling.batch, fed, random=random)
+    num_accepted = accept_drafts(sample.out.token_ids, sampling.draft_rows, sampling.draft_ids)  # i32[S]
+    next_tokens = pad_sampled_tokens(sample.out.token_ids, sampling.previous_tokens.shape[0])
+    return FusedStep(sample, num_accepted, next_tokens), hidden, kv
+
+
+def has_random_rows(batch: SamplingBatch) -> bool:
+    """Whether some row of a host batch samples at random (the fused step's static choice of program)."""
+    return bool(np.any(np.asarray(batch.temperature) >= sampler.GREEDY_TEMPERATURE_EPS))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def pad_sampled_tokens(token_ids: jax.Array, size: int) -> jax.Array:
+    """i32[size]: token_ids i32[S] (S <= size) followed by zeros (a fused step's previous_tokens)."""
+    return jnp.zeros((size,), jnp.int32).at[:token_ids.shape[0]].set(token_ids)
+
+
 def allocate_kv_pool(config: LlamaConfig, num_pages: int, page_size: int, dtype,
                      mesh: Mesh | None = None) -> KVPool:
     """Zeroed pool; with a mesh, sharded on K (each device allocates only its heads)."""
@@ -701,6 +801,7 @@ class ModelRunner:
         self._followers_released = False
         self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (T, S, P) -> step; warmup()
         options = config.compiler_options()
+        self._init_fused_sampler(options)
         if mesh is None:
             # XLA:CPU: a tied LM head runs as its own [E, V] copy (llama.untie_lm_head)
             self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
@@ -713,6 +814,22 @@ class ModelRunner:
         self._step = jax.jit(paged_forward, static_argnums=(0, 1, 5), donate_argnums=(3,), compiler_options=options,
                              in_shardings=(shardings, KVPool(pool, pool), rep),
                              out_shardings=(rep, rep, KVPool(pool, pool)))
+
+    def _init_fused_sampler(self, options: dict[str, str]) -> None:
+        """The fused step (config.fuse_sampler): its jit, and the device arrays every fused step reads."""
+        if self.mesh is not None and self.config.fuse_sampler == "on":
+            raise ValueError("fuse_sampler='on' needs one device: a tensor-parallel mesh samples on the host's "
+                             "replicated logits ('auto' or 'off')")
+        self.fuse_sampler = self.mesh is None and self.config.sampler_fused()
+        self._fused_step = jax.jit(fused_step, static_argnums=(0, 1, 2), donate_argnums=(4,),
+                                   compiler_options=options)
+        # (T, S, P, random) -> fused step; warmup()
+        self._compiled_fused: dict[tuple[int, int, int, bool], jax.stages.Compiled] = {}
+        self._neutral = {}
+        if self.fuse_sampler:  # what the absent optional sampler arrays read; ~5 bytes x S x V for each S bucket
+            self._neutral = {s: sampler.neutral_arrays(s, self.model_config.vocab_size)
+                             for s in self.config.seq_buckets}
+            self._no_previous = jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)  # i32[R]
 
     @property
     def multi_process(self) -> bool:
@@ -762,20 +879,74 @@ class ModelRunner:
                              "which fills them from the previous step")
         step = self.prepare(entries)
         layout = self._layout_drafts(entries, step) if any(e.spec_token_ids for e in entries) else None
+        if self.fuse_sampler and self.fault_injector is None:
+            return self._execute_fused(entries, step, layout, grammar_bitmask)
         logits, hidden = self._forward(step)  # f32[S, V], [T, E]; dispatched (asynchronous)
         if callable(grammar_bitmask):
             grammar_bitmask = grammar_bitmask()
         if self.fault_injector is not None:
             logits = self.fault_injector(entries, logits)
-        S, V = logits.shape
-        rows = [sampling_row(e) for e in entries] + list(layout.rows if layout is not None and layout.packed else ())
-        batch = make_sampling_batch(rows, S, V, token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
-        top = num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
+        batch, top = self._sampling_batch(entries, step, layout, grammar_bitmask)
         sampled = sample_jit(logits, batch, num_top_logprobs=top)
         drafts = None if layout is None else self._verify_drafts(layout, sampled, hidden, top)
         prompt = self._prompt_logprobs(entries, step, hidden)
         return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt,
                                               None if drafts is None else drafts.to_host())
+
+    def _execute_fused(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
+                       grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput:
+        """execute_model in one program (`fused_step`); the grammar bitmask, one of its inputs, is filled first.
+        Only the rare sampler fallbacks, top log-probs, unpacked drafts and prompt log-probs run other programs."""
+        if callable(grammar_bitmask):
+            grammar_bitmask = grammar_bitmask()
+        batch, top = self._sampling_batch(entries, step, layout, grammar_bitmask)
+        fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout))
+        sampled = sampler.finish_in_step(fused.sample, batch, top)()
+        drafts = None
+        if layout is not None and layout.packed:  # the program counted them, unless a fallback changed a token
+            accepted = fused.num_accepted if sampled.token_ids is fused.sample.out.token_ids else \
+                accept_drafts(sampled.token_ids, layout.sample_rows, layout.draft_ids)
+            drafts = VerifiedDrafts(layout, sampled, accepted)
+        elif layout is not None:
+            drafts = self._verify_drafts(layout, sampled, hidden, top)
+        prompt = self._prompt_logprobs(entries, step, hidden)
+        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt,
+                                              None if drafts is None else drafts.to_host())
+
+    def _sampling_batch(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
+                        grammar_bitmask: np.ndarray | None) -> tuple[SamplingBatch, int]:
+        """The step's sampler rows (the entries', then packed draft rows) and its num_top_logprobs."""
+        S, V = len(step.logits_indices), self.model_config.vocab_size
+        rows = [sampling_row(e) for e in entries] + list(layout.rows if layout is not None and layout.packed else ())
+        batch = make_sampling_batch(rows, S, V, token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
+        return batch, num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
+
+    def _step_sampling(self, batch: SamplingBatch, step: StepInput, *, layout: DraftRows | None = None,
+                       sources: np.ndarray | None = None, previous: jax.Array | None = None) -> StepSampling:
+        """A fused step's sampler inputs (StepSampling) from its host batch; absent parts neutral."""
+        S, k, V = batch.num_rows, self.config.num_speculative_tokens, self.model_config.vocab_size
+        draft_rows, draft_ids = np.zeros((S, k), np.int32), np.full((S, k), -1, np.int32)
+        if layout is not None and layout.packed:
+            n = len(layout.request_ids)
+            draft_rows[:n], draft_ids[:n] = layout.sample_rows[:n], layout.draft_ids[:n]
+        if sources is None:
+            sources = np.full(len(step.token_ids), -1, np.int32)
+        if previous is None:
+            previous = self._no_previous if self.fuse_sampler else jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)
+        neutral = self._neutral.get(S) or sampler.neutral_arrays(S, V)  # made here only for `lower_fused`
+        return StepSampling(sampler.with_neutral_arrays(batch, neutral), previous, sources, draft_rows, draft_ids)
+
+    def _run_fused(self, step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array]:
+        """(FusedStep, hidden [T, E]) from the fused program `warmup` compiled for the step's shape and batch
+        (greedy-only or not; else the jitted one, compiling on first use)."""
+        random = has_random_rows(sampling.batch)
+        compiled = self.compiled_fused_program(step, random)
+        if compiled is not None:
+            fused, hidden, self.kv = compiled(self.params, self.kv, step, sampling)
+        else:
+            fused, hidden, self.kv = self._fused_step(self.model_config, self.config.attention, random, self.params,
+                                                      self.kv, step, sampling)
+        return fused, hidden
 
     def _layout_drafts(self, entries: Sequence[ScheduledRequest], step: StepInput) -> DraftRows:
         """Place the step's draft rows (see DraftRows); when they fit in the padding logits slots, point
@@ -833,30 +1004,51 @@ class ModelRunner:
 
     def dispatch(self, scheduler_output: SchedulerOutput, previous: PendingStep | None) -> PendingStep:
         """Pack the step, fill its placeholder tokens on the device from `previous` (the step dispatched just
-        before, whose sampled tokens the host has not seen), dispatch the forward. Nothing waits."""
+        before, whose sampled tokens the host has not seen), dispatch the forward. Nothing waits.
+        With the fused sampler the step's sampler is dispatched here too, in the same program."""
         if self.multi_process:
             raise RuntimeError("async scheduling needs the step's tokens on the host of every process: "
                                "multi-process runs take the synchronous loop")
         entries = scheduler_output.scheduled_requests
         step = self.prepare(entries)
-        if any(e.placeholder for e in entries):
+        sources = _placeholder_sources(entries, step, previous) if any(e.placeholder for e in entries) else None
+        if self.fuse_sampler:
+            return self._dispatch_fused(entries, step, previous, sources)
+        if sources is not None:
             step = dataclasses.replace(step, token_ids=merge_sampled_tokens(
-                step.token_ids, *_placeholder_sources(entries, step, previous)))
+                step.token_ids, previous.sampler_output().token_ids, sources))
         logits, hidden = self._forward(step)  # f32[S, V], [T, E]; dispatched
         return PendingStep(entries, step, logits, hidden)
 
+    def _dispatch_fused(self, entries: Sequence[ScheduledRequest], step: StepInput, previous: PendingStep | None,
+                        sources: np.ndarray | None) -> PendingStep:
+        """`dispatch` as one program, its sampler rows known now (penalties count the token in flight on the
+        device). A step with a constrained row (its grammar mask needs the previous step's token on the host)
+        or a fault injector runs the program's forward only; `dispatch_sample` then samples separately."""
+        tokens = None if sources is None else previous.next_tokens(self.config.seq_buckets[-1])
+        if self.fault_injector is not None or any(
+                e.samples and e.sampling_params.structured_outputs is not None for e in entries):
+            logits, hidden = self._forward(step, sources, tokens)
+            return PendingStep(entries, step, logits, hidden)
+        batch, top = self._sampling_batch(entries, step, None, None)
+        fused, hidden = self._run_fused(step, self._step_sampling(batch, step, sources=sources, previous=tokens))
+        return PendingStep(entries, step, None, hidden, fused=fused, batch=batch, num_top_logprobs=top)
+
     def dispatch_sample(self, pending: PendingStep, grammar_bitmask: GrammarBitmask | None = None) -> None:
-        """Dispatch the sampler (and prompt log-probs) of a dispatched step: execute_model's second half."""
-        entries, logits = pending.entries, pending.logits
-        if callable(grammar_bitmask):
-            grammar_bitmask = grammar_bitmask()
-        if self.fault_injector is not None:
-            logits = self.fault_injector(entries, logits)
-        S, V = logits.shape
-        batch = make_sampling_batch([sampling_row(e) for e in entries], S, V,
-                                    token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
-        top = num_top_logprobs_for([e.sampling_params.logprobs for e in entries])
-        pending.finish_sample = sample_deferred(logits, batch, num_top_logprobs=top)
+        """Dispatch the sampler (and prompt log-probs) of a dispatched step: execute_model's second half.
+        A fused step sampled in its own program: only its fallbacks are left (run by `pending.result`)."""
+        entries = pending.entries
+        if pending.fused is not None:
+            pending.finish_sample = sampler.finish_in_step(pending.fused.sample, pending.batch,
+                                                           pending.num_top_logprobs)
+        else:
+            logits = pending.logits
+            if callable(grammar_bitmask):
+                grammar_bitmask = grammar_bitmask()
+            if self.fault_injector is not None:
+                logits = self.fault_injector(entries, logits)
+            batch, top = self._sampling_batch(entries, pending.step, None, grammar_bitmask)
+            pending.finish_sample = sample_deferred(logits, batch, num_top_logprobs=top)
         spans = prompt_logprob_spans(entries)
         if spans:
             pending.prompt_spans = spans
@@ -865,7 +1057,12 @@ class ModelRunner:
         pending.logits = pending.hidden = None  # the sampler has what it needs: let the device free them
 
     def warmup_async(self) -> None:
-        """Compile `merge_sampled_tokens` at every (T bucket, S bucket): async scheduling never compiles later."""
+        """Compile `merge_sampled_tokens` at every (T bucket, S bucket) (the fused step gathers inside its
+        program; it needs `pad_sampled_tokens` at every S bucket): async scheduling never compiles later."""
+        if self.fuse_sampler:
+            for s in self.config.seq_buckets:
+                jax.block_until_ready(pad_sampled_tokens(jnp.zeros((s,), jnp.int32), self.config.seq_buckets[-1]))
+            return
         for t in sorted({t for t, _, _ in self.config.buckets}):
             for s in self.config.seq_buckets:
                 sampled = jax.device_put(np.zeros(s, np.int32))
@@ -878,8 +1075,16 @@ class ModelRunner:
         """
         return self._forward(step)[0]
 
-    def _forward(self, step: StepInput) -> tuple[jax.Array, jax.Array]:
-        """execute's (logits f32[S, V], hidden [T, E]) on device."""
+    def _forward(self, step: StepInput, sources: np.ndarray | None = None,
+                 previous: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """execute's (logits f32[S, V], hidden [T, E]) on device. With the fused sampler: the fused program
+        (one per shape; its sampler on greedy padding rows, nearly free), placeholders filled from
+        `previous` (i32[R]) at `sources` (i32[T]) as in `fused_step`."""
+        if self.fuse_sampler:
+            batch = make_sampling_batch([], len(step.logits_indices), self.model_config.vocab_size)
+            fused, hidden = self._run_fused(step, self._step_sampling(batch, step, sources=sources,
+                                                                      previous=previous))
+            return fused.sample.logits, hidden
         if self.multi_process:
             parallel.broadcast_step(step, empty_step)
         return self._run(step)
@@ -910,6 +1115,32 @@ class ModelRunner:
             return self._step.lower(*args)
         return self._step.trace(*args).lower(lowering_platforms=platforms)
 
+    def lower_fused(self, step: StepInput, random: bool = True,
+                    platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
+        """The fused step (`fused_step`: forward, sampler, draft acceptance) lowered at `step`'s shapes, its
+        greedy-only program or (random) the one with random rows; the compiled program takes
+        (params, kv, step, StepSampling) and returns (FusedStep, hidden, kv). platforms: as in `lower`."""
+        args = (self.model_config, self.config.attention, random, self.params, self.kv, step,
+                self.neutral_sampling(step))
+        if platforms is None:
+            return self._fused_step.lower(*args)
+        return self._fused_step.trace(*args).lower(lowering_platforms=platforms)
+
+    def neutral_sampling(self, step: StepInput) -> StepSampling:
+        """A fused step's sampler inputs at `step`'s shape with greedy padding rows only (lowering, benches)."""
+        batch = make_sampling_batch([], len(step.logits_indices), self.model_config.vocab_size)
+        return self._step_sampling(batch, step)
+
+    def compiled_fused_program(self, step: StepInput, random: bool) -> jax.stages.Compiled | None:
+        """The fused program `warmup` compiled for `step`'s (T, S, P) shape, greedy-only or with random rows
+        (None before warm-up or when the sampler is not fused)."""
+        return self._compiled_fused.get((len(step.token_ids), *step.page_table.shape, random))
+
+    def step_program(self, step: StepInput) -> jax.stages.Compiled | None:
+        """The program a greedy step of `step`'s shape runs: the fused one (takes `neutral_sampling(step)` too)
+        when the sampler is fused, else the forward."""
+        return self.compiled_fused_program(step, False) if self.fuse_sampler else self.compiled_program(step)
+
     def compiled_program(self, step: StepInput) -> jax.stages.Compiled | None:
         """The program `warmup` compiled for `step`'s (T, S, P) shape (None before warm-up): to read its HLO
         or to call it as `execute` does, (params, kv, step) -> (logits, hidden, kv), kv donated."""
@@ -918,6 +1149,7 @@ class ModelRunner:
     def forget_compiled(self) -> None:
         """Drop the warm programs (a later `warmup` compiles or loads them again)."""
         self._compiled.clear()
+        self._compiled_fused.clear()
 
     def _run(self, step: StepInput) -> tuple[jax.Array, jax.Array]:
         """(logits, hidden) from the step's program compiled by `warmup` (else the jitted step, compiling
@@ -943,6 +1175,8 @@ class ModelRunner:
     def warmup(self) -> dict[str, float]:
         """Compile every (T, S, P) bucket and the sampler ahead of time, so serving never compiles.
 
+        With the fused sampler each shape gets the fused step's two programs, greedy-only and with random rows
+        (the forward alone is never compiled: steps that sample outside it use the greedy program's logits).
         Returns the seconds spent: {"compile": step shapes, "sampler": sampler and prompt-logprob shapes}.
         Nothing runs: each shape is lowered here and compiled on a pool of threads (XLA compiles
         outside the GIL; a persistent-cache hit loads the program instead), and `_run` calls the
@@ -955,11 +1189,17 @@ class ModelRunner:
             futures = {}
             for i, (t, s, p) in enumerate(buckets, 1):
                 logger.info("compiling step shape %d/%d: (T, S, P) = (%d, %d, %d)", i, len(buckets), t, s, p)
-                lowered = self.lower(empty_step(t, s, p))
                 options = self.config.compiler_options(num_tokens=t)
-                futures[pool.submit(lowered.compile, compiler_options=options)] = (t, s, p)
+                if not self.fuse_sampler:
+                    lowered = self.lower(empty_step(t, s, p))
+                    futures[pool.submit(lowered.compile, compiler_options=options)] = (self._compiled, (t, s, p))
+                for random in (False, True) if self.fuse_sampler else ():
+                    lowered = self.lower_fused(empty_step(t, s, p), random)
+                    futures[pool.submit(lowered.compile, compiler_options=options)] = \
+                        (self._compiled_fused, (t, s, p, random))
             for future in concurrent.futures.as_completed(futures):
-                self._compiled[futures[future]] = future.result()
+                compiled, key = futures[future]
+                compiled[key] = future.result()
         seconds = time.perf_counter() - start
         logger.info("compiled %d step shapes (T, S, P) in %.1f s on %d threads", len(buckets), seconds, workers)
         start = time.perf_counter()
@@ -996,3 +1236,43 @@ class ModelRunner:
         """Compile every part of the sampler at every S bucket (see sampler.warmup)."""
         for s in self.config.seq_buckets:
             sampler.warmup(s, self.model_config.vocab_size)
+
+
+class _Counted:
+    """A device program that counts its calls (count_dispatches); other attributes are the program's."""
+
+    def __init__(self, program, name: str, counts: collections.Counter):
+        self._program, self._name, self._counts = program, name, counts
+
+    def __call__(self, *args, **kwargs):
+        self._counts[self._name] += 1
+        return self._program(*args, **kwargs)
+
+    def __getattr__(self, attr):
+        return getattr(self._program, attr)
+
+
+@contextlib.contextmanager
+def count_dispatches(runner: ModelRunner):
+    """Count the device programs launched while inside: yields a Counter {program: calls}, the step programs
+    as "fused_step" / "paged_forward", the others by function name. Test and benchmark instrumentation: it
+    wraps the runner's compiled and jitted step programs and every jitted function of this module and of
+    jaxpaged.sampler (called through their module globals), and restores them on exit."""
+    counts: collections.Counter = collections.Counter()
+    modules = (sys.modules[__name__], sampler)
+    saved = [(m, name, f) for m in modules for name, f in vars(m).items() if hasattr(f, "_cache_size")]
+    for module, name, f in saved:
+        setattr(module, name, _Counted(f, name, counts))
+    attrs = {"_step": runner._step, "_fused_step": runner._fused_step, "_compiled": runner._compiled,
+             "_compiled_fused": runner._compiled_fused}
+    runner._step = _Counted(runner._step, "paged_forward", counts)
+    runner._fused_step = _Counted(runner._fused_step, "fused_step", counts)
+    runner._compiled = {k: _Counted(p, "paged_forward", counts) for k, p in runner._compiled.items()}
+    runner._compiled_fused = {k: _Counted(p, "fused_step", counts) for k, p in runner._compiled_fused.items()}
+    try:
+        yield counts
+    finally:
+        for module, name, f in saved:
+            setattr(module, name, f)
+        for attr, value in attrs.items():
+            setattr(runner, attr, value)

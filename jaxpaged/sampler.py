@@ -35,6 +35,12 @@ random parts with and without the penalty arrays (`output_counts`/
 for logprobs: `num_top_logprobs_for`), the two fallbacks, and the token-bitmask
 pass (run only when some row is constrained: an unconstrained batch pays
 nothing for it). Parameter values never cause a recompile.
+
+The fused step (jaxpaged/model_runner.py, `fuse_sampler`) traces `sample_in_step` into the step's own
+program instead: the same operations as the parts above (so the same samples), every optional array present
+(`neutral_arrays` when absent), in two programs the host picks between as above (greedy-only batches:
+argmax; else the candidate pass); `finish_in_step` runs the two fallbacks when its flags ask and
+`_top_logprobs` when a row asks for logprobs.
 """
 
 from __future__ import annotations
@@ -313,6 +319,98 @@ def _finish_random(logits, batch: SamplingBatch, random_rows: np.ndarray, out: S
 sample_jit = sample  # the former name: `sample` jits its own parts
 
 
+# ---- the sampler inside the step program (ModelRunner's fused step) ----------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepSample:
+    """The sampler's part of a fused step program (`sample_in_step`): S rows over V. A pytree."""
+
+    out: SamplerOutput  # K = 0 (finish_in_step adds the top log-probs)
+    logits: jax.Array  # f32[S, V]: raw logits after the token bitmask (the fallbacks and top log-probs read them)
+    scaled: jax.Array | None  # f32[S, V]: tempered, min_p-cut logits; None in the greedy program
+    threshold: jax.Array | None  # f32[S]: each random row's cut; idem
+    flags: jax.Array | None  # bool[2, S]: (covered, exact) of `_candidate_tokens`; idem
+
+
+jax.tree_util.register_dataclass(
+    StepSample, data_fields=["out", "logits", "scaled", "threshold", "flags"], meta_fields=[])
+
+
+def neutral_arrays(num_rows: int, vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Device arrays standing in for a batch's absent optional fields in the fused step, so that one program
+    serves every batch: output counts i32[S, V] of zeros, prompt mask bool[S, V] all False (penalties then
+    change nothing) and a token bitmask i32[S, ceil(V / 32)] allowing every token. Made once per S."""
+    width = (vocab_size + 31) // 32
+    return (jnp.zeros((num_rows, vocab_size), jnp.int32), jnp.zeros((num_rows, vocab_size), jnp.bool_),
+            jnp.full((num_rows, width), -1, jnp.int32))
+
+
+def with_neutral_arrays(batch: SamplingBatch, neutral: tuple[jax.Array, jax.Array, jax.Array]) -> SamplingBatch:
+    """`batch` with its absent counts, prompt mask and token bitmask taken from `neutral_arrays`."""
+    counts, prompt_mask, bitmask = neutral
+    if batch.output_counts is None:
+        batch = dataclasses.replace(batch, output_counts=counts, prompt_mask=prompt_mask)
+    return batch if batch.token_bitmask is not None else dataclasses.replace(batch, token_bitmask=bitmask)
+
+
+def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.Array, *, random: bool,
+                   prefilter_k: int = PREFILTER_K) -> StepSample:
+    """`sample_deferred`'s device part, traced inside the step's own program (pure; not jitted here).
+
+    logits f32[S, V]; batch: every field present (`with_neutral_arrays`); fed_token_ids i32[S]: an output
+    token of the row the host's counts do not hold yet (async scheduling: the previous step's token, fed
+    this step as a placeholder), -1 for none. random (static, the host's choice, as `sample` makes it):
+    some row samples at random, so the candidate pass runs (else argmax only). No top log-probs
+    (`finish_in_step` adds them when asked). Same operations as the separate parts, so the same samples.
+    """
+    unmasked = logits.astype(jnp.float32)
+    raw = apply_token_bitmask(unmasked, batch.token_bitmask)  # identity under an all-ones bitmask
+    batch = dataclasses.replace(batch, output_counts=_count_fed_tokens(batch.output_counts, fed_token_ids))
+    processed = process_logits(raw, batch)
+    finite = jnp.all(jnp.isfinite(unmasked), axis=-1)  # bool[S]; before the grammar's -inf
+    if not random:
+        out = _raw_logprobs(raw, _argmax(processed), 0)
+        return StepSample(dataclasses.replace(out, finite=finite), raw, None, None, None)
+    scaled, min_p_threshold = _scale(processed, batch)
+    token_ids, threshold, flags = _candidate_tokens(processed, scaled, min_p_threshold, batch, prefilter_k)
+    out = _raw_logprobs(raw, token_ids, 0)
+    return StepSample(dataclasses.replace(out, finite=finite), raw, scaled, threshold, flags)
+
+
+def _count_fed_tokens(counts: jax.Array, fed_token_ids: jax.Array) -> jax.Array:
+    """i32[S, V]: counts with one more of each row's fed token (-1: none); elementwise, fuses with its users."""
+    vocabulary = jnp.arange(counts.shape[-1], dtype=jnp.int32)[None, :]  # i32[1, V]
+    return counts + (vocabulary == fed_token_ids[:, None]).astype(counts.dtype)
+
+
+def finish_in_step(state: StepSample, batch: SamplingBatch, num_top_logprobs: int) -> Callable[[], SamplerOutput]:
+    """`sample_deferred`'s `finish` for a fused step. Its token_ids are `state.out.token_ids` themselves
+    unless a random row needed a fallback (the flags are read back only when some row samples at random):
+    `_bisect_thresholds` / `_full_vocabulary_sample`, separate programs run only when the flags ask (O(V)
+    passes per row, 32 halvings and noise over the whole vocabulary, that the candidate pass almost always
+    makes unnecessary). num_top_logprobs > 0 (some row asks): `_top_logprobs` adds the raw top-k, also a
+    separate program, as a top-k over the vocabulary in every step (XLA:GPU sorts for k = 20) would cost
+    more than one small dispatch on the steps that ask."""
+    def finish() -> SamplerOutput:
+        out = state.out
+        if state.flags is not None:
+            random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch)
+            out = _finish_random(state.logits, batch, random_rows, out, state.scaled, state.threshold, state.flags)
+        if num_top_logprobs:
+            top_ids, top_logprobs = _top_logprobs(state.logits, num_top_logprobs)
+            out = dataclasses.replace(out, top_token_ids=top_ids, top_logprobs=top_logprobs)
+        return out
+    return finish
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _top_logprobs(raw: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(i32[S, K] ids, f32[S, K] log-probs) of the raw distribution's k most likely tokens (`_raw_logprobs`')."""
+    out = _raw_logprobs(raw, jnp.zeros(raw.shape[:1], jnp.int32), k)
+    return out.top_token_ids, out.top_logprobs
+
+
 def num_top_logprobs_for(requested: Sequence[int | None]) -> int:
     """The num_top_logprobs a step needs: MAX_LOGPROBS when any row asks for logprobs, else 0
     (two compile variants; the engine warms up both)."""
@@ -330,18 +428,20 @@ def warmup(num_rows: int, vocab_size: int, num_top_logprobs: Sequence[int] = (0,
             for k in num_top_logprobs:
                 jax.block_until_ready(sample(logits, batch, num_top_logprobs=k))
     batch = make_sampling_batch([RowInfo(SamplingParams(temperature=1.0), seed=0)], num_rows, vocab_size)
-    out, scaled, threshold, _ = _candidate_sample(logits, batch, MAX_LOGPROBS, PREFILTER_K)
     rows = np.ones(num_rows, bool)
-    threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, rows)
-    jax.block_until_ready(_full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps,
-                                                  rows))
+    for k in num_top_logprobs:  # the fallbacks over the output of each K (the fused step's: K = 0)
+        out, scaled, threshold, _ = _candidate_sample(logits, batch, k, PREFILTER_K)
+        threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, rows)
+        jax.block_until_ready(_full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps,
+                                                      rows))
     jax.block_until_ready(_mask_logits(logits, np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)))
+    jax.block_until_ready(_top_logprobs(logits, MAX_LOGPROBS))  # the fused step's top log-probs
 
 
 def compiled_variants() -> int:
     """How many programs the sampler's parts have compiled so far (tests: no recompiles)."""
     return sum(f._cache_size() for f in (_greedy_sample, _candidate_sample, _bisect_thresholds,
-                                         _full_vocabulary_sample, _mask_logits))
+                                         _full_vocabulary_sample, _mask_logits, _top_logprobs))
 
 
 @jax.jit
@@ -363,30 +463,47 @@ def _candidate_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs:
     each row's kp largest logits (no sort of the vocabulary).
 
     Returns (SamplerOutput, scaled f32[S, V] (the tempered, min_p-cut logits), threshold f32[S],
-    flags bool[2, S] = (covered, exact)). The cut is a per-row threshold (keep logits >= it) read off
-    the candidates (`_prefilter_threshold`; `exact` when they decide it). A random row's token is
-    final when no other token can beat its best candidate score (`covered`): every kept token is a
-    candidate, or the score exceeds the last candidate's logit + the largest noise the stream can
-    draw (GUMBEL_MAX). Other rows are resampled by `_full_vocabulary_sample`; either way a row's
-    sample is argmax(kept logits + its noise), ties to the lowest id.
+    flags bool[2, S] = (covered, exact)); see `_candidate_tokens`.
     """
-    S, V = logits.shape
-    kp = min(kp, V)
     raw = logits.astype(jnp.float32)
     processed = process_logits(raw, batch)
+    scaled, min_p_threshold = _scale(processed, batch)
+    token_ids, threshold, flags = _candidate_tokens(processed, scaled, min_p_threshold, batch, kp)
+    return _raw_logprobs(raw, token_ids, num_top_logprobs), scaled, threshold, flags
+
+
+def _scale(processed: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """(scaled f32[S, V]: processed / temperature (1 for greedy rows), tokens below the min_p cut at -inf;
+    the min_p threshold f32[S], -inf when off)."""
     is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # bool[S]
     temperature = jnp.where(is_greedy, 1.0, batch.temperature)[:, None]  # f32[S, 1]
     scaled = processed / temperature  # f32[S, V]
     min_p_threshold = jnp.max(scaled, axis=-1) + jnp.log(batch.min_p)  # f32[S]; -inf when off
-    scaled = jnp.where(scaled >= min_p_threshold[:, None], scaled, -jnp.inf)
+    return jnp.where(scaled >= min_p_threshold[:, None], scaled, -jnp.inf), min_p_threshold
+
+
+def _candidate_tokens(processed: jax.Array, scaled: jax.Array, min_p_threshold: jax.Array, batch: SamplingBatch,
+                      kp: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(token_ids i32[S], threshold f32[S], flags bool[2, S] = (covered, exact)) of `_candidate_sample`.
+
+    The cut is a per-row threshold (keep logits >= it) read off the candidates (`_prefilter_threshold`;
+    `exact` when they decide it). A random row's token is final when no other token can beat its best
+    candidate score (`covered`): every kept token is a candidate, or the score exceeds the last
+    candidate's logit + the largest noise the stream can draw (GUMBEL_MAX). Other rows are resampled by
+    `_full_vocabulary_sample`; either way a row's sample is argmax(kept logits + its noise), ties to the
+    lowest id. Greedy rows take argmax(processed).
+    """
+    V = scaled.shape[-1]
+    kp = min(kp, V)
     values, ids = _top_k(scaled, kp)  # f32[S, kp] descending, i32[S, kp]
     threshold, exact, valid = _prefilter_threshold(scaled, values, batch.top_k, batch.top_p, V)
     threshold = jnp.maximum(threshold, min_p_threshold)  # f32[S]
     token_ids, best = _gumbel_argmax(values, ids, threshold, batch.key_data, batch.steps)
     last = values[:, -1]  # f32[S]; no other token's logit is above it
     covered = (exact & (threshold > last)) | (valid & (best > last + GUMBEL_MAX)) | (kp == V)  # bool[S]
+    is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # bool[S]
     token_ids = jnp.where(is_greedy, _argmax(processed), token_ids)
-    return _raw_logprobs(raw, token_ids, num_top_logprobs), scaled, threshold, jnp.stack([covered, exact])
+    return token_ids, threshold, jnp.stack([covered, exact])
 
 
 @jax.jit

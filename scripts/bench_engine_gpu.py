@@ -16,6 +16,16 @@ step at 256). Prints, each line as soon as it is measured:
     is hidden) and the sampler's; the weight read at the copy bandwidth, the K/V read, % of that
     roofline; the host ms per step the device did not hide (step wall - forward - sampler); the
     compiled program's counts of copies, dynamic slices, gemms, fusions and loops;
+  - dispatches per step: the device programs (executables) a batch-1 decode step launches; with the
+    fused sampler (the GPU default) the forward and the sampler are one program;
+  - issue 17, n-gram speculative decoding at batch 1 (k = 3, prompt lookup 2..4): output tok/s with
+    speculation on and off and their ratio, the acceptance rate beside it, for two workloads. Random
+    weights predict nothing, so: "open" is a random prompt (drafts, when the proposer finds any, are
+    real and rejected: the cost of speculating for nothing); "grounded" is a prompt holding a first
+    greedy run's output, P + O + P (O: the greedy continuation of P), so the proposer finds the
+    continuation in the prompt as far as the model repeats itself after the second P (the acceptance
+    rate says how far). Off: the bench's engine (its default loop); on: an engine with
+    speculative_config over the same weights (the synchronous loop speculation takes);
   - the batch-1 forward in other builds of the step: XLA command buffers off / XLA's default set
     (the launch overhead the runner's "full" command buffers save) and the stacked layer scan the
     engine ran before issue 15 (alone and with dynamic-slice fusion).
@@ -41,11 +51,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import copy_bandwidth  # noqa: E402  (one definition for both GPU scripts)
 from jaxpaged import hlo_stats  # noqa: E402
 from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
-from jaxpaged.model_runner import command_buffer_options, paged_forward  # noqa: E402
+from jaxpaged.model_runner import command_buffer_options, count_dispatches, paged_forward  # noqa: E402
 from jaxpaged.models.llama import LlamaConfig, init_params  # noqa: E402
 from jaxpaged.models.loader import LoadedModel  # noqa: E402
 from jaxpaged.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
-from jaxpaged.sampling_params import SamplingParams  # noqa: E402
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from jaxpaged.scheduler import ScheduledRequest  # noqa: E402
 from jaxpaged.tokenizer import GenerationConfig  # noqa: E402
 from jaxpaged.weight_layout import resolve_weight_layout, to_weight_layout  # noqa: E402
@@ -83,7 +93,8 @@ def build_engine(config: LlamaConfig, args) -> LLMEngine:
     del params
     engine_args = EngineArgs(model="random", max_model_len=args.prompt_len + args.output_len + 16,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory)
+                             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
+                             fuse_sampler=args.fuse_sampler)
     return LLMEngine(engine_args, loaded=loaded)
 
 
@@ -99,8 +110,9 @@ def record_steps(engine: LLMEngine) -> list:
     return steps
 
 
-def run(engine: LLMEngine, num_seqs: int, prompt_len: int, output_len: int, vocab: int):
-    """Generate num_seqs x (prompt_len in, output_len out); (seconds, output tokens, [(step wall s, StepInput)])."""
+def run(engine: LLMEngine, num_seqs: int, prompt_len: int, output_len: int, vocab: int, dispatches=None):
+    """Generate num_seqs x (prompt_len in, output_len out); (seconds, output tokens, [(step wall s, StepInput)]).
+    dispatches: a list that gets each step's {program: calls} (count_dispatches; a little host time each)."""
     rng = np.random.default_rng(num_seqs)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     for i in range(num_seqs):
@@ -111,11 +123,30 @@ def run(engine: LLMEngine, num_seqs: int, prompt_len: int, output_len: int, voca
     try:
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
-            produced += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+            if dispatches is None:
+                outputs = engine.step()
+            else:
+                with count_dispatches(engine.runner) as counts:
+                    outputs = engine.step()
+                dispatches.append(dict(counts))
+            produced += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
             timed.append((time.perf_counter() - t0, steps[-1]))
     finally:
         del engine.runner.prepare  # the instance attribute: back to the class's method
     return time.perf_counter() - start, produced, timed
+
+
+def report_dispatches(report: Report, label: str, engine: LLMEngine, dispatches: list) -> None:
+    """The programs per step of a run's steady steps (the last half: decode), from `run`'s dispatches."""
+    steady = [d for d in dispatches[len(dispatches) // 2:] if d]
+    if not steady:
+        return
+    mean = float(np.mean([sum(d.values()) for d in steady]))
+    programs = sorted({name for d in steady for name in d})
+    breakdown = ", ".join(f"{p} {np.mean([d.get(p, 0) for d in steady]):.2f}" for p in programs)
+    report.row("dispatches/step", f"{mean:.2f}", f"{label}: fuse_sampler={engine.runner.fuse_sampler}; {breakdown}",
+               label=label, dispatches_per_step=mean, fused=engine.runner.fuse_sampler,
+               programs={p: float(np.mean([d.get(p, 0) for d in steady])) for p in programs})
 
 
 def decode_steps(timed, num_seqs: int, limit: int):
@@ -130,17 +161,21 @@ def replay_ms(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float]:
     compiled programs (dispatch hidden). They rewrite the same K/V into the same slots (same tokens and
     positions); the pool goes back to the runner each call, as in `execute`."""
     runner = engine.runner
-    programs = [runner.compiled_program(step) for step in steps]
+    programs = [runner.step_program(step) for step in steps]
     rows = [int(step.num_seqs) for step in steps]
     greedy = SamplingParams(temperature=0.0)
     logits = [None] * len(steps)
     best_fwd = best_sample = float("inf")
+    # the fused program (the GPU default) samples too: its greedy rows here, so its time is forward + sampler
+    extra = [(runner.neutral_sampling(step),) if runner.fuse_sampler else () for step in steps]
     for _ in range(rounds):
         t0 = time.perf_counter()
         for i, (program, step) in enumerate(zip(programs, steps)):
-            logits[i], _, runner.kv = program(runner.params, runner.kv, step)
+            logits[i], _, runner.kv = program(runner.params, runner.kv, step, *extra[i])
         jax.block_until_ready(logits)
         best_fwd = min(best_fwd, (time.perf_counter() - t0) / len(steps))
+        if runner.fuse_sampler:
+            logits = [out.sample.logits for out in logits]
         batches = [make_sampling_batch([RowInfo(params=greedy, seed=0)] * n, *x.shape) for n, x in zip(rows, logits)]
         t0 = time.perf_counter()
         sampled = [sample_jit(x, b) for x, b in zip(logits, batches)]
@@ -161,10 +196,12 @@ def profile(engine: LLMEngine, report: Report, num_seqs: int, timed, bandwidth: 
     kv_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * engine.runner.kv.k.dtype.itemsize
     kv_bytes = float(np.mean([int(np.sum(step.kv_lens)) for _, step in steps])) * kv_token
     weight_ms, kv_ms = 1e3 * weight_bytes / bandwidth, 1e3 * kv_bytes / bandwidth
-    unhidden = max(0.0, wall - fwd - sample)
-    counts = hlo_stats.op_counts(engine.runner.compiled_program(steps[-1][1]).as_text())
+    unhidden = max(0.0, wall - fwd - (0.0 if engine.runner.fuse_sampler else sample))
+    counts = hlo_stats.op_counts(engine.runner.step_program(steps[-1][1]).as_text())
+    fused = " (fused step: forward + sampler)" if engine.runner.fuse_sampler else ""
     report.row(f"profile b={num_seqs}", f"forward {fwd:.2f} ms",
-               f"step {wall:.2f} ms; sampler {sample:.2f} ms; weight read {weight_ms:.2f} ms + KV {kv_ms:.2f} ms "
+               f"step {wall:.2f} ms{fused}; sampler alone {sample:.2f} ms; "
+               f"weight read {weight_ms:.2f} ms + KV {kv_ms:.2f} ms "
                f"= {(weight_ms + kv_ms) / fwd:.0%} of roofline; host not hidden {unhidden:.2f} ms "
                f"({unhidden / wall:.1%} of the step); HLO " + " ".join(f"{k}={v}" for k, v in counts.items()),
                batch=num_seqs, forward_ms=fwd, step_ms=wall, sampler_ms=sample, weight_ms=weight_ms, kv_ms=kv_ms,
@@ -214,7 +251,7 @@ def forward_variants(engine: LLMEngine, report: Report, context: int, iters: int
     runner = engine.runner
     step = probe_step(engine, context)
     default = forward_ms(engine, runner.lower(step), runner.params, step, None, iters)
-    report.row("b=1 forward", f"{default:.2f} ms", f"the runner's build (command_buffers="
+    report.row("b=1 forward", f"{default:.2f} ms", f"the runner's forward, unfused (command_buffers="
                f"{engine.runner_config.command_buffers}, layout {runner.layout})",
                variant="default", forward_ms=default)
     variants = [  # (name, layout, lowering, options)
@@ -237,6 +274,75 @@ def forward_variants(engine: LLMEngine, report: Report, context: int, iters: int
     if stacked is not None and stacked is not runner.params:
         for x in jax.tree.leaves(stacked["layers"]):
             x.delete()
+
+
+# issue 17's batch-1 setting, as scripts/benchmark_latency.py on CPU: k = 3 (1 + 3 tokens fit the S = 4 rows)
+SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def spec_engine(engine: LLMEngine, smoke: bool) -> LLMEngine:
+    """An engine with n-gram speculation over the bench engine's weights (already in the step's layout: no
+    copy), sized for batch 1 (few step shapes to compile; a small KV pool beside the bench engine's)."""
+    args = dataclasses.replace(engine.args, max_num_seqs=4, max_num_batched_tokens=64,
+                               kv_cache_memory=(64 << 20) if smoke else (1 << 30), speculative_config=SPEC_CONFIG)
+    return LLMEngine(args, loaded=engine.model)
+
+
+def timed_decode(engine: LLMEngine, prompt: list[int], max_tokens: int, dispatches=None) -> tuple[float, list[int]]:
+    """(decode tok/s: the tokens after the first over the time after it, the output ids) of one greedy
+    request alone. dispatches: a list that gets each step's {program: calls}."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.CUMULATIVE)
+    engine.add_request(f"b1-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params)
+    first, ids = None, []
+    while engine.has_unfinished_requests():
+        if dispatches is None:
+            outputs = engine.step()
+        else:
+            with count_dispatches(engine.runner) as counts:
+                outputs = engine.step()
+            dispatches.append(dict(counts))
+        now = time.perf_counter()
+        for out in outputs:
+            ids = list(out.outputs[0].token_ids)
+        if first is None and ids:
+            first = (now, len(ids))
+    return (len(ids) - first[1]) / max(time.perf_counter() - first[0], 1e-9), ids
+
+
+def speculative_decoding(engine: LLMEngine, report: Report, args, vocab: int, rounds: int = 2) -> None:
+    """Issue 17's GPU rows: batch-1 output tok/s with n-gram speculation on / off, "grounded" and "open"
+    (module docstring), best of `rounds` interleaved runs a side, the acceptance rate beside the ratio."""
+    half, n = max(4, args.prompt_len // 2), max(4, args.output_len // 2)
+    rng = np.random.default_rng(17)
+    p = rng.integers(0, vocab, half).tolist()
+    _, o = timed_decode(engine, p, n)  # the first run: o, the greedy continuation of p
+    workloads = {"grounded": (p + o + p, "prompt = P + O + P, O the greedy output of a first run from P"),
+                 "open": (rng.integers(0, vocab, 2 * half + n).tolist(), "a random prompt: nothing to copy")}
+    start = time.perf_counter()
+    spec = spec_engine(engine, args.smoke)
+    report.row("spec engine", f"{time.perf_counter() - start:.1f} s", f"built and warmed up ({SPEC_CONFIG})",
+               seconds=time.perf_counter() - start)
+    timed_decode(spec, p[:8], 4)  # first calls of its programs
+    for name, (prompt, what) in workloads.items():
+        best, same, before = {"off": 0.0, "on": 0.0}, True, spec.stats()
+        for _ in range(rounds):
+            off, ids_off = timed_decode(engine, prompt, n)
+            on, ids_on = timed_decode(spec, prompt, n)
+            best = {"off": max(best["off"], off), "on": max(best["on"], on)}
+            same &= ids_on == ids_off
+        after = spec.stats()
+        drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+        accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+        rate, ratio = accepted / max(drafted, 1), best["on"] / best["off"]
+        report.row("spec decode", f"{ratio:.2f}x", f"{name}: on {best['on']:.1f} / off {best['off']:.1f} tok/s, "
+                   f"acceptance {rate:.0%} ({accepted}/{drafted} draft tokens); same tokens: "
+                   f"{'yes' if same else 'NO'}; workload: {what}; {len(prompt)} in, {n} out, best of {rounds}",
+                   workload=name, ratio=ratio, on_tok_s=best["on"], off_tok_s=best["off"], acceptance=rate,
+                   draft_tokens=drafted, accepted_tokens=accepted, same=same)
+    dispatches = []
+    timed_decode(spec, workloads["grounded"][0], n, dispatches)
+    report_dispatches(report, "b=1 spec decode (grounded)", spec, dispatches)
 
 
 def warm_cache_warmup(engine: LLMEngine) -> float:
@@ -262,6 +368,9 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", default="64,256")
     parser.add_argument("--json", default=None, help="append one JSON object per measurement here")
     parser.add_argument("--skip-variants", action="store_true")
+    parser.add_argument("--skip-spec", action="store_true", help="leave out issue 17's speculative decoding rows")
+    parser.add_argument("--fuse-sampler", default="auto", choices=["auto", "on", "off"],
+                        help="the engine's fuse_sampler (auto: on with a GPU)")
     args = parser.parse_args(argv)
     if not args.smoke and jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (backend is {jax.default_backend()!r}); use --smoke elsewhere")
@@ -276,14 +385,18 @@ def main(argv=None) -> int:
     engine = build_engine(config, args)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.model.params))
     rc = engine.runner_config
+    programs = " x 2 fused programs" if engine.runner.fuse_sampler else ""
     report.row("start-up", f"{time.perf_counter() - start:.1f} s",
                f"warm-up {sum(engine.startup_phases.get(k, 0.0) for k in ('compile', 'sampler')):.1f} s "
-               f"({len(rc.buckets)} step shapes); weights {weight_bytes / 2**30:.2f} GiB, layout "
+               f"({len(rc.buckets)} step shapes{programs}); weights {weight_bytes / 2**30:.2f} GiB, layout "
                f"{engine.runner.layout}; KV pool {rc.num_pages - 1} pages ({(rc.num_pages - 1) * rc.page_size} "
                f"tokens); copy bandwidth {bandwidth / 1e9:.0f} GB/s",
                seconds=time.perf_counter() - start, phases=engine.startup_phases, bandwidth=bandwidth,
                weight_bytes=weight_bytes, layout=dataclasses.asdict(engine.runner.layout))
     print("\n== engine on device (Llama-3-8B shape, random bf16 weights)" if not args.smoke else "\n== smoke")
+    dispatches = []
+    run(engine, 1, args.prompt_len, 8, config.vocab_size, dispatches)  # untimed: counts the programs per step
+    report_dispatches(report, "b=1 decode", engine, dispatches)
     _, _, timed = run(engine, 1, args.prompt_len, args.output_len, config.vocab_size)
     decodes = decode_steps(timed, 1, limit=args.output_len)  # every step after the prefill's
     rate, roofline = len(decodes) / sum(s for s, _ in decodes), bandwidth / weight_bytes
@@ -299,6 +412,8 @@ def main(argv=None) -> int:
     warm = warm_cache_warmup(engine)
     report.row("warm-up, warm", f"{warm:.1f} s", f"{len(rc.buckets)} step shapes and the sampler from the "
                "persistent compilation cache", warm_warmup_s=warm)
+    if not args.skip_spec:
+        speculative_decoding(engine, report, args, config.vocab_size)
     if not args.skip_variants:
         forward_variants(engine, report, args.prompt_len, 5 if args.smoke else 30)
     return 0

@@ -4,7 +4,9 @@
 # cannot eat the others:
 #   1. the engine end to end (scripts/bench_engine_gpu.py): issue 15's profile
 #      (batch 1, 64, 256: forward ms, weight-read ms, % of roofline, host ms not
-#      hidden, compiled-HLO counts; command-buffer and layer-scan variants),
+#      hidden, compiled-HLO counts; dispatches per step with the fused sampler;
+#      command-buffer and layer-scan variants) and issue 17's batch-1 n-gram
+#      speculative decoding ratios (grounded, open),
 #   2. the layer-scan probe (scripts/bench_layer_scan.py, T = 1): does the scan
 #      over stacked weights copy each layer's weights?
 #   3. kernel tests compiled for the GPU (pytest --kernel-mode=gpu), then the
@@ -17,7 +19,8 @@
 # then a short summary table that decides issue 15's targets, a PASS / MISS /
 # UNMEASURED line each (batch-1 decode >= 80% of the weight-read roofline;
 # >= 6,000 / 12,000 output tok/s at 64 / 256 concurrent; host time not hidden
-# by the device < 5% of a step at 256). Logs, JSON rows and the probe's HLO go
+# by the device < 5% of a step at 256), and issue 17's (speculation on / off at
+# batch 1: grounded >= 1.8x, open >= 0.95x). Logs, JSON rows and the probe's HLO go
 # to $OUT when it is set.
 # Usage: bash scripts/gpu_check.sh [--budget SECONDS]   (on the GPU machine;
 #          the whole run ends within the budget, default 530: under the
@@ -118,7 +121,8 @@ def verdict(label, value, target, higher=True, unit=""):
     print(f"{'UNMEASURED':10s} {label}")
     return
   ok = value >= target if higher else value < target
-  print(f"{'PASS' if ok else 'MISS':10s} {label}: {value:,.1f}{unit} "
+  shown = f"{value:.2f}" if unit == "x" else f"{value:,.1f}"
+  print(f"{'PASS' if ok else 'MISS':10s} {label}: {shown}{unit} "
         f"({'>=' if higher else '<'} {target:,}{unit})")
 print("issue 15 targets" + (" (smoke: tiny model on this machine, not the target)" if smoke else "") + ":")
 b1 = find("batch-1 decode")
@@ -130,6 +134,19 @@ for n, target in big:
 p = find(f"profile b={big[-1][0]}")
 verdict(f"host not hidden at {big[-1][0]} concurrent, % of a step", p and p.get("unhidden_host_pct"), 5,
         higher=False, unit="%")
+print("issue 17 targets (batch 1, n-gram speculation on / off, output tok/s; random weights: see the "
+      "workloads below)" + (" (smoke)" if smoke else "") + ":")
+for workload, target in (("grounded", 1.8), ("open", 0.95)):
+  r = find("spec decode", workload=workload)
+  verdict(f"{workload} ratio, speculation on / off", r and r["ratio"], target, unit="x")
+  if r:
+    print(f"  {workload}: on {r['on_tok_s']:.1f} / off {r['off_tok_s']:.1f} tok/s, acceptance "
+          f"{r['acceptance']:.0%} ({r['accepted_tokens']}/{r['draft_tokens']} draft tokens), same tokens: "
+          f"{'yes' if r['same'] else 'NO'}")
+for r in rows:
+  if r["name"] == "dispatches/step":
+    print(f"  dispatches/step {r['label']}: {r['dispatches_per_step']:.2f} (fused sampler: {r['fused']}) "
+          + ", ".join(f"{k} {v:.2f}" for k, v in r["programs"].items()))
 for r in rows:
   if r["name"].startswith("profile"):
     print(f"  {r['name']:14s} forward {r['forward_ms']:.2f} ms, weight read {r['weight_ms']:.2f} ms, "
@@ -162,7 +179,7 @@ PYEOF
   # Issue 15's engine profile first: its targets are what a GPU session is for.
   if [ $ENGINE -eq 1 ]; then
     : >"$DIR/engine.jsonl"
-    section "engine end to end" 240 "$PY" scripts/bench_engine_gpu.py \
+    section "engine end to end" 300 "$PY" scripts/bench_engine_gpu.py \
       "${SMOKE[@]}" --json "$DIR/engine.jsonl" || status=1
   fi
   section "layer scan probe" 40 "$PY" scripts/bench_layer_scan.py "${SMOKE[@]}" \

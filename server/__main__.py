@@ -79,6 +79,9 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
                    help="q/k/v and gate/up projections as one matmul each")
     e.add_argument("--command-buffers", default="auto", choices=["auto", "xla", "off", "full"],
                    help="XLA:GPU command buffers (CUDA graphs) over the step (GPU only)")
+    e.add_argument("--fuse-sampler", default="auto", choices=["auto", "on", "off"],
+                   help="the sampler inside the step's jitted program, one executable call per step "
+                        "(auto: on with a GPU, off on CPU)")
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=EngineArgs.async_scheduling, help="keep one step in flight: schedule and dispatch the "
@@ -148,7 +151,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=ns.enable_prefix_caching, gpu_memory_utilization=ns.gpu_memory_utilization,
         kv_cache_memory=ns.kv_cache_memory, num_pages=ns.num_pages, attention_backend=ns.attention_backend,
         kv_cache_dtype=ns.kv_cache_dtype, weight_layout=ns.weight_layout, fuse_projections=ns.fuse_projections,
-        command_buffers=ns.command_buffers,
+        command_buffers=ns.command_buffers, fuse_sampler=ns.fuse_sampler,
         tensor_parallel_size=ns.tensor_parallel_size, chat_template=chat_template_arg(ns.chat_template),
         generation_config=ns.generation_config, distributed_coordinator=ns.distributed_coordinator,
         num_processes=ns.num_processes, process_id=ns.process_id, speculative_config=ns.speculative_config,
