@@ -156,16 +156,18 @@ def decode_steps(timed, num_seqs: int, limit: int):
     return decodes[-limit:]
 
 
-def replay_ms(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float]:
-    """(forward, sampler) device ms per step: the recorded step inputs run back to back through the warm
-    compiled programs (dispatch hidden). They rewrite the same K/V into the same slots (same tokens and
+def replay_ms(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float, float]:
+    """(forward, greedy sampler, sampled sampler) device ms per step: the recorded step inputs run back to
+    back through the warm compiled programs (dispatch hidden), then the sampler alone on their logits with
+    every row greedy, and with every row at temperature 0.8, top_p 0.95 (what clients send: the sampler's
+    cost must not depend on it). The steps rewrite the same K/V into the same slots (same tokens and
     positions); the pool goes back to the runner each call, as in `execute`."""
     runner = engine.runner
     programs = [runner.step_program(step) for step in steps]
     rows = [int(step.num_seqs) for step in steps]
-    greedy = SamplingParams(temperature=0.0)
+    settings = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.95))
     logits = [None] * len(steps)
-    best_fwd = best_sample = float("inf")
+    best_fwd, best_sample = float("inf"), [float("inf")] * len(settings)
     # the fused program (the GPU default) samples too: its greedy rows here, so its time is forward + sampler
     extra = [(runner.neutral_sampling(step),) if runner.fuse_sampler else () for step in steps]
     for _ in range(rounds):
@@ -176,12 +178,13 @@ def replay_ms(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float]:
         best_fwd = min(best_fwd, (time.perf_counter() - t0) / len(steps))
         if runner.fuse_sampler:
             logits = [out.sample.logits for out in logits]
-        batches = [make_sampling_batch([RowInfo(params=greedy, seed=0)] * n, *x.shape) for n, x in zip(rows, logits)]
-        t0 = time.perf_counter()
-        sampled = [sample_jit(x, b) for x, b in zip(logits, batches)]
-        jax.block_until_ready(sampled)
-        best_sample = min(best_sample, (time.perf_counter() - t0) / len(steps))
-    return 1e3 * best_fwd, 1e3 * best_sample
+        for j, params in enumerate(settings):
+            batches = [make_sampling_batch([RowInfo(params=params, seed=r) for r in range(n)], *x.shape)
+                       for n, x in zip(rows, logits)]
+            t0 = time.perf_counter()
+            jax.block_until_ready([sample_jit(x, b) for x, b in zip(logits, batches)])
+            best_sample[j] = min(best_sample[j], (time.perf_counter() - t0) / len(steps))
+    return 1e3 * best_fwd, 1e3 * best_sample[0], 1e3 * best_sample[1]
 
 
 def profile(engine: LLMEngine, report: Report, num_seqs: int, timed, bandwidth: float, weight_bytes: int) -> None:
@@ -191,7 +194,7 @@ def profile(engine: LLMEngine, report: Report, num_seqs: int, timed, bandwidth: 
         report.row(f"profile b={num_seqs}", "no decode steps", "(scheduler never ran this batch alone)")
         return
     wall = 1e3 * float(np.median([s for s, _ in steps]))
-    fwd, sample = replay_ms(engine, [step for _, step in steps])
+    fwd, sample, sample_top_p = replay_ms(engine, [step for _, step in steps])
     c = engine.model.config
     kv_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * engine.runner.kv.k.dtype.itemsize
     kv_bytes = float(np.mean([int(np.sum(step.kv_lens)) for _, step in steps])) * kv_token
@@ -200,11 +203,12 @@ def profile(engine: LLMEngine, report: Report, num_seqs: int, timed, bandwidth: 
     counts = hlo_stats.op_counts(engine.runner.step_program(steps[-1][1]).as_text())
     fused = " (fused step: forward + sampler)" if engine.runner.fuse_sampler else ""
     report.row(f"profile b={num_seqs}", f"forward {fwd:.2f} ms",
-               f"step {wall:.2f} ms{fused}; sampler alone {sample:.2f} ms; "
+               f"step {wall:.2f} ms{fused}; sampler alone {sample:.2f} ms greedy, {sample_top_p:.2f} ms "
+               f"t0.8/top_p0.95 ({sample_top_p / sample:.2f}x); "
                f"weight read {weight_ms:.2f} ms + KV {kv_ms:.2f} ms "
                f"= {(weight_ms + kv_ms) / fwd:.0%} of roofline; host not hidden {unhidden:.2f} ms "
                f"({unhidden / wall:.1%} of the step); HLO " + " ".join(f"{k}={v}" for k, v in counts.items()),
-               batch=num_seqs, forward_ms=fwd, step_ms=wall, sampler_ms=sample, weight_ms=weight_ms, kv_ms=kv_ms,
+               batch=num_seqs, forward_ms=fwd, step_ms=wall, sampler_ms=sample, sampler_top_p_ms=sample_top_p, weight_ms=weight_ms, kv_ms=kv_ms,
                roofline_pct=100 * (weight_ms + kv_ms) / fwd, unhidden_host_ms=unhidden,
                unhidden_host_pct=100 * unhidden / wall, hlo=counts)
 
