@@ -110,6 +110,16 @@ def record_steps(engine: LLMEngine) -> list:
     return steps
 
 
+def counted_step(engine: LLMEngine, dispatches: list | None):
+    """engine.step()'s outputs; with a `dispatches` list, the step's program calls are appended to it."""
+    if dispatches is None:
+        return engine.step()
+    with count_dispatches(engine.runner) as counts:
+        outputs = engine.step()
+    dispatches.append(dict(counts))
+    return outputs
+
+
 def run(engine: LLMEngine, num_seqs: int, prompt_len: int, output_len: int, vocab: int, dispatches=None):
     """Generate num_seqs x (prompt_len in, output_len out); (seconds, output tokens, [(step wall s, StepInput)]).
     dispatches: a list that gets each step's {program: calls} (count_dispatches; a little host time each)."""
@@ -123,12 +133,7 @@ def run(engine: LLMEngine, num_seqs: int, prompt_len: int, output_len: int, voca
     try:
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
-            if dispatches is None:
-                outputs = engine.step()
-            else:
-                with count_dispatches(engine.runner) as counts:
-                    outputs = engine.step()
-                dispatches.append(dict(counts))
+            outputs = counted_step(engine, dispatches)
             produced += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
             timed.append((time.perf_counter() - t0, steps[-1]))
     finally:
@@ -300,12 +305,7 @@ def timed_decode(engine: LLMEngine, prompt: list[int], max_tokens: int, dispatch
     engine.add_request(f"b1-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params)
     first, ids = None, []
     while engine.has_unfinished_requests():
-        if dispatches is None:
-            outputs = engine.step()
-        else:
-            with count_dispatches(engine.runner) as counts:
-                outputs = engine.step()
-            dispatches.append(dict(counts))
+        outputs = counted_step(engine, dispatches)
         now = time.perf_counter()
         for out in outputs:
             ids = list(out.outputs[0].token_ids)

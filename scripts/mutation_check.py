@@ -302,8 +302,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m("layout-converted-from-any", "engine: weight layout", "jaxpaged/weight_layout.py",
        "    if current != WeightLayout():\n", "    if False:\n",
        "tests/test_weight_layout.py::test_conversion_shapes_ownership_and_refusals"),
-    _m("gpu-keeps-the-scan", "engine: weight layout", "jaxpaged/weight_layout.py",
-       'PER_LAYER_PLATFORMS = ("gpu", "cuda", "rocm")', "PER_LAYER_PLATFORMS = ()",
+    _m("auto-keeps-the-scan", "engine: weight layout", "jaxpaged/weight_layout.py",
+       'PER_LAYER_PLATFORMS = ("cpu", "gpu", "cuda", "rocm")', "PER_LAYER_PLATFORMS = ()",
        "tests/test_weight_layout.py::test_resolve_weight_layout",
        "tests/test_weight_layout.py::test_cuda_lowering_of_the_gpu_default_has_no_weight_slices"),
 )

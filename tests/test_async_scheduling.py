@@ -150,20 +150,25 @@ def test_overlapped_equals_synchronous(tiny, config):
                     assert 0 <= extra <= 1, (child, o.finish_reason)
 
 
+def constrained_params() -> list[SamplingParams]:
+    """Four constrained requests (JSON greedy, JSON sampled n=2 with logprobs, regex top_p, choice with a
+    repetition penalty): the structured-output mix of the overlapped and fused-step tests."""
+    from jaxpaged.sampling_params import StructuredOutputsParams as SO
+    from tests.test_structured_outputs import PERSON
+    return [SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=SO(json=PERSON)),
+            SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=100, logprobs=2,
+                           structured_outputs=SO(json=PERSON)),
+            SamplingParams(temperature=1.2, top_p=0.9, seed=2, max_tokens=40,
+                           structured_outputs=SO(regex=r"[a-f]{3}-\d{2,4}")),
+            SamplingParams(temperature=0.8, seed=3, max_tokens=40, repetition_penalty=1.3,
+                           structured_outputs=SO(choice=["red", "green", "blue"]))]
+
+
 def test_structured_outputs_and_penalties_need_no_fallback(tiny):
     """The overlapped loop dispatches a step's sampler after the previous step's tokens reached the host, so
     grammar masks (the matcher advanced by them) and penalties (their counts) are those of the synchronous loop."""
     pytest.importorskip("llguidance")
-    from jaxpaged.sampling_params import StructuredOutputsParams as SO
-    from tests.test_structured_outputs import PERSON
-    params = [SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=SO(json=PERSON)),
-              SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=100, logprobs=2,
-                             structured_outputs=SO(json=PERSON)),
-              SamplingParams(temperature=1.2, top_p=0.9, seed=2, max_tokens=40,
-                             structured_outputs=SO(regex=r"[a-f]{3}-\d{2,4}")),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=40, repetition_penalty=1.3,
-                             structured_outputs=SO(choice=["red", "green", "blue"])),
-              SamplingParams(temperature=0.0, max_tokens=12)]
+    params = constrained_params() + [SamplingParams(temperature=0.0, max_tokens=12)]
     requests = {f"r{i}": ([1, 2, 3, 4, 5, i], p) for i, p in enumerate(params)}
     results = [run(make_engine(tiny, mode, max_num_seqs=8, max_num_batched_tokens=32), requests)
                for mode in (False, True)]

@@ -135,18 +135,11 @@ def test_structured_outputs_and_penalties(tiny):
     """Grammar masks in the fused program (synchronous) and beside it (overlapped: a constrained row's mask
     needs the previous step's token on the host), with penalties and logprobs: the unfused outputs."""
     pytest.importorskip("llguidance")
-    from jaxpaged.sampling_params import StructuredOutputsParams as SO
-    from tests.test_structured_outputs import PERSON
-    params = [SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=SO(json=PERSON)),
-              SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=100, logprobs=2,
-                             structured_outputs=SO(json=PERSON)),
-              SamplingParams(temperature=1.2, top_p=0.9, seed=2, max_tokens=40,
-                             structured_outputs=SO(regex=r"[a-f]{3}-\d{2,4}")),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=40, repetition_penalty=1.3,
-                             structured_outputs=SO(choice=["red", "green", "blue"])),
-              SamplingParams(temperature=0.9, seed=4, max_tokens=30, repetition_penalty=1.2, presence_penalty=0.4,
-                             frequency_penalty=0.3, min_p=0.05),
-              SamplingParams(temperature=0.0, max_tokens=12, logit_bias={65: 3.0})]
+    from tests.test_async_scheduling import constrained_params
+    params = constrained_params() + [
+        SamplingParams(temperature=0.9, seed=4, max_tokens=30, repetition_penalty=1.2, presence_penalty=0.4,
+                       frequency_penalty=0.3, min_p=0.05),
+        SamplingParams(temperature=0.0, max_tokens=12, logit_bias={65: 3.0})]
     requests = {f"r{i}": ([1, 2, 3, 4, 5, i], p) for i, p in enumerate(params)}
     small = dict(max_num_seqs=8, max_num_batched_tokens=32)
     reference = run(make_engine(tiny, "off", **small), requests)

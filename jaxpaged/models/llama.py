@@ -335,7 +335,9 @@ def untie_lm_head(config: LlamaConfig, params: Params) -> Params:
 
 
 def forward(config: LlamaConfig, params: Params, token_ids: jax.Array) -> jax.Array:
-    """Plain full-causal forward: token_ids [B, T] -> logits [B, T, V] (float32)."""
+    """Plain full-causal forward: token_ids [B, T] -> logits [B, T, V] (float32). params["layers"] is the
+    stack ({name: [L, ...]}, scanned) or a list of L per-layer dicts (the engine's layout on CPU and GPU,
+    jaxpaged/weight_layout.py)."""
     positions = jnp.arange(token_ids.shape[-1], dtype=jnp.int32)
 
     def body(h, xs):
@@ -348,8 +350,12 @@ def forward(config: LlamaConfig, params: Params, token_ids: jax.Array) -> jax.Ar
         h, _ = decoder_layer(config, layer_params, h, cos, sin, attend)
         return h, None
 
-    h, _ = jax.lax.scan(body, embed_tokens(params, token_ids, config),
-                        (params["layers"], layer_constants(config)))
+    h, consts = embed_tokens(params, token_ids, config), layer_constants(config)
+    if isinstance(params["layers"], (list, tuple)):
+        for i, layer_params in enumerate(params["layers"]):
+            h, _ = body(h, (layer_params, jax.tree.map(lambda x, i=i: x[i], consts)))
+    else:
+        h, _ = jax.lax.scan(body, h, (params["layers"], consts))
     return lm_logits(config, params, h)
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.models.llama import Llama, LlamaConfig, UnsupportedModelError, forward_jit
+from jaxpaged.models.llama import Llama, LlamaConfig, UnsupportedModelError, forward_jit, unstack_layers
 from jaxpaged.models.loader import load_model
 from tests.conftest import TINY_VARIANTS
 
@@ -51,6 +51,16 @@ def test_nnx_module_matches_pure_forward(tiny_checkpoints):
     assert batched.shape == (2, 12, loaded.config.vocab_size)
     with pytest.raises(ValueError, match="token_ids must be"):
         model(jnp.zeros((1, 2, 3), jnp.int32))
+
+
+def test_forward_takes_per_layer_weights(tiny_checkpoints):
+    """The plain forward loops over a per-layer list (the engine's layout) to the scanned stack's logits."""
+    loaded = load_model(str(tiny_checkpoints["gqa4"]), dtype="float32")
+    tokens = (jnp.arange(24) % loaded.config.vocab_size)[None]
+    per_layer = unstack_layers(loaded.params)
+    assert isinstance(per_layer["layers"], list)
+    np.testing.assert_allclose(np.asarray(forward_jit(loaded.config, per_layer, tokens)),
+                               np.asarray(forward_jit(loaded.config, loaded.params, tokens)), atol=1e-6)
 
 
 def _hf_dict(**overrides):
