@@ -234,10 +234,8 @@ def test_failed_step_loses_no_delivered_token(tiny, async_scheduling):
     engine.scheduler.check_invariants()
 
 
-def test_no_compilation_after_warmup(tiny):
-    engine = make_engine(tiny, True, num_pages=40, warmup=True)  # small pool: preemption too
-    prompts = mixed_prompts(20, seed=4)
-    requests = {str(i): (p, mix(i)) for i, p in enumerate(prompts)}
+def compiles_while(fn) -> tuple[list, list]:
+    """(jaxpr traces, backend compiles) while fn() runs."""
     compiles = []
 
     def listener(event, duration, **_):
@@ -247,9 +245,17 @@ def test_no_compilation_after_warmup(tiny):
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         with count_traces() as traces:
-            run(engine, requests, {"1": 2, "4": 1})
+            fn()
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+    return traces, compiles
+
+
+def test_no_compilation_after_warmup(tiny):
+    engine = make_engine(tiny, True, num_pages=40, warmup=True)  # small pool: preemption too
+    prompts = mixed_prompts(20, seed=4)
+    requests = {str(i): (p, mix(i)) for i, p in enumerate(prompts)}
+    traces, compiles = compiles_while(lambda: run(engine, requests, {"1": 2, "4": 1}))
     assert traces == [] and compiles == []
     assert engine.scheduler.num_preemptions > 0
 

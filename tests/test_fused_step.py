@@ -25,8 +25,8 @@ from jaxpaged.model_runner import FUSE_SAMPLER, ModelRunner, RunnerConfig, count
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from pallas_kernels import cuda_compile
-from tests.test_async_scheduling import ABORTS, BASE, mix, run, summary, workload
-from tests.test_engine import count_traces, mixed_prompts
+from tests.test_async_scheduling import ABORTS, BASE, compiles_while, mix, run, summary, workload
+from tests.test_engine import mixed_prompts
 from tests.test_spec_decode import OracleProposer, repetitive_prompts, run_all, tokens
 from tests.test_weight_layout import SMALL, entry, runner_config, small_params  # noqa: F401  (a fixture)
 from jaxpaged.models.llama import WeightLayout
@@ -215,23 +215,6 @@ def test_smollm2_fused_equals_unfused(smollm2):
 
 
 # ---- compiles and dispatches ---------------------------------------------------------------------------------
-
-
-def compiles_while(fn) -> tuple[list, list]:
-    """(jaxpr traces, backend compiles) while fn() runs."""
-    compiles = []
-
-    def listener(event, duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        with count_traces() as traces:
-            fn()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    return traces, compiles
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "spec"])
