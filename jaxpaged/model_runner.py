@@ -155,13 +155,19 @@ def cpu_compiler_options(platform: str | None = None, num_tokens: int | None = N
         return {}
     options = CPU_SMALL_STEP_OPTIONS if num_tokens is not None and num_tokens <= CPU_SMALL_STEP_TOKENS else \
         CPU_COMPILER_OPTIONS
+    return dict(options) if _xla_cpu_accepts(tuple(sorted(options.items()))) else {}
+
+
+@functools.cache
+def _xla_cpu_accepts(options: tuple[tuple[str, str], ...]) -> bool:
+    """Whether this jaxlib compiles a tiny program with `options` (once per option set, not per step shape)."""
     try:
         x = np.ones((2, 2), np.float32)
-        jax.jit(lambda a: a @ a, compiler_options=options).lower(x).compile()
+        jax.jit(lambda a: a @ a, compiler_options=dict(options)).lower(x).compile()
     except Exception as err:  # an XLA that does not know the option
-        logger.warning("XLA:CPU does not take %s (%s); compiling with its defaults", options, err)
-        return {}
-    return dict(options)
+        logger.warning("XLA:CPU does not take %s (%s); compiling with its defaults", dict(options), err)
+        return False
+    return True
 
 
 # XLA:GPU command buffers (CUDA graphs): the kinds of work XLA records into graphs that replay with one
