@@ -50,12 +50,18 @@ class KernelConfig:
   num_splits: int = 1   # KV splits (flash-decoding), 1 = off
   num_warps: int | None = None    # Triton only
   num_stages: int | None = None   # Triton only
+  # XLA only: live tiles attended together, each group over its own blocks
+  # in a loop of ceil(live tiles / tile_chunk); None = all tiles in lockstep.
+  tile_chunk: int | None = None
 
   def __post_init__(self):
     for name in ("block_q", "rows", "pages_per_block", "num_splits"):
       if getattr(self, name) < 1:
         raise ValueError(f"KernelConfig.{name} must be >= 1, got "
                          f"{getattr(self, name)}.")
+    if self.tile_chunk is not None and self.tile_chunk < 1:
+      raise ValueError(f"KernelConfig.tile_chunk must be None or >= 1, got "
+                       f"{self.tile_chunk}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +93,14 @@ _PREFILL_SHARED_BYTES = 160 * 1024
 _XLA_DECODE_BLOCK_KEYS = 64
 _XLA_PREFILL_BLOCK_KEYS = 64
 _XLA_PREFILL_BLOCK_Q = 16
+# XLA steps of 2..16 tokens (a few decodes, speculative verifications, short
+# chunks) put every multi-token sequence in one tile of next_pow2(T) <= 16
+# tokens, attended one tile at a time: lockstep one-token tiles would read each
+# page once per query (a 4-token verification: 4x the K/V of a decode), and a
+# lockstep call sized for the worst case reads pages for its idle tiles too.
+# SmolLM2 shapes, 30 layers, context 170 (docs/benchmarks.md, issue 17): a
+# 4-token verification 4.4 -> 1.6 ms, an 8-token one 12 -> 2.4 ms, decodes alike.
+_XLA_SERIAL_MAX_TOKENS = 16
 
 
 def choose_config(num_tokens, num_slots, group, page_size, max_pages,
@@ -150,12 +164,17 @@ def plan_kernel_calls(num_tokens, num_slots, group, page_size, max_pages,
   """The kernel calls a (T, S) batch makes: one tiling for all, or, for
   T > S without block_q, a decode call (one tile a sequence) and a prefill
   call sized for min(S, max_num_partial_prefills) sequences (see
-  docs/kernels.md). backend: "pallas" or "xla" (see choose_config)."""
+  docs/kernels.md). backend: "pallas" or "xla" (see choose_config); the
+  XLA path splits steps of 2..16 tokens too (_xla_small_step_calls)."""
   config = functools.partial(
       choose_config, group=group, page_size=page_size, max_pages=max_pages,
       num_kv_heads=num_kv_heads, head_dim=head_dim, itemsize=itemsize,
       pages_per_block=pages_per_block, num_splits=num_splits,
       num_warps=num_warps, num_stages=num_stages, backend=backend)
+  if backend == "xla" and block_q is None and \
+      2 <= num_tokens <= _XLA_SERIAL_MAX_TOKENS:
+    return _xla_small_step_calls(num_tokens, num_slots, config,
+                                 max_num_partial_prefills)
   cfg = config(num_tokens, num_slots, block_q=block_q)
   if block_q is not None or num_tokens <= num_slots:
     return (KernelCall(cfg, num_tiles_bound(num_tokens, num_slots,
@@ -164,6 +183,21 @@ def plan_kernel_calls(num_tokens, num_slots, group, page_size, max_pages,
   return (KernelCall(config(num_slots, num_slots), num_slots),
           KernelCall(cfg, num_tiles_bound(num_tokens, prefill_seqs,
                                           cfg.block_q)))
+
+
+def _xla_small_step_calls(num_tokens, num_slots, config,
+                          max_num_partial_prefills):
+  """A small XLA step's calls: its decodes in one-token tiles in lockstep,
+  and its multi-token sequences (at most T // 2 of them) in tiles of
+  next_pow2(T) tokens, one tile at a time (see _XLA_SERIAL_MAX_TOKENS)."""
+  bq = next_pow2(num_tokens)
+  decode = config(num_slots, num_slots, block_q=1)
+  multi = dataclasses.replace(config(num_tokens, num_slots, block_q=bq),
+                              tile_chunk=1)
+  multi_seqs = min(num_slots, num_tokens // 2,
+                   max_num_partial_prefills or num_slots)
+  return (KernelCall(decode, min(num_tokens, num_slots)),
+          KernelCall(multi, num_tiles_bound(num_tokens, multi_seqs, bq)))
 
 
 def num_tiles_bound(num_tokens: int, num_slots: int, block_q: int) -> int:

@@ -7,6 +7,8 @@ the step's K/V into the pool (`write_kv_inner`, pool donated) and attends (`back
 XLA:CPU options for a step of T tokens). Cases:
 
   decode B     B sequences in decode, contexts 150-200 (170 at B = 1), T = S = B
+  verify N     one sequence fed N tokens at context 170 (a speculative verification of N - 1 drafts),
+               over S = 4 slots, T = N; "verify 4 x 2 + 2 decodes": two of them beside two decodes, T = 16
   prefill 256  two fresh prompts, 160 and 96 tokens (T = 256, S = 4)
   mixed 512    three fresh 160/160/156-token prompts beside 28 decodes at context 170-290 (T = 512, S = 32),
                the chat workload's mixed step
@@ -16,7 +18,8 @@ tree; attention = that - write only. Fastest of --rounds rounds, each running ev
 turn (a busy machine slows all alike). The other tree's `pallas_kernels/xla_attention.py` and
 `tiling.py` are loaded from its files as separate modules; both trees' outputs are compared.
 
-    python scripts/bench_cpu_attention.py --before-tree /work/main [--rounds 7] [--cases d1 d32 p256 m512]
+    python scripts/bench_cpu_attention.py --before-tree /work/main [--rounds 7]
+        [--cases d1 d4 d32 v4 v8 v4x2 p256 m512]
 """
 
 from __future__ import annotations
@@ -122,6 +125,10 @@ def cases(rng):
     ctx = list(rng.integers(150, 200, 32))
     return {
         "d1": ("decode 1", [1], [170], 1, 1),
+        "d4": ("decode 4", [1] * 4, ctx[:4], 4, 4),
+        "v4": ("verify 4", [4], [170], 4, 4),
+        "v8": ("verify 8", [8], [170], 4, 8),
+        "v4x2": ("verify 4 x 2 + 2 decodes", [4, 4, 1, 1], [170, 190, 160, 175], 4, 16),
         "d32": ("decode 32", [1] * 32, ctx, 32, 32),
         "p256": ("prefill 256", [160, 96], [160, 96], 4, 256),
         "m512": ("mixed 512", [160, 160, 156] + [1] * 28, [160, 160, 156] + list(rng.integers(170, 290, 28)), 32, 512),
@@ -132,7 +139,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before-tree", required=True)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--cases", nargs="+", default=["d1", "d32", "p256", "m512"])
+    parser.add_argument("--cases", nargs="+", default=["d1", "d4", "d32", "v4", "v8", "v4x2", "p256", "m512"])
     args = parser.parse_args(argv)
     before = load_tree(args.before_tree)
     programs = {"write only": None, "before": before.ragged_paged_attention_xla,

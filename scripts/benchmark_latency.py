@@ -6,7 +6,7 @@
 Two engines over the same weights (float32, loaded once): one plain, one with
 speculative_config={"method": "ngram", ...}. Each prompt is run alone (batch 1), greedy, end to end
 (add_request to the finished output), on both engines in turn, so load on a shared machine hits both
-sides alike. Two workloads of SmolLM2-135M-Instruct chat prompts:
+sides alike, after an untimed pass over the workload on both (--warmup-passes). Two workloads of SmolLM2-135M-Instruct chat prompts:
 
   grounded  answers that copy spans of the prompt: rewrite, fix, extract, edit code
   open      nothing to copy: open questions and stories
@@ -64,6 +64,10 @@ def parse_args(argv=None):
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1, help="runs of each prompt on each side")
+    p.add_argument("--warmup-passes", type=int, default=1,
+                   help="untimed passes over each workload first (like vllm bench latency's warm-up iterations): "
+                        "the first run of a step shape costs up to ~0.3 s more, which would go to whichever side "
+                        "meets that shape first")
     p.add_argument("--workloads", default="grounded,open")
     p.add_argument("--json", action="store_true", help="print one JSON object per workload as well")
     p.add_argument("--show", action="store_true", help="print each output's text")
@@ -110,6 +114,10 @@ def run_workload(name, prompts, tokenizer, plain, speculative, args) -> dict:
     produced = {"plain": 0, "spec": 0}
     latencies = {"plain": [], "spec": []}
     identical = True
+    for _ in range(args.warmup_passes):  # untimed: each step shape's first run costs extra, on either side
+        for prompt in ids:
+            for engine in (plain, speculative):
+                run_one(engine, prompt, args.max_tokens)
     before = spec_counters(speculative)
     for prompt in ids:
         for _ in range(args.repeats):

@@ -198,6 +198,11 @@ SCENARIOS = {
     "prefill": ([16, 45, 3], [16, 45, 3], {}),
     "mixed": ([1, 20, 1, 33], [40, 52, 9, 33], {}),
     "page_edges": ([1, 1, 2, 16, 17, 1], [31, 32, 33, 47, 64, 65], {}),
+    # Small steps (T <= 16, 3 padding tokens included) with multi-token
+    # sequences, e.g. speculative verifications: the XLA path's one-tile-at-
+    # a-time call beside its decode call, for T <= S and T > S.
+    "small_step": ([4, 1, 1, 3], [40, 17, 70, 130], dict(num_slots=16)),
+    "small_step_few_slots": ([5, 2, 1], [64, 33, 9], dict(num_slots=3)),
 }
 
 
@@ -441,6 +446,7 @@ WINDOW_BATCHES = {
     "mixed": ([1, 20, 1, 33, 1], [40, 52, 9, 33, 130], dict(num_slots=8)),
     "decode": ([1] * 6, [1, 15, 16, 17, 70, 130], dict(num_slots=8)),
     "prefill": ([45, 3, 70], [45, 50, 130], {}),
+    "small_step": ([4, 1, 3, 1], [40, 17, 130, 66], dict(num_slots=8)),
 }
 # Smaller than, equal to and larger than the contexts; <= 0: no window.
 WINDOWS = [1, 7, 16, 130, 1000, -3]

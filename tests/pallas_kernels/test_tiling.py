@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels.tiling import choose_config
 from pallas_kernels.tiling import gather_q_tiles
-from pallas_kernels.tiling import plan_kernel_calls
+from pallas_kernels.tiling import KernelConfig, plan_kernel_calls
 from pallas_kernels.tiling import scatter_tiles_to_tokens
 from pallas_kernels.tiling import tile_schedule
 
@@ -114,3 +114,27 @@ def test_xla_tiling_is_one_token_decode_tiles_and_cpu_blocks():
   with pytest.raises(ValueError, match="backend"):
     plan_kernel_calls(8, 8, 3, 16, 4, 3, head_dim=64, itemsize=4,
                       backend="cuda")
+
+
+def test_xla_small_steps_attend_multi_token_sequences_a_tile_at_a_time():
+  """Steps of 2..16 tokens: a lockstep one-token decode call and a call for
+  the (at most T // 2) multi-token sequences in next_pow2(T)-token tiles,
+  one tile an iteration; 1 token or more than 16: as before."""
+  plan = lambda t, s, **kw: plan_kernel_calls(
+      t, s, 3, 16, 32, 3, head_dim=64, itemsize=4, backend="xla", **kw)
+  decode, multi = plan(4, 4)                   # a 4-token verification
+  assert (decode.cfg.block_q, decode.num_tiles, decode.cfg.tile_chunk) == (
+      1, 4, None)
+  assert (multi.cfg.block_q, multi.num_tiles, multi.cfg.tile_chunk) == (
+      4, 2, 1)
+  decode, multi = plan(12, 4, max_num_partial_prefills=2)   # T > S
+  assert (decode.num_tiles, multi.cfg.block_q, multi.num_tiles) == (4, 16, 2)
+  assert plan(16, 32)[1].num_tiles == 8        # 8 sequences of 2 tokens
+  one, = plan(1, 1)
+  assert (one.cfg.block_q, one.cfg.tile_chunk) == (1, None)
+  one, = plan(32, 32)
+  assert one.cfg.tile_chunk is None
+  assert all(c.cfg.tile_chunk is None for c in plan(300, 64))
+  assert len(plan(8, 8, block_q=2)) == 1
+  with pytest.raises(ValueError, match="tile_chunk"):
+    KernelConfig(1, 3, 4, tile_chunk=0)

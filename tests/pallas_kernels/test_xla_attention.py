@@ -18,16 +18,20 @@ def _schedule(q_lens, kv_lens, block_q):
                        num_tiles=sum(-(-q // block_q) for q in q_lens))
 
 
+def _tiles(sched):
+  return sched.pos0, sched.q_len, sched.kv_len
+
+
 def test_windowed_loop_follows_the_window_not_the_context():
   """Decodes at context 10000 with a 100-key window read 2-3 blocks of 64
   keys, from the block holding key 9900 on; without a window, all 157."""
   sched = _schedule([1, 1, 1], [10_000, 9_950, 30], block_q=1)
-  first, n = tile_blocks(sched, effective_window(100), 64)
+  first, n = tile_blocks(*_tiles(sched), effective_window(100), 64)
   assert list(np.asarray(first)) == [9900 // 64, 9850 // 64, 0]
   assert int(n) == 3   # 9850 // 64 = 153 .. 155 (key 9949)
-  first, n = tile_blocks(sched, None, 64)
+  first, n = tile_blocks(*_tiles(sched), None, 64)
   assert first == 0 and int(n) == -(-10_000 // 64)
-  _, n = tile_blocks(sched, effective_window(0), 64)   # <= 0: no window
+  _, n = tile_blocks(*_tiles(sched), effective_window(0), 64)   # <= 0: no window
   assert int(n) == -(-10_000 // 64)
 
 
@@ -36,7 +40,7 @@ def test_windowed_prefill_tiles_start_at_their_own_window():
   window: each tile reads from the block of its first query's window to its
   last query, 3 blocks of 128 at most (to the chunk's end it would be 4)."""
   sched = _schedule([256], [1256], block_q=16)
-  first, n = tile_blocks(sched, effective_window(128), 128)
+  first, n = tile_blocks(*_tiles(sched), effective_window(128), 128)
   want = [(1000 + 16 * i - 127) // 128 for i in range(16)]
   assert list(np.asarray(first)) == want
   ends = [-(-(1000 + 16 * (i + 1)) // 128) for i in range(16)]  # last query
