@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -85,6 +86,27 @@ def _drop_compiled_programs():
     """
     yield
     jax.clear_caches()
+
+
+# A tiny-model engine's warm-up maps ~1,900 regions (2026-11-30), and a module's tests can make dozens.
+_MAX_MAPPINGS_BEFORE_A_TEST = 40_000
+
+
+@pytest.fixture(autouse=True)
+def _drop_compiled_programs_near_the_map_limit():
+    """Before a test, drop JAX's compiled-program caches (as after each module, above) when the process
+    already holds _MAX_MAPPINGS_BEFORE_A_TEST memory mappings, so one module's engines cannot reach
+    vm.max_map_count either. Free below that: one read of /proc/self/maps (absent off Linux: no-op)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            count = sum(1 for _ in maps)
+    except OSError:
+        count = 0
+    if count > _MAX_MAPPINGS_BEFORE_A_TEST:
+        gc.collect()
+        jax.clear_caches()
+        gc.collect()
+    yield
 
 
 @pytest.fixture(scope="session")
