@@ -73,12 +73,13 @@ from jaxpaged.sampler import (RowInfo, SamplerOutput, SamplingBatch, make_sampli
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
+from pallas_kernels.cpu_attention import load_cpu_attention
 
 logger = logging.getLogger(__name__)
 
 _MAX_COMPILE_THREADS = 8  # warm-up compiles step shapes in parallel on up to this many threads (half the cores)
 _WARMUP_BARRIER_SECONDS = 1800.0  # multi-host: how long a process waits for the others to finish warming up
-ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas")
+ATTENTION_BACKENDS = ("auto", "reference", "xla", "cpu", "pallas")
 FUSE_SAMPLER = ("auto", "on", "off")  # RunnerConfig.fuse_sampler: the sampler inside the step program
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
@@ -555,7 +556,9 @@ class RunnerConfig:
     def backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        if jax.default_backend() == "gpu":
+            return "pallas"
+        return "cpu" if load_cpu_attention() else "xla"  # the native decode kernel where it builds
 
     def kv_dtype(self, model_dtype) -> np.dtype:
         """The pool's dtype for a model of `model_dtype` on the default backend."""

@@ -4,6 +4,7 @@ The public entry point: validates its arguments and dispatches to a backend.
 
   reference.py         the readable oracle (shares no code with the kernels)
   xla_attention.py     blocked online softmax in plain JAX (the CPU path)
+  cpu_attention.py     a native XLA:CPU FFI call, one pass over each query's keys (the CPU path)
   triton_attention.py  the Pallas kernel, lowered to Triton (the GPU path)
   tiling.py            what both kernels share: planning, tiles, pool rows
 
@@ -22,13 +23,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_attention
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.triton_attention import ragged_paged_attention_pallas
 from pallas_kernels.xla_attention import ragged_paged_attention_xla
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
            jnp.dtype(jnp.float32))
-BACKENDS = ("auto", "reference", "xla", "pallas")
+BACKENDS = ("auto", "reference", "xla", "cpu", "pallas")
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -57,9 +59,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
       W > 0 the query at position p sees keys k with p - W < k <= p (as
       transformers' Mistral and Gemma 3); pages wholly before a query tile's
       window are not read, so they may have been freed.
-    backend: "auto" (pallas on GPU, else xla), "reference" (the readable
+    backend: "auto" (pallas on GPU, else cpu), "reference" (the readable
       oracle: gathers the whole page-table row per token), "xla" (blocked
-      online softmax in plain JAX: the CPU path), "pallas".
+      online softmax in plain JAX), "cpu" (the native CPU kernel,
+      cpu_attention.py; the XLA path for what it does not take, such as
+      bf16, or where it cannot be built), "pallas".
     interpret: run the Pallas kernel in interpret mode (CPU testing).
     block_q, pages_per_block, num_splits, num_warps, num_stages: tiling
       overrides (see tiling.choose_config); ignored by the reference.
@@ -76,7 +80,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   _validate(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer,
             sliding_window, backend, max_num_partial_prefills)
   if backend == "auto":
-    backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+    backend = "pallas" if jax.default_backend() == "gpu" else "cpu"
   args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs)
   common = dict(sm_scale=float(sm_scale), layer=layer,
                 sliding_window=sliding_window)
@@ -84,7 +88,10 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
     return ragged_paged_attention_reference(*args, **common)
   tiling = dict(block_q=block_q, pages_per_block=pages_per_block,
                 max_num_partial_prefills=max_num_partial_prefills)
-  if backend == "xla":
+  if (backend == "cpu" and cpu_attention.supports(q, k_pages)
+      and cpu_attention.load_cpu_attention()):
+    return cpu_attention.ragged_paged_attention_cpu(*args, **common)
+  if backend in ("xla", "cpu"):
     return ragged_paged_attention_xla(*args, **common, **tiling)
   return ragged_paged_attention_pallas(
       *args, **common, **tiling, interpret=interpret, num_splits=num_splits,

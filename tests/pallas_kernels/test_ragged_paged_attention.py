@@ -61,7 +61,7 @@ class Batch:
 
 
 
-BACKENDS = ("reference", "xla", "pallas")  # every backend must match the oracle
+BACKENDS = ("reference", "xla", "cpu", "pallas")  # every backend must match the oracle
 
 def make_batch(rng, q_lens, kv_lens, *, kvh=2, group=4, d=64, ps=16,
                num_slots=None, extra_tokens=3, dtype=jnp.float32,
@@ -338,12 +338,15 @@ def test_inside_jit_and_scan_over_layers(interpret):
       assert np.abs(outs[layer] - want).max() <= limit
 
 
-def test_auto_backend_is_xla_off_gpu():
+def test_auto_backend_is_the_native_kernel_off_gpu():
   if jax.default_backend() == "gpu":
     pytest.skip("auto picks pallas on GPU")
   rng = np.random.default_rng(1)
   b = make_batch(rng, [2], [2])
-  np.testing.assert_array_equal(run(b, "auto"), run(b, "xla"))
+  np.testing.assert_array_equal(run(b, "auto"), run(b, "cpu"))
+  lowered = jax.jit(functools.partial(
+      ragged_paged_attention, sm_scale=b.sm_scale)).lower(*b.args())
+  assert "jaxpaged_cpu_attention" in lowered.as_text()
 
 
 @pytest.mark.parametrize("ppb", [1, 2, 5])

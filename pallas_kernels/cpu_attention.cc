@@ -1,0 +1,238 @@
+// Ragged paged attention on the CPU: an XLA FFI custom call (see cpu_attention.py).
+//
+// Each (sequence, KV head) is one work item, shared between the calling thread
+// and XLA's intra-op thread pool through an atomic counter. An item's queries
+// (q_len of them, the G heads of its group each) read their keys page by page
+// straight from the pool: scores for the whole span, one max, one exp pass,
+// then V accumulated row by row. Every K/V byte a query needs is read once,
+// with no gathered copy (the XLA path copies each block before its dots).
+//
+// Shapes (f32): q [T, Hq, D]; k_pages, v_pages [L?, KVH, N, ps, D];
+// kv_lens [S]; page_table [S, P]; cu_q_lens [S+1]; scalars num_seqs, layer,
+// window (<= 0: none) -> out [T, Hq, D]; tokens past cu_q_lens[num_seqs] get
+// zeros. Each (sequence, KV head) reads its pages once per query token; a
+// prefill chunk's queries re-read them from cache, not memory.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// exp(x) for x <= 0 (scores minus their max), vectorisable: 2^n * p(f).
+// Relative error ~2e-7 (degree-6 polynomial on [-ln2/2, ln2/2]).
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float f = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+  float p = 1.0f / 720;
+  p = p * f + 1.0f / 120;
+  p = p * f + 1.0f / 24;
+  p = p * f + 1.0f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Pages are scattered in the pool: fetch the next one while this one is read.
+inline void prefetch_page(const float* page, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(page + i);
+}
+
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head this kernel takes
+
+struct Problem {
+  const float* q;
+  const float* k;  // this layer's [KVH, N, ps, D]
+  const float* v;
+  const int32_t* kv_lens;
+  const int32_t* page_table;
+  const int32_t* cu;
+  float* out;
+  int64_t t, hq, kvh, n, ps, d, p;
+  int32_t window;
+  float scale;
+};
+
+// Page `page` of KV head h in a [KVH, N, ps, D] pool; ids outside the pool are
+// clamped (as XLA's gather does): a bad page table gives wrong rows, not a crash.
+inline const float* page_ptr(const float* pool, const Problem& pr, int64_t h, int64_t page) {
+  page = std::clamp<int64_t>(page, 0, pr.n - 1);
+  return pool + (h * pr.n + page) * pr.ps * pr.d;
+}
+
+// One query token's G heads against KV head h, keys lo..pos: scores [G, span]
+// page by page, softmax, then out [G, D] = probs @ V, accumulated locally.
+template <int D>
+void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_t pos,
+                  std::vector<float>& scores) {
+  const int64_t g = pr.hq / pr.kvh, ps = pr.ps;
+  const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
+  const int64_t span = pos + 1 - lo;
+  scores.resize(static_cast<size_t>(g * span));
+  float* sc = scores.data();
+  const int32_t* row = pr.page_table + s * pr.p;
+  alignas(64) float qloc[kMaxGroup * D];
+  const float* qh = pr.q + (token * pr.hq + h * g) * D;
+  for (int64_t i = 0; i < g * D; ++i) qloc[i] = qh[i] * pr.scale;
+  for (int64_t first = lo - lo % ps; first <= pos; first += ps) {
+    const float* kp = page_ptr(pr.k, pr, h, row[first / ps]);
+    if (first + ps <= pos) prefetch_page(page_ptr(pr.k, pr, h, row[first / ps + 1]), ps * D);
+    const int64_t k0 = std::max(lo, first), k1 = std::min(pos + 1, first + ps);
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      const float* kr = kp + (kk - first) * D;
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qj = qloc + j * D;
+        float acc = 0.f;
+        for (int e = 0; e < D; ++e) acc += qj[e] * kr[e];
+        sc[j * span + (kk - lo)] = acc;
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    float* sj = sc + j * span;
+    float m = sj[0];
+    for (int64_t i = 1; i < span; ++i) m = std::max(m, sj[i]);
+    float l = 0.f;
+    for (int64_t i = 0; i < span; ++i) {
+      const float e = fast_exp(sj[i] - m);
+      sj[i] = e;
+      l += e;
+    }
+    const float inv = 1.f / l;
+    for (int64_t i = 0; i < span; ++i) sj[i] *= inv;
+  }
+  alignas(64) float acc[kMaxGroup * D] = {};
+  for (int64_t first = lo - lo % ps; first <= pos; first += ps) {
+    const float* vp = page_ptr(pr.v, pr, h, row[first / ps]);
+    if (first + ps <= pos) prefetch_page(page_ptr(pr.v, pr, h, row[first / ps + 1]), ps * D);
+    const int64_t k0 = std::max(lo, first), k1 = std::min(pos + 1, first + ps);
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      const float* vr = vp + (kk - first) * D;
+      for (int64_t j = 0; j < g; ++j) {
+        const float w = sc[j * span + (kk - lo)];
+        float* aj = acc + j * D;
+        for (int e = 0; e < D; ++e) aj[e] += w * vr[e];
+      }
+    }
+  }
+  std::memcpy(pr.out + (token * pr.hq + h * g) * D, acc, sizeof(float) * g * D);
+}
+
+void attend_item(const Problem& pr, int64_t s, int64_t h, std::vector<float>& scores) {
+  const int64_t begin = pr.cu[s], q_len = pr.cu[s + 1] - begin;
+  if (begin < 0 || begin + q_len > pr.t) return;  // malformed: leave zeros
+  const int64_t kv_len = pr.kv_lens[s];
+  for (int64_t i = 0; i < q_len; ++i) {
+    const int64_t pos = kv_len - q_len + i;
+    if (pos < 0 || pos / pr.ps >= pr.p) continue;  // malformed: leave zeros
+    switch (pr.d) {
+      case 64: attend_query<64>(pr, s, h, begin + i, pos, scores); break;
+      case 128: attend_query<128>(pr, s, h, begin + i, pos, scores); break;
+      case 256: attend_query<256>(pr, s, h, begin + i, pos, scores); break;
+    }
+  }
+}
+
+struct Shared {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                     ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
+                     ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
+                     ffi::Buffer<ffi::S32> num_seqs_buf, ffi::Buffer<ffi::S32> layer_buf,
+                     ffi::Buffer<ffi::S32> window_buf, float sm_scale,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto kd = k_pages.dimensions();
+  if (qd.size() != 3 || (kd.size() != 4 && kd.size() != 5))
+    return ffi::Error::InvalidArgument("cpu attention: q must be 3-D and the pool 4-D or 5-D");
+  if (qd[2] != 64 && qd[2] != 128 && qd[2] != 256)
+    return ffi::Error::InvalidArgument("cpu attention: head_dim must be 64, 128 or 256");
+  if (qd[1] % kd[kd.size() - 4] || qd[1] / kd[kd.size() - 4] > kMaxGroup)
+    return ffi::Error::InvalidArgument("cpu attention: at most 16 query heads per KV head");
+  const int64_t r = kd.size();
+  Problem pr;
+  pr.t = qd[0];
+  pr.hq = qd[1];
+  pr.d = qd[2];
+  pr.kvh = kd[r - 4];
+  pr.n = kd[r - 3];
+  pr.ps = kd[r - 2];
+  pr.p = page_table.dimensions()[1];
+  const int64_t layer = r == 5 ? layer_buf.typed_data()[0] : 0;
+  const int64_t layer_elems = pr.kvh * pr.n * pr.ps * pr.d;
+  pr.q = q.typed_data();
+  pr.k = k_pages.typed_data() + layer * layer_elems;
+  pr.v = v_pages.typed_data() + layer * layer_elems;
+  pr.kv_lens = kv_lens.typed_data();
+  pr.page_table = page_table.typed_data();
+  pr.cu = cu_q_lens.typed_data();
+  pr.out = out->typed_data();
+  pr.window = window_buf.typed_data()[0];
+  pr.scale = sm_scale;
+  std::memset(pr.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);
+  const int64_t num_slots = kv_lens.dimensions()[0];
+  const int64_t num_seqs = std::clamp<int64_t>(num_seqs_buf.typed_data()[0], 0, num_slots);
+
+  // Work items: the (sequence, KV head) pairs of the sequences this call attends.
+  auto items = std::make_shared<std::vector<int64_t>>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = pr.cu[s + 1] - pr.cu[s];
+    if (q_len < 1) continue;
+    for (int64_t h = 0; h < pr.kvh; ++h) items->push_back(s * pr.kvh + h);
+  }
+  const int64_t total = static_cast<int64_t>(items->size());
+  auto shared = std::make_shared<Shared>();
+  auto work = [pr, items, shared, total]() {
+    std::vector<float> scores;
+    int64_t i;
+    while ((i = shared->next.fetch_add(1)) < total) {
+      const int64_t item = (*items)[i];
+      attend_item(pr, item / pr.kvh, item % pr.kvh, scores);
+      shared->done.fetch_add(1);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t t = 0; t < helpers; ++t) {
+    auto task = work;  // Schedule takes ownership of a copy
+    pool.Schedule(std::move(task));
+  }
+  work();
+  // Items claimed by a pool thread are in progress: wait for them. Tasks that
+  // start after this returns find no item left and touch nothing but `shared`.
+  while (shared->done.load() < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
