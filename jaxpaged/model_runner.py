@@ -66,14 +66,16 @@ from jax.sharding import Mesh
 from jaxpaged import parallel, sampler
 from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
 
-from jaxpaged.models.llama import (LlamaConfig, Params, WeightLayout, cos_sin, decoder_layer, embed_tokens,
+from jaxpaged.models.llama import (LlamaConfig, Matmul, Params, WeightLayout, cos_sin, decoder_layer, embed_tokens,
                                    layer_constants, lm_logits, untie_lm_head)
 from jaxpaged.sampler import (RowInfo, SamplerOutput, SamplingBatch, make_sampling_batch, num_top_logprobs_for,
                               sample_deferred, sample_jit)
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
+from pallas_kernels import cpu_matmul
 from pallas_kernels.cpu_attention import load_cpu_attention
+from pallas_kernels.cpu_matmul import load_cpu_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -481,9 +483,11 @@ def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Static attention settings of the jitted step (see ragged_paged_attention)."""
+    """Static kernel settings of the jitted step: attention's (see ragged_paged_attention), and whether its
+    weight dots of 16-32 rows take the native CPU matmul (pallas_kernels/cpu_matmul.py)."""
     backend: str
     max_num_partial_prefills: int | None = None  # most sequences fed > 1 token in a step (RunnerConfig's)
+    native_matmul: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -575,7 +579,9 @@ class RunnerConfig:
 
     @property
     def attention(self) -> AttentionConfig:
-        return AttentionConfig(self.backend, self.max_num_partial_prefills)
+        # the native matmul goes with the native attention: both are the CPU's C++ build
+        native_matmul = self.backend == "cpu" and load_cpu_matmul()
+        return AttentionConfig(self.backend, self.max_num_partial_prefills, native_matmul)
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -677,6 +683,9 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     attend_paged = functools.partial(_attend_paged, sm_scale=config.attn_scale, attention=attention)
     if mesh is not None:
         attend_paged = parallel.shard_attention(attend_paged, mesh)
+    # decode-sized weight dots on CPU (cpu_matmul.supports); not with a mesh: the call has no sharding rule
+    use_native = attention.native_matmul and mesh is None
+    matmul = Matmul(cpu_matmul.matmul_cpu, cpu_matmul.supports) if use_native else None
     consts = layer_constants(config)  # per layer: window [L], RoPE inverse frequencies [L, D/2]
 
     def body(carry, xs):
@@ -689,7 +698,7 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
             o, kp, vp = attend_paged(q, k, v, k_pool, v_pool, step, layer, window)
             return o, (kp, vp)
 
-        h, (k_pool, v_pool) = decoder_layer(config, layer_params, h, cos, sin, attend)
+        h, (k_pool, v_pool) = decoder_layer(config, layer_params, h, cos, sin, attend, matmul)
         return (h, k_pool, v_pool), None
 
     carry = (embed_tokens(params, step.token_ids, config), kv.k, kv.v)  # h [T, E], the pool
@@ -701,7 +710,7 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
         layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
         carry, _ = jax.lax.scan(body, carry, (params["layers"], layers, consts))
     h, k, v = carry
-    logits = lm_logits(config, params, h[step.logits_indices])  # [S, V]
+    logits = lm_logits(config, params, h[step.logits_indices], matmul)  # [S, V]
     return logits, h, KVPool(k, v)
 
 

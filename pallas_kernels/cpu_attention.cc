@@ -52,7 +52,8 @@ inline void prefetch_page(const float* page, int64_t floats) {
   for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(page + i);
 }
 
-constexpr int64_t kMaxGroup = 16;  // query heads per KV head this kernel takes
+constexpr int64_t kMaxGroup = 16;     // query heads per KV head this kernel takes
+constexpr int64_t kMaxHeadDim = 256;  // and head dim
 
 struct Problem {
   const float* q;
@@ -76,16 +77,19 @@ inline const float* page_ptr(const float* pool, const Problem& pr, int64_t h, in
 
 // One query token's G heads against KV head h, keys lo..pos: scores [G, span]
 // page by page, softmax, then out [G, D] = probs @ V, accumulated locally.
-template <int D>
+// DC: the head dim as a compile-time constant (64, 128, 256), or 0 for any other (<= kMaxHeadDim).
+template <int DC>
 void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_t pos,
                   std::vector<float>& scores) {
+  constexpr int64_t kBuf = DC > 0 ? DC : kMaxHeadDim;
+  const int64_t D = DC > 0 ? DC : pr.d;
   const int64_t g = pr.hq / pr.kvh, ps = pr.ps;
   const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
   const int64_t span = pos + 1 - lo;
   scores.resize(static_cast<size_t>(g * span));
   float* sc = scores.data();
   const int32_t* row = pr.page_table + s * pr.p;
-  alignas(64) float qloc[kMaxGroup * D];
+  alignas(64) float qloc[kMaxGroup * kBuf];
   const float* qh = pr.q + (token * pr.hq + h * g) * D;
   for (int64_t i = 0; i < g * D; ++i) qloc[i] = qh[i] * pr.scale;
   for (int64_t first = lo - lo % ps; first <= pos; first += ps) {
@@ -115,7 +119,7 @@ void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_
     const float inv = 1.f / l;
     for (int64_t i = 0; i < span; ++i) sj[i] *= inv;
   }
-  alignas(64) float acc[kMaxGroup * D] = {};
+  alignas(64) float acc[kMaxGroup * kBuf] = {};
   for (int64_t first = lo - lo % ps; first <= pos; first += ps) {
     const float* vp = page_ptr(pr.v, pr, h, row[first / ps]);
     if (first + ps <= pos) prefetch_page(page_ptr(pr.v, pr, h, row[first / ps + 1]), ps * D);
@@ -143,6 +147,7 @@ void attend_item(const Problem& pr, int64_t s, int64_t h, std::vector<float>& sc
       case 64: attend_query<64>(pr, s, h, begin + i, pos, scores); break;
       case 128: attend_query<128>(pr, s, h, begin + i, pos, scores); break;
       case 256: attend_query<256>(pr, s, h, begin + i, pos, scores); break;
+      default: attend_query<0>(pr, s, h, begin + i, pos, scores); break;
     }
   }
 }
@@ -162,8 +167,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   auto kd = k_pages.dimensions();
   if (qd.size() != 3 || (kd.size() != 4 && kd.size() != 5))
     return ffi::Error::InvalidArgument("cpu attention: q must be 3-D and the pool 4-D or 5-D");
-  if (qd[2] != 64 && qd[2] != 128 && qd[2] != 256)
-    return ffi::Error::InvalidArgument("cpu attention: head_dim must be 64, 128 or 256");
+  if (qd[2] < 1 || qd[2] > kMaxHeadDim)
+    return ffi::Error::InvalidArgument("cpu attention: head_dim must be 1..256");
   if (qd[1] % kd[kd.size() - 4] || qd[1] / kd[kd.size() - 4] > kMaxGroup)
     return ffi::Error::InvalidArgument("cpu attention: at most 16 query heads per KV head");
   const int64_t r = kd.size();

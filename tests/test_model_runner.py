@@ -190,6 +190,24 @@ def test_warm_cpu_steps_take_xla_dots_up_to_small_shapes_and_library_fusions_abo
         np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)
 
 
+def test_cpu_steps_of_16_to_32_tokens_take_the_native_matmul_and_attention(tiny):
+    """The default CPU backend: every step attends through the native kernel; steps of 16-32 tokens (the
+    decode buckets where YNNPACK packs each weight per call) also take their weight dots, LM head
+    included, through the native matmul, and smaller ones XLA's dots; logits stay the plain forward's."""
+    config = dataclasses.replace(CONFIG, attention_backend="auto", min_token_bucket=1)
+    runner = ModelRunner(tiny.config, tiny.params, config)
+    assert runner.config.backend == "cpu" and runner.config.attention.native_matmul
+    for n, native in ((1, False), (20, True)):
+        tokens = np.random.default_rng(n).integers(0, 256, size=n).tolist()
+        step = runner.prepare([entry("a", tokens, 0, [3, 7])])
+        text = runner.lower(step).as_text()
+        assert "jaxpaged_cpu_attention" in text
+        assert ("jaxpaged_cpu_matmul" in text) == native == (16 <= len(step.token_ids) <= 32), len(step.token_ids)
+        logits = runner.execute(step)
+        plain = forward_jit(tiny.config, tiny.params, jnp.asarray([tokens]))[0, -1]
+        np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)
+
+
 def test_cpu_runner_holds_a_tied_lm_head_as_its_own_copy(tiny_checkpoints):
     """On CPU a tied model's LM head is also held as the embedding transposed, [E, V] (the form XLA:CPU
     runs fast at one row); the logits stay the tied forward's and the caller's params are untouched."""

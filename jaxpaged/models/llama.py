@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -227,16 +227,33 @@ def norm(config: LlamaConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     return rms_norm(x, weight, config.rms_norm_eps, config.norm_weight_offset)
 
 
-def mlp(p: Params, x: jax.Array, hidden_act: str = "silu") -> jax.Array:
+class Matmul(NamedTuple):
+    """A step's own 2-D product for its weight dots (the paged engine's native CPU matmul): fn(x [M, K],
+    w [K, N]) -> [M, N], used where takes(x, w); elsewhere, and without one, the einsums as written."""
+    fn: Callable[[jax.Array, jax.Array], jax.Array]
+    takes: Callable[[jax.Array, jax.Array], bool]
+
+
+def dot_weight(x: jax.Array, w: jax.Array, matmul: Matmul | None, spec: str) -> jax.Array:
+    """x [T, E] @ w [E, ...] -> [T, ...]: matmul on w's 2-D view (a free reshape) if it takes the
+    shapes, else jnp.einsum(spec, x, w)."""
+    if matmul is not None and x.ndim == 2:
+        w2 = w.reshape(w.shape[0], -1)
+        if matmul.takes(x, w2):
+            return matmul.fn(x, w2).astype(x.dtype).reshape(x.shape[0], *w.shape[1:])
+    return jnp.einsum(spec, x, w)
+
+
+def mlp(p: Params, x: jax.Array, hidden_act: str = "silu", matmul: Matmul | None = None) -> jax.Array:
     """Gated MLP: SwiGLU (silu) or GeGLU (gelu_tanh); gate and up as one gemm when fused."""
     if "w_gate_up" in p:
-        gate_up = jnp.einsum("...e,eyf->...yf", x, p["w_gate_up"])  # [..., 2, F]
+        gate_up = dot_weight(x, p["w_gate_up"], matmul, "...e,eyf->...yf")  # [..., 2, F]
         gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
     else:
         gate = jnp.einsum("...e,ef->...f", x, p["w_gate"])
         up = jnp.einsum("...e,ef->...f", x, p["w_up"])
     act = jax.nn.silu(gate) if hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return jnp.einsum("...f,fe->...e", act * up, p["w_down"])
+    return dot_weight(act * up, p["w_down"], matmul, "...f,fe->...e")
 
 
 # attend(q [..., T, H, D], k [..., T, K, D], v) -> (out [..., T, H, D], aux): the one
@@ -245,45 +262,46 @@ AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 
 def decoder_layer(config: LlamaConfig, p: Params, h: jax.Array, cos: jax.Array, sin: jax.Array,
-                  attend: AttendFn) -> tuple[jax.Array, Any]:
+                  attend: AttendFn, matmul: Matmul | None = None) -> tuple[jax.Array, Any]:
     """One pre-norm block on h [..., T, E]; p holds one layer's weights (no L axis).
 
     The optional pieces (biases, q/k norms, sandwich norms) follow the config's family fields."""
     x = norm(config, h, p["attn_norm"])
-    q, k, v = project_qkv(config, p, x)
+    q, k, v = project_qkv(config, p, x, matmul)
     if config.attention_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if config.qk_norm:
         q, k = norm(config, q, p["q_norm"]), norm(config, k, p["k_norm"])
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, aux = attend(q, k, v)
-    a = project_out(o.astype(h.dtype), p["wo"])
+    a = project_out(o.astype(h.dtype), p["wo"], matmul)
     if config.sandwich_norms:
         a = norm(config, a, p["post_attn_norm"])
     h = h + a
-    m = mlp(p, norm(config, h, p["mlp_norm"]), config.hidden_act)
+    m = mlp(p, norm(config, h, p["mlp_norm"]), config.hidden_act, matmul)
     if config.sandwich_norms:
         m = norm(config, m, p["post_mlp_norm"])
     return h + m, aux
 
 
-def project_qkv(config: LlamaConfig, p: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def project_qkv(config: LlamaConfig, p: Params, x: jax.Array,
+                matmul: Matmul | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [..., T, E] -> q [..., T, H, D], k and v [..., T, K, D]: one gemm when fused (wqkv)."""
     if "wqkv" not in p:
         return (jnp.einsum("...te,ehd->...thd", x, p["wq"]), jnp.einsum("...te,ekd->...tkd", x, p["wk"]),
                 jnp.einsum("...te,ekd->...tkd", x, p["wv"]))
     g = config.num_queries_per_kv
-    qkv = jnp.einsum("...te,ekgd->...tkgd", x, p["wqkv"])  # [..., T, K, G + 2, D]
+    qkv = dot_weight(x, p["wqkv"], matmul, "...te,ekgd->...tkgd")  # [..., T, K, G + 2, D]
     q = qkv[..., :g, :].reshape(*qkv.shape[:-3], config.num_attention_heads, config.head_dim)  # h = k * G + g
     return q, qkv[..., g, :], qkv[..., g + 1, :]
 
 
-def project_out(o: jax.Array, wo: jax.Array) -> jax.Array:
+def project_out(o: jax.Array, wo: jax.Array, matmul: Matmul | None = None) -> jax.Array:
     """o [..., T, H, D] @ wo [H, D, E] -> [..., T, E], as one [T, H*D] x [H*D, E] matmul: the 2-D operands pin
     the layouts, so XLA reshapes the (small) attention output, never the weight (XLA:CPU transposed wo
     into a copy every step when handed the 3-D contraction)."""
     hd = wo.shape[0] * wo.shape[1]
-    return jnp.einsum("...tn,ne->...te", o.reshape(*o.shape[:-2], hd), wo.reshape(hd, wo.shape[-1]))
+    return dot_weight(o.reshape(*o.shape[:-2], hd), wo.reshape(hd, wo.shape[-1]), matmul, "...tn,ne->...te")
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float,
@@ -311,13 +329,15 @@ def embed_tokens(params: Params, token_ids: jax.Array, config: LlamaConfig | Non
     return h
 
 
-def lm_logits(config: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
+def lm_logits(config: LlamaConfig, params: Params, h: jax.Array, matmul: Matmul | None = None) -> jax.Array:
     """Final norm and LM head: h [..., E] -> logits [..., V] in float32.
 
     The head is params["lm_head"] [E, V] when present (an untied model's, or a tied one's embedding
     transposed by `untie_lm_head`), else the tied embedding [V, E]."""
     x = norm(config, h, params["final_norm"])
     if "lm_head" in params:
+        if matmul is not None and x.ndim == 2 and matmul.takes(x, params["lm_head"]):
+            return matmul.fn(x, params["lm_head"]).astype(jnp.float32)
         return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
     if not config.tie_word_embeddings:
         raise KeyError("params lack lm_head (the model's embeddings are not tied)")

@@ -1,0 +1,87 @@
+"""Native XLA:CPU kernels: compile a C++ source on first use and register it as an FFI target.
+
+The CPU kernels (cpu_attention.cc, cpu_matmul.cc) are XLA FFI handlers. Each
+is compiled with the system's C++ compiler against the installed jaxlib's FFI
+headers into `~/.cache/jaxpaged/cpu_kernels/` (one shared object per source,
+jaxlib, compiler, flags and CPU: `-march=native` builds are not portable),
+then registered with XLA once per process. Without a compiler `load_target`
+returns False and callers keep their XLA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-math-errno", "-std=c++17",
+         "-shared", "-fPIC")
+
+
+def default_kernel_cache_dir() -> Path:
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+      os.path.expanduser("~"), ".cache")
+  return Path(base) / "jaxpaged" / "cpu_kernels"
+
+
+def _cpu_tag() -> str:
+  """What -march=native depends on: the CPU's model and flags."""
+  try:
+    text = Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return platform.processor() or platform.machine()
+  keep = [line for line in text.splitlines()
+          if line.startswith(("model name", "flags", "cpu family", "model\t"))]
+  return "\n".join(sorted(set(keep)))
+
+
+def build_library(source: Path, cache_dir: Path | None = None) -> Path:
+  """Compiles `source` (once per source, jaxlib, compiler and CPU) -> .so path.
+
+  Raises RuntimeError (no compiler) or subprocess.CalledProcessError."""
+  compiler = shutil.which("g++") or shutil.which("c++")
+  if compiler is None:
+    raise RuntimeError("no C++ compiler (g++ / c++) on PATH")
+  key = hashlib.sha256(b"\0".join([
+      source.read_bytes(), jaxlib.__version__.encode(), compiler.encode(),
+      " ".join(FLAGS).encode(), _cpu_tag().encode()])).hexdigest()[:16]
+  cache_dir = cache_dir or default_kernel_cache_dir()
+  lib = cache_dir / f"{source.stem}-{key}.so"
+  if lib.exists():
+    return lib
+  cache_dir.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+    out = Path(tmp) / lib.name
+    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source),
+           "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    os.replace(out, lib)   # atomic: concurrent builders agree on the result
+  return lib
+
+
+@functools.cache
+def load_target(source: Path, symbol: str, target: str) -> bool:
+  """Builds `source` and registers its handler `symbol` as the CPU FFI target
+  `target`, once per process; False (with a warning) if it can't be built."""
+  try:
+    lib = ctypes.cdll.LoadLibrary(str(build_library(source)))
+  except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
+    detail = getattr(err, "stderr", "") or err
+    logger.warning("native CPU kernel %s unavailable, using the XLA path: %s",
+                   source.name, str(detail)[-2000:])
+    return False
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                              platform="cpu")
+  return True

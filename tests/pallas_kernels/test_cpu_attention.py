@@ -1,0 +1,104 @@
+"""The native CPU attention kernel (cpu_attention.cc): its build, its fallbacks, bad inputs.
+
+Its numerics against the float64 oracle run with every other backend in
+test_ragged_paged_attention.py (backend "cpu")."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_attention, cpu_build, ragged_paged_attention
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel is XLA:CPU's")
+
+
+def _batch(rng, q_lens, kv_lens, *, kvh=3, group=3, d=64, ps=16, layers=None, pages=None):
+  s = len(q_lens)
+  p = max(-(-k // ps) for k in kv_lens) + 1
+  n = pages or s * p + 1
+  pool = (kvh, n, ps, d) if layers is None else (layers, kvh, n, ps, d)
+  k = rng.standard_normal(pool, np.float32)
+  v = rng.standard_normal(pool, np.float32)
+  table = rng.permutation(np.arange(1, n))[:s * p].reshape(s, p).astype(np.int32)
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  q = rng.standard_normal((int(cu[-1]) + 2, kvh * group, d), np.float32)
+  return [jnp.asarray(x) for x in (q, k, v, np.asarray(kv_lens, np.int32), table, cu)] + [jnp.int32(s)]
+
+
+def test_the_library_is_built_once_per_source_and_reused(tmp_path):
+  first = cpu_build.build_library(cpu_attention.SOURCE, tmp_path)
+  stamp = first.stat().st_mtime_ns
+  assert cpu_build.build_library(cpu_attention.SOURCE, tmp_path) == first
+  assert first.stat().st_mtime_ns == stamp
+  assert [x.name for x in tmp_path.iterdir()] == [first.name]  # no temporary folder left
+
+
+def test_no_compiler_is_a_clear_error_and_the_xla_path_stays(monkeypatch, tmp_path):
+  monkeypatch.setattr(cpu_build.shutil, "which", lambda name: None)
+  with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+    cpu_build.build_library(cpu_attention.SOURCE, tmp_path)
+
+
+def test_the_default_cpu_backend_is_the_native_kernel():
+  assert cpu_attention.load_cpu_attention()  # CI has g++: losing the kernel must fail here
+  args = _batch(np.random.default_rng(0), [1, 3], [20, 3])
+  lowered = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.125)).lower(*args)
+  assert cpu_attention.TARGET in lowered.as_text()
+
+
+@pytest.mark.parametrize("what", ["bf16", "head_dim_320", "group_32"])
+def test_what_it_does_not_take_runs_on_the_xla_path(what):
+  rng = np.random.default_rng(1)
+  kw = {"head_dim_320": dict(d=320), "group_32": dict(kvh=1, group=32)}.get(what, {})
+  args = _batch(rng, [1, 4], [30, 9], **kw)
+  if what == "bf16":
+    args[:3] = [x.astype(jnp.bfloat16) for x in args[:3]]
+  assert not cpu_attention.supports(args[0], args[1])
+  f = functools.partial(ragged_paged_attention, sm_scale=0.125)
+  assert cpu_attention.TARGET not in jax.jit(functools.partial(f, backend="cpu")).lower(*args).as_text()
+  np.testing.assert_array_equal(np.asarray(f(*args, backend="cpu")), np.asarray(f(*args, backend="xla")))
+
+
+@pytest.mark.parametrize("d", [16, 40, 64, 128, 256])
+def test_every_head_dim_up_to_256(d):
+  """64, 128 and 256 are compiled as constants, the others through the generic loop."""
+  rng = np.random.default_rng(d)
+  q, k, v, kv, table, cu, ns = _batch(rng, [1, 1, 9], [40, 3, 30], d=d)
+  want = ragged_paged_attention_reference(q, k, v, kv, table, cu, ns, sm_scale=0.3)
+  got = cpu_attention.ragged_paged_attention_cpu(q, k, v, kv, table, cu, ns, sm_scale=0.3)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+
+
+def test_many_sequences_over_the_thread_pool_match_the_reference():
+  """64 decodes, 2 chunks and a layer-stacked pool: many work items on every thread."""
+  rng = np.random.default_rng(2)
+  q_lens = [1] * 64 + [37, 5]
+  kv_lens = list(rng.integers(1, 300, 64)) + [37, 200]
+  q, k, v, kv, table, cu, ns = _batch(rng, q_lens, kv_lens, layers=2)
+  for layer in (0, 1):
+    want = ragged_paged_attention_reference(q, k, v, kv, table, cu, ns, sm_scale=0.125, layer=jnp.int32(layer))
+    got = cpu_attention.ragged_paged_attention_cpu(q, k, v, kv, table, cu, ns, sm_scale=0.125, layer=layer)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+
+
+def test_a_bad_step_input_gives_wrong_rows_not_a_crash():
+  """Page ids past the pool, contexts past the table, query offsets past T: the kernel
+  clamps or skips (as XLA's gather clamps) instead of reading or writing out of bounds."""
+  rng = np.random.default_rng(3)
+  q, k, v, kv, table, cu, ns = _batch(rng, [1, 2, 1], [10, 20, 5])
+  table = table.at[0, 0].set(10**6).at[1, 0].set(-7)
+  kv = kv.at[2].set(10**6)
+  cu = cu.at[3].set(q.shape[0] + 50)
+  out = cpu_attention.ragged_paged_attention_cpu(q, k, v, kv, table, cu, ns, sm_scale=0.125)
+  assert np.isfinite(np.asarray(out)).all()
+
+
+def test_the_kernel_cache_folder_follows_xdg_cache_home(monkeypatch, tmp_path):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert cpu_build.default_kernel_cache_dir() == tmp_path / "jaxpaged" / "cpu_kernels"
