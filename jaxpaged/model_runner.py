@@ -484,7 +484,7 @@ def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Static kernel settings of the jitted step: attention's (see ragged_paged_attention), and whether its
-    weight dots of 16-32 rows take the native CPU matmul (pallas_kernels/cpu_matmul.py)."""
+    weight dots of 17-32 rows take the native CPU matmul (pallas_kernels/cpu_matmul.py)."""
     backend: str
     max_num_partial_prefills: int | None = None  # most sequences fed > 1 token in a step (RunnerConfig's)
     native_matmul: bool = False

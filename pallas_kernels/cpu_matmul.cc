@@ -1,7 +1,7 @@
 // Matmul on the CPU for a decode step's rows: y [M, N] = x [M, K] @ w [K, N], float32, an XLA
 // FFI custom call (see cpu_matmul.py).
 //
-// XLA:CPU hands a 16-32-row dot to YNNPACK, whose GEMM packs w on every call: each weight
+// XLA:CPU hands a 17-32-row dot to YNNPACK, whose GEMM packs w on every call: each weight
 // byte is read, written and read again, and the step's dots ran at ~55% of the cores' FMA
 // rate. Here w is read in place. A work item is one 64-column block of w (4 AVX-512
 // vectors wide); its rows of x go through in near-equal groups of at most 6, each group a

@@ -1,13 +1,14 @@
 """Matmul on the CPU for a decode step's rows, as a native XLA FFI call (cpu_matmul.cc).
 
-y [M, N] = x [M, K] @ w [K, N] in float32 for MIN_ROWS <= M <= MAX_ROWS, the
-T buckets of 16-32 decodes. XLA:CPU gives those dots to YNNPACK, which packs
-w on every call; this call reads w in place with 6 x 64 register tiles. A
-bare stack of SmolLM2's dots (30 layers and the LM head, quiet 2-core
-machine): 32 rows 37-41 -> 33 ms, 16 rows 27-28 -> 22 ms. Outside that range
-XLA's dots stay: at one row XLA's own gemv is faster (12.7 vs 14.8 ms), at
-4-8 rows the two are within 10% either way, and at prefill sizes YNNPACK's
-packing pays for itself.
+y [M, N] = x [M, K] @ w [K, N] in float32 for MIN_ROWS <= M <= MAX_ROWS: the
+T = 32 bucket (17-32 decodes) and its LM head. XLA:CPU gives those dots to
+YNNPACK (model_runner.cpu_compiler_options: steps above 16 tokens), which
+packs w on every call; this call reads w in place with 6 x 64 register
+tiles. A bare stack of SmolLM2's dots (30 layers and the LM head, quiet
+2-core machine): 32 rows 37-41 -> 32-33 ms. Outside that range XLA's dots
+stay: up to 16 rows the runner compiles XLA's own dots, which beat this
+(1 row 12.7 vs 14.8 ms, 16 rows 19.8 vs 22.4), and at prefill sizes
+YNNPACK's packing pays for itself.
 
 The model's weight dots call it through `llama.Matmul` when the step asks for
 it (`AttentionConfig.native_matmul`, set by the runner with the native CPU
@@ -27,7 +28,7 @@ from pallas_kernels.cpu_build import load_target
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxpaged_cpu_matmul"
-MIN_ROWS = 16
+MIN_ROWS = 17
 MAX_ROWS = 32
 
 
