@@ -580,7 +580,7 @@ class RunnerConfig:
     @property
     def attention(self) -> AttentionConfig:
         # the native matmul goes with the native attention: both are the CPU's C++ build
-        native_matmul = self.backend == "cpu" and load_cpu_matmul()
+        native_matmul = self.backend == "cpu" and jax.default_backend() == "cpu" and load_cpu_matmul()
         return AttentionConfig(self.backend, self.max_num_partial_prefills, native_matmul)
 
     @property

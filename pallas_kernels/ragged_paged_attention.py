@@ -62,8 +62,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
     backend: "auto" (pallas on GPU, else cpu), "reference" (the readable
       oracle: gathers the whole page-table row per token), "xla" (blocked
       online softmax in plain JAX), "cpu" (the native CPU kernel,
-      cpu_attention.py; the XLA path for what it does not take, such as
-      bf16, or where it cannot be built), "pallas".
+      cpu_attention.py, on a CPU default backend; the XLA path for what it
+      does not take, such as bf16, where it cannot be built, or off CPU),
+      "pallas".
     interpret: run the Pallas kernel in interpret mode (CPU testing).
     block_q, pages_per_block, num_splits, num_warps, num_stages: tiling
       overrides (see tiling.choose_config); ignored by the reference.
@@ -88,7 +89,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
     return ragged_paged_attention_reference(*args, **common)
   tiling = dict(block_q=block_q, pages_per_block=pages_per_block,
                 max_num_partial_prefills=max_num_partial_prefills)
-  if (backend == "cpu" and cpu_attention.supports(q, k_pages)
+  if (backend == "cpu" and jax.default_backend() == "cpu"
+      and cpu_attention.supports(q, k_pages)
       and cpu_attention.load_cpu_attention()):
     return cpu_attention.ragged_paged_attention_cpu(*args, **common)
   if backend in ("xla", "cpu"):
