@@ -3,7 +3,7 @@
 The public entry point: validates its arguments and dispatches to a backend.
 
   reference.py         the readable oracle (shares no code with the kernels)
-  xla_attention.py     blocked online softmax in plain JAX (the CPU path)
+  xla_attention.py     blocked online softmax in plain JAX (the CPU fallback)
   cpu_attention.py     a native XLA:CPU FFI call, one pass over each query's keys (the CPU path)
   triton_attention.py  the Pallas kernel, lowered to Triton (the GPU path)
   tiling.py            what both kernels share: planning, tiles, pool rows

@@ -1,4 +1,4 @@
-"""Ragged paged attention as blocked plain JAX ("xla"): the CPU production path.
+"""Ragged paged attention as blocked plain JAX ("xla"): the CPU fallback of the native kernel.
 
 Shapes as in `tiling.py`; bq query tokens per tile, K = ppb * ps keys a
 block. The batch is cut into the same tiles as the Triton kernel's, planned
