@@ -1,7 +1,7 @@
 // Ragged paged attention on the CPU: an XLA FFI custom call (see cpu_attention.py).
 //
 // Each (sequence, KV head) is one work item, shared between the calling thread
-// and XLA's intra-op thread pool through an atomic counter. An item's queries
+// and XLA's intra-op thread pool (cpu_pool.h). An item's queries
 // (q_len of them, the G heads of its group each) read their keys page by page
 // straight from the pool: scores for the whole span, one max, one exp pass,
 // then V accumulated row by row. Every K/V byte a query needs is read once,
@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -75,6 +76,20 @@ inline const float* page_ptr(const float* pool, const Problem& pr, int64_t h, in
   return pool + (h * pr.n + page) * pr.ps * pr.d;
 }
 
+// fn(key index, its row of D floats) for the keys lo..pos of KV head h in `pool`, page by
+// page, the next page prefetched.
+template <typename Fn>
+inline void for_each_key(const float* pool, const Problem& pr, int64_t h, const int32_t* row,
+                         int64_t lo, int64_t pos, int64_t d, Fn&& fn) {
+  const int64_t ps = pr.ps;
+  for (int64_t first = lo - lo % ps; first <= pos; first += ps) {
+    const float* page = page_ptr(pool, pr, h, row[first / ps]);
+    if (first + ps <= pos) prefetch_page(page_ptr(pool, pr, h, row[first / ps + 1]), ps * d);
+    const int64_t k1 = std::min(pos + 1, first + ps);
+    for (int64_t kk = std::max(lo, first); kk < k1; ++kk) fn(kk, page + (kk - first) * d);
+  }
+}
+
 // One query token's G heads against KV head h, keys lo..pos: scores [G, span]
 // page by page, softmax, then out [G, D] = probs @ V, accumulated locally.
 // DC: the head dim as a compile-time constant (64, 128, 256), or 0 for any other (<= kMaxHeadDim).
@@ -83,7 +98,7 @@ void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_
                   std::vector<float>& scores) {
   constexpr int64_t kBuf = DC > 0 ? DC : kMaxHeadDim;
   const int64_t D = DC > 0 ? DC : pr.d;
-  const int64_t g = pr.hq / pr.kvh, ps = pr.ps;
+  const int64_t g = pr.hq / pr.kvh;
   const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
   const int64_t span = pos + 1 - lo;
   scores.resize(static_cast<size_t>(g * span));
@@ -92,20 +107,14 @@ void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_
   alignas(64) float qloc[kMaxGroup * kBuf];
   const float* qh = pr.q + (token * pr.hq + h * g) * D;
   for (int64_t i = 0; i < g * D; ++i) qloc[i] = qh[i] * pr.scale;
-  for (int64_t first = lo - lo % ps; first <= pos; first += ps) {
-    const float* kp = page_ptr(pr.k, pr, h, row[first / ps]);
-    if (first + ps <= pos) prefetch_page(page_ptr(pr.k, pr, h, row[first / ps + 1]), ps * D);
-    const int64_t k0 = std::max(lo, first), k1 = std::min(pos + 1, first + ps);
-    for (int64_t kk = k0; kk < k1; ++kk) {
-      const float* kr = kp + (kk - first) * D;
-      for (int64_t j = 0; j < g; ++j) {
-        const float* qj = qloc + j * D;
-        float acc = 0.f;
-        for (int e = 0; e < D; ++e) acc += qj[e] * kr[e];
-        sc[j * span + (kk - lo)] = acc;
-      }
+  for_each_key(pr.k, pr, h, row, lo, pos, D, [&](int64_t kk, const float* kr) {
+    for (int64_t j = 0; j < g; ++j) {
+      const float* qj = qloc + j * D;
+      float acc = 0.f;
+      for (int e = 0; e < D; ++e) acc += qj[e] * kr[e];
+      sc[j * span + (kk - lo)] = acc;
     }
-  }
+  });
   for (int64_t j = 0; j < g; ++j) {
     float* sj = sc + j * span;
     float m = sj[0];
@@ -120,19 +129,13 @@ void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_
     for (int64_t i = 0; i < span; ++i) sj[i] *= inv;
   }
   alignas(64) float acc[kMaxGroup * kBuf] = {};
-  for (int64_t first = lo - lo % ps; first <= pos; first += ps) {
-    const float* vp = page_ptr(pr.v, pr, h, row[first / ps]);
-    if (first + ps <= pos) prefetch_page(page_ptr(pr.v, pr, h, row[first / ps + 1]), ps * D);
-    const int64_t k0 = std::max(lo, first), k1 = std::min(pos + 1, first + ps);
-    for (int64_t kk = k0; kk < k1; ++kk) {
-      const float* vr = vp + (kk - first) * D;
-      for (int64_t j = 0; j < g; ++j) {
-        const float w = sc[j * span + (kk - lo)];
-        float* aj = acc + j * D;
-        for (int e = 0; e < D; ++e) aj[e] += w * vr[e];
-      }
+  for_each_key(pr.v, pr, h, row, lo, pos, D, [&](int64_t kk, const float* vr) {
+    for (int64_t j = 0; j < g; ++j) {
+      const float w = sc[j * span + (kk - lo)];
+      float* aj = acc + j * D;
+      for (int e = 0; e < D; ++e) aj[e] += w * vr[e];
     }
-  }
+  });
   std::memcpy(pr.out + (token * pr.hq + h * g) * D, acc, sizeof(float) * g * D);
 }
 
@@ -151,11 +154,6 @@ void attend_item(const Problem& pr, int64_t s, int64_t h, std::vector<float>& sc
     }
   }
 }
-
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                      ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
@@ -202,26 +200,11 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
     if (q_len < 1) continue;
     for (int64_t h = 0; h < pr.kvh; ++h) items->push_back(s * pr.kvh + h);
   }
-  const int64_t total = static_cast<int64_t>(items->size());
-  auto shared = std::make_shared<Shared>();
-  auto work = [pr, items, shared, total]() {
-    std::vector<float> scores;
-    int64_t i;
-    while ((i = shared->next.fetch_add(1)) < total) {
-      const int64_t item = (*items)[i];
-      attend_item(pr, item / pr.kvh, item % pr.kvh, scores);
-      shared->done.fetch_add(1);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    auto task = work;  // Schedule takes ownership of a copy
-    pool.Schedule(std::move(task));
-  }
-  work();
-  // Items claimed by a pool thread are in progress: wait for them. Tasks that
-  // start after this returns find no item left and touch nothing but `shared`.
-  while (shared->done.load() < total) std::this_thread::yield();
+  jaxpaged::run_items(pool, static_cast<int64_t>(items->size()), [pr, items](int64_t i) {
+    thread_local std::vector<float> scores;
+    const int64_t item = (*items)[i];
+    attend_item(pr, item / pr.kvh, item % pr.kvh, scores);
+  });
   return ffi::Error::Success();
 }
 

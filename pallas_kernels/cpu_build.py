@@ -48,15 +48,18 @@ def _cpu_tag() -> str:
 
 
 def build_library(source: Path, cache_dir: Path | None = None) -> Path:
-  """Compiles `source` (once per source, jaxlib, compiler and CPU) -> .so path.
+  """Compiles `source` (once per source and the headers beside it, jaxlib,
+  compiler and CPU) -> .so path.
 
   Raises RuntimeError (no compiler) or subprocess.CalledProcessError."""
   compiler = shutil.which("g++") or shutil.which("c++")
   if compiler is None:
     raise RuntimeError("no C++ compiler (g++ / c++) on PATH")
+  headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # cpu_pool.h
   key = hashlib.sha256(b"\0".join([
-      source.read_bytes(), jaxlib.__version__.encode(), compiler.encode(),
-      " ".join(FLAGS).encode(), _cpu_tag().encode()])).hexdigest()[:16]
+      source.read_bytes(), *headers, jaxlib.__version__.encode(),
+      compiler.encode(), " ".join(FLAGS).encode(),
+      _cpu_tag().encode()])).hexdigest()[:16]
   cache_dir = cache_dir or default_kernel_cache_dir()
   lib = cache_dir / f"{source.stem}-{key}.so"
   if lib.exists():

@@ -7,7 +7,7 @@
 // vectors wide); its rows of x go through in near-equal groups of at most 6, each group a
 // register tile of 6 x 4 accumulators fed one row of the block at a time (the block stays
 // in this core's cache between groups; rows 8 ahead prefetched). Items are shared between
-// the calling thread and XLA's intra-op thread pool through an atomic counter.
+// the calling thread and XLA's intra-op thread pool (cpu_pool.h).
 
 #include <immintrin.h>
 #include <algorithm>
@@ -17,6 +17,7 @@
 #include <memory>
 #include <thread>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -83,11 +84,6 @@ void item(const float* x, const float* w, float* y, int64_t r0, int64_t r1, int6
   }
 }
 
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                   ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
@@ -102,24 +98,10 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   // stays in this core's cache between groups).
   const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
   const int64_t total = (n + kCols - 1) / kCols;
-  auto shared = std::make_shared<Shared>();
-  // Items claimed by a pool thread are in progress: the caller waits for them. Tasks that
-  // start after it returns find no item left and touch nothing but `shared`.
-  auto work = [=]() {
-    int64_t i;
-    while ((i = shared->next.fetch_add(1)) < total) {
-      for (int64_t g = 0; g < groups; ++g)
-        item(xp, wp, yp, m * g / groups, m * (g + 1) / groups, k, n, i * kCols);
-      shared->done.fetch_add(1);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    auto task = work;
-    pool.Schedule(std::move(task));
-  }
-  work();
-  while (shared->done.load() < total) std::this_thread::yield();
+  jaxpaged::run_items(pool, total, [=](int64_t i) {
+    for (int64_t g = 0; g < groups; ++g)
+      item(xp, wp, yp, m * g / groups, m * (g + 1) / groups, k, n, i * kCols);
+  });
   return ffi::Error::Success();
 }
 
