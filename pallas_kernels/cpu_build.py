@@ -26,8 +26,11 @@ import jaxlib
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-math-errno", "-std=c++17",
-         "-shared", "-fPIC")
+# -ffast-math's parts that let reductions vectorise, not the flag itself: with it GCC links
+# crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+         "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math",
+         "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 
 
 def default_kernel_cache_dir() -> Path:

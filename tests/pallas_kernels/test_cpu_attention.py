@@ -39,6 +39,15 @@ def test_the_library_is_built_once_per_source_and_reused(tmp_path):
   assert [x.name for x in tmp_path.iterdir()] == [first.name]  # no temporary folder left
 
 
+def test_loading_the_kernels_keeps_subnormal_floats():
+  """The build must not link GCC's crtfastmath.o (-ffast-math does): it would turn on flush-to-zero for
+  the whole process when the library loads, changing every float computation in it."""
+  from pallas_kernels import cpu_matmul
+  assert cpu_attention.load_cpu_attention() and cpu_matmul.load_cpu_matmul()
+  tiny = np.float32(np.finfo(np.float32).tiny)
+  assert tiny / np.float32(4) > 0
+
+
 def test_no_compiler_is_a_clear_error_and_the_xla_path_stays(monkeypatch, tmp_path):
   monkeypatch.setattr(cpu_build.shutil, "which", lambda name: None)
   with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
