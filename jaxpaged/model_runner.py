@@ -75,7 +75,6 @@ from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, Scheduler
 from pallas_kernels import ragged_paged_attention, write_kv_inner
 from pallas_kernels import cpu_matmul
 from pallas_kernels.cpu_attention import load_cpu_attention
-from pallas_kernels.cpu_matmul import load_cpu_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -562,7 +561,7 @@ class RunnerConfig:
             return self.attention_backend
         if jax.default_backend() == "gpu":
             return "pallas"
-        return "cpu" if load_cpu_attention() else "xla"  # the native decode kernel where it builds
+        return "cpu" if load_cpu_attention() else "xla"  # the native CPU kernel where it builds
 
     def kv_dtype(self, model_dtype) -> np.dtype:
         """The pool's dtype for a model of `model_dtype` on the default backend."""
@@ -580,7 +579,7 @@ class RunnerConfig:
     @property
     def attention(self) -> AttentionConfig:
         # the native matmul goes with the native attention: both are the CPU's C++ build
-        native_matmul = self.backend == "cpu" and jax.default_backend() == "cpu" and load_cpu_matmul()
+        native_matmul = self.backend == "cpu" and jax.default_backend() == "cpu" and cpu_matmul.load_cpu_matmul()
         return AttentionConfig(self.backend, self.max_num_partial_prefills, native_matmul)
 
     @property

@@ -68,7 +68,7 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to shard the model over "
                    "(tensor parallelism; the engine checks what it supports)")
     e.add_argument("--attention-backend", default="auto", help="auto (pallas on GPU; on CPU cpu, or xla "
-                   "where no C++ compiler builds the native decode kernel), pallas, cpu, xla or reference")
+                   "where no C++ compiler builds the native CPU kernels), pallas, cpu, xla or reference")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="KV cache dtype; auto: the model's, but float32 for a bfloat16 model on CPU "
                    "(XLA:CPU would convert the whole cache around every write)")

@@ -234,14 +234,16 @@ class Matmul(NamedTuple):
     takes: Callable[[jax.Array, jax.Array], bool]
 
 
-def dot_weight(x: jax.Array, w: jax.Array, matmul: Matmul | None, spec: str) -> jax.Array:
+def dot_weight(x: jax.Array, w: jax.Array, matmul: Matmul | None, spec: str,
+               preferred_element_type=None) -> jax.Array:
     """x [T, E] @ w [E, ...] -> [T, ...]: matmul on w's 2-D view (a free reshape) if it takes the
-    shapes, else jnp.einsum(spec, x, w)."""
+    shapes, else jnp.einsum(spec, x, w); in preferred_element_type (default x's dtype)."""
     if matmul is not None and x.ndim == 2:
         w2 = w.reshape(w.shape[0], -1)
         if matmul.takes(x, w2):
-            return matmul.fn(x, w2).astype(x.dtype).reshape(x.shape[0], *w.shape[1:])
-    return jnp.einsum(spec, x, w)
+            y = matmul.fn(x, w2).astype(preferred_element_type or x.dtype)
+            return y.reshape(x.shape[0], *w.shape[1:])
+    return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
 
 
 def mlp(p: Params, x: jax.Array, hidden_act: str = "silu", matmul: Matmul | None = None) -> jax.Array:
@@ -336,9 +338,7 @@ def lm_logits(config: LlamaConfig, params: Params, h: jax.Array, matmul: Matmul 
     transposed by `untie_lm_head`), else the tied embedding [V, E]."""
     x = norm(config, h, params["final_norm"])
     if "lm_head" in params:
-        if matmul is not None and x.ndim == 2 and matmul.takes(x, params["lm_head"]):
-            return matmul.fn(x, params["lm_head"]).astype(jnp.float32)
-        return jnp.einsum("...e,ev->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+        return dot_weight(x, params["lm_head"], matmul, "...e,ev->...v", preferred_element_type=jnp.float32)
     if not config.tie_word_embeddings:
         raise KeyError("params lack lm_head (the model's embeddings are not tied)")
     return jnp.einsum("...e,ve->...v", x, params["embed"], preferred_element_type=jnp.float32)
