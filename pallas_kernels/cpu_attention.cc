@@ -178,7 +178,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   pr.n = kd[r - 3];
   pr.ps = kd[r - 2];
   pr.p = page_table.dimensions()[1];
-  const int64_t layer = r == 5 ? layer_buf.typed_data()[0] : 0;
+  // A layer outside the stack is clamped, as page ids are: wrong rows, never a read past the pool.
+  const int64_t layer = r == 5 ? std::clamp<int64_t>(layer_buf.typed_data()[0], 0, kd[0] - 1) : 0;
   const int64_t layer_elems = pr.kvh * pr.n * pr.ps * pr.d;
   pr.q = q.typed_data();
   pr.k = k_pages.typed_data() + layer * layer_elems;

@@ -97,7 +97,7 @@ def test_many_sequences_over_the_thread_pool_match_the_reference():
 
 
 def test_a_bad_step_input_gives_wrong_rows_not_a_crash():
-  """Page ids past the pool, contexts past the table, query offsets past T: the kernel
+  """Page ids past the pool, contexts past the table, query offsets past T, layers past the stack: the kernel
   clamps or skips (as XLA's gather clamps) instead of reading or writing out of bounds."""
   rng = np.random.default_rng(3)
   q, k, v, kv, table, cu, ns = _batch(rng, [1, 2, 1], [10, 20, 5])
@@ -106,6 +106,10 @@ def test_a_bad_step_input_gives_wrong_rows_not_a_crash():
   cu = cu.at[3].set(q.shape[0] + 50)
   out = cpu_attention.ragged_paged_attention_cpu(q, k, v, kv, table, cu, ns, sm_scale=0.125)
   assert np.isfinite(np.asarray(out)).all()
+  q, k, v, kv, table, cu, ns = _batch(rng, [1, 2], [10, 20], layers=2)
+  for layer in (-5, 2, 10**6):
+    out = cpu_attention.ragged_paged_attention_cpu(q, k, v, kv, table, cu, ns, sm_scale=0.125, layer=layer)
+    assert np.isfinite(np.asarray(out)).all()
 
 
 def test_the_kernel_cache_folder_follows_xdg_cache_home(monkeypatch, tmp_path):
