@@ -227,8 +227,9 @@ class AsyncLLM:
                 self._commands.clear()
             self._apply(commands)
             if self._sinks:
-                self._step()
-            self._publish_stats()
+                self._step()  # publishes the stats itself
+            else:
+                self._publish_stats()
         self._fail_all(EngineShutdownError("the engine was shut down"))
         self._release_engine()
         logger.debug("engine thread stopped")
@@ -274,6 +275,8 @@ class AsyncLLM:
                 sink.put(_ABORTED)
 
     def _step(self) -> None:
+        """One engine step; stats are published before any output is delivered, so a caller
+        that has seen an output (or an error) reads stats that count its step."""
         try:
             outputs = self.engine.step()
         except Exception:
@@ -281,6 +284,7 @@ class AsyncLLM:
             self._fail_running()
             return
         self._num_steps += 1
+        self._publish_stats()
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:
@@ -308,6 +312,7 @@ class AsyncLLM:
             self._reset_prefix_cache()
         except Exception:
             logger.exception("aborting the failed requests failed too")
+        self._publish_stats()
         for rid, sink in failed.items():
             sink.put(_error_output(rid, sink))
 
