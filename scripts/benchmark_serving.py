@@ -11,10 +11,13 @@ once). It times every streamed chunk and prints vLLM's summary block:
 throughput, TTFT (time to first token), TPOT (time per output token after the
 first), ITL (gap between streamed chunks), end-to-end latency.
 
-Output tokens are counted the way vLLM's benchmark counts them: the tokenizer
-(`--tokenizer`, default the `--model` name) over each request's streamed text.
-The server's own `usage` (asked for with `stream_options.include_usage`) is
-recorded too; the summary reports both totals and how many requests disagree.
+Output tokens are counted the way vLLM's benchmark counts them: the server's own
+`usage.completion_tokens` (asked for with `stream_options.include_usage`) where it
+sends one, else the tokenizer (`--tokenizer`, default the `--model` name) over the
+request's streamed text. The tokenizer count is recorded too, and the summary says
+how many requests disagree: text without the special tokens a server skips (e.g. a
+chat model's end-of-turn marker, generated again under `ignore_eos`) retokenizes
+shorter than what was generated, so a text count would undercount such a server.
 
 Workloads (`--dataset`):
   random   synthetic prompts of random token ids decoded to text (`--random-source tokens`,
@@ -79,7 +82,8 @@ class RequestResult:
     latency: float = 0.0        # last byte of the response, after `start`
     itl: list[float] = dataclasses.field(default_factory=list)           # gaps between text chunks
     chunk_times: list[float] = dataclasses.field(default_factory=list)   # text chunk arrivals (benchmark clock)
-    output_tokens: int = 0                  # tokenizer count over generated_text
+    output_tokens: int = 0                  # the server's usage.completion_tokens, else text_tokens
+    text_tokens: int = 0                    # tokenizer count over generated_text
     usage_prompt_tokens: int | None = None  # the server's usage, when it sent one
     usage_completion_tokens: int | None = None
 
@@ -357,8 +361,20 @@ async def run_benchmark(args, requests: list[SampleRequest], concurrency: int | 
     if bar is not None:
         bar.close()
     for res in results:
-        res.output_tokens = count_tokens(tokenizer, res.generated_text) if res.success else 0
+        count_output(res, tokenizer)
     return list(results), duration
+
+
+def count_output(res: RequestResult, tokenizer) -> None:
+    """Set a request's output token counts: the server's usage where it sent one (as vLLM's benchmark
+    does), else the tokenizer over its text; the tokenizer count is kept either way."""
+    res.text_tokens = count_tokens(tokenizer, res.generated_text) if res.success else 0
+    if not res.success:
+        res.output_tokens = 0
+    elif res.usage_completion_tokens is None:
+        res.output_tokens = res.text_tokens
+    else:
+        res.output_tokens = res.usage_completion_tokens
 
 
 async def warm_up(args, requests: list[SampleRequest]) -> None:
@@ -441,7 +457,8 @@ def compute_metrics(results: list[RequestResult], duration: float,
         "server_usage_requests": len(with_usage),
         "total_input_tokens_server": sum(r.usage_prompt_tokens or 0 for r in with_usage),
         "total_output_tokens_server": sum(r.usage_completion_tokens for r in with_usage),
-        "output_token_mismatches": sum(r.usage_completion_tokens != r.output_tokens for r in with_usage),
+        "total_output_tokens_text": sum(r.text_tokens for r in ok),
+        "output_token_mismatches": sum(r.usage_completion_tokens != r.text_tokens for r in with_usage),
         "mean_output_tokens_per_request": total_out / len(ok) if ok else 0.0,
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
@@ -468,7 +485,8 @@ def format_summary(metrics: dict[str, Any], title: str, percentiles: Sequence[fl
     row("Total generated tokens:", metrics["total_output_tokens"])
     row("Total generated tokens (server usage):",
         f"{metrics['total_output_tokens_server']} ({metrics['server_usage_requests']} reqs)")
-    row("Output token count mismatches:", metrics["output_token_mismatches"])
+    row("Total generated tokens (text, tokenizer):", metrics["total_output_tokens_text"])
+    row("Usage vs tokenizer mismatches:", metrics["output_token_mismatches"])
     row("Request throughput (req/s):", f"{metrics['request_throughput']:.2f}")
     row("Output token throughput (tok/s):", f"{metrics['output_throughput']:.2f}")
     row("Peak output token throughput (tok/s):", f"{metrics['peak_output_throughput']:.2f}")
@@ -491,7 +509,7 @@ def format_summary(metrics: dict[str, Any], title: str, percentiles: Sequence[fl
 def request_records(results: list[RequestResult]) -> list[dict[str, Any]]:
     """Per-request records for --save-json (chunk times omitted; ITL kept)."""
     keys = ("prompt_len", "output_len_requested", "success", "error", "start", "ttft", "latency",
-            "output_tokens", "usage_prompt_tokens", "usage_completion_tokens", "itl", "generated_text")
+            "output_tokens", "text_tokens", "usage_prompt_tokens", "usage_completion_tokens", "itl", "generated_text")
     return [{k: getattr(r, k) for k in keys} for r in results]
 
 

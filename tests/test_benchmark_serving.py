@@ -80,13 +80,34 @@ def test_benchmark_against_live_server(bench, server_url, tiny_checkpoints, tmp_
     assert len(requests) == NUM_PROMPTS
     # ignore_eos: every request ran to its max_tokens; the tokenizer count agrees with the server's usage
     assert run["server_usage_requests"] == NUM_PROMPTS
-    assert run["total_output_tokens"] == run["total_output_tokens_server"]
+    assert run["total_output_tokens"] == run["total_output_tokens_server"] == run["total_output_tokens_text"]
     assert run["output_token_mismatches"] == 0
-    assert all(r["output_tokens"] == r["usage_completion_tokens"] == r["output_len_requested"] for r in requests)
+    assert all(r["output_tokens"] == r["usage_completion_tokens"] == r["text_tokens"] == r["output_len_requested"]
+               for r in requests)
     assert all(0 < r["ttft"] < r["latency"] for r in requests)
     assert math.isclose(run["output_throughput"], run["total_output_tokens"] / run["duration"], rel_tol=1e-9)
     assert run["peak_output_throughput"] > 0
     assert run["mean_ttft_ms"] <= run["mean_e2el_ms"]
+
+
+def test_output_tokens_are_the_servers_usage_else_the_tokenizer_count(bench, tiny_checkpoints):
+    tokenizer = bench.get_tokenizer(str(tiny_checkpoints["gqa4"]))
+    text = "hello world"
+    text_tokens = bench.count_tokens(tokenizer, text)
+    # a server that skipped special tokens in the text: its usage counts what it generated
+    with_usage = bench.RequestResult(1, 20, success=True, generated_text=text, usage_completion_tokens=text_tokens + 3)
+    without_usage = bench.RequestResult(1, 20, success=True, generated_text=text)
+    failed = bench.RequestResult(1, 20, success=False, generated_text=text, usage_completion_tokens=5)
+    for res in (with_usage, without_usage, failed):
+        bench.count_output(res, tokenizer)
+    assert (with_usage.output_tokens, with_usage.text_tokens) == (text_tokens + 3, text_tokens)
+    assert (without_usage.output_tokens, without_usage.text_tokens) == (text_tokens, text_tokens)
+    assert (failed.output_tokens, failed.text_tokens) == (0, 0)
+    metrics = bench.compute_metrics([with_usage, without_usage, failed], duration=2.0)
+    assert metrics["total_output_tokens"] == 2 * text_tokens + 3
+    assert metrics["total_output_tokens_text"] == 2 * text_tokens
+    assert metrics["output_token_mismatches"] == 1
+    assert metrics["output_throughput"] == (2 * text_tokens + 3) / 2.0
 
 
 def test_sweep_and_prefix_workload(bench, server_url, tiny_checkpoints, tmp_path):
