@@ -28,7 +28,10 @@ process group; always stopped, also on errors and Ctrl-C):
                 or takes --llama-server PATH.
 
 Sampling (--sampling, each run on every server): `greedy` (temperature 0) and `t0.8-p0.95`
-(temperature 0.8, top_p 0.95); any `t<T>[-p<P>][-k<K>]` works.
+(temperature 0.8, top_p 0.95); any `t<T>[-p<P>][-k<K>][-m<M>]` works (m: min_p). A random setting
+sends every cut explicitly, top_k 0 and min_p 0 (off) unless given: each server would otherwise add
+its own defaults (llama-server top_k 40 and min_p 0.05, transformers top_k 50), and the sides would
+not sample the same distribution.
 
 --roofline: before the servers start, `scripts/roofline.py` probes this machine's read bandwidth (same
 run) and the table's footer gives each server's concurrency-1 decode rate (1000 / median TPOT) as a
@@ -492,18 +495,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def sampling_fields(name: str) -> dict:
-    """Request fields of a --sampling setting: "greedy" or "t0.8-p0.95" (t: temperature, p: top_p, k: top_k)."""
+    """Request fields of a --sampling setting: "greedy" or e.g. "t0.8-p0.95" (t: temperature, p: top_p,
+    k: top_k, m: min_p). Random settings name every cut (top_p 1, top_k 0, min_p 0: off), so no
+    server's own defaults apply (llama-server's top_k 40 and min_p 0.05, transformers' top_k 50)."""
     if name == "greedy":
         return {"temperature": 0.0}
-    keys = {"t": "temperature", "p": "top_p", "k": "top_k"}
+    keys = {"t": "temperature", "p": "top_p", "k": "top_k", "m": "min_p"}
     fields = {}
     for part in name.split("-"):
         if not part or part[0] not in keys:
-            raise ValueError(f"--sampling {name!r}: use greedy or t<T>[-p<P>][-k<K>]")
+            raise ValueError(f"--sampling {name!r}: use greedy or t<T>[-p<P>][-k<K>][-m<M>]")
         fields[keys[part[0]]] = int(part[1:]) if part[0] == "k" else float(part[1:])
     if "temperature" not in fields:
         raise ValueError(f"--sampling {name!r}: give the temperature (t<T>)")
-    return fields
+    return {"top_p": 1.0, "top_k": 0, "min_p": 0.0, **fields}
 
 
 def main(argv: Sequence[str] | None = None) -> list[PeerResult]:

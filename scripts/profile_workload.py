@@ -31,6 +31,8 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--weight-layout", default="auto")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--tree", default=str(pathlib.Path(__file__).resolve().parents[1]),
                     help="the checkout whose jaxpaged runs (default: this one)")
     return ap.parse_args(argv)
@@ -64,7 +66,8 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(1000, 40000, size=args.prompt_len).tolist()}
                for _ in range(args.num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.output_len,
+                            ignore_eos=True, seed=0 if args.temperature else None)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start

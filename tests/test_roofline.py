@@ -51,3 +51,14 @@ def test_compare_servers_prints_the_batch1_share_of_the_roofline():
     assert "| jaxpaged | greedy | 16.0 | 80% |" in table  # 1000 / 62.5 ms = 16 tok/s = 80% of 20
     assert table.count("% |") == 1  # concurrency 32 and the failed peer have no roofline row
     assert "roofline" not in compare.format_table(results)
+
+
+def test_compare_servers_sends_every_sampling_cut_so_no_server_default_applies():
+    fields = _script("compare_servers").sampling_fields
+    assert fields("greedy") == {"temperature": 0.0}
+    # llama-server would add top_k 40 and min_p 0.05, transformers top_k 50: every cut is named
+    assert fields("t0.8-p0.95") == {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "min_p": 0.0}
+    assert fields("t0.7-k40-m0.05") == {"temperature": 0.7, "top_p": 1.0, "top_k": 40, "min_p": 0.05}
+    for bad in ("p0.9", "t0.8-x3", "t0.8--p0.9"):
+        with pytest.raises(ValueError):
+            fields(bad)
