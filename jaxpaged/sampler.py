@@ -53,8 +53,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax.extend.random import threefry2x32_p
-
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_BIAS_ENTRIES = 320  # OpenAI allows 300 logit_bias entries; the rest is room for banned ids
@@ -312,7 +310,8 @@ def _finish_random(logits, batch: SamplingBatch, random_rows: np.ndarray, out: S
         return out
     inexact = full & ~exact
     if inexact.any():
-        threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, inexact)
+        with_top_k = bool((inexact & (np.asarray(batch.top_k) > 0)).any())  # else the top_k halvings are skipped
+        threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, inexact, with_top_k)
     return _full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps, full)
 
 
@@ -431,7 +430,8 @@ def warmup(num_rows: int, vocab_size: int, num_top_logprobs: Sequence[int] = (0,
     rows = np.ones(num_rows, bool)
     for k in num_top_logprobs:  # the fallbacks over the output of each K (the fused step's: K = 0)
         out, scaled, threshold, _ = _candidate_sample(logits, batch, k, PREFILTER_K)
-        threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, rows)
+        for with_top_k in (False, True):
+            threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, rows, with_top_k)
         jax.block_until_ready(_full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps,
                                                       rows))
     jax.block_until_ready(_mask_logits(logits, np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)))
@@ -506,11 +506,12 @@ def _candidate_tokens(processed: jax.Array, scaled: jax.Array, min_p_threshold: 
     return token_ids, threshold, jnp.stack([covered, exact])
 
 
-@jax.jit
-def _bisect_thresholds(scaled, threshold, top_k, top_p, min_p, rows):
-    """f32[S]: threshold with `rows` (bool[S]) replaced by the exact cut, found by bisection."""
+@functools.partial(jax.jit, static_argnums=(6,))
+def _bisect_thresholds(scaled, threshold, top_k, top_p, min_p, rows, with_top_k: bool = True):
+    """f32[S]: threshold with `rows` (bool[S]) replaced by the exact cut, found by bisection.
+    with_top_k (static) False: no row of `rows` has a top_k cut (the host knows), so its halvings are skipped."""
     min_p_threshold = jnp.max(scaled, axis=-1) + jnp.log(min_p)
-    exact = jnp.maximum(_bisect_threshold(scaled, top_k, top_p), min_p_threshold)
+    exact = jnp.maximum(_bisect_threshold(scaled, top_k, top_p, with_top_k), min_p_threshold)
     return jnp.where(rows, exact, threshold)
 
 
@@ -662,16 +663,18 @@ def _largest_key(keys: jax.Array, predicate) -> jax.Array:
     return lo
 
 
-def _bisect_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def _bisect_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, with_top_k: bool = True) -> jax.Array:
     """f32[S]: the exact top_k then top_p threshold of `_prefilter_threshold`, by bisection over
     the whole row (O(V) per halving, no sort): the largest logit keeping >= k tokens, then the
-    largest keeping probability mass >= top_p of the top_k survivors."""
+    largest keeping probability mass >= top_p of the top_k survivors. with_top_k False (static):
+    top_k is taken as off in every row, and its 32 halvings are not traced."""
     S, V = scaled.shape
     keys = _sortable(scaled)  # i32[S, V]
-    k_on = (top_k > 0) & (top_k < V)
-    k = jnp.where(k_on, top_k, 1)[:, None]
-    k_key = _largest_key(keys, lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k[:, 0])
-    k_key = jnp.where(k_on, k_key, jnp.min(keys, axis=-1))
+    k_on = (top_k > 0) & (top_k < V) & with_top_k
+    k_key = jnp.min(keys, axis=-1)  # u32[S]; keeps every token
+    if with_top_k:
+        k = jnp.where(k_on, top_k, 1)
+        k_key = jnp.where(k_on, _largest_key(keys, lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k), k_key)
     kept = keys >= k_key[:, None]
     weights = jnp.where(kept, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)  # f32[S, V]
     target = top_p * jnp.sum(weights, axis=-1)  # f32[S]
@@ -701,12 +704,33 @@ def _gumbel_noise_at(key_data: jax.Array, steps: jax.Array, ids: jax.Array) -> j
     def row(data, step, row_ids):
         key = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(data, impl=_PRNG_IMPL), step))
         counters = row_ids.astype(jnp.uint32)
-        hi, lo = threefry2x32_p.bind(key[0], key[1], jnp.zeros_like(counters), counters)
+        hi, lo = threefry2x32(key[0], key[1], jnp.zeros_like(counters), counters)
         bits = hi ^ lo  # u32[C]
         u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
         return -jnp.log(-jnp.log(u))
 
     return jax.vmap(row)(key_data, steps, ids)
+
+
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Threefry-2x32's, alternating per 4 rounds
+_THREEFRY_PARITY = 0x1BD11BDA
+
+
+def threefry2x32(k0: jax.Array, k1: jax.Array, c0: jax.Array, c1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Threefry-2x32, 20 rounds (Salmon et al., Random123), of the key (k0, k1) on counters (c0, c1): u32
+    arrays that broadcast. Bit for bit `threefry2x32_p`, written out as plain elementwise ops: JAX lowers
+    its primitive on CPU as a rolled loop, which XLA cannot fuse (32 x 49k counters: 10.5 ms there,
+    1.9 ms here). Five blocks of four mix rounds, the key injected after each block."""
+    u32 = jnp.uint32
+    schedule = (k0, k1, k0 ^ k1 ^ u32(_THREEFRY_PARITY))
+    x0, x1 = c0 + schedule[0], c1 + schedule[1]
+    for block in range(5):
+        for r in _THREEFRY_ROTATIONS[block % 2]:
+            x0 = x0 + x1
+            x1 = ((x1 << u32(r)) | (x1 >> u32(32 - r))) ^ x0
+        x0 = x0 + schedule[(block + 1) % 3]
+        x1 = x1 + schedule[(block + 2) % 3] + u32(block + 1)
+    return x0, x1
 
 
 def _raw_logprobs(raw: jax.Array, token_ids: jax.Array, k: int) -> SamplerOutput:

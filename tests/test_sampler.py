@@ -421,3 +421,22 @@ def test_same_tokens_as_the_sorting_sampler_large_vocabulary(params):
         expected = np.asarray(oracle_token_ids_jit(jnp.asarray(logits), batch))
         got = jax.device_get(sample_jit(jnp.asarray(logits), batch, num_top_logprobs=0))
         np.testing.assert_array_equal(got.token_ids, expected)
+
+
+def test_threefry2x32_is_jax_primitive_bit_for_bit():
+    """The sampler's written-out Threefry-2x32 equals JAX's primitive (the noise stream is unchanged)."""
+    from jax.extend.random import threefry2x32_p
+
+    from jaxpaged.sampler import threefry2x32
+
+    rng = np.random.default_rng(7)
+    keys = rng.integers(0, 2**32, size=(4, 2), dtype=np.uint64).astype(np.uint32)
+    counters = rng.integers(0, 2**32, size=(2, 4, 1000), dtype=np.uint64).astype(np.uint32)
+    counters[:, 0, :3] = [[0, 1, 0xFFFFFFFF], [0, 0, 0xFFFFFFFF]]  # the edges of the word
+    k0, k1 = jnp.asarray(keys[:, :1]), jnp.asarray(keys[:, 1:])
+    c0, c1 = jnp.asarray(counters[0]), jnp.asarray(counters[1])
+    want = jax.jit(lambda *a: threefry2x32_p.bind(*a))(*jnp.broadcast_arrays(k0, k1, c0, c1))
+    got = jax.jit(threefry2x32)(k0, k1, c0, c1)
+    for w, g in zip(want, got):
+        assert g.dtype == jnp.uint32
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
