@@ -4,10 +4,13 @@
 // XLA:CPU hands a 17-32-row dot to YNNPACK, whose GEMM packs w on every call: each weight
 // byte is read, written and read again, and the step's dots ran at ~55% of the cores' FMA
 // rate. Here w is read in place. A work item is one 64-column block of w (4 AVX-512
-// vectors wide); its rows of x go through in near-equal groups of at most 6, each group a
-// register tile of 6 x 4 accumulators fed one row of the block at a time (the block stays
-// in this core's cache between groups; rows 8 ahead prefetched). Items are shared between
-// the calling thread and XLA's intra-op thread pool (cpu_pool.h).
+// vectors wide). The block goes through in chunks of kChunk rows of w; each chunk serves
+// every row of x, in near-equal groups of at most 6, each group a register tile of 6 x 4
+// accumulators (kept in y between chunks). While a chunk is computed on, its groups
+// prefetch the next chunk into L2 between them, so reading w from memory overlaps the FMAs:
+// without it the first group of a block waited on memory and the others computed with
+// memory idle (32 rows: 31.9 -> 27.8 ms for SmolLM2's dots). Items are shared between the
+// calling thread and XLA's intra-op thread pool (cpu_pool.h).
 
 #include <immintrin.h>
 #include <algorithm>
@@ -26,20 +29,29 @@ namespace {
 
 constexpr int64_t kCols = 64;   // columns of w per work item: 4 AVX-512 vectors
 constexpr int kMaxRows = 6;     // rows of x per register tile: 6 x 4 accumulators
+constexpr int64_t kChunk = 64;  // rows of w per chunk: 16 KiB of a block
 
-// y[0:MR, n0:n0+64] = x[0:MR, :] @ w[:, n0:n0+64], MR x 4 accumulators in registers.
+void prefetch_l2(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+
+// Rows [i0, i1) of w for MR rows of x: y[0:MR, n0:n0+64] = (first ? 0 : y) + x[:, i0:i1] @ w[i0:i1, ...].
+// It prefetches part `part` of `parts` of the next chunk, rows [i1, next_end): its 4 lines a row,
+// spread one or more an iteration.
 template <int MR>
-void tile(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t n0) {
+void tile(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t n0, int64_t i0,
+          int64_t i1, bool first, int64_t part, int64_t parts, int64_t next_end) {
   __m512 acc[MR][4];
 #pragma GCC unroll 6
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  const float* wr = w + n0;
-  for (int64_t i = 0; i < k; ++i, wr += n) {
-    _mm_prefetch(reinterpret_cast<const char*>(wr + 8 * n), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wr + 8 * n + 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wr + 8 * n + 32), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wr + 8 * n + 48), _MM_HINT_T0);
+    for (int c = 0; c < 4; ++c)
+      acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * n + n0 + 16 * c);
+  const int64_t per = (4 + parts - 1) / parts;  // prefetches an iteration
+  const float* wr = w + i0 * n + n0;
+  for (int64_t i = i0; i < i1; ++i, wr += n) {
+    for (int64_t p = 0; p < per; ++p) {
+      const int64_t line = (part * (i1 - i0) + (i - i0)) * per + p;  // of the next chunk's lines
+      const int64_t row = i1 + line / 4;
+      if (row < next_end) prefetch_l2(w + row * n + n0 + 16 * (line % 4));
+    }
     const __m512 w0 = _mm512_loadu_ps(wr), w1 = _mm512_loadu_ps(wr + 16);
     const __m512 w2 = _mm512_loadu_ps(wr + 32), w3 = _mm512_loadu_ps(wr + 48);
 #pragma GCC unroll 6
@@ -69,18 +81,28 @@ void edge(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_
   }
 }
 
-// Rows [r0, r1) (at most kMaxRows) of column block n0.
-void item(const float* x, const float* w, float* y, int64_t r0, int64_t r1, int64_t k, int64_t n, int64_t n0) {
-  const float* xr = x + r0 * k;
-  float* yr = y + r0 * n;
-  if (n - n0 < kCols) return edge(xr, w, yr, r1 - r0, k, n, n0);
-  switch (r1 - r0) {
-    case 6: tile<6>(xr, w, yr, k, n, n0); break;
-    case 5: tile<5>(xr, w, yr, k, n, n0); break;
-    case 4: tile<4>(xr, w, yr, k, n, n0); break;
-    case 3: tile<3>(xr, w, yr, k, n, n0); break;
-    case 2: tile<2>(xr, w, yr, k, n, n0); break;
-    case 1: tile<1>(xr, w, yr, k, n, n0); break;
+// Column block n0 for all m rows: chunk by chunk of w, every row group per chunk.
+void block(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
+  if (n - n0 < kCols) return edge(x, w, y, m, k, n, n0);
+  const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
+  for (int64_t i = 0; i < std::min(kChunk, k); ++i)  // the first chunk: no chunk before fetched it
+    for (int c = 0; c < 4; ++c) prefetch_l2(w + i * n + n0 + 16 * c);
+  for (int64_t i0 = 0; i0 < k; i0 += kChunk) {
+    const int64_t i1 = std::min(i0 + kChunk, k), next_end = std::min(i1 + kChunk, k);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = m * g / groups, r1 = m * (g + 1) / groups;
+      const float* xr = x + r0 * k;
+      float* yr = y + r0 * n;
+      const bool first = i0 == 0;
+      switch (r1 - r0) {
+        case 6: tile<6>(xr, w, yr, k, n, n0, i0, i1, first, g, groups, next_end); break;
+        case 5: tile<5>(xr, w, yr, k, n, n0, i0, i1, first, g, groups, next_end); break;
+        case 4: tile<4>(xr, w, yr, k, n, n0, i0, i1, first, g, groups, next_end); break;
+        case 3: tile<3>(xr, w, yr, k, n, n0, i0, i1, first, g, groups, next_end); break;
+        case 2: tile<2>(xr, w, yr, k, n, n0, i0, i1, first, g, groups, next_end); break;
+        case 1: tile<1>(xr, w, yr, k, n, n0, i0, i1, first, g, groups, next_end); break;
+      }
+    }
   }
 }
 
@@ -94,14 +116,12 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  // Items: column blocks, each for all m rows in near-equal groups of <= kMaxRows (the block
-  // stays in this core's cache between groups).
-  const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
-  const int64_t total = (n + kCols - 1) / kCols;
-  jaxpaged::run_items(pool, total, [=](int64_t i) {
-    for (int64_t g = 0; g < groups; ++g)
-      item(xp, wp, yp, m * g / groups, m * (g + 1) / groups, k, n, i * kCols);
-  });
+  if (k == 0) {  // no chunk writes y
+    std::memset(yp, 0, sizeof(float) * m * n);
+    return ffi::Error::Success();
+  }
+  const int64_t total = (n + kCols - 1) / kCols;  // items: column blocks
+  jaxpaged::run_items(pool, total, [=](int64_t i) { block(xp, wp, yp, m, k, n, i * kCols); });
   return ffi::Error::Success();
 }
 

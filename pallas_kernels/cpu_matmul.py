@@ -4,11 +4,13 @@ y [M, N] = x [M, K] @ w [K, N] in float32 for MIN_ROWS <= M <= MAX_ROWS: the
 T = 32 bucket (17-32 decodes) and its LM head. XLA:CPU gives those dots to
 YNNPACK (model_runner.cpu_compiler_options: steps above 16 tokens), which
 packs w on every call; this call reads w in place with 6 x 64 register
-tiles. A bare stack of SmolLM2's dots (30 layers and the LM head, quiet
-2-core machine): 32 rows 37-41 -> 32-33 ms. Outside that range XLA's dots
-stay: up to 16 rows the runner compiles XLA's own dots, which beat this
-(1 row 12.7 vs 14.8 ms, 16 rows 19.8 vs 22.4), and at prefill sizes
-YNNPACK's packing pays for itself.
+tiles, 64 rows of w at a time, prefetching the next 64 while it computes.
+A bare stack of SmolLM2's dots (30 layers and the LM head, quiet 2-core
+machine): 32 rows XLA 37 ms, this 27.6-27.9 (without the prefetching chunks
+31.9); 24 rows 31.2 -> 21.1. Outside that range XLA's dots stay: up to 16
+rows the runner compiles XLA's own dots, which this only matches (16 rows
+19.9 vs 19.2, 4 rows 16.6 vs 16.4, 1 row 13.0 vs 16.9), and at prefill
+sizes YNNPACK's packing pays for itself.
 
 The model's weight dots call it through `llama.Matmul` when the step asks for
 it (`AttentionConfig.native_matmul`, set by the runner with the native CPU

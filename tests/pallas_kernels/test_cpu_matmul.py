@@ -13,9 +13,10 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the nati
 
 
 @pytest.mark.parametrize("m", [17, 23, 30, 32])
-@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (64, 100), (7, 64), (33, 200)])
+@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (64, 100), (7, 64), (33, 200), (130, 128), (0, 64)])
 def test_matches_a_float64_product(m, k, n):
-  """Row counts that split into uneven register tiles, widths with a narrow last column block."""
+  """Row counts that split into uneven register tiles, widths with a narrow last column block, depths
+  of whole and partial 64-row chunks of w (the accumulators carried in y between chunks), and none."""
   assert cpu_matmul.load_cpu_matmul()
   rng = np.random.default_rng(m * 1000 + n)
   x = rng.standard_normal((m, k), np.float32)
