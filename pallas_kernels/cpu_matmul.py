@@ -1,13 +1,16 @@
 """Matmul on the CPU for a decode step's rows, as a native XLA FFI call (cpu_matmul.cc).
 
 y [M, N] = x [M, K] @ w [K, N] in float32 for MIN_ROWS <= M <= MAX_ROWS: the
-T = 32 bucket (17-32 decodes) and its LM head. XLA:CPU gives those dots to
+T = 32 bucket (17-32 decodes) and its LM head, and the T = 64 and 128 buckets
+(mixed steps, shorter prefills). XLA:CPU gives those dots to
 YNNPACK (model_runner.cpu_compiler_options: steps above 16 tokens), which
 packs w on every call; this call reads w in place with 6 x 64 register
 tiles, 64 rows of w at a time, prefetching the next 64 while it computes.
 A bare stack of SmolLM2's dots (30 layers and the LM head, quiet 2-core
 machine): 32 rows XLA 37 ms, this 27.6-27.9 (without the prefetching chunks
-31.9); 24 rows 31.2 -> 21.1. Outside that range XLA's dots stay: up to 16
+31.9); 24 rows 31.2 -> 21.1; 64 rows 61-63 -> 48-50; 128 rows 102-112 -> 89-92
+(a 128-token step's forward 103 -> 88 ms); 256 rows both ~190 (YNNPACK stays
+there: row blocks that keep x in L2 did not help). Outside that range XLA's dots stay: up to 16
 rows the runner compiles XLA's own dots, which this only matches (16 rows
 19.9 vs 19.2, 4 rows 16.6 vs 16.4, 1 row 13.0 vs 16.9), and at prefill
 sizes YNNPACK's packing pays for itself.
@@ -31,7 +34,7 @@ from pallas_kernels.cpu_build import load_target
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxpaged_cpu_matmul"
 MIN_ROWS = 17
-MAX_ROWS = 32
+MAX_ROWS = 128
 
 
 def load_cpu_matmul() -> bool:

@@ -190,19 +190,20 @@ def test_warm_cpu_steps_take_xla_dots_up_to_small_shapes_and_library_fusions_abo
         np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)
 
 
-def test_cpu_steps_of_17_to_32_tokens_take_the_native_matmul_and_attention(tiny):
-    """The default CPU backend: every step attends through the native kernel; steps of 17-32 tokens (the
-    decode bucket where YNNPACK packs each weight per call) also take their weight dots, LM head
-    included, through the native matmul, and smaller ones XLA's dots; logits stay the plain forward's."""
-    config = dataclasses.replace(CONFIG, attention_backend="auto", min_token_bucket=1)
+def test_cpu_steps_of_17_to_128_tokens_take_the_native_matmul_and_attention(tiny):
+    """The default CPU backend: every step attends through the native kernel; steps of 17-128 tokens (the
+    buckets where YNNPACK packs each weight per call) also take their weight dots, LM head included,
+    through the native matmul, and smaller and larger ones XLA's dots; logits stay the plain forward's."""
+    config = dataclasses.replace(CONFIG, attention_backend="auto", min_token_bucket=1, max_num_batched_tokens=256,
+                                 max_model_len=256)
     runner = ModelRunner(tiny.config, tiny.params, config)
     assert runner.config.backend == "cpu" and runner.config.attention.native_matmul
-    for n, native in ((1, False), (20, True)):
+    for n, native in ((1, False), (20, True), (100, True), (200, False)):
         tokens = np.random.default_rng(n).integers(0, 256, size=n).tolist()
-        step = runner.prepare([entry("a", tokens, 0, [3, 7])])
+        step = runner.prepare([entry("a", tokens, 0, range(3, 3 + -(-n // 16)))])
         text = runner.lower(step).as_text()
         assert "jaxpaged_cpu_attention" in text
-        assert ("jaxpaged_cpu_matmul" in text) == native == (17 <= len(step.token_ids) <= 32), len(step.token_ids)
+        assert ("jaxpaged_cpu_matmul" in text) == native == (17 <= len(step.token_ids) <= 128), len(step.token_ids)
         logits = runner.execute(step)
         plain = forward_jit(tiny.config, tiny.params, jnp.asarray([tokens]))[0, -1]
         np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)

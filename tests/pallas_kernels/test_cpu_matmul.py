@@ -12,7 +12,7 @@ from pallas_kernels import cpu_matmul
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel is XLA:CPU's")
 
 
-@pytest.mark.parametrize("m", [17, 23, 30, 32])
+@pytest.mark.parametrize("m", [17, 23, 30, 32, 61, 128])
 @pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (64, 100), (7, 64), (33, 200), (130, 128), (0, 64)])
 def test_matches_a_float64_product(m, k, n):
   """Row counts that split into uneven register tiles, widths with a narrow last column block, depths
@@ -28,7 +28,8 @@ def test_matches_a_float64_product(m, k, n):
 
 @pytest.mark.parametrize("shape, dtype, ok", [
     ((17, 8), jnp.float32, True), ((32, 8), jnp.float32, True), ((1, 8), jnp.float32, False),
-    ((16, 8), jnp.float32, False), ((33, 8), jnp.float32, False), ((20, 8), jnp.bfloat16, False)])
+    ((16, 8), jnp.float32, False), ((128, 8), jnp.float32, True), ((129, 8), jnp.float32, False),
+    ((20, 8), jnp.bfloat16, False)])
 def test_it_takes_decode_sized_float32_dots_only(shape, dtype, ok):
   x = jnp.zeros(shape, dtype)
   w = jnp.zeros((shape[1], 4), dtype)
