@@ -377,15 +377,27 @@ def count_output(res: RequestResult, tokenizer) -> None:
         res.output_tokens = res.usage_completion_tokens
 
 
+WARMUP_ATTEMPTS = 3
+_DROPPED = ("RemoteProtocolError", "ConnectError", "ReadError")  # connection-level failures worth a retry
+
+
 async def warm_up(args, requests: list[SampleRequest]) -> None:
     """`--num-warmups` requests one at a time (not measured); fail clearly if the first one fails."""
     if args.num_warmups <= 0 or not requests:
         return
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=30.0)) as client:
+    # fresh connections, and a dropped one retried: llama-server sometimes closes the first connection made
+    # right after a busy run ("Server disconnected without sending a response"); an unmeasured warm-up
+    # need not fail the run for that, an HTTP error still does
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=30.0), limits=limits) as client:
         for i in range(args.num_warmups):
             req = requests[i % len(requests)]
-            res = await send_request(client, endpoint_url(args), build_payload(args, req), args.endpoint,
-                                     req, time.perf_counter(), _headers(args))
+            for attempt in range(WARMUP_ATTEMPTS):
+                res = await send_request(client, endpoint_url(args), build_payload(args, req), args.endpoint,
+                                         req, time.perf_counter(), _headers(args))
+                if res.success or not res.error.startswith(_DROPPED):
+                    break
+                await asyncio.sleep(0.5 * (attempt + 1))
             if not res.success:
                 raise SystemExit(f"warm-up request failed ({endpoint_url(args)}): {res.error}")
 

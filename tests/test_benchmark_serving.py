@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -142,3 +143,49 @@ def test_workloads_offline(bench, tiny_checkpoints, tmp_path):
     assert len(share) == 3 and all(r.output_len > 4 and r.prompt_len > 4 for r in share)
     with pytest.raises(SystemExit, match="usable"):
         bench.sample_sharegpt(tok, str(tmp_path / "sg.json"), 50, seed=0)
+
+
+def test_warm_up_retries_a_dropped_connection(bench, server_url, tiny_checkpoints, tmp_path):
+    """A server that drops the first connection unanswered (llama-server did, right after a busy run):
+    the warm-up retries on a new connection and the run goes on; an HTTP error is not retried."""
+    import socket
+    import threading
+    import urllib.parse
+
+    target = urllib.parse.urlparse(server_url)
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def pipe(src, dst):
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            if len(accepted) == 1:  # the first connection: closed without a response
+                conn.close()
+                continue
+            upstream = socket.create_connection((target.hostname, target.port))
+            threading.Thread(target=pipe, args=(conn, upstream), daemon=True).start()
+            threading.Thread(target=pipe, args=(upstream, conn), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        out = bench.main(_argv(url, tiny_checkpoints["gqa4"], tmp_path, "--num-warmups", "1", "--num-prompts", "2",
+                               "--max-concurrency", "1"))
+    finally:
+        listener.close()
+    (run,) = out["runs"]
+    assert run["completed"] == 2 and run["failed"] == 0
+    assert len(accepted) >= 4  # the dropped one, the warm-up's retry, the two requests
+    with pytest.raises(SystemExit, match="warm-up request failed.*HTTP 404"):
+        bench.main(_argv(server_url + "/nowhere", tiny_checkpoints["gqa4"], tmp_path, "--num-warmups", "1"))
