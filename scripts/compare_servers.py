@@ -30,8 +30,9 @@ process group; always stopped, also on errors and Ctrl-C):
 Sampling (--sampling, each run on every server): `greedy` (temperature 0) and `t0.8-p0.95`
 (temperature 0.8, top_p 0.95); any `t<T>[-p<P>][-k<K>][-m<M>]` works (m: min_p). A random setting
 sends every cut explicitly, top_k 0 and min_p 0 (off) unless given: each server would otherwise add
-its own defaults (llama-server top_k 40 and min_p 0.05, transformers top_k 50), and the sides would
-not sample the same distribution.
+its own defaults (llama-server top_k 40 and min_p 0.05), and the sides would not sample the same
+distribution. transformers serve rejects both fields (422), so it gets neither: its generation config's
+top_k (50 unless the model sets another) still cuts its samples.
 
 --roofline: before the servers start, `scripts/roofline.py` probes this machine's read bandwidth (same
 run) and the table's footer gives each server's concurrency-1 decode rate (1000 / median TPOT) as a
@@ -82,6 +83,7 @@ class ServerSpec:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     precision: str = ""
     ignore_eos: bool = True    # False: the server rejects vLLM's ignore_eos field (422)
+    cut_fields: bool = True    # False: it rejects top_k / min_p (422); they are left out where off
     cwd: Path | None = None    # default: this repository
 
 
@@ -196,7 +198,8 @@ def transformers_spec(args, port: int) -> ServerSpec:
     mode = "continuous batching" if "--continuous-batching" in cmd else "no continuous batching"
     # `transformers serve` answers 422 to fields it does not know (ignore_eos): EOS may end its
     # requests early; the table's "mean out tok/req" shows whether it did.
-    return ServerSpec("transformers", cmd, port, str(folder), precision=f"float32 ({mode})", ignore_eos=False)
+    return ServerSpec("transformers", cmd, port, str(folder), precision=f"float32 ({mode})", ignore_eos=False,
+                      cut_fields=False)
 
 
 def find_llama_server(args) -> Path:
@@ -327,6 +330,8 @@ def bench_argv(args, spec: ServerSpec, out_json: Path, sampling: dict | None = N
     if spec.ignore_eos and not args.no_ignore_eos:
         argv.append("--ignore-eos")
     sampling = dict(sampling or {"temperature": 0.0})
+    if not spec.cut_fields:  # transformers serve: only OpenAI's fields (its generation config's top_k applies)
+        sampling = {k: v for k, v in sampling.items() if not (k in ("top_k", "min_p") and not v)}
     argv += ["--temperature", str(sampling.pop("temperature"))]
     if sampling:
         argv += ["--extra-body", json.dumps(sampling)]

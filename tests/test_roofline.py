@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -62,3 +64,15 @@ def test_compare_servers_sends_every_sampling_cut_so_no_server_default_applies()
     for bad in ("p0.9", "t0.8-x3", "t0.8--p0.9"):
         with pytest.raises(ValueError):
             fields(bad)
+
+
+def test_compare_servers_leaves_unset_cuts_out_for_transformers():
+    compare = _script("compare_servers")
+    spec = compare.ServerSpec("transformers", [], 1, "m", ignore_eos=False, cut_fields=False)
+    args = compare.parse_args(["--peers", "transformers"])
+    argv = compare.bench_argv(args, spec, Path("out.json"), compare.sampling_fields("t0.8-p0.95"))
+    body = json.loads(argv[argv.index("--extra-body") + 1])
+    assert body == {"top_p": 0.95} and argv[argv.index("--temperature") + 1] == "0.8"
+    argv = compare.bench_argv(args, dataclasses.replace(spec, cut_fields=True), Path("out.json"),
+                              compare.sampling_fields("t0.8-p0.95"))
+    assert json.loads(argv[argv.index("--extra-body") + 1]) == {"top_p": 0.95, "top_k": 0, "min_p": 0.0}
