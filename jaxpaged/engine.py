@@ -250,7 +250,9 @@ class LLMEngine:
             sliding_window=self.model.config.sliding_window if self.model.config.all_layers_windowed else None))
         mark = time.perf_counter()
         self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh,
-                                  fault_injector=fault_injector)
+                                  fault_injector=fault_injector, consume_params=loaded is None)
+        # the engine's model holds the runner's form of the weights (on CPU the native matmul's blocks): one copy
+        self.model = dataclasses.replace(self.model, params=self.runner.params)
         phases["kv_pool"] = time.perf_counter() - mark
         # Structured outputs: grammars compile off this thread; a request waits for its grammar (vLLM's
         # WAITING_FOR_FSM) in _awaiting_grammar, outside the scheduler, while the others run.

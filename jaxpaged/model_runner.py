@@ -66,8 +66,8 @@ from jax.sharding import Mesh
 from jaxpaged import parallel, sampler
 from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
 
-from jaxpaged.models.llama import (LlamaConfig, Matmul, Params, WeightLayout, cos_sin, decoder_layer, embed_tokens,
-                                   layer_constants, lm_logits, untie_lm_head)
+from jaxpaged.models.llama import (LlamaConfig, Matmul, PackedWeight, Params, WeightLayout, cos_sin, decoder_layer,
+                                   embed_tokens, layer_constants, lm_logits, pack_weights, untie_lm_head)
 from jaxpaged.sampler import (RowInfo, SamplerOutput, SamplingBatch, make_sampling_batch, num_top_logprobs_for,
                               sample_deferred, sample_jit)
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -790,6 +790,14 @@ def empty_step(t: int, s: int, p: int) -> StepInput:
                      np.int32(0), np.zeros(s, np.int32))
 
 
+def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...]) -> PackedWeight | None:
+    """A weight dot's 2-D view w [K, N] as the native CPU matmul's contiguous column blocks (one stream per
+    block: one row of x reads them ~1.4x faster than [K, N], docs/kernels.md); None where it can't take w."""
+    if not cpu_matmul.blockable(w):
+        return None
+    return PackedWeight(jax.block_until_ready(cpu_matmul.block_weight(w)), tuple(shape), cpu_matmul.matmul_cpu)
+
+
 class ModelRunner:
     """Owns the params and the KV pool; turns scheduler outputs into logits.
 
@@ -799,7 +807,10 @@ class ModelRunner:
     """
 
     def __init__(self, model_config: LlamaConfig, params: Params, config: RunnerConfig,
-                 mesh: Mesh | None = None, fault_injector: FaultInjector | None = None):
+                 mesh: Mesh | None = None, fault_injector: FaultInjector | None = None,
+                 consume_params: bool = False):
+        # consume_params: the runner may delete `params`' arrays it holds in another form (the native CPU
+        # matmul's blocks): the caller then uses `runner.params` (the engine's own weights: one copy)
         # fault_injector: a test hook, fault_injector(entries, logits) -> logits, called by execute_model
         # after the forward and before sampling; it may raise (fails the step) or corrupt rows
         # (see docs/security.md)
@@ -822,6 +833,8 @@ class ModelRunner:
         if mesh is None:
             # XLA:CPU: a tied LM head runs as its own [E, V] copy (llama.untie_lm_head)
             self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
+            if config.attention.native_matmul and self.layout.per_layer:  # the native matmul's column blocks
+                self.params = pack_weights(self.params, _pack_for_cpu_matmul, consume=consume_params)
             self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,), compiler_options=options)
             return
         shardings = parallel.param_shardings(model_config, mesh, self.layout)

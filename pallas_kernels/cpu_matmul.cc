@@ -11,6 +11,12 @@
 // without it the first group of a block waited on memory and the others computed with
 // memory idle (32 rows: 31.9 -> 27.8 ms for SmolLM2's dots). Items are shared between the
 // calling thread and XLA's intra-op thread pool (cpu_pool.h).
+//
+// w comes in one of two layouts: [K, N] (row-major; a block's rows 4 * N bytes apart) or blocked,
+// [N / 64, K, 64] (each column block one contiguous run, `block_weight` in cpu_matmul.py). Blocked,
+// a block is one sequential stream the hardware prefetcher follows across pages: one row of x
+// then reads the weights at ~60 GB/s on two cores (the [K, N] layout: ~40), and the software
+// prefetch is left to steps of more than one row group.
 
 #include <immintrin.h>
 #include <algorithm>
@@ -33,24 +39,31 @@ constexpr int64_t kChunk = 64;  // rows of w per chunk: 16 KiB of a block
 
 void prefetch_l2(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
-// Rows [i0, i1) of w for MR rows of x: y[0:MR, n0:n0+64] = (first ? 0 : y) + x[:, i0:i1] @ w[i0:i1, ...].
+// One column block of w: its first row, and the distance between its rows (N, or 64 blocked).
+struct Block {
+  const float* w;
+  int64_t ld;
+  bool contiguous;  // blocked: its rows one run
+};
+
+// Rows [i0, i1) of the block for MR rows of x: y[0:MR, n0:n0+64] = (first ? 0 : y) + x[:, i0:i1] @ w[i0:i1].
 // It prefetches part `part` of `parts` of the next chunk, rows [i1, next_end): its 4 lines a row,
-// spread one or more an iteration.
+// spread one or more an iteration (parts = 0: none).
 template <int MR>
-void tile(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t n0, int64_t i0,
+void tile(const float* x, Block b, float* y, int64_t k, int64_t n, int64_t n0, int64_t i0,
           int64_t i1, bool first, int64_t part, int64_t parts, int64_t next_end) {
   __m512 acc[MR][4];
 #pragma GCC unroll 6
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < 4; ++c)
       acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * n + n0 + 16 * c);
-  const int64_t per = (4 + parts - 1) / parts;  // prefetches an iteration
-  const float* wr = w + i0 * n + n0;
-  for (int64_t i = i0; i < i1; ++i, wr += n) {
+  const int64_t per = parts ? (4 + parts - 1) / parts : 0;  // prefetches an iteration
+  const float* wr = b.w + i0 * b.ld;
+  for (int64_t i = i0; i < i1; ++i, wr += b.ld) {
     for (int64_t p = 0; p < per; ++p) {
       const int64_t line = (part * (i1 - i0) + (i - i0)) * per + p;  // of the next chunk's lines
       const int64_t row = i1 + line / 4;
-      if (row < next_end) prefetch_l2(w + row * n + n0 + 16 * (line % 4));
+      if (row < next_end) prefetch_l2(b.w + row * b.ld + 16 * (line % 4));
     }
     const __m512 w0 = _mm512_loadu_ps(wr), w1 = _mm512_loadu_ps(wr + 16);
     const __m512 w2 = _mm512_loadu_ps(wr + 32), w3 = _mm512_loadu_ps(wr + 48);
@@ -81,12 +94,13 @@ void edge(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_
   }
 }
 
-// Column block n0 for all m rows: chunk by chunk of w, every row group per chunk.
-void block(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
-  if (n - n0 < kCols) return edge(x, w, y, m, k, n, n0);
+// Column block n0 (of `b`) for all m rows: chunk by chunk of w, every row group per chunk.
+void block(const float* x, Block b, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
   const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
-  for (int64_t i = 0; i < std::min(kChunk, k); ++i)  // the first chunk: no chunk before fetched it
-    for (int c = 0; c < 4; ++c) prefetch_l2(w + i * n + n0 + 16 * c);
+  const bool prefetch = groups > 1 || !b.contiguous;  // one run, one group: the hardware's prefetch is ahead
+  if (prefetch)
+    for (int64_t i = 0; i < std::min(kChunk, k); ++i)  // the first chunk: no chunk before fetched it
+      for (int c = 0; c < 4; ++c) prefetch_l2(b.w + i * b.ld + 16 * c);
   for (int64_t i0 = 0; i0 < k; i0 += kChunk) {
     const int64_t i1 = std::min(i0 + kChunk, k), next_end = std::min(i1 + kChunk, k);
     for (int64_t g = 0; g < groups; ++g) {
@@ -94,13 +108,14 @@ void block(const float* x, const float* w, float* y, int64_t m, int64_t k, int64
       const float* xr = x + r0 * k;
       float* yr = y + r0 * n;
       const bool first = i0 == 0;
+      const int64_t parts = prefetch ? groups : 0;
       switch (r1 - r0) {
-        case 6: tile<6>(xr, w, yr, k, n, n0, i0, i1, first, g, groups, next_end); break;
-        case 5: tile<5>(xr, w, yr, k, n, n0, i0, i1, first, g, groups, next_end); break;
-        case 4: tile<4>(xr, w, yr, k, n, n0, i0, i1, first, g, groups, next_end); break;
-        case 3: tile<3>(xr, w, yr, k, n, n0, i0, i1, first, g, groups, next_end); break;
-        case 2: tile<2>(xr, w, yr, k, n, n0, i0, i1, first, g, groups, next_end); break;
-        case 1: tile<1>(xr, w, yr, k, n, n0, i0, i1, first, g, groups, next_end); break;
+        case 6: tile<6>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
+        case 5: tile<5>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
+        case 4: tile<4>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
+        case 3: tile<3>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
+        case 2: tile<2>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
+        case 1: tile<1>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
       }
     }
   }
@@ -110,9 +125,10 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                   ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("cpu matmul: x [M, K] and w [K, N]");
-  const int64_t m = xd[0], k = xd[1], n = wd[1];
+  const bool blocked = wd.size() == 3;
+  if (xd.size() != 2 || (wd.size() != 2 && !(blocked && wd[2] == kCols)) || xd[1] != wd[blocked ? 1 : 0])
+    return ffi::Error::InvalidArgument("cpu matmul: x [M, K] and w [K, N] or blocked [N / 64, K, 64]");
+  const int64_t m = xd[0], k = xd[1], n = blocked ? wd[0] * kCols : wd[1];
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
@@ -121,7 +137,12 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     return ffi::Error::Success();
   }
   const int64_t total = (n + kCols - 1) / kCols;  // items: column blocks
-  jaxpaged::run_items(pool, total, [=](int64_t i) { block(xp, wp, yp, m, k, n, i * kCols); });
+  jaxpaged::run_items(pool, total, [=](int64_t i) {
+    const int64_t n0 = i * kCols;
+    if (blocked) return block(xp, Block{wp + n0 * k, kCols, true}, yp, m, k, n, n0);
+    if (n - n0 < kCols) return edge(xp, wp, yp, m, k, n, n0);
+    block(xp, Block{wp + n0, n, false}, yp, m, k, n, n0);
+  });
   return ffi::Error::Success();
 }
 

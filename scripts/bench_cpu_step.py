@@ -65,6 +65,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxpaged import model_runner  # noqa: E402
 from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
+from jaxpaged.models import llama  # noqa: E402
 from jaxpaged.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
 
@@ -100,7 +101,10 @@ def _patched_forward(attend, *args):
 
 
 def _dot(x, w):
-    """One 2-D dot: x [T, E] times a weight [E, ...] (an input projection), or x [T, H, D] times wo [H, D, E]."""
+    """One 2-D dot: x [T, E] times a weight [E, ...] (an input projection), or x [T, H, D] times wo [H, D, E].
+    A weight the runner holds packed (the native CPU matmul's blocks) goes through its own product."""
+    if isinstance(w, getattr(llama, "PackedWeight", ())):  # (a --before-tree may predate it)
+        return llama.dot_weight(x.reshape(x.shape[0], -1), w, None, "")
     if x.ndim == 2:
         return (x @ w.reshape(x.shape[1], -1)).reshape(x.shape[0], *w.shape[1:])
     return x.reshape(x.shape[0], -1) @ w.reshape(-1, w.shape[-1])
@@ -134,7 +138,7 @@ def matmuls_only(config, params, token_ids, logits_indices):
         h, _ = jax.lax.scan(layer, h, params["layers"])
     x = h[logits_indices]
     head = params.get("lm_head")
-    return x @ head if head is not None else jnp.einsum("se,ve->sv", x, params["embed"])
+    return _dot(x, head) if head is not None else jnp.einsum("se,ve->sv", x, params["embed"])
 
 
 def _options(runner=None, step=None):

@@ -15,7 +15,7 @@ from jaxpaged.engine import EngineArgs, LLMEngine
 from jaxpaged.model_runner import (CPU_COMPILER_OPTIONS, CPU_SMALL_STEP_OPTIONS, CPU_SMALL_STEP_TOKENS, ModelRunner,
                                    RunnerConfig, cpu_compiler_options,
                                    kv_bytes_per_page, paged_forward, resolve_kv_cache_dtype)
-from jaxpaged.models.llama import forward_jit, unstack_layers
+from jaxpaged.models.llama import PackedWeight, WeightLayout, forward_jit, unstack_layers
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import ScheduledRequest
@@ -190,20 +190,28 @@ def test_warm_cpu_steps_take_xla_dots_up_to_small_shapes_and_library_fusions_abo
         np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)
 
 
-def test_cpu_steps_of_17_to_128_tokens_take_the_native_matmul_and_attention(tiny):
-    """The default CPU backend: every step attends through the native kernel; steps of 17-128 tokens (the
-    buckets where YNNPACK packs each weight per call) also take their weight dots, LM head included,
-    through the native matmul, and smaller and larger ones XLA's dots; logits stay the plain forward's."""
+def test_cpu_steps_take_the_native_matmul_and_attention(tiny):
+    """The default CPU backend: every step attends through the native kernel. The weight dots whose
+    weights the runner holds packed (f32, N a multiple of 64: the native matmul's contiguous column
+    blocks) take the native matmul at every step size; the others ([K, N]) at 17-128 tokens, XLA's dots
+    elsewhere. Logits stay the plain forward's."""
     config = dataclasses.replace(CONFIG, attention_backend="auto", min_token_bucket=1, max_num_batched_tokens=256,
                                  max_model_len=256)
     runner = ModelRunner(tiny.config, tiny.params, config)
     assert runner.config.backend == "cpu" and runner.config.attention.native_matmul
-    for n, native in ((1, False), (20, True), (100, True), (200, False)):
+    layer = runner.params["layers"][0]
+    # gqa4: wo [64 -> 64], w_gate_up [64 -> 256], w_down [128 -> 64] packed; wqkv (N = 96), lm_head (V = 260) not
+    assert {n for n, w in layer.items() if isinstance(w, PackedWeight)} == {"wo", "w_gate_up", "w_down"}
+    assert layer["w_gate_up"].data.shape == (4, 64, 64) and layer["w_gate_up"].shape == (64, 2, 128)
+    assert not isinstance(runner.params["lm_head"], PackedWeight)
+    for n in (1, 20, 100, 200):
         tokens = np.random.default_rng(n).integers(0, 256, size=n).tolist()
         step = runner.prepare([entry("a", tokens, 0, range(3, 3 + -(-n // 16)))])
         text = runner.lower(step).as_text()
         assert "jaxpaged_cpu_attention" in text
-        assert ("jaxpaged_cpu_matmul" in text) == native == (17 <= len(step.token_ids) <= 128), len(step.token_ids)
+        # packed weights: 3 native calls a layer; [K, N] wqkv and the LM head too at 17-128 tokens
+        per_layer = 4 if 17 <= len(step.token_ids) <= 128 else 3
+        assert text.count("@jaxpaged_cpu_matmul(") >= per_layer * tiny.config.num_hidden_layers, len(step.token_ids)
         logits = runner.execute(step)
         plain = forward_jit(tiny.config, tiny.params, jnp.asarray([tokens]))[0, -1]
         np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)
@@ -282,3 +290,18 @@ def test_bf16_model_on_cpu_gets_an_f32_pool_written_in_place(tiny):
     logits = runner.execute(runner.prepare([entry("a", tokens, 0, [3, 7])]))
     plain = forward_jit(tiny.config, params, jnp.asarray([tokens]))[0, -1]
     np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain, np.float32), atol=0.1, rtol=0.05)
+
+
+def test_pack_weights_takes_per_layer_params_and_consumes_only_what_it_packed(tiny):
+    from jaxpaged.model_runner import _pack_for_cpu_matmul
+    from jaxpaged.models.llama import pack_weights
+    from jaxpaged.weight_layout import to_weight_layout
+    with pytest.raises(ValueError, match="per-layer"):
+        pack_weights(tiny.params, _pack_for_cpu_matmul)
+    params = to_weight_layout(tiny.config, jax.tree.map(jnp.copy, tiny.params), WeightLayout(per_layer=True, fused=True))
+    source = params["layers"][0]
+    packed = pack_weights(params, _pack_for_cpu_matmul, consume=True)["layers"][0]
+    assert source["wo"].is_deleted() and source["w_down"].is_deleted()  # packed: the sources went
+    assert not source["wqkv"].is_deleted() and packed["wqkv"] is source["wqkv"]  # N = 96: held as it was
+    assert packed["wo"].shape == (64, 64)  # wo [H, D, E] packed as its [H * D, E] view
+    assert pack_weights({"layers": [packed]}, _pack_for_cpu_matmul)["layers"][0]["wo"] is packed["wo"]

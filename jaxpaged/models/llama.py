@@ -27,7 +27,9 @@ the layers another way (`WeightLayout`, `to_weight_layout`): projections sharing
     wqkv      [L, E, K, G + 2, D]  per kv head: its G query heads, then its k and its v
     w_gate_up [L, E, 2, F]         gate, then up
 (replacing wq/wk/wv and w_gate/w_up: one gemm each), and/or "layers" as a list of L per-layer dicts
-(no weight is sliced out of a stack at run time). `decoder_layer` takes every layout.
+(no weight is sliced out of a stack at run time). `decoder_layer` takes every layout. On CPU the engine's
+runner also holds the weight dots' weights as `PackedWeight`s (`pack_weights`: the native matmul's
+contiguous column blocks), which `dot_weight` hands to their own product.
 Letters: B batch, T/S query/key tokens, E hidden, H query heads, K kv heads,
 G = H // K query heads per kv head, D head dim, F MLP width, V vocab, L layers.
 """
@@ -227,6 +229,50 @@ def norm(config: LlamaConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     return rms_norm(x, weight, config.rms_norm_eps, config.norm_weight_offset)
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A weight dot's w [K, ...] held in a layout only its own product reads (the paged engine on CPU: the
+    native matmul's contiguous column blocks, `pack_weights`). data: that layout; shape: w's 2-D-viewable
+    shape [K, ...] (wo's is [H * D, E]); dot: fn(x [M, K], data) -> [M, prod(shape[1:])] (static)."""
+    data: jax.Array
+    shape: tuple[int, ...]
+    dot: Callable[[jax.Array, jax.Array], jax.Array]
+
+
+jax.tree_util.register_dataclass(PackedWeight, data_fields=["data"], meta_fields=["shape", "dot"])
+
+
+def pack_weights(params: Params, pack: Callable[[jax.Array, tuple[int, ...]], PackedWeight | None], *,
+                 consume: bool = False) -> Params:
+    """Per-layer params with each weight dot's weight (wqkv, wo, w_gate_up, w_down, lm_head) as
+    `pack(w2, shape)` of its 2-D view w2 [K, N] and its shape (wo: both [H * D, E]) where that is not
+    None; the rest as it is. consume=True deletes each source array once packed (the caller's params
+    become unusable)."""
+    if not isinstance(params["layers"], (list, tuple)):
+        raise ValueError("pack_weights takes per-layer params (WeightLayout(per_layer=True))")
+
+    def one(name: str, w):
+        if isinstance(w, PackedWeight):
+            return w
+        view = w.reshape(-1, w.shape[-1]) if name == "wo" else w.reshape(w.shape[0], -1)
+        packed = pack(view, view.shape if name == "wo" else w.shape)
+        if packed is None:
+            return w
+        if consume and not w.is_deleted():
+            w.delete()
+        return packed
+
+    layers = [{name: one(name, w) if name in PACKED_WEIGHTS else w for name, w in layer.items()}
+              for layer in params["layers"]]
+    out = dict(params, layers=layers)
+    if "lm_head" in params:
+        out["lm_head"] = one("lm_head", params["lm_head"])
+    return out
+
+
+PACKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")  # the layer weights `pack_weights` packs
+
+
 class Matmul(NamedTuple):
     """A step's own 2-D product for its weight dots (the paged engine's native CPU matmul): fn(x [M, K],
     w [K, N]) -> [M, N], used where takes(x, w); elsewhere, and without one, the einsums as written."""
@@ -238,6 +284,9 @@ def dot_weight(x: jax.Array, w: jax.Array, matmul: Matmul | None, spec: str,
                preferred_element_type=None) -> jax.Array:
     """x [T, E] @ w [E, ...] -> [T, ...]: matmul on w's 2-D view (a free reshape) if it takes the
     shapes, else jnp.einsum(spec, x, w); in preferred_element_type (default x's dtype)."""
+    if isinstance(w, PackedWeight):
+        y = w.dot(x.reshape(-1, x.shape[-1]), w.data).astype(preferred_element_type or x.dtype)
+        return y.reshape(*x.shape[:-1], *w.shape[1:])
     if matmul is not None and x.ndim == 2:
         w2 = w.reshape(w.shape[0], -1)
         if matmul.takes(x, w2):
@@ -302,8 +351,9 @@ def project_out(o: jax.Array, wo: jax.Array, matmul: Matmul | None = None) -> ja
     """o [..., T, H, D] @ wo [H, D, E] -> [..., T, E], as one [T, H*D] x [H*D, E] matmul: the 2-D operands pin
     the layouts, so XLA reshapes the (small) attention output, never the weight (XLA:CPU transposed wo
     into a copy every step when handed the 3-D contraction)."""
-    hd = wo.shape[0] * wo.shape[1]
-    return dot_weight(o.reshape(*o.shape[:-2], hd), wo.reshape(hd, wo.shape[-1]), matmul, "...tn,ne->...te")
+    hd = o.shape[-2] * o.shape[-1]
+    w2 = wo if isinstance(wo, PackedWeight) else wo.reshape(hd, wo.shape[-1])  # packed: already [H * D, E]
+    return dot_weight(o.reshape(*o.shape[:-2], hd), w2, matmul, "...tn,ne->...te")
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float,

@@ -37,3 +37,34 @@ def test_it_takes_decode_sized_float32_dots_only(shape, dtype, ok):
   if not ok:
     with pytest.raises(ValueError, match="native CPU matmul"):
       cpu_matmul.matmul_cpu(x, w)
+
+
+@pytest.mark.parametrize("m", [1, 4, 6, 7, 32, 200])
+@pytest.mark.parametrize("k, n", [(576, 960), (64, 64), (130, 192), (0, 64)])
+def test_blocked_weights_match_a_float64_product(m, k, n):
+  """The blocked layout [N / 64, K, 64] at every row count (one group, prefetching groups, many),
+  whole and partial chunks of w."""
+  assert cpu_matmul.load_cpu_matmul()
+  rng = np.random.default_rng(m * 7 + k)
+  x = rng.standard_normal((m, k), np.float32)
+  w = rng.standard_normal((k, n), np.float32)
+  blocked = cpu_matmul.block_weight(jnp.asarray(w))
+  assert blocked.shape == (n // 64, k, 64)
+  np.testing.assert_array_equal(np.asarray(blocked[1 % (n // 64)]), w[:, 64 * (1 % (n // 64)):][:, :64])
+  got = np.asarray(jax.jit(cpu_matmul.matmul_cpu)(jnp.asarray(x), blocked))
+  want = x.astype(np.float64) @ w.astype(np.float64)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(max(k, 1)))
+
+
+def test_what_blocks():
+  assert cpu_matmul.blockable(jnp.zeros((8, 128), jnp.float32))
+  assert not cpu_matmul.blockable(jnp.zeros((8, 96), jnp.float32))  # N not a multiple of 64
+  assert not cpu_matmul.blockable(jnp.zeros((8, 128), jnp.bfloat16))
+  assert not cpu_matmul.blockable(jnp.zeros((8, 2, 64), jnp.float32))  # the 2-D view is the caller's
+  with pytest.raises(ValueError, match="multiple of 64"):
+    cpu_matmul.block_weight(jnp.zeros((8, 96), jnp.float32))
+  x = jnp.zeros((3, 8), jnp.float32)
+  assert cpu_matmul.supports(x, jnp.zeros((2, 8, 64), jnp.float32))  # blocked: any row count
+  assert not cpu_matmul.supports(x, jnp.zeros((2, 9, 64), jnp.float32))  # K mismatch
+  assert not cpu_matmul.supports(x, jnp.zeros((2, 8, 32), jnp.float32))  # not 64-wide blocks
+  assert not cpu_matmul.supports(x, jnp.zeros((8, 64), jnp.float32))  # [K, N] at 3 rows: XLA's dots
