@@ -14,9 +14,9 @@
 //
 // w comes in one of two layouts: [K, N] (row-major; a block's rows 4 * N bytes apart) or blocked,
 // [N / 64, K, 64] (each column block one contiguous run, `block_weight` in cpu_matmul.py). Blocked,
-// a block is one sequential stream the hardware prefetcher follows across pages: one row of x
-// then reads the weights at ~60 GB/s on two cores (the [K, N] layout: ~40), and the software
-// prefetch is left to steps of more than one row group.
+// a block is one sequential stream the hardware prefetcher follows across pages (4 rows of x:
+// 16.0 -> 13.4 ms for SmolLM2's dots), and the software prefetch is left to steps of more than
+// one row group.
 
 #include <immintrin.h>
 #include <algorithm>

@@ -10,16 +10,17 @@ A bare stack of SmolLM2's dots (30 layers and the LM head, quiet 2-core
 machine): 32 rows XLA 37 ms, this 27.6-27.9 (without the prefetching chunks
 31.9); 24 rows 31.2 -> 21.1; 64 rows 61-63 -> 48-50; 128 rows 102-112 -> 89-92
 (a 128-token step's forward 103 -> 88 ms); 256 rows both ~190 (YNNPACK stays
-there: row blocks that keep x in L2 did not help). Outside that range XLA's dots stay: up to 16
-rows the runner compiles XLA's own dots, which this only matches (16 rows
-19.9 vs 19.2, 4 rows 16.6 vs 16.4, 1 row 13.0 vs 16.9), and at prefill
-sizes YNNPACK's packing pays for itself.
+there: row blocks that keep x in L2 did not help). For [K, N] weights
+outside that range XLA's dots stay: up to 16 rows they match this (16 rows
+19.9 vs 19.2, 4 rows 16.6 vs 16.4, 1 row 13.0 vs 16.9), and at 256 rows
+YNNPACK's packing pays for itself.
 
 With w blocked ([N / 64, K, 64], `block_weight`: each column block one
-contiguous run) it takes any row count and beats XLA's dots at every one
-(1 row 12.3 -> 8.8 ms for the stack above, 4 rows 15.8 -> 11.1, 32 rows
-24.7, 256 rows 185 -> 175): the runner holds the weights it can so
-(`llama.pack_weights`, a `llama.PackedWeight` each).
+contiguous run) it takes any row count and matches or beats XLA's dots at
+every one (the stack above: 1 row 12.5 vs XLA's 12.5, and 8.8 in a run
+where the VM's memory ran faster; 4 rows 16.0 -> 13.4, 32 rows 24.3,
+128 rows 100 -> 83, 256 rows 185 -> 175): the runner holds the weights it
+can so (`llama.pack_weights`, a `llama.PackedWeight` each).
 
 The model's weight dots call it through `llama.Matmul` when the step asks for
 it (`AttentionConfig.native_matmul`, set by the runner with the native CPU

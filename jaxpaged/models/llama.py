@@ -282,8 +282,8 @@ class Matmul(NamedTuple):
 
 def dot_weight(x: jax.Array, w: jax.Array, matmul: Matmul | None, spec: str,
                preferred_element_type=None) -> jax.Array:
-    """x [T, E] @ w [E, ...] -> [T, ...]: matmul on w's 2-D view (a free reshape) if it takes the
-    shapes, else jnp.einsum(spec, x, w); in preferred_element_type (default x's dtype)."""
+    """x [T, E] @ w [E, ...] -> [T, ...]: a PackedWeight's own product; else matmul on w's 2-D view (a free
+    reshape) if it takes the shapes, else jnp.einsum(spec, x, w); in preferred_element_type (default x's)."""
     if isinstance(w, PackedWeight):
         y = w.dot(x.reshape(-1, x.shape[-1]), w.data).astype(preferred_element_type or x.dtype)
         return y.reshape(*x.shape[:-1], *w.shape[1:])
