@@ -32,14 +32,15 @@ default): log_softmax of the unmodified logits.
 Compile variants at one (S, V, B) (`warmup` compiles them all): greedy and
 random parts with and without the penalty arrays (`output_counts`/
 `prompt_mask` None or not), times each `num_top_logprobs` (0 when no row asks
-for logprobs: `num_top_logprobs_for`), the two fallbacks, and the token-bitmask
+for logprobs: `num_top_logprobs_for`), the fallback (`_resample_rows`: per row
+count R of `fallback_rows` and bisection mode), and the token-bitmask
 pass (run only when some row is constrained: an unconstrained batch pays
 nothing for it). Parameter values never cause a recompile.
 
 The fused step (jaxpaged/model_runner.py, `fuse_sampler`) traces `sample_in_step` into the step's own
 program instead: the same operations as the parts above (so the same samples), every optional array present
 (`neutral_arrays` when absent), in two programs the host picks between as above (greedy-only batches:
-argmax; else the candidate pass); `finish_in_step` runs the two fallbacks when its flags ask and
+argmax; else the candidate pass); `finish_in_step` runs the fallback when its flags ask and
 `_top_logprobs` when a row asks for logprobs.
 """
 
@@ -54,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
+from pallas_kernels import cpu_sampler
 
 MAX_BIAS_ENTRIES = 320  # OpenAI allows 300 logit_bias entries; the rest is room for banned ids
 GREEDY_TEMPERATURE_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it sample greedily
@@ -264,8 +266,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = M
     gives the same samples, only the cost differs.
 
     The host picks the parts: all-greedy batches run `_greedy_sample` only; others run
-    `_candidate_sample`, then `_bisect_thresholds` and `_full_vocabulary_sample` only when some
-    random row needs them (XLA:CPU charges an untaken lax.cond branch of this size ~60 ms a call
+    `_candidate_sample`, then `_resample_rows` over the rows that need it only when some random
+    row does (XLA:CPU charges an untaken lax.cond branch of this size ~60 ms a call
     at S=32, V=49k, so the branches are separate programs, decided from a few flags).
     `sample_deferred` is the same in two calls.
     """
@@ -303,16 +305,44 @@ def _sample_parts(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int
 
 def _finish_random(logits, batch: SamplingBatch, random_rows: np.ndarray, out: SamplerOutput, scaled, threshold,
                    flags) -> SamplerOutput:
-    """The fallbacks of a batch with random rows, decided from `_candidate_sample`'s flags (read back here)."""
+    """The fallbacks of a batch with random rows, decided from `_candidate_sample`'s flags (read back here):
+    only the rows that need them are resampled, gathered into R = `fallback_rows(n, S)` rows."""
     covered, exact = np.asarray(flags)  # bool[2, S]
-    full = random_rows & ~covered
-    if not full.any():
+    rows = np.flatnonzero(random_rows & ~covered)  # the n rows whose candidates did not decide the token
+    if rows.size == 0:
         return out
-    inexact = full & ~exact
-    if inexact.any():
-        with_top_k = bool((inexact & (np.asarray(batch.top_k) > 0)).any())  # else the top_k halvings are skipped
-        threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, inexact, with_top_k)
-    return _full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps, full)
+    S = len(random_rows)
+    index = np.full(fallback_rows(rows.size, S), S, np.int32)  # i32[R]; S: padding (read clipped, never written)
+    index[:rows.size] = rows
+    bisect = np.zeros(index.shape, bool)  # bool[R]: rows whose cut the candidates did not decide
+    bisect[:rows.size] = ~exact[rows]
+    with_top_k = bool((np.asarray(batch.top_k)[rows][bisect[:rows.size]] > 0).any())
+    token_ids, logprobs = _resample_rows(logits, out.token_ids, out.logprobs, scaled, threshold, batch.top_k,
+                                         batch.top_p, batch.min_p, batch.key_data, batch.steps, index, bisect,
+                                         _cut_method(scaled, bisect.any(), with_top_k))
+    return dataclasses.replace(out, token_ids=token_ids, logprobs=logprobs)
+
+
+FALLBACK_ROW_BUCKETS = (1, 4, 16)  # R of a fallback below S: one program per (S, R) and cut method
+CUT_METHODS = ("none", "native", "bisect", "bisect_top_k")  # how `_resample_rows` finds the exact cut
+
+
+def _cut_method(x: jax.Array, any_inexact: bool, with_top_k: bool) -> str:
+    """`_resample_rows`' cut: "none" (the candidates decided every row's), else "native" (cpu_sampler.cc,
+    for arrays on the CPU where it builds), else "bisect" (XLA, 32 halvings per cut), with the top_k
+    halvings ("bisect_top_k") only when some row to bisect cuts top_k."""
+    if not any_inexact:
+        return "none"
+    if all(d.platform == "cpu" for d in x.devices()) and cpu_sampler.load_cpu_sampler():
+        return "native"
+    return "bisect_top_k" if with_top_k else "bisect"
+
+
+def fallback_rows(n: int, num_rows: int) -> int:
+    """R, the padded row count of a fallback over n of num_rows rows: the smallest bucket >= n, else num_rows.
+    A fallback costs O(R V) passes (32 halvings, noise over the vocabulary), so one flat row of 32 pays for
+    one, not 32."""
+    return next((r for r in FALLBACK_ROW_BUCKETS if n <= r < num_rows), num_rows)
 
 
 sample_jit = sample  # the former name: `sample` jits its own parts
@@ -386,9 +416,9 @@ def _count_fed_tokens(counts: jax.Array, fed_token_ids: jax.Array) -> jax.Array:
 def finish_in_step(state: StepSample, batch: SamplingBatch, num_top_logprobs: int) -> Callable[[], SamplerOutput]:
     """`sample_deferred`'s `finish` for a fused step. Its token_ids are `state.out.token_ids` themselves
     unless a random row needed a fallback (the flags are read back only when some row samples at random):
-    `_bisect_thresholds` / `_full_vocabulary_sample`, separate programs run only when the flags ask (O(V)
-    passes per row, 32 halvings and noise over the whole vocabulary, that the candidate pass almost always
-    makes unnecessary). num_top_logprobs > 0 (some row asks): `_top_logprobs` adds the raw top-k, also a
+    `_resample_rows`, a separate program run only when the flags ask, over those rows only (O(V) passes
+    per row, 32 halvings and noise over the whole vocabulary, that the candidate pass almost always makes
+    unnecessary). num_top_logprobs > 0 (some row asks): `_top_logprobs` adds the raw top-k, also a
     separate program, as a top-k over the vocabulary in every step (XLA:GPU sorts for k = 20) would cost
     more than one small dispatch on the steps that ask."""
     def finish() -> SamplerOutput:
@@ -418,7 +448,7 @@ def num_top_logprobs_for(requested: Sequence[int | None]) -> int:
 
 def warmup(num_rows: int, vocab_size: int, num_top_logprobs: Sequence[int] = (0, MAX_LOGPROBS)) -> None:
     """Compile every part of `sample` at (num_rows, vocab_size): greedy and random batches, with and
-    without penalty arrays, each num_top_logprobs, and both fallbacks. Nothing compiles later."""
+    without penalty arrays, each num_top_logprobs, and the fallback. Nothing compiles later."""
     logits = jax.device_put(np.zeros((num_rows, vocab_size), np.float32))  # as the runner hands it over
     for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
         for penalties in (False, True):
@@ -427,21 +457,23 @@ def warmup(num_rows: int, vocab_size: int, num_top_logprobs: Sequence[int] = (0,
             for k in num_top_logprobs:
                 jax.block_until_ready(sample(logits, batch, num_top_logprobs=k))
     batch = make_sampling_batch([RowInfo(SamplingParams(temperature=1.0), seed=0)], num_rows, vocab_size)
-    rows = np.ones(num_rows, bool)
-    for k in num_top_logprobs:  # the fallbacks over the output of each K (the fused step's: K = 0)
-        out, scaled, threshold, _ = _candidate_sample(logits, batch, k, PREFILTER_K)
-        for with_top_k in (False, True):
-            threshold = _bisect_thresholds(scaled, threshold, batch.top_k, batch.top_p, batch.min_p, rows, with_top_k)
-        jax.block_until_ready(_full_vocabulary_sample(logits, out, scaled, threshold, batch.key_data, batch.steps,
-                                                      rows))
+    out, scaled, threshold, _ = _candidate_sample(logits, batch, 0, PREFILTER_K)
+    for num_fallback_rows in sorted({fallback_rows(n, num_rows) for n in (*FALLBACK_ROW_BUCKETS, num_rows)}):
+        index = np.arange(num_fallback_rows, dtype=np.int32)  # the fallbacks of every R and mode
+        methods = {_cut_method(logits, any_inexact, with_top_k) for any_inexact in (False, True)
+                   for with_top_k in (False, True)}
+        for cut in sorted(methods):
+            jax.block_until_ready(_resample_rows(
+                logits, out.token_ids, out.logprobs, scaled, threshold, batch.top_k, batch.top_p, batch.min_p,
+                batch.key_data, batch.steps, index, np.ones(index.shape, bool), cut))
     jax.block_until_ready(_mask_logits(logits, np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)))
     jax.block_until_ready(_top_logprobs(logits, MAX_LOGPROBS))  # the fused step's top log-probs
 
 
 def compiled_variants() -> int:
     """How many programs the sampler's parts have compiled so far (tests: no recompiles)."""
-    return sum(f._cache_size() for f in (_greedy_sample, _candidate_sample, _bisect_thresholds,
-                                         _full_vocabulary_sample, _mask_logits, _top_logprobs))
+    return sum(f._cache_size() for f in (_greedy_sample, _candidate_sample, _resample_rows, _mask_logits,
+                                         _top_logprobs))
 
 
 @jax.jit
@@ -490,7 +522,7 @@ def _candidate_tokens(processed: jax.Array, scaled: jax.Array, min_p_threshold: 
     `exact` when they decide it). A random row's token is final when no other token can beat its best
     candidate score (`covered`): every kept token is a candidate, or the score exceeds the last
     candidate's logit + the largest noise the stream can draw (GUMBEL_MAX). Other rows are resampled by
-    `_full_vocabulary_sample`; either way a row's sample is argmax(kept logits + its noise), ties to the
+    `_resample_rows`; either way a row's sample is argmax(kept logits + its noise), ties to the
     lowest id. Greedy rows take argmax(processed).
     """
     V = scaled.shape[-1]
@@ -506,25 +538,30 @@ def _candidate_tokens(processed: jax.Array, scaled: jax.Array, min_p_threshold: 
     return token_ids, threshold, jnp.stack([covered, exact])
 
 
-@functools.partial(jax.jit, static_argnums=(6,))
-def _bisect_thresholds(scaled, threshold, top_k, top_p, min_p, rows, with_top_k: bool = True):
-    """f32[S]: threshold with `rows` (bool[S]) replaced by the exact cut, found by bisection.
-    with_top_k (static) False: no row of `rows` has a top_k cut (the host knows), so its halvings are skipped."""
-    min_p_threshold = jnp.max(scaled, axis=-1) + jnp.log(min_p)
-    exact = jnp.maximum(_bisect_threshold(scaled, top_k, top_p, with_top_k), min_p_threshold)
-    return jnp.where(rows, exact, threshold)
+@functools.partial(jax.jit, static_argnums=(12,))
+def _resample_rows(logits, token_ids, logprobs, scaled, threshold, top_k, top_p, min_p, key_data, steps, index, bisect,
+                   cut: str):
+    """(token_ids i32[S], logprobs f32[S]) with the rows at `index` i32[R] (S: padding) resampled over the whole
+    vocabulary: Gumbel noise at every token against the row's threshold, first replaced by the exact cut
+    where bisect bool[R], found as `cut` (static, one of CUT_METHODS) says. A row's noise and cut depend on
+    that row only: gathered, it draws what it would in place."""
+    def take(x):  # x[index] along the rows; padding reads row S - 1 (clipped) and is dropped below
+        return jnp.take(x, index, axis=0, mode="clip")
 
-
-@functools.partial(jax.jit, donate_argnums=(1,))
-def _full_vocabulary_sample(logits, out: SamplerOutput, scaled, threshold, key_data, steps, rows) -> SamplerOutput:
-    """`out` with `rows` (bool[S]) resampled: Gumbel noise over the whole vocabulary."""
-    S, V = scaled.shape
-    all_ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (S, V))
-    full_ids, _ = _gumbel_argmax(scaled, all_ids, threshold, key_data, steps)
-    token_ids = jnp.where(rows, full_ids, out.token_ids)
-    raw = logits.astype(jnp.float32)
-    logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - _logsumexp(raw)[:, 0]
-    return dataclasses.replace(out, token_ids=token_ids, logprobs=logprobs)
+    rows_scaled, rows_threshold = take(scaled), take(threshold)  # f32[R, V], f32[R]
+    if cut != "none":
+        if cut == "native":
+            exact = cpu_sampler.threshold_cpu(rows_scaled, take(top_k), take(top_p))  # f32[R]
+        else:
+            exact = _bisect_threshold(rows_scaled, take(top_k), take(top_p), cut == "bisect_top_k")
+        min_p_threshold = jnp.max(rows_scaled, axis=-1) + jnp.log(take(min_p))  # f32[R]
+        rows_threshold = jnp.where(bisect, jnp.maximum(exact, min_p_threshold), rows_threshold)
+    R, V = rows_scaled.shape
+    all_ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (R, V))
+    ids, _ = _gumbel_argmax(rows_scaled, all_ids, rows_threshold, take(key_data), take(steps))  # i32[R]
+    raw = take(logits).astype(jnp.float32)  # f32[R, V]
+    rows_logprobs = jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0] - _logsumexp(raw)[:, 0]
+    return token_ids.at[index].set(ids, mode="drop"), logprobs.at[index].set(rows_logprobs, mode="drop")
 
 
 def process_logits(logits: jax.Array, batch: SamplingBatch) -> jax.Array:

@@ -1,0 +1,64 @@
+"""The sampler's exact top_k / top_p cut on the CPU, as a native XLA FFI call (cpu_sampler.cc).
+
+threshold f32[R] of logits x f32[R, V] (tempered, min_p-cut: -inf where cut), top_k i32[R] (0 or >= V:
+off) and top_p f32[R] (1: off): per row, the smallest logit kept by the top_k cut (the k-th largest,
+ties all kept), then by the top_p cut over the top_k survivors (the shortest head, in descending
+order, whose probability mass reaches top_p, ended with its ties); -inf when both are off. Tokens
+with logits >= the threshold are kept. This is what jaxpaged.sampler's fallback needs for the rows
+whose 256 largest logits do not decide the cut (flat distributions).
+
+XLA:CPU finds it by bisection (`jaxpaged.sampler._bisect_threshold`: 32 passes over the row, 24 ms at
+32 x 49k); the native call does a radix select per row (three histogram passes, the last two over a
+small fraction of the row). Its sums are in double, XLA's in float32, so the two agree except where
+a row's mass reaches top_p within float32 rounding at a token. Compiled on first use and
+registered once per process (cpu_build.py); `load_cpu_sampler` is False where it can't be built.
+`reference_threshold` is the readable reference: a sort.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.cpu_build import load_target
+
+SOURCE = Path(__file__).with_name("cpu_sampler.cc")
+TARGET = "jaxpaged_cpu_sampler_threshold"
+
+
+def load_cpu_sampler() -> bool:
+  """Builds and registers the FFI target once per process; False if it can't."""
+  return load_target(SOURCE, "JaxpagedCpuSamplerThreshold", TARGET)
+
+
+def threshold_cpu(x, top_k, top_p):
+  """f32[R]: the top_k then top_p threshold of each row of x f32[R, V] (jit-traceable; builds and registers
+  the kernel first if needed: a RuntimeError where it can't be built)."""
+  if (x.ndim != 2 or x.dtype != jnp.float32 or top_k.shape != x.shape[:1] or top_k.dtype != jnp.int32
+      or top_p.shape != x.shape[:1] or top_p.dtype != jnp.float32):
+    raise ValueError(f"threshold_cpu takes float32 x [R, V], int32 top_k [R] and float32 top_p [R]; got "
+                     f"x {x.dtype}{list(x.shape)}, top_k {top_k.dtype}{list(top_k.shape)}, "
+                     f"top_p {top_p.dtype}{list(top_p.shape)}")
+  if not load_cpu_sampler():
+    raise RuntimeError("the native CPU sampler kernel (cpu_sampler.cc) could not be built: see the log")
+  out = jax.ShapeDtypeStruct(x.shape[:1], jnp.float32)
+  return jax.ffi.ffi_call(TARGET, out)(x, top_k, top_p)
+
+
+def reference_threshold(x, top_k, top_p):
+  """f32[R]: `threshold_cpu` by a full sort of each row (readable, slow; float32 sums)."""
+  R, V = x.shape
+  ordered = -jnp.sort(-x, axis=-1)  # f32[R, V] descending
+  k_on = (top_k > 0) & (top_k < V)
+  k_threshold = jnp.where(k_on, jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, V - 1)[:, None], -1)[:, 0],
+                          -jnp.inf)  # f32[R]
+  kept = ordered >= k_threshold[:, None]
+  probs = jnp.where(kept, jnp.exp(ordered - ordered[:, :1]), 0.0)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs  # f32[R, V]: exclusive, descending order
+  in_head = mass_before < top_p[:, None] * jnp.sum(probs, axis=-1, keepdims=True)
+  last = jnp.maximum(jnp.sum(in_head, axis=-1), 1) - 1  # i32[R]: the head's last token
+  p_threshold = jnp.take_along_axis(ordered, last[:, None], -1)[:, 0]
+  p_threshold = jnp.where(top_p < 1.0, p_threshold, -jnp.inf)
+  return jnp.maximum(k_threshold, p_threshold)

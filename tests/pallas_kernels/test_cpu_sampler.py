@@ -1,0 +1,86 @@
+"""The native CPU top_k / top_p cut (cpu_sampler.cc) against its definition, the sort reference and the
+sampler's bisection."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged import sampler
+from pallas_kernels import cpu_sampler
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel is XLA:CPU's")
+
+
+def native(x, top_k, top_p):
+  return np.asarray(jax.jit(cpu_sampler.threshold_cpu)(
+      jnp.asarray(x, jnp.float32), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32)))
+
+
+def rows(seed: int, num_rows: int, vocab: int, scale: float) -> np.ndarray:
+  x = np.random.default_rng(seed).standard_normal((num_rows, vocab)).astype(np.float32) * scale
+  x[1, : vocab // 3] = -np.inf  # a min_p cut
+  x[2] = np.round(x[2])  # ties everywhere
+  return x
+
+
+def check_definition(x: np.ndarray, top_k: int, top_p: float, got: float) -> None:
+  """got is the top_k-th largest value when top_p is off; else it is at or above that cut and, among the
+  top_k survivors, the mass at or above got reaches top_p while the mass strictly above it does not
+  (float64 sums, rounding slack)."""
+  v = x.astype(np.float64)
+  k_on = 0 < top_k < len(v)
+  k_cut = np.sort(v)[::-1][top_k - 1] if k_on else -np.inf
+  if not k_on and top_p >= 1.0:
+    assert got == -np.inf
+    return
+  assert (v >= got).sum() >= 1
+  if top_p >= 1.0:  # the k-th largest value: >= k tokens kept, ties all
+
+    assert got == np.float32(k_cut)
+    return
+  w = np.where(v >= k_cut, np.exp(v - v.max()), 0.0)
+  target = top_p * w.sum()
+  assert got >= k_cut
+  assert w[v >= got].sum() >= target * (1 - 1e-6)
+  assert w[v > got].sum() < target * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("vocab, scale", [(49152, 2.0), (1000, 0.1), (300, 8.0), (64, 1.0)])
+def test_meets_the_definition_on_every_row(vocab, scale):
+  """Flat and peaked rows, a row cut by min_p (-inf), one of ties; top_k off, small, large and >= V, top_p
+  off, low and high, and both together."""
+  settings = [(0, 0.95), (5, 1.0), (100, 0.5), (vocab // 2, 0.9), (vocab + 7, 0.99), (0, 0.7), (vocab - 1, 1.0),
+              (1, 0.3), (0, 1.0), (3, 0.999)]
+  x = rows(vocab, len(settings), vocab, scale)
+  top_k, top_p = (np.array(c) for c in zip(*settings))
+  got = native(x, top_k, top_p)
+  for i, (k, p) in enumerate(settings):
+    check_definition(x[i], int(k), float(p), float(got[i]))
+
+
+def test_agrees_with_the_sort_reference_and_the_bisection():
+  """Random rows of SmolLM2's vocabulary width: the three agree exactly except where a row's mass reaches
+  top_p within float32 rounding (the native sums are in double): at most one row in 64 here."""
+  x = rows(7, 64, 49152, 2.0)
+  rng = np.random.default_rng(8)
+  top_k = rng.choice([0, 0, 20, 300, 5000], size=64).astype(np.int32)
+  top_p = rng.choice([1.0, 0.95, 0.8, 0.5], size=64).astype(np.float32)
+  got = native(x, top_k, top_p)
+  ref = np.asarray(cpu_sampler.reference_threshold(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))
+  bisect = np.asarray(jax.jit(sampler._bisect_threshold)(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))
+  assert (ref == bisect).sum() >= 63 and (got == ref).sum() >= 63
+  only_k = top_p == 1.0
+  assert (got[only_k] == ref[only_k]).all()  # counts are exact
+
+
+def test_edge_shapes_and_bad_arguments():
+  assert native(np.zeros((0, 5)), np.zeros(0), np.zeros(0)).shape == (0,)
+  assert native(np.array([[1.5]]), [0], [0.5])[0] == 1.5
+  assert native(np.array([[1.0, 2.0]]), [0], [1.0])[0] == -np.inf
+  with pytest.raises(ValueError, match="threshold_cpu takes float32 x"):
+    cpu_sampler.threshold_cpu(jnp.zeros((2, 4), jnp.bfloat16), jnp.zeros(2, jnp.int32), jnp.ones(2))
+  with pytest.raises(ValueError, match="top_k"):
+    cpu_sampler.threshold_cpu(jnp.zeros((2, 4)), jnp.zeros(3, jnp.int32), jnp.ones(2))
