@@ -316,12 +316,23 @@ def _tail(path: Path, chars: int = 400) -> str:
 # Benchmark runs
 # ---------------------------------------------------------------------------------------------
 
-def bench_argv(args, spec: ServerSpec, out_json: Path, sampling: dict | None = None) -> list[str]:
+def bench_runs(args) -> list[tuple[str, dict, str, int]]:
+    """(sampling setting, its fields, concurrency, dataset seed) of each benchmark run on every server, in order.
+    Each run draws its own prompts (seed + run index): with the same prompts, a run after the first would hit
+    the prompts the one before left in the server's prefix cache (jaxpaged's, llama-server's slots), so it
+    would time less prefill than the first (a greedy-then-sampled pair once read sampled 1.19x greedy)."""
+    concurrencies = [c for c in args.concurrency.split(",") if c]
+    runs = [(setting, fields, c) for setting, fields in args.sampling_settings for c in concurrencies]
+    return [(setting, fields, c, args.seed + i) for i, (setting, fields, c) in enumerate(runs)]
+
+
+def bench_argv(args, spec: ServerSpec, out_json: Path, sampling: dict | None = None, concurrency: str | None = None,
+               seed: int | None = None) -> list[str]:
     argv = ["--base-url", f"http://127.0.0.1:{spec.port}", "--model", spec.model_field, "--tokenizer", MODEL,
             "--endpoint", args.endpoint, "--dataset", args.dataset, "--num-prompts", str(args.num_prompts),
             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-            "--range-ratio", str(args.range_ratio), "--seed", str(args.seed),
-            "--max-concurrency", args.concurrency, "--request-rate", str(args.request_rate),
+            "--range-ratio", str(args.range_ratio), "--seed", str(args.seed if seed is None else seed),
+            "--max-concurrency", concurrency or args.concurrency, "--request-rate", str(args.request_rate),
             "--num-warmups", str(args.num_warmups), "--save-json", str(out_json), "--label", spec.name]
     if args.dataset == "sharegpt":
         argv += ["--dataset-path", args.dataset_path]
@@ -352,10 +363,10 @@ def run_peer(args, name: str, port: int, out_dir: Path) -> PeerResult:
         with running_server(spec, out_dir / f"{name}.log", args.startup_timeout) as startup:
             result.startup_s = startup
             print(f"[compare] {name} ready after {startup:.0f}s; benchmarking", flush=True)
-            for setting, fields in args.sampling_settings:
-                out_json = out_dir / f"{name}-{setting}.json"
-                proc = subprocess.run([sys.executable, str(BENCH), *bench_argv(args, spec, out_json, fields)],
-                                      cwd=REPO, timeout=args.bench_timeout)
+            for setting, fields, concurrency, seed in bench_runs(args):
+                out_json = out_dir / f"{name}-{setting}-c{concurrency}.json"
+                argv = bench_argv(args, spec, out_json, fields, concurrency, seed)
+                proc = subprocess.run([sys.executable, str(BENCH), *argv], cwd=REPO, timeout=args.bench_timeout)
                 if proc.returncode != 0:
                     raise RuntimeError(f"benchmark_serving ({setting}) exited with {proc.returncode}")
                 for run in json.loads(out_json.read_text())["runs"]:
@@ -462,7 +473,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--range-ratio", type=float, default=0.0)
     g.add_argument("--num-prefixes", type=int, default=4)
     g.add_argument("--prefix-len", type=int, default=512)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="the first run's dataset seed; run i draws with seed + i")
     g.add_argument("--concurrency", default="1,32", help="--max-concurrency of benchmark_serving")
     g.add_argument("--request-rate", default="inf")
     g.add_argument("--num-warmups", type=int, default=2)

@@ -76,3 +76,16 @@ def test_compare_servers_leaves_unset_cuts_out_for_transformers():
     argv = compare.bench_argv(args, dataclasses.replace(spec, cut_fields=True), Path("out.json"),
                               compare.sampling_fields("t0.8-p0.95"))
     assert json.loads(argv[argv.index("--extra-body") + 1]) == {"top_p": 0.95, "top_k": 0, "min_p": 0.0}
+
+
+def test_compare_servers_draws_fresh_prompts_for_each_run():
+    """Every (sampling, concurrency) run on a server gets its own dataset seed, so none times prompts the run
+    before left in the server's prefix cache; every server runs the same list."""
+    compare = _script("compare_servers")
+    args = compare.parse_args(["--concurrency", "1,32", "--sampling", "greedy,t0.8-p0.95", "--seed", "5"])
+    runs = compare.bench_runs(args)
+    assert [(setting, c, seed) for setting, _, c, seed in runs] == [
+        ("greedy", "1", 5), ("greedy", "32", 6), ("t0.8-p0.95", "1", 7), ("t0.8-p0.95", "32", 8)]
+    spec = compare.ServerSpec("jaxpaged", [], 1, "m", ignore_eos=True, cut_fields=True)
+    argv = compare.bench_argv(args, spec, Path("out.json"), runs[3][1], runs[3][2], runs[3][3])
+    assert argv[argv.index("--seed") + 1] == "8" and argv[argv.index("--max-concurrency") + 1] == "32"
