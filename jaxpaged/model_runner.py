@@ -483,7 +483,8 @@ def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Static kernel settings of the jitted step: attention's (see ragged_paged_attention), and whether its
-    weight dots of 17-32 rows take the native CPU matmul (pallas_kernels/cpu_matmul.py)."""
+    weight dots take the native CPU matmul (pallas_kernels/cpu_matmul.py) and, in the fused step, the
+    sampler's candidates the native top-k (pallas_kernels/cpu_sampler.py; the same result as XLA's)."""
     backend: str
     max_num_partial_prefills: int | None = None  # most sequences fed > 1 token in a step (RunnerConfig's)
     native_matmul: bool = False
@@ -751,7 +752,7 @@ def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, pa
     last = step.logits_indices  # i32[S]
     # a row fed the previous step's token as a placeholder: the host's penalty counts do not hold it yet
     fed = jnp.where(sampling.sources[last] >= 0, token_ids[last], -1)  # i32[S]
-    sample = sampler.sample_in_step(logits, sampling.batch, fed, random=random)
+    sample = sampler.sample_in_step(logits, sampling.batch, fed, random=random, native=attention.native_matmul)
     num_accepted = accept_drafts(sample.out.token_ids, sampling.draft_rows, sampling.draft_ids)  # i32[S]
     next_tokens = pad_sampled_tokens(sample.out.token_ids, sampling.previous_tokens.shape[0])
     return FusedStep(sample, num_accepted, next_tokens), hidden, kv

@@ -299,7 +299,8 @@ def _sample_parts(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int
     if not random_rows.any():
         out = _greedy_sample(logits, batch, num_top_logprobs)
         return lambda: out
-    out, scaled, threshold, flags = _candidate_sample(logits, batch, num_top_logprobs, prefilter_k)
+    native = native_kernels(logits)
+    out, scaled, threshold, flags = _candidate_sample(logits, batch, num_top_logprobs, prefilter_k, native)
     return functools.partial(_finish_random, logits, batch, random_rows, out, scaled, threshold, flags)
 
 
@@ -327,13 +328,19 @@ FALLBACK_ROW_BUCKETS = (1, 4, 16)  # R of a fallback below S: one program per (S
 CUT_METHODS = ("none", "native", "bisect", "bisect_top_k")  # how `_resample_rows` finds the exact cut
 
 
+def native_kernels(x: jax.Array) -> bool:
+    """Whether the sampler's parts over x (a concrete array) use the native CPU kernels (cpu_sampler.cc): the
+    candidates' top-k and the fallback's exact cut. Where x lives on the CPU and the kernels build."""
+    return all(d.platform == "cpu" for d in x.devices()) and cpu_sampler.load_cpu_sampler()
+
+
 def _cut_method(x: jax.Array, any_inexact: bool, with_top_k: bool) -> str:
     """`_resample_rows`' cut: "none" (the candidates decided every row's), else "native" (cpu_sampler.cc,
     for arrays on the CPU where it builds), else "bisect" (XLA, 32 halvings per cut), with the top_k
     halvings ("bisect_top_k") only when some row to bisect cuts top_k."""
     if not any_inexact:
         return "none"
-    if all(d.platform == "cpu" for d in x.devices()) and cpu_sampler.load_cpu_sampler():
+    if native_kernels(x):
         return "native"
     return "bisect_top_k" if with_top_k else "bisect"
 
@@ -384,14 +391,16 @@ def with_neutral_arrays(batch: SamplingBatch, neutral: tuple[jax.Array, jax.Arra
 
 
 def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.Array, *, random: bool,
-                   prefilter_k: int = PREFILTER_K) -> StepSample:
+                   prefilter_k: int = PREFILTER_K, native: bool = False) -> StepSample:
     """`sample_deferred`'s device part, traced inside the step's own program (pure; not jitted here).
 
     logits f32[S, V]; batch: every field present (`with_neutral_arrays`); fed_token_ids i32[S]: an output
     token of the row the host's counts do not hold yet (async scheduling: the previous step's token, fed
     this step as a placeholder), -1 for none. random (static, the host's choice, as `sample` makes it):
-    some row samples at random, so the candidate pass runs (else argmax only). No top log-probs
-    (`finish_in_step` adds them when asked). Same operations as the separate parts, so the same samples.
+    some row samples at random, so the candidate pass runs (else argmax only). native (static): the step
+    runs on the CPU, so the candidates' top-k is the native call (as `native_kernels` says for the parts)
+    where it builds. No top log-probs (`finish_in_step` adds them when asked). Same operations as the
+    separate parts, so the same samples.
     """
     unmasked = logits.astype(jnp.float32)
     raw = apply_token_bitmask(unmasked, batch.token_bitmask)  # identity under an all-ones bitmask
@@ -402,7 +411,8 @@ def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.A
         out = _raw_logprobs(raw, _argmax(processed), 0)
         return StepSample(dataclasses.replace(out, finite=finite), raw, None, None, None)
     scaled, min_p_threshold = _scale(processed, batch)
-    token_ids, threshold, flags = _candidate_tokens(processed, scaled, min_p_threshold, batch, prefilter_k)
+    native = native and cpu_sampler.load_cpu_sampler()
+    token_ids, threshold, flags = _candidate_tokens(processed, scaled, min_p_threshold, batch, prefilter_k, native)
     out = _raw_logprobs(raw, token_ids, 0)
     return StepSample(dataclasses.replace(out, finite=finite), raw, scaled, threshold, flags)
 
@@ -457,7 +467,7 @@ def warmup(num_rows: int, vocab_size: int, num_top_logprobs: Sequence[int] = (0,
             for k in num_top_logprobs:
                 jax.block_until_ready(sample(logits, batch, num_top_logprobs=k))
     batch = make_sampling_batch([RowInfo(SamplingParams(temperature=1.0), seed=0)], num_rows, vocab_size)
-    out, scaled, threshold, _ = _candidate_sample(logits, batch, 0, PREFILTER_K)
+    out, scaled, threshold, _ = _candidate_sample(logits, batch, 0, PREFILTER_K, native_kernels(logits))
     for num_fallback_rows in sorted({fallback_rows(n, num_rows) for n in (*FALLBACK_ROW_BUCKETS, num_rows)}):
         index = np.arange(num_fallback_rows, dtype=np.int32)  # the fallbacks of every R and mode
         methods = {_cut_method(logits, any_inexact, with_top_k) for any_inexact in (False, True)
@@ -489,8 +499,8 @@ def _greedy_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: in
     return _raw_logprobs(raw, _argmax(process_logits(raw, batch)), num_top_logprobs)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _candidate_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int, kp: int):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _candidate_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int, kp: int, native: bool):
     """Greedy rows: argmax. Random rows: temperature, the min_p / top_k / top_p cut, Gumbel-max over
     each row's kp largest logits (no sort of the vocabulary).
 
@@ -500,7 +510,7 @@ def _candidate_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs:
     raw = logits.astype(jnp.float32)
     processed = process_logits(raw, batch)
     scaled, min_p_threshold = _scale(processed, batch)
-    token_ids, threshold, flags = _candidate_tokens(processed, scaled, min_p_threshold, batch, kp)
+    token_ids, threshold, flags = _candidate_tokens(processed, scaled, min_p_threshold, batch, kp, native)
     return _raw_logprobs(raw, token_ids, num_top_logprobs), scaled, threshold, flags
 
 
@@ -515,7 +525,7 @@ def _scale(processed: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.A
 
 
 def _candidate_tokens(processed: jax.Array, scaled: jax.Array, min_p_threshold: jax.Array, batch: SamplingBatch,
-                      kp: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      kp: int, native: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(token_ids i32[S], threshold f32[S], flags bool[2, S] = (covered, exact)) of `_candidate_sample`.
 
     The cut is a per-row threshold (keep logits >= it) read off the candidates (`_prefilter_threshold`;
@@ -527,7 +537,8 @@ def _candidate_tokens(processed: jax.Array, scaled: jax.Array, min_p_threshold: 
     """
     V = scaled.shape[-1]
     kp = min(kp, V)
-    values, ids = _top_k(scaled, kp)  # f32[S, kp] descending, i32[S, kp]
+    # f32[S, kp] descending, i32[S, kp]; the native call is lax.top_k's result, without its partial sort of each row
+    values, ids = cpu_sampler.top_k_cpu(scaled, kp) if native else _top_k(scaled, kp)
     threshold, exact, valid = _prefilter_threshold(scaled, values, batch.top_k, batch.top_p, V)
     threshold = jnp.maximum(threshold, min_p_threshold)  # f32[S]
     token_ids, best = _gumbel_argmax(values, ids, threshold, batch.key_data, batch.steps)

@@ -11,10 +11,12 @@
 // only where a row's mass reaches top_p within rounding at a token. Rows are work items shared
 // with XLA's intra-op thread pool (cpu_pool.h).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cpu_pool.h"
@@ -140,7 +142,52 @@ ffi::Error Threshold(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+// lax.top_k of one row: the k largest values, descending, equal values in index order (-0 equals +0):
+// the k-th largest key by the same radix select (counts), the keys above it and the first ties at it.
+void row_top_k(const float* x, int64_t v, int64_t k, float* values, int32_t* ids) {
+  thread_local std::vector<uint32_t> keys;
+  thread_local std::vector<std::pair<uint32_t, int32_t>> chosen;
+  keys.resize(v);
+  for (int64_t i = 0; i < v; ++i) keys[i] = sortable(x[i] == 0.0f ? 0.0f : x[i]);
+  const uint32_t kth = largest_key(keys.data(), nullptr, v, double(k));
+  chosen.clear();
+  for (int64_t i = 0; i < v; ++i)
+    if (keys[i] > kth) chosen.emplace_back(keys[i], int32_t(i));
+  for (int64_t i = 0; i < v && int64_t(chosen.size()) < k; ++i)
+    if (keys[i] == kth) chosen.emplace_back(keys[i], int32_t(i));
+  std::sort(chosen.begin(), chosen.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  for (int64_t j = 0; j < k; ++j) {
+    ids[j] = chosen[j].second;
+    values[j] = x[chosen[j].second];
+  }
+}
+
+ffi::Error TopK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> values,
+                ffi::ResultBuffer<ffi::S32> ids) {
+  auto xd = x.dimensions();
+  auto vd = values->dimensions();
+  if (xd.size() != 2 || vd.size() != 2 || vd[0] != xd[0] || vd[1] > xd[1] || ids->dimensions().size() != 2 ||
+      ids->dimensions()[0] != vd[0] || ids->dimensions()[1] != vd[1])
+    return ffi::Error::InvalidArgument("cpu sampler top_k: x [R, V], values and ids [R, k], k <= V");
+  const int64_t rows = xd[0], v = xd[1], k = vd[1];
+  if (k == 0) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  float* vp = values->typed_data();
+  int32_t* ip = ids->typed_data();
+  jaxpaged::run_items(pool, rows, [=](int64_t r) { row_top_k(xp + r * v, v, k, vp + r * k, ip + r * k); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuSamplerTopK, TopK,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuSamplerThreshold, Threshold,
                               ffi::Ffi::Bind()

@@ -84,3 +84,18 @@ def test_edge_shapes_and_bad_arguments():
     cpu_sampler.threshold_cpu(jnp.zeros((2, 4), jnp.bfloat16), jnp.zeros(2, jnp.int32), jnp.ones(2))
   with pytest.raises(ValueError, match="top_k"):
     cpu_sampler.threshold_cpu(jnp.zeros((2, 4)), jnp.zeros(3, jnp.int32), jnp.ones(2))
+
+
+@pytest.mark.parametrize("k", [0, 1, 20, 256, 1000])
+def test_top_k_is_lax_top_k(k):
+  """Values and ids of lax.top_k, bit for bit: equal values in index order (a row of ties, one where -0 and +0
+  straddle the k-th place), -inf rows' tails, and k from 0 to past the ties."""
+  x = rows(k, 8, 4096, 2.0)
+  x[3, :600], x[3, 600:1200], x[3, 1200:] = 0.0, -0.0, -1.0
+  x[4, 100:] = -np.inf
+  got_values, got_ids = jax.jit(lambda a: cpu_sampler.top_k_cpu(a, k))(jnp.asarray(x))
+  want_values, want_ids = jax.lax.top_k(jnp.asarray(x), k)
+  np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
+  np.testing.assert_array_equal(np.asarray(got_values).view(np.uint32), np.asarray(want_values).view(np.uint32))
+  with pytest.raises(ValueError, match="top_k_cpu takes"):
+    cpu_sampler.top_k_cpu(jnp.asarray(x), 4097)
