@@ -64,6 +64,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpaged import parallel, sampler
+from jaxpaged.host_memory import advise_huge_pages
 from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
 
 from jaxpaged.models.llama import (LlamaConfig, Matmul, PackedWeight, Params, WeightLayout, cos_sin, decoder_layer,
@@ -828,6 +829,7 @@ class ModelRunner:
         self.kv_dtype = config.kv_dtype(self.dtype)
         self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.kv_dtype, mesh)
         self._followers_released = False
+        self.huge_page_bytes = 0  # of the weights and pool advised onto huge pages (CPU, one device)
         self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (T, S, P) -> step; warmup()
         options = config.compiler_options()
         self._init_fused_sampler(options)
@@ -836,6 +838,8 @@ class ModelRunner:
             self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
             if config.attention.native_matmul and self.layout.per_layer:  # the native matmul's column blocks
                 self.params = pack_weights(self.params, _pack_for_cpu_matmul, consume=consume_params)
+            # XLA:CPU's buffers on huge pages: each step streams the weights (donation keeps the pool's buffer)
+            self.huge_page_bytes = advise_huge_pages((self.params, self.kv))
             self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,), compiler_options=options)
             return
         shardings = parallel.param_shardings(model_config, mesh, self.layout)
@@ -1241,6 +1245,8 @@ class ModelRunner:
         if self.multi_process:  # processes finish compiling at different times: meet, then run a step together
             parallel.barrier("jaxpaged-warmup", _WARMUP_BARRIER_SECONDS)
             jax.block_until_ready(self._run(empty_step(*buckets[0])))  # also sets up the cross-process collectives
+        if self.huge_page_bytes:  # again once warm: pages the first advice could not collapse (already huge: free)
+            self.huge_page_bytes = advise_huge_pages((self.params, self.kv))
         return {"compile": seconds, "sampler": time.perf_counter() - start}
 
     def warmup_prompt_logprobs(self) -> None:

@@ -14,9 +14,11 @@
 //
 // w comes in one of two layouts: [K, N] (row-major; a block's rows 4 * N bytes apart) or blocked,
 // [N / 64, K, 64] (each column block one contiguous run, `block_weight` in cpu_matmul.py). Blocked,
-// a block is one sequential stream the hardware prefetcher follows across pages (4 rows of x:
-// 16.0 -> 13.4 ms for SmolLM2's dots), and the software prefetch is left to steps of more than
-// one row group.
+// a block is one sequential stream (4 rows of x: 16.0 -> 13.4 ms for SmolLM2's dots on the Zen 5
+// machine). The software prefetch runs for every step size: on Zen 5 the hardware prefetcher kept
+// ahead of a one-group stream, but on the Intel (AVX-512, 2 MiB L2) machine it did not: with the
+// weights on huge pages (jaxpaged/host_memory.py), the bare stack at 1 row 18.6 -> 15.7 ms and at
+// 4 rows 23.3 -> 16.8 with the prefetch.
 
 #include <immintrin.h>
 #include <algorithm>
@@ -97,9 +99,7 @@ void edge(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_
 // Column block n0 (of `b`) for all m rows: chunk by chunk of w, every row group per chunk.
 void block(const float* x, Block b, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
   const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
-  const bool prefetch = groups > 1 || !b.contiguous;  // one run, one group: the hardware's prefetch is ahead
-  if (prefetch)
-    for (int64_t i = 0; i < std::min(kChunk, k); ++i)  // the first chunk: no chunk before fetched it
+  for (int64_t i = 0; i < std::min(kChunk, k); ++i)  // the first chunk: no chunk before fetched it
       for (int c = 0; c < 4; ++c) prefetch_l2(b.w + i * b.ld + 16 * c);
   for (int64_t i0 = 0; i0 < k; i0 += kChunk) {
     const int64_t i1 = std::min(i0 + kChunk, k), next_end = std::min(i1 + kChunk, k);
@@ -108,7 +108,7 @@ void block(const float* x, Block b, float* y, int64_t m, int64_t k, int64_t n, i
       const float* xr = x + r0 * k;
       float* yr = y + r0 * n;
       const bool first = i0 == 0;
-      const int64_t parts = prefetch ? groups : 0;
+      const int64_t parts = groups;
       switch (r1 - r0) {
         case 6: tile<6>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
         case 5: tile<5>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
