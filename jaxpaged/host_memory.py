@@ -41,10 +41,10 @@ def advise_huge_pages(tree: Any) -> int:
         else:
             merged.append([start, end])
     for start, end in merged:
-        if madvise(start, end - start, MADV_HUGEPAGE) != 0:
-            continue
-        # One huge page at a time: a call over a span stops at its first page that cannot be collapsed
-        # (an error, harmless, on kernels before 6.1)
+        # Errors are harmless: a span may hold unmapped gaps (ENOMEM, the mapped parts are advised all the
+        # same), MADV_COLLAPSE is unknown before Linux 6.1 (EINVAL). One huge page at a time: a call over a
+        # span stops at its first page that cannot be collapsed.
+        madvise(start, end - start, MADV_HUGEPAGE)
         for page in range(start, end, HUGE_PAGE):
             madvise(page, HUGE_PAGE, MADV_COLLAPSE)
     return sum(end - start for start, end in merged)
