@@ -264,11 +264,8 @@ class DraftRows:
 
     packed: the drafts fit in the step's padding logits slots (S - len(entries) of them, S the step's bucket):
     the forward's own LM head computes their logits (step.logits_indices points those slots at the draft
-    positions) and they are sampled with the entries' rows, in one call. `prepare` picks a wider S bucket of
-    the same T for that where one exists (batch 1 on CPU, k = 7: T = 8, S = 16 instead of 4); the wasted rows
-    cost less than a second read of the LM head's weights (one-token step 22.3 ms, k = 7 verification 35.8 ->
-    28.3 ms on the Intel dev machine). Otherwise `draft_logits` computes them from the forward's hidden
-    states, M * k rows.
+    positions) and they are sampled with the entries' rows, in one call; at batch 1 on CPU (S = 4) that holds
+    for up to 3 drafts. Otherwise `draft_logits` computes them from the forward's hidden states, M * k rows.
     """
 
     packed: bool
@@ -879,12 +876,6 @@ class ModelRunner:
         num_tokens = sum(e.num_tokens for e in entries)
         max_pages = max(len(e.page_ids) for e in entries)
         t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, len(entries), max_pages)
-        rows = len(entries) + sum(len(e.spec_token_ids) for e in entries)  # logits rows, drafts' included
-        if s_bucket < rows <= self.config.seq_buckets[-1]:  # drafts: a wider S bucket of the same T gives them the
-            # step's own LM head rows
-            wider = self.config.bucket_for(num_tokens, rows, max_pages)  # (packed, see DraftRows), not a second
-            if wider[0] == t_bucket:  # pass over the LM head's weights in `draft_logits`
-                t_bucket, s_bucket, p_bucket = wider
         token_ids = np.zeros(t_bucket, np.int32)
         positions = np.zeros(t_bucket, np.int32)
         slots = np.zeros(t_bucket, np.int32)  # padding: slot 0, in the null page

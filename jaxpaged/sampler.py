@@ -33,7 +33,7 @@ Compile variants at one (S, V, B) (`warmup` compiles them all): greedy and
 random parts with and without the penalty arrays (`output_counts`/
 `prompt_mask` None or not), times each `num_top_logprobs` (0 when no row asks
 for logprobs: `num_top_logprobs_for`), the fallback (`_resample_rows`: per row
-count R of `fallback_rows` and bisection mode), and the token-bitmask
+count R of `fallback_rows` and cut method), and the token-bitmask
 pass (run only when some row is constrained: an unconstrained batch pays
 nothing for it). Parameter values never cause a recompile.
 
@@ -468,11 +468,11 @@ def warmup(num_rows: int, vocab_size: int, num_top_logprobs: Sequence[int] = (0,
                 jax.block_until_ready(sample(logits, batch, num_top_logprobs=k))
     batch = make_sampling_batch([RowInfo(SamplingParams(temperature=1.0), seed=0)], num_rows, vocab_size)
     out, scaled, threshold, _ = _candidate_sample(logits, batch, 0, PREFILTER_K, native_kernels(logits))
+    methods = sorted({_cut_method(logits, any_inexact, with_top_k) for any_inexact in (False, True)
+                      for with_top_k in (False, True)})  # those this device takes
     for num_fallback_rows in sorted({fallback_rows(n, num_rows) for n in (*FALLBACK_ROW_BUCKETS, num_rows)}):
-        index = np.arange(num_fallback_rows, dtype=np.int32)  # the fallbacks of every R and mode
-        methods = {_cut_method(logits, any_inexact, with_top_k) for any_inexact in (False, True)
-                   for with_top_k in (False, True)}
-        for cut in sorted(methods):
+        index = np.arange(num_fallback_rows, dtype=np.int32)  # the fallback of every R and cut method
+        for cut in methods:
             jax.block_until_ready(_resample_rows(
                 logits, out.token_ids, out.logprobs, scaled, threshold, batch.top_k, batch.top_p, batch.min_p,
                 batch.key_data, batch.steps, index, np.ones(index.shape, bool), cut))

@@ -59,8 +59,8 @@ OPEN = [
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    # 1 + 7 = a T bucket (8), its drafts' logits in the step's own LM head (S = 16). Grounded workload on the
-    # Intel dev machine, one run each: k = 3 1.59x, 5 1.56x, 7 1.70x, 12 1.68x (7 with prompt_lookup_min 1: 1.57x)
+    # 1 + 7 = a T bucket (8). Grounded workload on the Intel dev machine, one run each: k = 3 1.59x, 5 1.56x,
+    # 7 1.70x, 12 1.68x (7 with prompt_lookup_min 1: 1.57x)
     p.add_argument("--num-speculative-tokens", type=int, default=7)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
