@@ -131,7 +131,8 @@ class StepInput:
     kv_lens: jax.Array  # i32[S]  tokens in the cache after this step
     cu_q_lens: jax.Array  # i32[S + 1]
     num_seqs: jax.Array  # i32[]
-    logits_indices: jax.Array  # i32[S]  each sequence's last fed token
+    logits_indices: jax.Array  # i32[L]  each sequence's last fed token, then draft positions (L = S, or T: see
+    # RunnerConfig.verify_buckets); padding rows read token 0
 
 
 # XLA:CPU library fusions for dots (YNNPACK, a dot with its elementwise neighbours). jaxlib 0.10.2's
@@ -146,6 +147,11 @@ CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_
 # YNNPACK: XLA's own dots ran a 2-16-row matmul stack 5-30% faster than YNNPACK's, which wins from ~32 rows
 # on (docs/benchmarks.md, "XLA:CPU options per step shape").
 CPU_SMALL_STEP_TOKENS = 16
+# Speculative decoding without the fused sampler: a verification step of at most this many tokens (T bucket)
+# whose drafts do not fit in its S logits rows takes T rows, all from its own LM head, instead of a second
+# LM-head pass over the draft positions (`draft_logits`). Above it the T-row head would cost more than that
+# pass (a long prefill chunk beside the drafts); each such bucket is one more program at warm-up.
+VERIFY_LOGITS_MAX_TOKENS = 64
 CPU_SMALL_STEP_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_prefer_vector_width": "512"}
 
 
@@ -262,10 +268,12 @@ class DraftRows:
     """Where one step verifies its drafts: the draft positions of the M' entries that fed drafts, on a grid
     of M slots (a `draft_seq_buckets` size) x k positions (num_speculative_tokens).
 
-    packed: the drafts fit in the step's padding logits slots (S - len(entries) of them, S the step's bucket):
-    the forward's own LM head computes their logits (step.logits_indices points those slots at the draft
-    positions) and they are sampled with the entries' rows, in one call; at batch 1 on CPU (S = 4) that holds
-    for up to 3 drafts. Otherwise `draft_logits` computes them from the forward's hidden states, M * k rows.
+    packed: the drafts fit in the step's padding logits rows (L - len(entries) of them: L = S, or T for a
+    `verify_buckets` shape, which `prepare` picks when they do not fit in S): the forward's own LM head
+    computes their logits (step.logits_indices points those rows at the draft positions) and they are sampled
+    with the entries' rows, in one call. Otherwise `draft_logits` computes them from the forward's hidden
+    states, M * k rows: a second pass over the LM head's weights (batch 1 on CPU, k = 7: the 8-token step's
+    forward 25.9 ms, then 4.7 ms for that pass, its sampler call and their sync).
     """
 
     packed: bool
@@ -504,7 +512,9 @@ class RunnerConfig:
     An S bucket of 1 (min_seq_bucket=1, CPU: one request's LM head on one row) serves only T = 1, one
     decode; one sequence fed more tokens takes the next S bucket, so S = 1 adds no shape ((1, 1) replaces (1, 4)).
     `buckets` lists every (T, S, P) shape compiled at warm-up; `bucket_for(tokens, seqs, pages)` picks
-    the smallest that fits (always one of `buckets`).
+    the smallest that fits (always one of `buckets`). A step's logits rows L are its S slots, or its T
+    tokens for a speculative verification in a `verify_buckets` shape (compiled too when the runner packs
+    drafts that way: `ModelRunner.packs_drafts_in_tokens`).
     """
 
     max_num_seqs: int
@@ -629,6 +639,15 @@ class RunnerConfig:
                   if lower[s] < t and (s > 1 or t == 1 or len(self.seq_buckets) == 1)]
         shapes += [(s, s) for s in self.decode_seq_buckets]
         return tuple((t, s, p) for t, s in sorted(shapes) for p in self.page_buckets)
+
+    @property
+    def verify_buckets(self) -> tuple[tuple[int, int, int], ...]:
+        """Speculative decoding: the (T, S, P) buckets with S < T <= VERIFY_LOGITS_MAX_TOKENS, whose
+        verification steps may take T logits rows (L = T, a row for every fed token: room for each entry's row
+        and all its drafts') when the drafts do not fit in S; () when speculation is off."""
+        if not self.num_speculative_tokens:
+            return ()
+        return tuple((t, s, p) for t, s, p in self.buckets if s < t <= VERIFY_LOGITS_MAX_TOKENS)
 
     @property
     def draft_seq_buckets(self) -> tuple[int, ...]:
@@ -785,11 +804,12 @@ def kv_bytes_per_page(config: LlamaConfig, page_size: int, dtype) -> int:
         np.dtype(dtype).itemsize
 
 
-def empty_step(t: int, s: int, p: int) -> StepInput:
-    """An all-padding step of shape (T, S, P): warm-up, and the receive buffer of followers."""
+def empty_step(t: int, s: int, p: int, num_logits: int | None = None) -> StepInput:
+    """An all-padding step of shape (T, S, P) with L = num_logits logits rows (default S): warm-up, and the
+    receive buffer of followers."""
     return StepInput(np.zeros(t, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32),
                      np.zeros((s, p), np.int32), np.zeros(s, np.int32), np.zeros(s + 1, np.int32),
-                     np.int32(0), np.zeros(s, np.int32))
+                     np.int32(0), np.zeros(s if num_logits is None else num_logits, np.int32))
 
 
 def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...]) -> PackedWeight | None:
@@ -830,9 +850,10 @@ class ModelRunner:
         self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.kv_dtype, mesh)
         self._followers_released = False
         self.huge_page_bytes = 0  # of the weights and pool advised onto huge pages (CPU, one device)
-        self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (T, S, P) -> step; warmup()
+        self._compiled: dict[tuple[int, int, int, int], jax.stages.Compiled] = {}  # (T, S, P, L) -> step; warmup()
         options = config.compiler_options()
         self._init_fused_sampler(options)
+        self._verify_buckets = frozenset(config.verify_buckets)
         if mesh is None:
             # XLA:CPU: a tied LM head runs as its own [E, V] copy (llama.untie_lm_head)
             self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
@@ -876,13 +897,14 @@ class ModelRunner:
         num_tokens = sum(e.num_tokens for e in entries)
         max_pages = max(len(e.page_ids) for e in entries)
         t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, len(entries), max_pages)
+        rows = len(entries) + sum(len(e.spec_token_ids) for e in entries)  # logits rows: the entries', drafts'
         token_ids = np.zeros(t_bucket, np.int32)
         positions = np.zeros(t_bucket, np.int32)
         slots = np.zeros(t_bucket, np.int32)  # padding: slot 0, in the null page
         page_table = np.zeros((s_bucket, p_bucket), np.int32)
         kv_lens = np.zeros(s_bucket, np.int32)
         cu = np.zeros(s_bucket + 1, np.int32)
-        last = np.zeros(s_bucket, np.int32)
+        last = np.zeros(self._logits_rows((t_bucket, s_bucket, p_bucket), rows), np.int32)  # i32[L]
         offset = 0
         for i, e in enumerate(entries):
             n = e.num_tokens
@@ -898,6 +920,19 @@ class ModelRunner:
             last[i] = offset - 1
         cu[len(entries) + 1:] = offset
         return StepInput(token_ids, positions, slots, page_table, kv_lens, cu, np.int32(len(entries)), last)
+
+    def packs_drafts_in_tokens(self) -> bool:
+        """Whether verification steps of `RunnerConfig.verify_buckets` shapes take T logits rows (warm-up
+        compiles them): one device, sampler not fused (the fused program samples its S rows)."""
+        return self.mesh is None and not self.fuse_sampler
+
+    def _logits_rows(self, shape: tuple[int, int, int], rows: int) -> int:
+        """L of a step of `shape` (T, S, P) that needs `rows` logits rows: T where S is too few and the
+        shape is a verify bucket this runner packs, else S (the drafts then go to `draft_logits`)."""
+        t, s, _ = shape
+        if rows > s and self.packs_drafts_in_tokens() and shape in self._verify_buckets:
+            return t
+        return s
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
@@ -1177,9 +1212,9 @@ class ModelRunner:
         return self.compiled_fused_program(step, False) if self.fuse_sampler else self.compiled_program(step)
 
     def compiled_program(self, step: StepInput) -> jax.stages.Compiled | None:
-        """The program `warmup` compiled for `step`'s (T, S, P) shape (None before warm-up): to read its HLO
+        """The program `warmup` compiled for `step`'s (T, S, P, L) shape (None before warm-up): to read its HLO
         or to call it as `execute` does, (params, kv, step) -> (logits, hidden, kv), kv donated."""
-        return self._compiled.get((len(step.token_ids), *step.page_table.shape))
+        return self._compiled.get((len(step.token_ids), *step.page_table.shape, len(step.logits_indices)))
 
     def forget_compiled(self) -> None:
         """Drop the warm programs (a later `warmup` compiles or loads them again)."""
@@ -1225,9 +1260,10 @@ class ModelRunner:
             for i, (t, s, p) in enumerate(buckets, 1):
                 logger.info("compiling step shape %d/%d: (T, S, P) = (%d, %d, %d)", i, len(buckets), t, s, p)
                 options = self.config.compiler_options(num_tokens=t)
-                if not self.fuse_sampler:
-                    lowered = self.lower(empty_step(t, s, p))
-                    futures[pool.submit(lowered.compile, compiler_options=options)] = (self._compiled, (t, s, p))
+                for rows in self._warm_logits_rows((t, s, p)):
+                    lowered = self.lower(empty_step(t, s, p, rows))
+                    futures[pool.submit(lowered.compile, compiler_options=options)] = \
+                        (self._compiled, (t, s, p, rows))
                 for random in (False, True) if self.fuse_sampler else ():
                     lowered = self.lower_fused(empty_step(t, s, p), random)
                     futures[pool.submit(lowered.compile, compiler_options=options)] = \
@@ -1249,6 +1285,13 @@ class ModelRunner:
             self.huge_page_bytes = advise_huge_pages((self.params, self.kv))
         return {"compile": seconds, "sampler": time.perf_counter() - start}
 
+    def _warm_logits_rows(self, shape: tuple[int, int, int]) -> tuple[int, ...]:
+        """The L values `warmup` compiles the forward of shape (T, S, P) with (none with the fused sampler)."""
+        if self.fuse_sampler:
+            return ()
+        t, s, _ = shape
+        return (s, t) if self.packs_drafts_in_tokens() and shape in self._verify_buckets else (s,)
+
     def warmup_prompt_logprobs(self) -> None:
         """Compile prompt_logprobs_step at every T bucket (it runs only for requests that ask)."""
         for t in sorted({t for t, _, _ in self.config.buckets}):
@@ -1258,14 +1301,17 @@ class ModelRunner:
 
     def warmup_draft_verification(self) -> None:
         """Speculative decoding: compile draft_logits at every (T, M) of `draft_shapes`, the sampler at every
-        M x k rows, and accept_drafts for each (rows sampled, M) (nothing when speculation is off)."""
+        M x k rows and at the T rows of packed verify buckets, and accept_drafts for each (rows sampled, M) (nothing when speculation is off)."""
         k, V = self.config.num_speculative_tokens, self.model_config.vocab_size
         for t, m in self.config.draft_shapes:
             hidden = jnp.zeros((t, self.model_config.hidden_size), self.dtype)
             jax.block_until_ready(draft_logits(self.model_config, self.params, hidden, np.zeros(m * k, np.int32)))
+        packed = {rows for shape in self.config.verify_buckets for rows in self._warm_logits_rows(shape)}
+        for rows in sorted(packed - set(self.config.seq_buckets)):  # T logits rows (packed in a verify bucket)
+            sampler.warmup(rows, V)
         for m in self.config.draft_seq_buckets:
             sampler.warmup(m * k, V)
-            for n in {m * k, *self.config.seq_buckets}:  # draft rows sampled alone, or packed with the entries'
+            for n in {m * k, *self.config.seq_buckets, *packed}:  # draft rows alone, or packed with the entries'
                 jax.block_until_ready(accept_drafts(jnp.zeros(n, jnp.int32), np.zeros((m, k), np.int32),
                                                     np.zeros((m, k), np.int32)))
 

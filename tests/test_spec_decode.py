@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
 from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.model_runner import RunnerConfig, count_dispatches
 from jaxpaged.generate import greedy_generate
 from jaxpaged.models.llama import forward
 from jaxpaged.models.loader import load_model
@@ -217,6 +218,51 @@ def test_greedy_equals_plain_forward_with_speculation(tiny, overrides, expect):
     assert 0 < num_accepted < num_drafted  # both acceptance and rejection happened
     if expect == "preempt":
         assert engine.scheduler.num_preemptions > 0
+
+
+def test_verify_buckets_give_small_verifications_their_own_lm_head_rows():
+    config = RunnerConfig(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=128, page_size=16,
+                          num_pages=200, min_token_bucket=1, min_seq_bucket=1, num_speculative_tokens=4)
+    assert [(t, s) for t, s, _ in config.verify_buckets] == [(8, 4), (16, 4), (32, 4), (32, 16), (64, 4), (64, 16)]
+    assert dataclasses.replace(config, num_speculative_tokens=0).verify_buckets == ()
+
+
+def test_verification_samples_drafts_from_the_steps_own_lm_head(tiny):
+    """Drafts that do not fit in S logits rows take T rows of the step's own LM head (T <= 64); a step with a
+    longer prefill chunk beside them computes them in `draft_logits`. Both: greedy output exact, no compile."""
+    engine = make_engine(tiny, max_num_batched_tokens=128)
+    runner, shapes = engine.runner, []
+    prepare = runner.prepare
+
+    def spy(entries):
+        step = prepare(entries)
+        drafts = sum(len(e.spec_token_ids) for e in entries)
+        shapes.append((len(step.token_ids), len(step.kv_lens), len(step.logits_indices), len(entries) + drafts))
+        return step
+
+    runner.prepare = spy
+    drafting, long = repetitive_prompts(12, seed=7), mixed_prompts(4, seed=7, max_len=100)
+    long = [p + p[:90 - len(p)] if len(p) < 90 else p for p in (q or [1] for q in long)]  # 90-token prefills
+    with count_traces() as traces, count_dispatches(runner) as calls:
+        for i, prompt in enumerate(drafting):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+        done = {}
+        for step in range(200):
+            if step == 4:  # the drafting requests decode while these prefill (chunks > 64 tokens)
+                for i, prompt in enumerate(long):
+                    engine.add_request(str(len(drafting) + i), {"prompt_token_ids": prompt}, GREEDY)
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+            if not engine.has_unfinished_requests():
+                break
+    runner.prepare = prepare
+    assert traces == []
+    for i, prompt in enumerate(drafting + long):
+        assert done[str(i)].outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, prompt, 24), i
+    in_tokens = [(t, s) for t, s, rows, need in shapes if rows == t > s]
+    assert in_tokens and all(need <= t <= 64 for t, s, rows, need in shapes if rows == t > s)
+    assert all(rows == s for t, s, rows, need in shapes if not rows == t > s)
+    assert calls["draft_logits"] == sum(1 for t, s, rows, need in shapes if need > rows) > 0
+    assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_usable_pages
 
 
 def test_seeded_sampling_is_identical_and_batch_independent_with_speculation(plain, spec):
