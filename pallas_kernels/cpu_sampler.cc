@@ -1,4 +1,5 @@
-// The sampler's exact top_k / top_p cut on the CPU, per row, an XLA FFI custom call (see cpu_sampler.py).
+// The sampler's exact top_k / top_p cut on the CPU, per row, an XLA FFI custom call (see cpu_sampler.py);
+// below it, lax.top_k of each row and the rows' argmax / log-sum-exp / finiteness (RowStats).
 //
 // threshold[r] = the largest logit keeping >= top_k[r] tokens of row r (the k-th largest), then the
 // largest keeping probability mass >= top_p[r] of those survivors; -inf when both are off. XLA:CPU
@@ -10,6 +11,8 @@
 // a fraction of the row. Sums are in double (XLA's are f32 in its own order): the two can differ
 // only where a row's mass reaches top_p within rounding at a token. Rows are work items shared
 // with XLA's intra-op thread pool (cpu_pool.h).
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -180,6 +183,90 @@ ffi::Error TopK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer
   return ffi::Error::Success();
 }
 
+inline bool is_finite(float x) {  // by its bits: the flags above let the compiler fold x - x to 0
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits & 0x7F800000u) != 0x7F800000u;
+}
+
+// One row's statistics for a greedy or sampled token's log-prob, in three passes over the row (XLA:CPU
+// makes six): the first maximum of x (sampler._argmax: v - 1 when x holds a NaN), and over raw the
+// log-sum-exp (NaN when raw holds a NaN or its maximum is infinite, as max + log(sum(exp(raw - max)))
+// gives in XLA) and whether every value is finite. Sums in double.
+// The largest non-NaN value of x[0:v] (-inf if none); *nan: whether x holds a NaN; *non_finite: whether it
+// holds a NaN or an infinity. AVX-512 where built for it: GCC does not vectorise a NaN-aware max.
+inline float scan(const float* x, int64_t v, int* nan, int* non_finite) {
+#ifdef __AVX512F__
+  const __m512 low = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i exponent = _mm512_set1_epi32(0x7F800000);
+  __m512 m = low;
+  __mmask16 seen_nan = 0, seen_non_finite = 0;
+  for (int64_t i = 0; i < v; i += 16) {
+    const __mmask16 k = v - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (v - i)) - 1);
+    const __m512 a = _mm512_mask_loadu_ps(low, k, x + i);
+    seen_nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    seen_non_finite |= _mm512_mask_cmpeq_epi32_mask(
+        k, _mm512_and_si512(_mm512_castps_si512(a), exponent), exponent);
+    m = _mm512_max_ps(a, m);  // a NaN in a: m's lane kept
+  }
+  *nan = seen_nan != 0;
+  *non_finite = seen_non_finite != 0;
+  return _mm512_reduce_max_ps(m);
+#else
+  float m = -std::numeric_limits<float>::infinity();
+  *nan = *non_finite = 0;
+  for (int64_t i = 0; i < v; ++i) {
+    *nan |= x[i] != x[i];
+    *non_finite |= !is_finite(x[i]);
+    if (x[i] > m) m = x[i];
+  }
+  return m;
+#endif
+}
+
+void row_stats(const float* x, const float* raw, int64_t v, int32_t* arg, float* lse, bool* finite) {
+  int nan, non_finite;
+  const float m = scan(x, v, &nan, &non_finite);
+  int64_t first = v - 1;
+  for (int64_t i0 = 0; !nan && i0 < v; i0 += 64) {  // the first maximum, 64 values at a time
+    const int64_t i1 = std::min(i0 + 64, v);
+    int hit = 0;
+    for (int64_t i = i0; i < i1; ++i) hit |= x[i] == m;
+    if (!hit) continue;
+    first = i0;
+    while (x[first] != m) ++first;
+    break;
+  }
+  *arg = int32_t(first);
+  int raw_nan;
+  const float rm = scan(raw, v, &raw_nan, &non_finite);
+  *finite = !non_finite;
+  if (raw_nan || !is_finite(rm)) {
+    *lse = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  double total = 0;
+  for (int64_t i = 0; i < v; ++i) total += exp_nonpositive(raw[i] - rm);
+  *lse = rm + float(std::log(total));
+}
+
+ffi::Error RowStats(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> raw,
+                    ffi::ResultBuffer<ffi::S32> arg, ffi::ResultBuffer<ffi::F32> lse,
+                    ffi::ResultBuffer<ffi::PRED> finite) {
+  auto xd = x.dimensions();
+  auto rd = raw.dimensions();
+  if (xd.size() != 2 || rd.size() != 2 || xd[0] != rd[0] || xd[1] != rd[1] || xd[1] < 1)
+    return ffi::Error::InvalidArgument("cpu sampler row stats: x and raw [R, V], V >= 1");
+  const int64_t rows = xd[0], v = xd[1];
+  const float* xp = x.typed_data();
+  const float* rp = raw.typed_data();
+  int32_t* ap = arg->typed_data();
+  float* lp = lse->typed_data();
+  bool* fp = finite->typed_data();
+  jaxpaged::run_items(pool, rows, [=](int64_t r) { row_stats(xp + r * v, rp + r * v, v, ap + r, lp + r, fp + r); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuSamplerTopK, TopK,
@@ -196,3 +283,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuSamplerThreshold, Threshold,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuSamplerRowStats, RowStats,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>());

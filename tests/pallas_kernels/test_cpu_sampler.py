@@ -99,3 +99,49 @@ def test_top_k_is_lax_top_k(k):
   np.testing.assert_array_equal(np.asarray(got_values).view(np.uint32), np.asarray(want_values).view(np.uint32))
   with pytest.raises(ValueError, match="top_k_cpu takes"):
     cpu_sampler.top_k_cpu(jnp.asarray(x), 4097)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1000, 49152])
+def test_row_stats_match_the_reference(vocab):
+  """Same ids and finite flags as the XLA reference, log-sum-exps within float32 rounding; rows with -inf
+  (a grammar or min_p cut) stay finite-sum rows; NaN / +inf / all -inf rows get NaN and are flagged."""
+  rng = np.random.default_rng(vocab)
+  raw = (rng.standard_normal((8, vocab)) * 4).astype(np.float32)
+  x = raw + rng.standard_normal((8, vocab)).astype(np.float32)  # "processed": bias, penalties
+  raw[1, :(vocab + 1) // 2] = -np.inf  # a cut: the sum skips them (vocab 1: all -inf)
+  x[2] = np.round(x[2] / 8)  # ties for the maximum: the first one
+  x[3, -1] = x[3].max() + 1  # the maximum in the last lane
+  bad = raw.copy()
+  bad[4, vocab // 2] = np.nan
+  bad[5, 0] = np.inf
+  bad[6] = -np.inf
+  ids, lse, finite = jax.jit(cpu_sampler.row_stats_cpu)(jnp.asarray(x), jnp.asarray(bad))
+  ref_ids, ref_lse, ref_finite = jax.jit(cpu_sampler.reference_row_stats)(jnp.asarray(x), jnp.asarray(bad))
+  np.testing.assert_array_equal(ids, ref_ids)
+  np.testing.assert_array_equal(finite, ref_finite)
+  assert list(np.asarray(finite)) == [True, False, True, True, False, False, False, True]
+  ok = ~np.isnan(np.asarray(ref_lse))
+  np.testing.assert_allclose(np.asarray(lse)[ok], np.asarray(ref_lse)[ok], rtol=2e-6, atol=2e-6)
+  assert np.array_equal(np.isnan(lse), ~ok) and ok[[0, 2, 3, 7]].all()
+  x[5, vocab // 2] = np.nan  # a NaN in x: the last id (a NaN row is flagged by its raw logits and never emitted)
+  assert int(jax.jit(cpu_sampler.row_stats_cpu)(jnp.asarray(x), jnp.asarray(raw))[0][5]) == vocab - 1
+
+
+def test_row_stats_bad_arguments():
+  with pytest.raises(ValueError, match="same shape|one shape"):
+    cpu_sampler.row_stats_cpu(jnp.zeros((2, 4)), jnp.zeros((2, 5)))
+  with pytest.raises(ValueError, match="V >= 1"):
+    cpu_sampler.row_stats_cpu(jnp.zeros((2, 0)), jnp.zeros((2, 0)))
+  with pytest.raises(ValueError, match="float32"):
+    cpu_sampler.row_stats_cpu(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 4), jnp.int32))
+
+
+def test_the_greedy_sampler_takes_the_native_row_stats():
+  """The sampler's greedy part with the native row stats: the XLA part's tokens, log-probs within rounding."""
+  logits = jnp.asarray((np.random.default_rng(3).standard_normal((4, 3000)) * 5).astype(np.float32))
+  batch = sampler.make_sampling_batch([], 4, 3000)
+  native = sampler._greedy_sample(logits, batch, 0, True)
+  xla = sampler._greedy_sample(logits, batch, 0, False)
+  np.testing.assert_array_equal(native.token_ids, xla.token_ids)
+  np.testing.assert_allclose(native.logprobs, xla.logprobs, rtol=1e-5, atol=1e-5)
+  assert bool(native.finite.all())
