@@ -35,6 +35,9 @@ logits of each sequence's last fed token and the updated pool (donated, so it
 is written in place). Token count T, sequence slots S and page-table width P
 are padded to a small set of (T, S, P) buckets, all compiled at warm-up; the
 bucket rules live in one place, `RunnerConfig` (its docstring and properties).
+Logits come from L rows: S (each sequence's last fed token), or T for a speculative
+verification in a `RunnerConfig.verify_buckets` shape whose drafts do not fit in S
+(its drafts' logits then come from the step's own LM head, not a second pass).
 
 KV pool (stacked over layers, scanned with the params):
     k, v: [L, K, N, page_size, D]   N pages, page 0 the null page
