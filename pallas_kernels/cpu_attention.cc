@@ -50,6 +50,20 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// scores[0:span] -> their softmax, in place: one max, one exp pass, one scaling.
+inline void softmax(float* scores, int64_t span) {
+  float m = scores[0];
+  for (int64_t i = 1; i < span; ++i) m = std::max(m, scores[i]);
+  float l = 0.f;
+  for (int64_t i = 0; i < span; ++i) {
+    const float e = fast_exp(scores[i] - m);
+    scores[i] = e;
+    l += e;
+  }
+  const float inv = 1.f / l;
+  for (int64_t i = 0; i < span; ++i) scores[i] *= inv;
+}
+
 // Pages are scattered in the pool: fetch the next one while this one is read.
 inline void prefetch_page(const float* page, int64_t floats) {
   for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(page + i);
@@ -117,19 +131,7 @@ void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_
       sc[j * span + (kk - lo)] = acc;
     }
   });
-  for (int64_t j = 0; j < g; ++j) {
-    float* sj = sc + j * span;
-    float m = sj[0];
-    for (int64_t i = 1; i < span; ++i) m = std::max(m, sj[i]);
-    float l = 0.f;
-    for (int64_t i = 0; i < span; ++i) {
-      const float e = fast_exp(sj[i] - m);
-      sj[i] = e;
-      l += e;
-    }
-    const float inv = 1.f / l;
-    for (int64_t i = 0; i < span; ++i) sj[i] *= inv;
-  }
+  for (int64_t j = 0; j < g; ++j) softmax(sc + j * span, span);
   alignas(64) float acc[kMaxGroup * kBuf] = {};
   for_each_key(pr.v, pr, h, row, lo, pos, D, [&](int64_t kk, const float* vr) {
     for (int64_t j = 0; j < g; ++j) {
@@ -191,16 +193,7 @@ void attend_query_avx512(const Problem& pr, int64_t s, int64_t h, int64_t token,
       }
       _mm512_storeu_ps(sj + b, lane_sums16(part));
     }
-    float m = sj[0];
-    for (int64_t i = 1; i < span; ++i) m = std::max(m, sj[i]);
-    float l = 0.f;
-    for (int64_t i = 0; i < span; ++i) {
-      const float e = fast_exp(sj[i] - m);
-      sj[i] = e;
-      l += e;
-    }
-    const float inv = 1.f / l;
-    for (int64_t i = 0; i < span; ++i) sj[i] *= inv;
+    softmax(sj, span);
   }
   for_each_key(pr.v, pr, h, row, lo, pos, DC, [&](int64_t kk, const float* vr) { vrows[kk - lo] = vr; });
   float* out = pr.out + (token * pr.hq + h * g) * DC;
