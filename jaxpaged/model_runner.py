@@ -150,12 +150,12 @@ CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_
 # YNNPACK: XLA's own dots ran a 2-16-row matmul stack 5-30% faster than YNNPACK's, which wins from ~32 rows
 # on (docs/benchmarks.md, "XLA:CPU options per step shape").
 CPU_SMALL_STEP_TOKENS = 16
+CPU_SMALL_STEP_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_prefer_vector_width": "512"}
 # Speculative decoding without the fused sampler: a verification step of at most this many tokens (T bucket)
 # whose drafts do not fit in its S logits rows takes T rows, all from its own LM head, instead of a second
 # LM-head pass over the draft positions (`draft_logits`). Above it the T-row head would cost more than that
 # pass (a long prefill chunk beside the drafts); each such bucket is one more program at warm-up.
 VERIFY_LOGITS_MAX_TOKENS = 64
-CPU_SMALL_STEP_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_prefer_vector_width": "512"}
 
 
 @functools.cache
@@ -856,7 +856,8 @@ class ModelRunner:
         self._compiled: dict[tuple[int, int, int, int], jax.stages.Compiled] = {}  # (T, S, P, L) -> step; warmup()
         options = config.compiler_options()
         self._init_fused_sampler(options)
-        self._verify_buckets = frozenset(config.verify_buckets)
+        # the verify buckets this runner gives T logits rows (compiled at warm-up), none where it does not pack
+        self._verify_buckets = frozenset(config.verify_buckets if self.packs_drafts_in_tokens() else ())
         if mesh is None:
             # XLA:CPU: a tied LM head runs as its own [E, V] copy (llama.untie_lm_head)
             self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
@@ -933,9 +934,7 @@ class ModelRunner:
         """L of a step of `shape` (T, S, P) that needs `rows` logits rows: T where S is too few and the
         shape is a verify bucket this runner packs, else S (the drafts then go to `draft_logits`)."""
         t, s, _ = shape
-        if rows > s and self.packs_drafts_in_tokens() and shape in self._verify_buckets:
-            return t
-        return s
+        return t if rows > s and shape in self._verify_buckets else s
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
@@ -1293,7 +1292,7 @@ class ModelRunner:
         if self.fuse_sampler:
             return ()
         t, s, _ = shape
-        return (s, t) if self.packs_drafts_in_tokens() and shape in self._verify_buckets else (s,)
+        return (s, t) if shape in self._verify_buckets else (s,)
 
     def warmup_prompt_logprobs(self) -> None:
         """Compile prompt_logprobs_step at every T bucket (it runs only for requests that ask)."""
@@ -1304,13 +1303,14 @@ class ModelRunner:
 
     def warmup_draft_verification(self) -> None:
         """Speculative decoding: compile draft_logits at every (T, M) of `draft_shapes`, the sampler at every
-        M x k rows and at the T rows of packed verify buckets, and accept_drafts for each (rows sampled, M) (nothing when speculation is off)."""
+        M x k rows and at the T rows of packed verify buckets, and accept_drafts for each (rows sampled, M)
+        (nothing when speculation is off)."""
         k, V = self.config.num_speculative_tokens, self.model_config.vocab_size
         for t, m in self.config.draft_shapes:
             hidden = jnp.zeros((t, self.model_config.hidden_size), self.dtype)
             jax.block_until_ready(draft_logits(self.model_config, self.params, hidden, np.zeros(m * k, np.int32)))
-        packed = {rows for shape in self.config.verify_buckets for rows in self._warm_logits_rows(shape)}
-        for rows in sorted(packed - set(self.config.seq_buckets)):  # T logits rows (packed in a verify bucket)
+        packed = {t for t, _, _ in self._verify_buckets}  # T logits rows of the packed verify buckets
+        for rows in sorted(packed - set(self.config.seq_buckets)):
             sampler.warmup(rows, V)
         for m in self.config.draft_seq_buckets:
             sampler.warmup(m * k, V)

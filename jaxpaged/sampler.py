@@ -414,8 +414,7 @@ def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.A
         out = _raw_logprobs(raw, greedy_ids, 0, lse)
         return StepSample(dataclasses.replace(out, finite=finite), raw, None, None, None)
     scaled, min_p_threshold = _scale(processed, batch)
-    token_ids, threshold, flags = _candidate_tokens(processed, scaled, min_p_threshold, batch, prefilter_k, native,
-                                                    greedy_ids)
+    token_ids, threshold, flags = _candidate_tokens(greedy_ids, scaled, min_p_threshold, batch, prefilter_k, native)
     out = _raw_logprobs(raw, token_ids, 0, lse)
     return StepSample(dataclasses.replace(out, finite=finite), raw, scaled, threshold, flags)
 
@@ -527,7 +526,7 @@ def _candidate_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs:
     processed = process_logits(raw, batch)
     greedy_ids, lse, finite = _row_stats(processed, raw, native)
     scaled, min_p_threshold = _scale(processed, batch)
-    token_ids, threshold, flags = _candidate_tokens(processed, scaled, min_p_threshold, batch, kp, native, greedy_ids)
+    token_ids, threshold, flags = _candidate_tokens(greedy_ids, scaled, min_p_threshold, batch, kp, native)
     return _raw_logprobs(raw, token_ids, num_top_logprobs, lse, finite), scaled, threshold, flags
 
 
@@ -541,17 +540,17 @@ def _scale(processed: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.A
     return jnp.where(scaled >= min_p_threshold[:, None], scaled, -jnp.inf), min_p_threshold
 
 
-def _candidate_tokens(processed: jax.Array, scaled: jax.Array, min_p_threshold: jax.Array, batch: SamplingBatch,
-                      kp: int, native: bool = False,
-                      greedy_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(token_ids i32[S], threshold f32[S], flags bool[2, S] = (covered, exact)) of `_candidate_sample`.
+def _candidate_tokens(greedy_ids: jax.Array, scaled: jax.Array, min_p_threshold: jax.Array, batch: SamplingBatch,
+                      kp: int, native: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(token_ids i32[S], threshold f32[S], flags bool[2, S] = (covered, exact)) of `_candidate_sample`;
+    greedy_ids i32[S]: argmax of the processed logits (`_row_stats`), the greedy rows' tokens.
 
     The cut is a per-row threshold (keep logits >= it) read off the candidates (`_prefilter_threshold`;
     `exact` when they decide it). A random row's token is final when no other token can beat its best
     candidate score (`covered`): every kept token is a candidate, or the score exceeds the last
     candidate's logit + the largest noise the stream can draw (GUMBEL_MAX). Other rows are resampled by
     `_resample_rows`; either way a row's sample is argmax(kept logits + its noise), ties to the
-    lowest id. Greedy rows take argmax(processed).
+    lowest id. Greedy rows take greedy_ids.
     """
     V = scaled.shape[-1]
     kp = min(kp, V)
@@ -563,7 +562,7 @@ def _candidate_tokens(processed: jax.Array, scaled: jax.Array, min_p_threshold: 
     last = values[:, -1]  # f32[S]; no other token's logit is above it
     covered = (exact & (threshold > last)) | (valid & (best > last + GUMBEL_MAX)) | (kp == V)  # bool[S]
     is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # bool[S]
-    token_ids = jnp.where(is_greedy, _argmax(processed) if greedy_ids is None else greedy_ids, token_ids)
+    token_ids = jnp.where(is_greedy, greedy_ids, token_ids)
     return token_ids, threshold, jnp.stack([covered, exact])
 
 

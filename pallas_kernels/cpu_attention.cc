@@ -106,43 +106,6 @@ inline void for_each_key(const float* pool, const Problem& pr, int64_t h, const 
   }
 }
 
-// One query token's G heads against KV head h, keys lo..pos: scores [G, span]
-// page by page, softmax, then out [G, D] = probs @ V, accumulated locally.
-// DC: the head dim as a compile-time constant (64, 128, 256), or 0 for any other (<= kMaxHeadDim).
-template <int DC>
-void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_t pos,
-                  std::vector<float>& scores) {
-  constexpr int64_t kBuf = DC > 0 ? DC : kMaxHeadDim;
-  const int64_t D = DC > 0 ? DC : pr.d;
-  const int64_t g = pr.hq / pr.kvh;
-  const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
-  const int64_t span = pos + 1 - lo;
-  scores.resize(static_cast<size_t>(g * span));
-  float* sc = scores.data();
-  const int32_t* row = pr.page_table + s * pr.p;
-  alignas(64) float qloc[kMaxGroup * kBuf];
-  const float* qh = pr.q + (token * pr.hq + h * g) * D;
-  for (int64_t i = 0; i < g * D; ++i) qloc[i] = qh[i] * pr.scale;
-  for_each_key(pr.k, pr, h, row, lo, pos, D, [&](int64_t kk, const float* kr) {
-    for (int64_t j = 0; j < g; ++j) {
-      const float* qj = qloc + j * D;
-      float acc = 0.f;
-      for (int e = 0; e < D; ++e) acc += qj[e] * kr[e];
-      sc[j * span + (kk - lo)] = acc;
-    }
-  });
-  for (int64_t j = 0; j < g; ++j) softmax(sc + j * span, span);
-  alignas(64) float acc[kMaxGroup * kBuf] = {};
-  for_each_key(pr.v, pr, h, row, lo, pos, D, [&](int64_t kk, const float* vr) {
-    for (int64_t j = 0; j < g; ++j) {
-      const float w = sc[j * span + (kk - lo)];
-      float* aj = acc + j * D;
-      for (int e = 0; e < D; ++e) aj[e] += w * vr[e];
-    }
-  });
-  std::memcpy(pr.out + (token * pr.hq + h * g) * D, acc, sizeof(float) * g * D);
-}
-
 #ifdef __AVX512F__
 // r[i] = the sum of v[i]'s 16 lanes, i < 16: a transposing add tree (45 shuffles and adds for 16 dot
 // products, against ~8 instructions each for one horizontal sum).
@@ -165,7 +128,8 @@ inline __m512 lane_sums16(const __m512* v) {
 // by lane_sums16) and out = probs @ V with the head's accumulators in registers.
 template <int DC>
 void attend_query_avx512(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_t pos,
-                         std::vector<float>& scores, std::vector<const float*>& rows) {
+                         std::vector<float>& scores) {
+  thread_local std::vector<const float*> rows;
   constexpr int DV = DC / 16;  // vectors a row
   const int64_t g = pr.hq / pr.kvh;
   const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
@@ -211,6 +175,47 @@ void attend_query_avx512(const Problem& pr, int64_t s, int64_t h, int64_t token,
 }
 #endif
 
+// One query token's G heads against KV head h, keys lo..pos: scores [G, span]
+// page by page, softmax, then out [G, D] = probs @ V, accumulated locally.
+// DC: the head dim as a compile-time constant (64, 128, 256), or 0 for any other (<= kMaxHeadDim);
+// built for AVX-512, DC > 0 goes to attend_query_avx512.
+template <int DC>
+void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_t pos,
+                  std::vector<float>& scores) {
+#ifdef __AVX512F__
+  if constexpr (DC > 0) return attend_query_avx512<DC>(pr, s, h, token, pos, scores);
+#endif
+  constexpr int64_t kBuf = DC > 0 ? DC : kMaxHeadDim;
+  const int64_t D = DC > 0 ? DC : pr.d;
+  const int64_t g = pr.hq / pr.kvh;
+  const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
+  const int64_t span = pos + 1 - lo;
+  scores.resize(static_cast<size_t>(g * span));
+  float* sc = scores.data();
+  const int32_t* row = pr.page_table + s * pr.p;
+  alignas(64) float qloc[kMaxGroup * kBuf];
+  const float* qh = pr.q + (token * pr.hq + h * g) * D;
+  for (int64_t i = 0; i < g * D; ++i) qloc[i] = qh[i] * pr.scale;
+  for_each_key(pr.k, pr, h, row, lo, pos, D, [&](int64_t kk, const float* kr) {
+    for (int64_t j = 0; j < g; ++j) {
+      const float* qj = qloc + j * D;
+      float acc = 0.f;
+      for (int e = 0; e < D; ++e) acc += qj[e] * kr[e];
+      sc[j * span + (kk - lo)] = acc;
+    }
+  });
+  for (int64_t j = 0; j < g; ++j) softmax(sc + j * span, span);
+  alignas(64) float acc[kMaxGroup * kBuf] = {};
+  for_each_key(pr.v, pr, h, row, lo, pos, D, [&](int64_t kk, const float* vr) {
+    for (int64_t j = 0; j < g; ++j) {
+      const float w = sc[j * span + (kk - lo)];
+      float* aj = acc + j * D;
+      for (int e = 0; e < D; ++e) aj[e] += w * vr[e];
+    }
+  });
+  std::memcpy(pr.out + (token * pr.hq + h * g) * D, acc, sizeof(float) * g * D);
+}
+
 void attend_item(const Problem& pr, int64_t s, int64_t h, std::vector<float>& scores) {
   const int64_t begin = pr.cu[s], q_len = pr.cu[s + 1] - begin;
   if (begin < 0 || begin + q_len > pr.t) return;  // malformed: leave zeros
@@ -218,22 +223,12 @@ void attend_item(const Problem& pr, int64_t s, int64_t h, std::vector<float>& sc
   for (int64_t i = 0; i < q_len; ++i) {
     const int64_t pos = kv_len - q_len + i;
     if (pos < 0 || pos / pr.ps >= pr.p) continue;  // malformed: leave zeros
-#ifdef __AVX512F__
-    thread_local std::vector<const float*> rows;
-    switch (pr.d) {
-      case 64: attend_query_avx512<64>(pr, s, h, begin + i, pos, scores, rows); break;
-      case 128: attend_query_avx512<128>(pr, s, h, begin + i, pos, scores, rows); break;
-      case 256: attend_query_avx512<256>(pr, s, h, begin + i, pos, scores, rows); break;
-      default: attend_query<0>(pr, s, h, begin + i, pos, scores); break;
-    }
-#else
     switch (pr.d) {
       case 64: attend_query<64>(pr, s, h, begin + i, pos, scores); break;
       case 128: attend_query<128>(pr, s, h, begin + i, pos, scores); break;
       case 256: attend_query<256>(pr, s, h, begin + i, pos, scores); break;
       default: attend_query<0>(pr, s, h, begin + i, pos, scores); break;
     }
-#endif
   }
 }
 

@@ -189,10 +189,6 @@ inline bool is_finite(float x) {  // by its bits: the flags above let the compil
   return (bits & 0x7F800000u) != 0x7F800000u;
 }
 
-// One row's statistics for a greedy or sampled token's log-prob, in three passes over the row (XLA:CPU
-// makes six): the first maximum of x (sampler._argmax: v - 1 when x holds a NaN), and over raw the
-// log-sum-exp (NaN when raw holds a NaN or its maximum is infinite, as max + log(sum(exp(raw - max)))
-// gives in XLA) and whether every value is finite. Sums in double.
 // The largest non-NaN value of x[0:v] (-inf if none); *nan: whether x holds a NaN; *non_finite: whether it
 // holds a NaN or an infinity. AVX-512 where built for it: GCC does not vectorise a NaN-aware max.
 inline float scan(const float* x, int64_t v, int* nan, int* non_finite) {
@@ -224,6 +220,10 @@ inline float scan(const float* x, int64_t v, int* nan, int* non_finite) {
 #endif
 }
 
+// One row's statistics for a greedy or sampled token's log-prob, in three passes over the row (XLA:CPU
+// makes six): the first maximum of x (sampler._argmax: v - 1 when x holds a NaN), and over raw the
+// log-sum-exp (NaN when raw holds a NaN or its maximum is infinite, as max + log(sum(exp(raw - max)))
+// gives in XLA) and whether every value is finite. Sums in double.
 void row_stats(const float* x, const float* raw, int64_t v, int32_t* arg, float* lse, bool* finite) {
   int nan, non_finite;
   const float m = scan(x, v, &nan, &non_finite);
