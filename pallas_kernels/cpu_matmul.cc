@@ -102,7 +102,10 @@ void block(const float* x, Block b, float* y, int64_t m, int64_t k, int64_t n, i
   for (int64_t i = 0; i < std::min(kChunk, k); ++i)  // the first chunk: no chunk before fetched it
       for (int c = 0; c < 4; ++c) prefetch_l2(b.w + i * b.ld + 16 * c);
   for (int64_t i0 = 0; i0 < k; i0 += kChunk) {
-    const int64_t i1 = std::min(i0 + kChunk, k), next_end = std::min(i1 + kChunk, k);
+    // Blocked, the rows past k are the next block's, which the same thread most likely takes next
+    // (cpu_pool.h): the last chunk prefetches its first (a prefetch past the buffer never faults).
+    const int64_t i1 = std::min(i0 + kChunk, k);
+    const int64_t next_end = b.contiguous ? i1 + kChunk : std::min(i1 + kChunk, k);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t r0 = m * g / groups, r1 = m * (g + 1) / groups;
       const float* xr = x + r0 * k;

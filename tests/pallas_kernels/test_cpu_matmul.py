@@ -68,3 +68,33 @@ def test_what_blocks():
   assert not cpu_matmul.supports(x, jnp.zeros((2, 9, 64), jnp.float32))  # K mismatch
   assert not cpu_matmul.supports(x, jnp.zeros((2, 8, 32), jnp.float32))  # not 64-wide blocks
   assert not cpu_matmul.supports(x, jnp.zeros((8, 64), jnp.float32))  # [K, N] at 3 rows: XLA's dots
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5, 64, 97])
+@pytest.mark.parametrize("m", [1, 32])
+def test_every_column_block_once_however_the_threads_split_them(blocks, m):
+  """cpu_pool.h's ranges: each thread walks its own run of blocks and steals halves of the others';
+  a chain of dependent calls (a helper task often starts late) over odd and even block counts gives
+  every column, the same bits in every run, and the blocked next-block prefetch of the last block
+  reads nothing it should not."""
+  assert cpu_matmul.load_cpu_matmul()
+  rng = np.random.default_rng(blocks * 10 + m)
+  k, n = 64, 64 * blocks
+  x = rng.standard_normal((m, k), np.float32)
+  ws = [rng.standard_normal((k, n), np.float32) / np.sqrt(k) for _ in range(3)]
+  back = rng.standard_normal((n, k), np.float32) / np.sqrt(n)  # back to width k between the calls
+
+  def chain(x, blocked):
+    for b in blocked:
+      x = cpu_matmul.matmul_cpu(x, b) @ back
+    return x
+
+  blocked = [cpu_matmul.block_weight(jnp.asarray(w)) for w in ws]
+  run = jax.jit(chain)
+  got = np.asarray(run(jnp.asarray(x), blocked))
+  want = x.astype(np.float64)
+  for w in ws:
+    want = want @ w.astype(np.float64) @ back.astype(np.float64)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(run(jnp.asarray(x), blocked)), got)
