@@ -70,14 +70,15 @@ from jaxpaged import parallel, sampler
 from jaxpaged.host_memory import advise_huge_pages
 from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
 
-from jaxpaged.models.llama import (LlamaConfig, Matmul, PackedWeight, Params, WeightLayout, cos_sin, decoder_layer,
-                                   embed_tokens, layer_constants, lm_logits, pack_weights, untie_lm_head)
+from jaxpaged.models.llama import (LlamaConfig, Matmul, PackedWeight, Params, WeightLayout, decoder_layer,
+                                   embed_tokens, layer_constants, lm_logits, pack_weights, rope_frequencies,
+                                   rope_tables, untie_lm_head)
 from jaxpaged.sampler import (RowInfo, SamplerOutput, SamplingBatch, make_sampling_batch, num_top_logprobs_for,
                               sample_deferred, sample_jit)
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
-from pallas_kernels import cpu_matmul
+from pallas_kernels import cpu_matmul, cpu_rope
 from pallas_kernels.cpu_attention import load_cpu_attention
 
 logger = logging.getLogger(__name__)
@@ -709,12 +710,16 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     # decode-sized weight dots on CPU (cpu_matmul.supports); not with a mesh: the call has no sharding rule
     use_native = attention.native_matmul and mesh is None
     matmul = Matmul(cpu_matmul.matmul_cpu, cpu_matmul.supports) if use_native else None
-    consts = layer_constants(config)  # per layer: window [L], RoPE inverse frequencies [L, D/2]
+    consts = layer_constants(config)  # per layer: window [L], row of the RoPE tables [L]
+    if use_native and cpu_rope.load_cpu_rope():  # one call: XLA:CPU would redo the cosines in every layer
+        cos_table, sin_table = cpu_rope.rope_tables_cpu(step.positions, rope_frequencies(config))  # [U, T, D]
+    else:
+        cos_table, sin_table = rope_tables(config, step.positions)
 
     def body(carry, xs):
         h, k_pool, v_pool = carry
         layer_params, layer, c = xs
-        cos, sin = cos_sin(c["inv_freq"], step.positions)  # [T, D]
+        cos, sin = cos_table[c["rope"]], sin_table[c["rope"]]  # [T, D]
         window = c["window"] if config.has_sliding_window else None
 
         def attend(q, k, v):  # q [T, H, D], k/v [T, K, D]: write first, then attend

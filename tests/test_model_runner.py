@@ -194,7 +194,8 @@ def test_cpu_steps_take_the_native_matmul_and_attention(tiny):
     """The default CPU backend: every step attends through the native kernel. The weight dots whose
     weights the runner holds packed (f32, N a multiple of 64: the native matmul's contiguous column
     blocks) take the native matmul at every step size; the others ([K, N]) at 17-128 tokens, XLA's dots
-    elsewhere. Logits stay the plain forward's."""
+    elsewhere. The RoPE tables are one native call a step: no cosine is left in the compiled program (XLA:CPU
+    would evaluate them in every layer, per head). Logits stay the plain forward's."""
     config = dataclasses.replace(CONFIG, attention_backend="auto", min_token_bucket=1, max_num_batched_tokens=256,
                                  max_model_len=256)
     runner = ModelRunner(tiny.config, tiny.params, config)
@@ -212,6 +213,9 @@ def test_cpu_steps_take_the_native_matmul_and_attention(tiny):
         # packed weights: 3 native calls a layer; [K, N] wqkv and the LM head too at 17-128 tokens
         per_layer = 4 if 17 <= len(step.token_ids) <= 128 else 3
         assert text.count("@jaxpaged_cpu_matmul(") >= per_layer * tiny.config.num_hidden_layers, len(step.token_ids)
+        assert text.count("@jaxpaged_cpu_rope_tables(") == 1
+        compiled = runner.lower(step).compile().as_text()
+        assert " cosine(" not in compiled and " sine(" not in compiled
         logits = runner.execute(step)
         plain = forward_jit(tiny.config, tiny.params, jnp.asarray([tokens]))[0, -1]
         np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)

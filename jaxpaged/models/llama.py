@@ -198,13 +198,30 @@ def cos_sin(inv_freq: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.A
 
 
 def layer_constants(config: LlamaConfig) -> dict[str, jax.Array]:
-    """Per-layer data scanned with the weights: window int32 [L] (0 = global) and inv_freq f32 [L, D/2].
+    """Per-layer data scanned with the weights: window int32 [L] (0 = global) and rope int32 [L], the row of
+    `rope_frequencies(config)` (and of the `rope_tables` made from it) that is the layer's RoPE.
 
     Arrays, not Python branches, so mixed local/global stacks run in one scan."""
-    windowed = config.windowed_layers
-    window = np.asarray([config.sliding_window if w else 0 for w in windowed], np.int32)
-    inv_freq = np.stack([rope_inv_freq(config, local=w) for w in windowed])
-    return {"window": jnp.asarray(window), "inv_freq": jnp.asarray(inv_freq)}
+    window = np.asarray([config.sliding_window if w else 0 for w in config.windowed_layers], np.int32)
+    return {"window": jnp.asarray(window), "rope": jnp.asarray(_rope_rows(config)[1])}
+
+
+def rope_frequencies(config: LlamaConfig) -> jax.Array:
+    """f32[U, D/2]: the stack's distinct RoPE inverse frequencies (U = 1, or 2 with windowed layers)."""
+    return jnp.asarray(_rope_rows(config)[0])
+
+
+def _rope_rows(config: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(f32[U, D/2] distinct inverse frequencies, i32[L] each layer's row of them)."""
+    per_layer = np.stack([rope_inv_freq(config, local=w) for w in config.windowed_layers])  # f32[L, D/2]
+    distinct, index = np.unique(per_layer, axis=0, return_inverse=True)
+    return distinct, index.reshape(-1).astype(np.int32)
+
+
+def rope_tables(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin f32[U, T, D] of positions i32[T] under each of `rope_frequencies(config)`; a layer reads its
+    row (`layer_constants`' rope). pallas_kernels.cpu_rope makes the same tables as one native call."""
+    return cos_sin(rope_frequencies(config)[:, None, :], positions)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -409,10 +426,11 @@ def forward(config: LlamaConfig, params: Params, token_ids: jax.Array) -> jax.Ar
     stack ({name: [L, ...]}, scanned) or a list of L per-layer dicts (the engine's layout on CPU and GPU,
     jaxpaged/weight_layout.py)."""
     positions = jnp.arange(token_ids.shape[-1], dtype=jnp.int32)
+    cos_table, sin_table = rope_tables(config, positions)  # [U, T, D]
 
     def body(h, xs):
         layer_params, consts = xs
-        cos, sin = cos_sin(consts["inv_freq"], positions)  # [T, D]: this layer's RoPE base
+        cos, sin = cos_table[consts["rope"]], sin_table[consts["rope"]]  # [T, D]: this layer's RoPE base
 
         def attend(q, k, v):
             return causal_attention(q, k, v, config.attn_scale, consts["window"]), None
