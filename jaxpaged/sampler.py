@@ -63,6 +63,7 @@ _PRNG_IMPL = "threefry2x32"
 # Above any Gumbel noise the stream draws: u <= 1 - 2**-24, so -log(-log(u)) <= 16.64
 GUMBEL_MAX = 17.0
 PREFILTER_K = 256  # candidates per row of the sort-free top_k / top_p / min_p cut
+GUMBEL_CANDIDATES = 4  # tokens the native whole-row pass names per row (cpu_sampler.gumbel_candidates_cpu)
 _U32_MASK = 0xFFFFFFFF
 
 
@@ -548,7 +549,10 @@ def _candidate_tokens(greedy_ids: jax.Array, scaled: jax.Array, min_p_threshold:
     The cut is a per-row threshold (keep logits >= it) read off the candidates (`_prefilter_threshold`;
     `exact` when they decide it). A random row's token is final when no other token can beat its best
     candidate score (`covered`): every kept token is a candidate, or the score exceeds the last
-    candidate's logit + the largest noise the stream can draw (GUMBEL_MAX). Other rows are resampled by
+    candidate's logit + the largest noise the stream can draw (GUMBEL_MAX). native (the CPU): a row with
+    its cut but not its token (temperature alone over a flat distribution: most such rows) is covered by
+    a native pass over its whole row, which names a few candidates its exact argmax is certainly among
+    (cpu_sampler.gumbel_candidates_cpu) and scores them exactly here. Other rows are resampled by
     `_resample_rows`; either way a row's sample is argmax(kept logits + its noise), ties to the
     lowest id. Greedy rows take greedy_ids.
     """
@@ -562,6 +566,14 @@ def _candidate_tokens(greedy_ids: jax.Array, scaled: jax.Array, min_p_threshold:
     last = values[:, -1]  # f32[S]; no other token's logit is above it
     covered = (exact & (threshold > last)) | (valid & (best > last + GUMBEL_MAX)) | (kp == V)  # bool[S]
     is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # bool[S]
+    if native:  # rows with their cut but not their token (flat, e.g. temperature alone): the whole row, natively
+        need = exact & ~covered & ~is_greedy  # bool[S]
+        keys = _row_keys(batch.key_data, batch.steps)  # u32[S, 2]
+        whole_ids, ok = cpu_sampler.gumbel_candidates_cpu(scaled, threshold, keys, need, GUMBEL_CANDIDATES)
+        whole_values = jnp.take_along_axis(scaled, whole_ids, axis=-1)  # f32[S, C]
+        whole_token, _ = _gumbel_argmax(whole_values, whole_ids, threshold, batch.key_data, batch.steps)
+        decided = need & ok
+        token_ids, covered = jnp.where(decided, whole_token, token_ids), covered | decided
     token_ids = jnp.where(is_greedy, greedy_ids, token_ids)
     return token_ids, threshold, jnp.stack([covered, exact])
 
@@ -766,15 +778,21 @@ def _gumbel_noise_at(key_data: jax.Array, steps: jax.Array, ids: jax.Array) -> j
     fold_in(key, step) on the counter (0, t), its two words xor-ed (jax.random.bits' layout over a
     vocabulary-sized vector), u = (top 23 bits + 1/2) / 2**23 in (0, 1), -log(-log(u)).
     """
-    def row(data, step, row_ids):
-        key = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(data, impl=_PRNG_IMPL), step))
+    def row(key, row_ids):
         counters = row_ids.astype(jnp.uint32)
         hi, lo = threefry2x32(key[0], key[1], jnp.zeros_like(counters), counters)
         bits = hi ^ lo  # u32[C]
         u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
         return -jnp.log(-jnp.log(u))
 
-    return jax.vmap(row)(key_data, steps, ids)
+    return jax.vmap(row)(_row_keys(key_data, steps), ids)
+
+
+def _row_keys(key_data: jax.Array, steps: jax.Array) -> jax.Array:
+    """u32[S, 2]: each row's Threefry key for this step, fold_in(key_data[s], steps[s])."""
+    def fold(data, step):
+        return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(data, impl=_PRNG_IMPL), step))
+    return jax.vmap(fold)(key_data, steps)
 
 
 _THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Threefry-2x32's, alternating per 4 rounds

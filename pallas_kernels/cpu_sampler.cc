@@ -267,6 +267,127 @@ ffi::Error RowStats(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// ---- Gumbel-max candidates over a whole row (GumbelCandidates) ----
+//
+// A random row's token is argmax over kept tokens (logit >= threshold) of logit + noise, the noise
+// -log(-log(u)) of the row's Threefry-2x32 stream at the token id (jaxpaged.sampler._gumbel_noise_at).
+// The integer stream is computed here bit for bit; the two logs are float32 polynomials (relative error
+// ~1e-7), not XLA's. So this call only names candidates: each row's C best tokens by its approximate
+// score, and ok when every other token scores below the best by more than kMargin (far above the two
+// logs' disagreement): the exact argmax is then among the C, and XLA's own noise at them picks it.
+
+inline uint32_t rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+
+// hi ^ lo of Threefry-2x32 (20 rounds) of key (k0, k1) on the counter (0, c): jax.random.bits' word for
+// element c of a vector (sampler.threefry2x32).
+inline uint32_t threefry_bits(uint32_t k0, uint32_t k1, uint32_t c) {
+  static constexpr int kRot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
+  const uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
+  uint32_t x0 = ks[0], x1 = c + ks[1];
+  for (int block = 0; block < 5; ++block) {
+    for (int i = 0; i < 4; ++i) {
+      x0 += x1;
+      x1 = rotl(x1, kRot[block % 2][i]) ^ x0;
+    }
+    x0 += ks[(block + 1) % 3];
+    x1 += ks[(block + 2) % 3] + uint32_t(block + 1);
+  }
+  return x0 ^ x1;
+}
+
+// log(x) for normal x > 0, in a form the compiler vectorises: x = m 2^e with m in [sqrt(1/2), sqrt(2)),
+// log(m) = f - f^2 / 2 + f^3 P(f), f = m - 1, P Cephes' logf polynomial (relative error ~1e-7).
+inline float log_positive(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  int32_t e = int32_t(bits >> 23) - 127;
+  const uint32_t mbits = (bits & 0x007FFFFFu) | 0x3F800000u;  // m in [1, 2)
+  float m;
+  std::memcpy(&m, &mbits, sizeof m);
+  const bool high = m > 1.41421356f;
+  m = high ? 0.5f * m : m;
+  e += high ? 1 : 0;
+  const float f = m - 1.0f, z = f * f;
+  float p = 7.0376836292e-2f;
+  p = p * f - 1.1514610310e-1f;
+  p = p * f + 1.1676998740e-1f;
+  p = p * f - 1.2420140846e-1f;
+  p = p * f + 1.4249322787e-1f;
+  p = p * f - 1.6668057665e-1f;
+  p = p * f + 2.0000714765e-1f;
+  p = p * f - 2.4999993993e-1f;
+  p = p * f + 3.3333331174e-1f;
+  return f + (f * z * p - 0.5f * z) + float(e) * 0.693147180559945f;
+}
+
+constexpr int kMaxCandidates = 16;
+
+// Row r's candidates: the best c (<= kMaxCandidates) approximate scores' ids, descending; ok as above.
+void gumbel_candidates(const float* x, int64_t v, float threshold, uint32_t k0, uint32_t k1, int c,
+                       int32_t* ids, bool* ok) {
+  constexpr int kChunk = 64;
+  float best[kMaxCandidates + 1];
+  int32_t best_id[kMaxCandidates + 1];
+  int kept = 0;  // entries of best[] in use (<= c + 1), descending
+  float score[kChunk];
+  for (int64_t base = 0; base < v; base += kChunk) {
+    const int n = int(std::min<int64_t>(kChunk, v - base));
+    for (int j = 0; j < n; ++j) {
+      const uint32_t b = threefry_bits(k0, k1, uint32_t(base + j));
+      const float u = (float(b >> 9) + 0.5f) * (1.0f / 8388608.0f);
+      const float noise = -log_positive(-log_positive(u));
+      const float xj = x[base + j];
+      score[j] = xj >= threshold ? xj + noise : -std::numeric_limits<float>::infinity();
+    }
+    for (int j = 0; j < n; ++j) {
+      const float sj = score[j];
+      if (!(sj > -std::numeric_limits<float>::infinity()) || (kept == c + 1 && !(sj > best[c]))) continue;
+      int at = kept == c + 1 ? c : kept++;  // drop the last when full
+      while (at > 0 && best[at - 1] < sj) {  // ties keep the lower id first
+        best[at] = best[at - 1];
+        best_id[at] = best_id[at - 1];
+        --at;
+      }
+      best[at] = sj;
+      best_id[at] = int32_t(base + j);
+    }
+  }
+  const float margin = 1e-3f + 2e-6f * std::fabs(kept ? best[0] : 0.0f);
+  *ok = kept >= 1 && (kept <= c || best[c] < best[0] - margin);
+  for (int i = 0; i < c; ++i) ids[i] = kept ? best_id[std::min(i, kept - 1)] : 0;
+}
+
+ffi::Error GumbelCandidates(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> threshold,
+                            ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::PRED> need,
+                            ffi::ResultBuffer<ffi::S32> ids, ffi::ResultBuffer<ffi::PRED> ok) {
+  auto xd = x.dimensions();
+  auto kd = keys.dimensions();
+  auto od = ids->dimensions();
+  if (xd.size() != 2 || threshold.dimensions().size() != 1 || threshold.dimensions()[0] != xd[0] ||
+      kd.size() != 2 || kd[0] != xd[0] || kd[1] != 2 || need.dimensions().size() != 1 ||
+      need.dimensions()[0] != xd[0] || od.size() != 2 || od[0] != xd[0] || od[1] < 1 ||
+      od[1] > kMaxCandidates)
+    return ffi::Error::InvalidArgument("cpu sampler gumbel candidates: x [R, V], threshold [R], keys [R, 2], "
+                                       "need [R] -> ids [R, C <= 16], ok [R]");
+  const int64_t v = xd[1];
+  const int c = int(od[1]);
+  const float* xp = x.typed_data();
+  const float* tp = threshold.typed_data();
+  const uint32_t* kp = keys.typed_data();
+  const bool* np_ = need.typed_data();
+  int32_t* ip = ids->typed_data();
+  bool* op = ok->typed_data();
+  jaxpaged::run_items(pool, xd[0], [=](int64_t r) {
+    if (!np_[r]) {
+      std::fill(ip + r * c, ip + (r + 1) * c, 0);
+      op[r] = false;
+      return;
+    }
+    gumbel_candidates(xp + r * v, v, tp[r], kp[2 * r], kp[2 * r + 1], c, ip + r * c, op + r);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuSamplerTopK, TopK,
@@ -291,4 +412,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuSamplerRowStats, RowStats,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuSamplerGumbelCandidates, GumbelCandidates,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::PRED>>());

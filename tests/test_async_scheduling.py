@@ -47,7 +47,7 @@ def mix(i: int) -> SamplingParams:
         SamplingParams(temperature=1.0, top_k=5, logprobs=3, seed=i, max_tokens=9),
         SamplingParams(temperature=1.0, seed=i, repetition_penalty=1.3, presence_penalty=0.5,
                        frequency_penalty=0.2, max_tokens=14),
-        SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=8),
+        SamplingParams(n=2, temperature=1.0, top_p=0.999, seed=i, max_tokens=8),  # past the 256 candidates
         SamplingParams(temperature=0.0, min_tokens=4, max_tokens=6, logit_bias={3: 5.0}),
         SamplingParams(temperature=0.0, max_tokens=1),
         SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=2),

@@ -114,8 +114,9 @@ def test_a_mesh_refuses_the_fused_sampler(small_params):  # noqa: F811
 def test_fused_equals_unfused(tiny, config):
     """The mixed workload (greedy, seeded top-p / top-k, penalties, logprobs, prompt logprobs, n > 1,
     min_tokens, logit_bias, stop strings and ids, aborts), synchronous and overlapped: the unfused
-    synchronous engine's outputs. Random rows of this tiny model's flat distributions take the sampler's
-    full-vocabulary fallback too."""
+    synchronous engine's outputs. Random rows of this tiny model's flat distributions take the native
+    whole-row pass (temperature alone) and the full-vocabulary fallback (top_p 0.999: mass past the 256
+    candidates) too."""
     overrides = {"cache": {}, "preempt": dict(num_pages=24), "chunked": dict(max_num_batched_tokens=16,
                                                                              max_num_seqs=8)}[config]
     requests = workload(tiny)

@@ -145,3 +145,43 @@ def test_the_greedy_sampler_takes_the_native_row_stats():
   np.testing.assert_array_equal(native.token_ids, xla.token_ids)
   np.testing.assert_allclose(native.logprobs, xla.logprobs, rtol=1e-5, atol=1e-5)
   assert bool(native.finite.all())
+
+
+# ---- the whole-row Gumbel candidates -----------------------------------------------------------------------
+
+
+def test_gumbel_candidates_hold_the_exact_argmax():
+  """Over flat and peaked rows, cuts and none: where the call says ok, XLA's exact full-row Gumbel-max
+  (sampler._gumbel_argmax over every token) is among its candidates, so scoring them exactly draws the
+  same token; ok nearly everywhere; rows not needed get ok False and ids 0."""
+  R, V = 48, 5000
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((R, V)).astype(np.float32) * np.repeat([0.05, 1.0, 8.0], R // 3)[:, None]
+  threshold = np.where(np.arange(R) % 4 == 1, np.sort(x, axis=1)[:, -300], -np.inf).astype(np.float32)
+  key_data = rng.integers(0, 2**32, (R, 2), dtype=np.uint64).astype(np.uint32)
+  steps = rng.integers(0, 1000, R).astype(np.int32)
+  need = np.arange(R) % 7 != 3
+  args = [jnp.asarray(a) for a in (x, threshold, key_data, steps)]
+  keys = jax.jit(sampler._row_keys)(args[2], args[3])
+  ids, ok = map(np.asarray, jax.jit(cpu_sampler.gumbel_candidates_cpu)(args[0], args[1], keys, jnp.asarray(need)))
+  all_ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (R, V))
+  want, _ = jax.jit(sampler._gumbel_argmax)(args[0], all_ids, args[1], args[2], args[3])
+  want = np.asarray(want)
+  assert ids.shape == (R, sampler.GUMBEL_CANDIDATES) and ids.dtype == np.int32
+  assert not ok[~need].any() and (ids[~need] == 0).all()
+  assert ok[need].mean() > 0.95
+  for r in np.flatnonzero(ok):
+    assert want[r] in ids[r], r
+    assert (x[r, ids[r]] >= threshold[r]).all()  # only kept tokens are named
+  values = jnp.take_along_axis(args[0], jnp.asarray(ids), axis=-1)
+  got, _ = jax.jit(sampler._gumbel_argmax)(values, jnp.asarray(ids), args[1], args[2], args[3])
+  np.testing.assert_array_equal(np.asarray(got)[ok], want[ok])
+
+
+def test_gumbel_candidates_reject_bad_arguments():
+  x, t = jnp.zeros((2, 8), jnp.float32), jnp.zeros((2,), jnp.float32)
+  keys, need = jnp.zeros((2, 2), jnp.uint32), jnp.ones((2,), bool)
+  with pytest.raises(ValueError, match="keys u32"):
+    cpu_sampler.gumbel_candidates_cpu(x, t, keys.astype(jnp.int32), need)
+  with pytest.raises(ValueError, match="num_candidates"):
+    cpu_sampler.gumbel_candidates_cpu(x, t, keys, need, num_candidates=17)
