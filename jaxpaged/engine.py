@@ -311,6 +311,8 @@ class LLMEngine:
                             command_buffers=args.command_buffers, fuse_sampler=args.fuse_sampler,
                             # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes
                             min_token_bucket=16 if on_gpu else 1,
+                            # and steps of decodes plus short prefills pad less (x1.5 buckets from 32 tokens on)
+                            mid_token_buckets_from=None if on_gpu else 32,
                             # and one request alone gets S = 1: its LM head is one row, not 4 (3 of them padding)
                             min_seq_bucket=4 if on_gpu else 1,
                             max_num_partial_prefills=min(args.max_num_partial_prefills or (16 if on_gpu else 4),

@@ -508,7 +508,8 @@ class RunnerConfig:
     """The runner's limits and the bucket rules of its step shapes (T tokens, S sequence slots, P pages).
 
     Buckets, each list ending at its limit:
-      token_buckets  T: min_token_bucket, x2, ... up to max_num_batched_tokens (matmul work grows with T)
+      token_buckets  T: min_token_bucket, x2, ... up to max_num_batched_tokens (matmul work grows with T),
+                        and from mid_token_buckets_from on also each bucket x1.5 (half the padding, twice the programs)
       seq_buckets    S: min_seq_bucket, x4, ... up to max_num_seqs (the CPU attention path's work: S * P)
       page_buckets   P: one width, max_pages_per_seq (Pallas and blocked XLA loop over live pages only);
                         the reference backend gathers whole rows: min_page_bucket, x2, ... up to that width
@@ -531,6 +532,10 @@ class RunnerConfig:
     min_token_bucket: int = 16
     min_seq_bucket: int = 4
     min_page_bucket: int = 8
+    # T buckets halfway between doublings (48, 96, 192, ...) from this T on; None: doublings only. On CPU a padded
+    # token costs about what a real one does (SmolLM2, 32-256 rows: ~0.8 ms each), and a serving mix of decodes
+    # and short prefills filled its 64- and 128-token steps only 60-75% (docs/benchmarks.md, "Session 15").
+    mid_token_buckets_from: int | None = None
     # Most requests fed more than one token in a step; None: no cap. The scheduler enforces it (the engine
     # builds its SchedulerConfig from this config); attention sizes its prefill tiles for it and trusts it.
     max_num_partial_prefills: int | None = None
@@ -555,6 +560,8 @@ class RunnerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.mid_token_buckets_from is not None and self.mid_token_buckets_from < 2:
+            raise ValueError(f"mid_token_buckets_from={self.mid_token_buckets_from} must be >= 2 or None")
         if self.max_num_partial_prefills is not None and self.max_num_partial_prefills < 1:
             raise ValueError(f"max_num_partial_prefills={self.max_num_partial_prefills} must be >= 1 or None")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
@@ -604,8 +611,12 @@ class RunnerConfig:
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
-        return _geometric_buckets(min(self.min_token_bucket, self.max_num_batched_tokens),
-                                  self.max_num_batched_tokens, 2)
+        doublings = _geometric_buckets(min(self.min_token_bucket, self.max_num_batched_tokens),
+                                       self.max_num_batched_tokens, 2)
+        if self.mid_token_buckets_from is None:
+            return doublings
+        mids = (b * 3 // 2 for b in doublings if b >= self.mid_token_buckets_from)
+        return tuple(sorted(set(doublings) | {m for m in mids if m < self.max_num_batched_tokens}))
 
     @property
     def seq_buckets(self) -> tuple[int, ...]:

@@ -56,6 +56,14 @@ def test_buckets():
     assert CONFIG.bucket_for(5, 2, 1) == (16, 4, 8) and CONFIG.bucket_for(16, 16, 1) == (16, 16, 8)
     assert {CONFIG.bucket_for(t, s, 1) for t in range(1, 65) for s in range(1, min(t, 16) + 1)} <= set(CONFIG.buckets)
     assert dataclasses.replace(wide, attention_backend="xla").page_buckets == (128,)
+    # x1.5 buckets between doublings from T = 32 on (the CPU engine's): a 40-token step pads to 48, not 64
+    mid = dataclasses.replace(wide, mid_token_buckets_from=32)
+    assert mid.token_buckets == (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+    assert mid.bucket_for(40, 32, 1)[0] == 48 and mid.bucket_for(97, 32, 1)[0] == 128
+    assert {mid.bucket_for(t, s, 1) for t in range(1, 513) for s in range(1, min(t, 64) + 1)} <= set(mid.buckets)
+    assert dataclasses.replace(CONFIG, mid_token_buckets_from=32).token_buckets == (16, 32, 48, 64)
+    with pytest.raises(ValueError, match="mid_token_buckets_from"):
+        dataclasses.replace(CONFIG, mid_token_buckets_from=1)
     # S = 1 (CPU): one decode only; one sequence fed more tokens takes S = 4 (no extra shape)
     one = dataclasses.replace(small, min_seq_bucket=1)
     assert one.seq_buckets == (1, 4, 16) and [(t, s) for t, s, _ in one.buckets if s == 1] == [(1, 1)]
