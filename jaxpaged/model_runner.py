@@ -509,7 +509,7 @@ class RunnerConfig:
 
     Buckets, each list ending at its limit:
       token_buckets  T: min_token_bucket, x2, ... up to max_num_batched_tokens (matmul work grows with T),
-                        and from mid_token_buckets_from on also each bucket x1.5 (half the padding, twice the programs)
+                        and from mid_token_buckets_from on also each bucket x1.5 (less padding, more programs)
       seq_buckets    S: min_seq_bucket, x4, ... up to max_num_seqs (the CPU attention path's work: S * P)
       page_buckets   P: one width, max_pages_per_seq (Pallas and blocked XLA loop over live pages only);
                         the reference backend gathers whole rows: min_page_bucket, x2, ... up to that width
@@ -534,7 +534,7 @@ class RunnerConfig:
     min_page_bucket: int = 8
     # T buckets halfway between doublings (48, 96, 192, ...) from this T on; None: doublings only. On CPU a padded
     # token costs about what a real one does (SmolLM2, 32-256 rows: ~0.8 ms each), and a serving mix of decodes
-    # and short prefills filled its 64- and 128-token steps only 60-75% (docs/benchmarks.md, "Session 15").
+    # and short prefills filled its 64- and 128-token steps only 63-76% (docs/benchmarks.md, "Session 15").
     mid_token_buckets_from: int | None = None
     # Most requests fed more than one token in a step; None: no cap. The scheduler enforces it (the engine
     # builds its SchedulerConfig from this config); attention sizes its prefill tiles for it and trusts it.
