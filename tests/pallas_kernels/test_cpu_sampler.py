@@ -167,6 +167,11 @@ def test_gumbel_candidates_hold_the_exact_argmax():
   all_ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (R, V))
   want, _ = jax.jit(sampler._gumbel_argmax)(args[0], all_ids, args[1], args[2], args[3])
   want = np.asarray(want)
+  noise = jax.jit(sampler._gumbel_noise_at)(args[2], args[3], all_ids)  # the exact stream, every token
+  ref_ids, ref_ok = map(np.asarray, jax.jit(cpu_sampler.reference_gumbel_candidates)(
+      args[0], args[1], noise, jnp.asarray(need)))
+  np.testing.assert_array_equal(ref_ids[need, 0], want[need])  # the readable version's best: the exact argmax
+  np.testing.assert_array_equal(ref_ok, need)
   assert ids.shape == (R, sampler.GUMBEL_CANDIDATES) and ids.dtype == np.int32
   assert not ok[~need].any() and (ids[~need] == 0).all()
   assert ok[need].mean() > 0.95
