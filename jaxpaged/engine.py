@@ -19,8 +19,10 @@ N+1's sampler (which sees N's tokens: penalties and grammar masks need no fallba
 A request that stops or is aborted at N costs at most one wasted slot in N+1 (none for
 a length stop); its pages are released once, when it finishes. Greedy and seeded
 outputs equal the synchronous loop's token for token (a row's key counts the tokens
-in flight). Falls back to the synchronous loop: multi-process runs (followers take
-each step's tokens from the host), speculative decoding (True with it: a ValueError).
+in flight). Only steps of at most `async_scheduling_max_tokens` tokens stay in flight
+(on CPU a few: the host shares the step's cores); a larger one is handled before the
+next is scheduled. Falls back to the synchronous loop: multi-process runs (followers
+take each step's tokens from the host), speculative decoding (True with it: a ValueError).
 
 A request with n > 1 becomes n child requests (`<id>#<i>`, seeds seed + i) that
 share the prompt's pages through prefix caching, aggregated back into one
@@ -64,6 +66,11 @@ logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU when no size is given
 _CPU_DEFAULT_MAX_MODEL_LEN = 2048  # keeps the CPU warm-up (one compile per step shape) short
+# On CPU async scheduling keeps only steps of at most this many tokens in flight: there the host's work for
+# the next step runs beside the step's own threads on the same cores, which pays while a step is bound by
+# reading the weights (a few rows) and costs once its matmuls are compute-bound (docs/benchmarks.md,
+# "Session 16")
+CPU_ASYNC_MAX_TOKENS = 8
 
 
 def default_compilation_cache_dir() -> str:
@@ -119,9 +126,12 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = None
 
     # vLLM v1's async scheduling: dispatch step N+1 before step N's tokens reach the host (module docstring);
-    # None: on with a GPU (unless speculative decoding is on), off on CPU (docs/benchmarks.md, "Async
-    # scheduling (issue 15)")
+    # None: on unless speculative decoding is on (docs/benchmarks.md, "Async scheduling (issue 15)")
     async_scheduling: bool | None = None
+    # Which steps async scheduling keeps in flight: those feeding at most this many tokens; a larger step is
+    # handled before the next one is scheduled (the synchronous order). None: every step with a GPU; on CPU,
+    # where the host's work shares the cores with the step's matmuls, CPU_ASYNC_MAX_TOKENS
+    async_scheduling_max_tokens: int | None = None
 
     def __post_init__(self):
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
@@ -157,7 +167,7 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",
-                     "kv_cache_memory", "num_pages"):
+                     "kv_cache_memory", "num_pages", "async_scheduling_max_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -234,10 +244,13 @@ class LLMEngine:
         # async scheduling runs on one process (followers take each step's tokens from the host)
         requested = args.async_scheduling
         if requested is None:
-            requested = jax.default_backend() == "gpu" and args.speculative_config is None
+            requested = args.speculative_config is None
         self.async_scheduling = requested and args.num_processes == 1
         if requested and not self.async_scheduling:
             logger.info("async scheduling: off with num_processes=%d (the synchronous loop runs)", args.num_processes)
+        self.async_max_tokens = args.async_scheduling_max_tokens  # the steps kept in flight (None: all)
+        if self.async_max_tokens is None and jax.default_backend() == "cpu":
+            self.async_max_tokens = CPU_ASYNC_MAX_TOKENS
         self._in_flight: _InFlightStep | None = None  # async scheduling: the step dispatched, not yet handled
         self._deferred_error: BaseException | None = None  # async: a dispatch failure, raised by the next step()
         self.scheduler = Scheduler(SchedulerConfig(
@@ -575,6 +588,7 @@ class LLMEngine:
         Order: schedule N+1 (N's tokens are placeholders) -> dispatch N+1's forward (placeholders gathered
         on the device from N's sampled tokens) -> N's tokens to the host, stop checks, detokenize, outputs
         -> dispatch N+1's sampler (after N's tokens are appended: penalties and grammar masks see them).
+        A step feeding more than `async_max_tokens` tokens is then handled at once (its outputs join N's).
         A failure dispatching N+1 is raised by the next call, after N's outputs are returned."""
         self._raise_deferred_error()
         failed = self._admit_grammar_ready() if self._awaiting_grammar else []
@@ -588,7 +602,10 @@ class LLMEngine:
             flight = None if out.is_empty else self._dispatch_async(out, previous)
             outputs = failed + (self._handle_in_flight(previous) if previous is not None else [])
             if flight is not None and self._dispatch_sampler_async(flight):
-                self._in_flight = flight
+                if self.async_max_tokens is None or out.num_scheduled_tokens <= self.async_max_tokens:
+                    self._in_flight = flight
+                else:  # a step too large to overlap: handled now, so the next one schedules without placeholders
+                    outputs += self._handle_now(flight)
         except BaseException:
             self._abandon_in_flight()
             raise
@@ -617,6 +634,15 @@ class LLMEngine:
             self._deferred_error = err
             return False
         return True
+
+    def _handle_now(self, flight: _InFlightStep) -> list[RequestOutput]:
+        """`_handle_in_flight` for the step just dispatched; a failure is raised by the next step(), so the
+        outputs already made this call (the previous step's) are still returned."""
+        try:
+            return self._handle_in_flight(flight)
+        except Exception as err:
+            self._deferred_error = err
+            return []
 
     def _handle_in_flight(self, flight: _InFlightStep) -> list[RequestOutput]:
         """Bring a dispatched step's tokens to the host and apply them, as `step` does, to the requests

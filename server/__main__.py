@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from jaxpaged.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
-from jaxpaged.engine import EngineArgs
+from jaxpaged.engine import CPU_ASYNC_MAX_TOKENS, EngineArgs
 from jaxpaged.models.loader import DEFAULT_MODEL
 from jaxpaged.spec_decode import SpeculativeConfig
 from server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig
@@ -85,8 +85,11 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=EngineArgs.async_scheduling, help="keep one step in flight: schedule and dispatch the "
-                   "next step before this one's tokens reach the host (vLLM's async scheduling); default: on with a "
-                   "GPU, off on CPU")
+                   "next step before this one's tokens reach the host (vLLM's async scheduling); default: on "
+                   "unless --speculative-config is given")
+    e.add_argument("--async-scheduling-max-tokens", type=int, default=None, help="async scheduling keeps only "
+                   "steps feeding at most this many tokens in flight (default: every step with a GPU, "
+                   f"{CPU_ASYNC_MAX_TOKENS} on CPU, where the host's work shares the step's cores)")
     e.add_argument("--speculative-config", type=speculative_config_arg, default=None, help="speculative decoding, "
                    'as JSON (vLLM\'s): {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                    '"prompt_lookup_min": 2} drafts up to 4 tokens a step from the request\'s own prompt and output')
@@ -155,7 +158,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=ns.tensor_parallel_size, chat_template=chat_template_arg(ns.chat_template),
         generation_config=ns.generation_config, distributed_coordinator=ns.distributed_coordinator,
         num_processes=ns.num_processes, process_id=ns.process_id, speculative_config=ns.speculative_config,
-        async_scheduling=ns.async_scheduling)
+        async_scheduling=ns.async_scheduling, async_scheduling_max_tokens=ns.async_scheduling_max_tokens)
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:

@@ -13,13 +13,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.engine import CPU_ASYNC_MAX_TOKENS, EngineArgs, LLMEngine
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from tests.test_engine import count_traces, mixed_prompts
 
+OVERLAP_ALL = 1 << 20  # async_scheduling_max_tokens above any step: every step stays in flight
 BASE = EngineArgs(model="unused", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=200,
-                  compilation_cache_dir=None, warmup=False)
+                  compilation_cache_dir=None, warmup=False, async_scheduling_max_tokens=OVERLAP_ALL)
 CONFIGS = {
     "cache": {},
     "nocache": dict(enable_prefix_caching=False),
@@ -150,6 +151,39 @@ def test_overlapped_equals_synchronous(tiny, config):
                     assert 0 <= extra <= 1, (child, o.finish_reason)
 
 
+@pytest.mark.parametrize("config", ["cache", "preempt"])
+def test_only_small_steps_stay_in_flight(tiny, config):
+    """async_scheduling_max_tokens: a step feeding more tokens is handled before the next is scheduled (which
+    then feeds no placeholder), a smaller one stays in flight; the outputs are still the synchronous loop's."""
+    requests = workload(tiny)
+    reference = run(make_engine(tiny, False, **CONFIGS[config]), requests, ABORTS)
+    engine = make_engine(tiny, True, async_scheduling_max_tokens=4, **CONFIGS[config])
+    kept, handled, scheduled = [], [], []
+    step, schedule = engine.step, engine.scheduler.schedule
+
+    def logged_schedule():
+        out = schedule()
+        if not (kept and kept[-1] is scheduled[-1]):  # the step before was handled (or there was none)
+            assert not any(e.placeholder for e in out.scheduled_requests)
+        scheduled.append(out)
+        return out
+
+    def logged_step():
+        before = len(scheduled)
+        outputs = step()
+        if len(scheduled) > before and not scheduled[-1].is_empty:
+            (kept if engine._in_flight is not None else handled).append(scheduled[-1])
+        return outputs
+    engine.step, engine.scheduler.schedule = logged_step, logged_schedule
+    results = run(engine, requests, ABORTS)
+    assert kept and handled
+    assert max(o.num_scheduled_tokens for o in kept) <= 4 < min(o.num_scheduled_tokens for o in handled)
+    for rid in requests:
+        if rid in ABORTS and requests[rid][1].n > 1:  # see test_overlapped_equals_synchronous
+            continue
+        assert summary(results[rid]) == summary(reference[rid]), rid
+
+
 def constrained_params() -> list[SamplingParams]:
     """Four constrained requests (JSON greedy, JSON sampled n=2 with logprobs, regex top_p, choice with a
     repetition penalty): the structured-output mix of the overlapped and fused-step tests."""
@@ -192,8 +226,8 @@ def test_aborted_id_reused_while_its_step_is_in_flight(tiny):
     assert summary(got) == summary(expected)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_failed_step_loses_no_delivered_token(tiny, async_scheduling):
+@pytest.mark.parametrize("async_scheduling,max_tokens", [(False, None), (True, OVERLAP_ALL), (True, 1)])
+def test_failed_step_loses_no_delivered_token(tiny, async_scheduling, max_tokens):
     """A step that fails in the sampler: every token the engine appended was delivered first (the overlapped
     loop returns the previous step's outputs and raises on the next call); the caller aborts the running
     requests (as AsyncLLM does) and the waiting one then runs as if nothing happened."""
@@ -207,8 +241,8 @@ def test_failed_step_loses_no_delivered_token(tiny, async_scheduling):
             raise RuntimeError("injected")
         return logits
 
-    engine = LLMEngine(dataclasses.replace(BASE, async_scheduling=async_scheduling, max_num_seqs=2),
-                       loaded=tiny, fault_injector=fault)
+    engine = LLMEngine(dataclasses.replace(BASE, async_scheduling=async_scheduling, max_num_seqs=2,
+                                           async_scheduling_max_tokens=max_tokens), loaded=tiny, fault_injector=fault)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": p}, greedy)
     requests = {str(i): engine.scheduler.get_request(str(i)) for i in range(3)}
@@ -280,8 +314,14 @@ def test_async_scheduling_must_be_a_bool_or_auto(tiny):
         EngineArgs(model="unused", async_scheduling=True,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert EngineArgs(model="unused", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    auto = LLMEngine(dataclasses.replace(BASE, async_scheduling=None), loaded=tiny)
-    assert auto.async_scheduling is (jax.default_backend() == "gpu")
+    with pytest.raises(ValueError, match="async_scheduling_max_tokens"):
+        EngineArgs(model="unused", async_scheduling_max_tokens=0)
+    auto = LLMEngine(dataclasses.replace(BASE, async_scheduling=None, async_scheduling_max_tokens=None), loaded=tiny)
+    assert auto.async_scheduling is True
+    assert auto.async_max_tokens == (None if jax.default_backend() == "gpu" else CPU_ASYNC_MAX_TOKENS)
+    spec = LLMEngine(dataclasses.replace(BASE, async_scheduling=None, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3}), loaded=tiny)
+    assert spec.async_scheduling is False
 
 
 def test_cli_flag_reaches_the_engine_args():
@@ -290,6 +330,8 @@ def test_cli_flag_reaches_the_engine_args():
     assert engine_args(parser.parse_args(["--async-scheduling"])).async_scheduling is True
     assert engine_args(parser.parse_args(["--no-async-scheduling"])).async_scheduling is False
     assert engine_args(parser.parse_args([])).async_scheduling is EngineArgs.async_scheduling is None
+    assert engine_args(parser.parse_args([])).async_scheduling_max_tokens is None
+    assert engine_args(parser.parse_args(["--async-scheduling-max-tokens", "16"])).async_scheduling_max_tokens == 16
 
 
 def test_placeholder_step_needs_dispatch(tiny):
