@@ -101,6 +101,26 @@ def test_top_k_is_lax_top_k(k):
     cpu_sampler.top_k_cpu(jnp.asarray(x), 4097)
 
 
+@pytest.mark.parametrize("k", [1, 256, 1536, 1537])
+def test_top_k_bound_on_chunk_maxima_is_lax_top_k(k):
+  """At a vocabulary of whole 32-value chunks and a tail (49157 = 1536 * 32 + 5), k up to one past the chunk
+  count (there the kernel takes the radix select): logit-like rows, one that is all ties, ties straddling the
+  k-th place across chunks, the largest values in the tail, -inf beyond the first chunks."""
+  vocab = 49157
+  rng = np.random.default_rng(k)
+  x = (rng.standard_normal((6, vocab)) * 2.5).astype(np.float32)
+  x[0, rng.integers(0, vocab, 40)] += 12.0  # peaked
+  x[1] = 0.5  # all ties
+  x[2] = np.round(x[2] * 2) / 2  # ties straddle every place, across chunks
+  x[3, -5:] = 30.0  # the tail holds the largest values
+  x[4, 64:] = -np.inf
+  x[5, ::2], x[5, 1::2] = 0.0, -0.0
+  got_values, got_ids = jax.jit(lambda a: cpu_sampler.top_k_cpu(a, k))(jnp.asarray(x))
+  want_values, want_ids = jax.lax.top_k(jnp.asarray(x), k)
+  np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
+  np.testing.assert_array_equal(np.asarray(got_values).view(np.uint32), np.asarray(want_values).view(np.uint32))
+
+
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1000, 49152])
 def test_row_stats_match_the_reference(vocab):
   """Same ids and finite flags as the XLA reference, log-sum-exps within float32 rounding; rows with -inf
