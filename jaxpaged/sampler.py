@@ -414,7 +414,7 @@ def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.A
     if not random:
         out = _raw_logprobs(raw, greedy_ids, 0, lse)
         return StepSample(dataclasses.replace(out, finite=finite), raw, None, None, None)
-    scaled, min_p_threshold = _scale(processed, batch)
+    scaled, min_p_threshold = _scale(processed, batch, native)
     token_ids, threshold, flags = _candidate_tokens(greedy_ids, scaled, min_p_threshold, batch, prefilter_k, native)
     out = _raw_logprobs(raw, token_ids, 0, lse)
     return StepSample(dataclasses.replace(out, finite=finite), raw, scaled, threshold, flags)
@@ -526,15 +526,19 @@ def _candidate_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs:
     raw = logits.astype(jnp.float32)
     processed = process_logits(raw, batch)
     greedy_ids, lse, finite = _row_stats(processed, raw, native)
-    scaled, min_p_threshold = _scale(processed, batch)
+    scaled, min_p_threshold = _scale(processed, batch, native)
     token_ids, threshold, flags = _candidate_tokens(greedy_ids, scaled, min_p_threshold, batch, kp, native)
     return _raw_logprobs(raw, token_ids, num_top_logprobs, lse, finite), scaled, threshold, flags
 
 
-def _scale(processed: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+def _scale(processed: jax.Array, batch: SamplingBatch, native: bool = False) -> tuple[jax.Array, jax.Array]:
     """(scaled f32[S, V]: processed / temperature (1 for greedy rows), tokens below the min_p cut at -inf;
-    the min_p threshold f32[S], -inf when off)."""
+    the min_p threshold f32[S], -inf when off). native (static): one call of cpu_sampler.scale_cpu, which
+    computes what XLA:CPU does (it multiplies by 1 / temperature), bit for bit."""
     is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # bool[S]
+    if native:
+        inverse = 1.0 / jnp.where(is_greedy, 1.0, batch.temperature)  # f32[S]
+        return cpu_sampler.scale_cpu(processed, inverse, jnp.log(batch.min_p))
     temperature = jnp.where(is_greedy, 1.0, batch.temperature)[:, None]  # f32[S, 1]
     scaled = processed / temperature  # f32[S, V]
     min_p_threshold = jnp.max(scaled, axis=-1) + jnp.log(batch.min_p)  # f32[S]; -inf when off

@@ -247,6 +247,39 @@ inline float scan(const float* x, int64_t v, int* nan, int* non_finite) {
 #endif
 }
 
+// One row of jaxpaged.sampler._scale, as XLA:CPU computes it: y = x * inv_t (it turns x / t into a product
+// by 1 / t), threshold = max(y) + log_min_p, then y where y >= threshold, else -inf. One pass writing y, one
+// reading it for the maximum (from cache), and the cut only when the threshold is not -inf (min_p off). The
+// maximum leaves NaNs out; XLA's may not, so a row holding a NaN can differ (the sampler fails such rows).
+void row_scale(const float* x, int64_t v, float inv_t, float log_min_p, float* y, float* threshold) {
+  for (int64_t i = 0; i < v; ++i) y[i] = x[i] * inv_t;
+  int nan, non_finite;
+  const float t = scan(y, v, &nan, &non_finite) + log_min_p;
+  *threshold = t;
+  if (t == -std::numeric_limits<float>::infinity()) return;
+  for (int64_t i = 0; i < v; ++i) y[i] = y[i] >= t ? y[i] : -std::numeric_limits<float>::infinity();
+}
+
+ffi::Error Scale(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> inv_t,
+                 ffi::Buffer<ffi::F32> log_min_p, ffi::ResultBuffer<ffi::F32> y,
+                 ffi::ResultBuffer<ffi::F32> threshold) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || inv_t.dimensions().size() != 1 || inv_t.dimensions()[0] != xd[0] ||
+      log_min_p.dimensions().size() != 1 || log_min_p.dimensions()[0] != xd[0] || y->dimensions().size() != 2 ||
+      y->dimensions()[0] != xd[0] || y->dimensions()[1] != xd[1] || threshold->dimensions().size() != 1 ||
+      threshold->dimensions()[0] != xd[0])
+    return ffi::Error::InvalidArgument("cpu sampler scale: x [R, V], inv_t [R], log_min_p [R] -> y [R, V], "
+                                       "threshold [R]");
+  const int64_t v = xd[1];
+  const float* xp = x.typed_data();
+  const float* ip = inv_t.typed_data();
+  const float* lp = log_min_p.typed_data();
+  float* yp = y->typed_data();
+  float* tp = threshold->typed_data();
+  jaxpaged::run_items(pool, xd[0], [=](int64_t r) { row_scale(xp + r * v, v, ip[r], lp[r], yp + r * v, tp + r); });
+  return ffi::Error::Success();
+}
+
 // One row's statistics for a greedy or sampled token's log-prob, in three passes over the row (XLA:CPU
 // makes six): the first maximum of x (sampler._argmax: v - 1 when x holds a NaN), and over raw the
 // log-sum-exp (NaN when raw holds a NaN or its maximum is infinite, as max + log(sum(exp(raw - max)))
@@ -430,6 +463,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuSamplerThreshold, Threshold,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuSamplerScale, Scale,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuSamplerRowStats, RowStats,

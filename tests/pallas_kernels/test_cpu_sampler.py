@@ -121,6 +121,38 @@ def test_top_k_bound_on_chunk_maxima_is_lax_top_k(k):
   np.testing.assert_array_equal(np.asarray(got_values).view(np.uint32), np.asarray(want_values).view(np.uint32))
 
 
+def test_scale_is_the_samplers_xla_scale_bit_for_bit():
+  """scale_cpu against its reference and the sampler's XLA `_scale` (the path off the CPU): tempered rows, a
+  greedy row (temperature 1), min_p on and off, an infinite maximum, signed zeros; a NaN row (the sampler fails
+  it) only runs."""
+  from jaxpaged.sampler import RowInfo, make_sampling_batch
+  from jaxpaged.sampling_params import SamplingParams
+  S, V = 8, 1003
+  x = (np.random.default_rng(5).standard_normal((S, V)) * 3).astype(np.float32)
+  x[3, 7] = np.nan
+  x[4, 9] = np.inf
+  x[5, ::2], x[5, 1::2] = 0.0, -0.0
+  params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0), SamplingParams(temperature=1.3,
+            min_p=0.1), SamplingParams(temperature=0.9), SamplingParams(temperature=0.8, min_p=0.05),
+            SamplingParams(temperature=0.3, min_p=0.2), SamplingParams(temperature=1.0, min_p=0.5)]
+  batch = make_sampling_batch([RowInfo(p, seed=i) for i, p in enumerate(params)], S, V)
+  xj = jnp.asarray(x)
+  want = jax.jit(lambda a, b: sampler._scale(a, b))(xj, batch)
+  got = jax.jit(lambda a, b: sampler._scale(a, b, native=True))(xj, batch)
+  inverse = 1.0 / jnp.where(jnp.asarray(batch.temperature) < sampler.GREEDY_TEMPERATURE_EPS, 1.0,
+                            jnp.asarray(batch.temperature))
+  ref = jax.jit(cpu_sampler.reference_scale)(xj, inverse, jnp.log(jnp.asarray(batch.min_p)))
+  rows = np.arange(S) != 3
+  for a, b, c in zip(got, want, ref):
+    np.testing.assert_array_equal(np.asarray(a)[rows].view(np.uint32), np.asarray(b)[rows].view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(a)[rows].view(np.uint32), np.asarray(c)[rows].view(np.uint32))
+  scaled = np.asarray(got[0])
+  assert (scaled[2] == -np.inf).any() and not (scaled[0] == -np.inf).any()  # min_p cuts only where on
+  assert np.isinf(scaled[4, 9]) and (scaled[4, :9] == -np.inf).all()  # an infinite maximum cuts the rest
+  with pytest.raises(ValueError, match="scale_cpu takes"):
+    cpu_sampler.scale_cpu(xj, inverse[:3], inverse)
+
+
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1000, 49152])
 def test_row_stats_match_the_reference(vocab):
   """Same ids and finite flags as the XLA reference, log-sum-exps within float32 rounding; rows with -inf
