@@ -151,7 +151,8 @@ ffi::Error Threshold(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // value (k chunks hold a value at or above it), so only the values at or above it, in the chunks whose
 // maximum reaches it, are candidates (at SmolLM2's 49k logits and k = 256: 330-420 of them); the first k in
 // (value descending, index ascending) order are selected, then sorted. With fewer whole chunks than k, the
-// radix select of the threshold finds the k-th largest key, over the whole row.
+// radix select of the threshold finds the k-th largest key, over the whole row; with more than 4k + 1024
+// candidates (a weak bound: ties, many values near the top), over the candidates.
 void row_top_k(const float* x, int64_t v, int64_t k, float* values, int32_t* ids) {
   constexpr int64_t kChunk = 32;
   thread_local std::vector<std::pair<uint32_t, int32_t>> chosen;
@@ -186,6 +187,18 @@ void row_top_k(const float* x, int64_t v, int64_t k, float* values, int32_t* ids
   const auto first = [](const auto& a, const auto& b) {
     return a.first != b.first ? a.first > b.first : a.second < b.second;
   };
+  if (int64_t(chosen.size()) > 4 * k + 1024) {  // a weak bound (many values near the top, ties): the k-th
+    thread_local std::vector<uint32_t> candidate_keys;  // key by the radix select over the candidates, then
+    candidate_keys.resize(chosen.size());                // the keys above it and its first ties, in index order
+    for (size_t j = 0; j < chosen.size(); ++j) candidate_keys[j] = chosen[j].first;
+    const uint32_t kth = largest_key(candidate_keys.data(), nullptr, int64_t(chosen.size()), double(k));
+    int64_t ties = k;
+    for (const auto& c : chosen) ties -= c.first > kth;
+    size_t kept = 0;
+    for (const auto& c : chosen)
+      if (c.first > kth || (c.first == kth && ties-- > 0)) chosen[kept++] = c;
+    chosen.resize(kept);
+  }
   if (int64_t(chosen.size()) > k) std::nth_element(chosen.begin(), chosen.begin() + k, chosen.end(), first);
   std::sort(chosen.begin(), chosen.begin() + k, first);
   for (int64_t j = 0; j < k; ++j) {
