@@ -226,23 +226,37 @@ def test_aborted_id_reused_while_its_step_is_in_flight(tiny):
     assert summary(got) == summary(expected)
 
 
-@pytest.mark.parametrize("async_scheduling,max_tokens", [(False, None), (True, OVERLAP_ALL), (True, 1)])
-def test_failed_step_loses_no_delivered_token(tiny, async_scheduling, max_tokens):
-    """A step that fails in the sampler: every token the engine appended was delivered first (the overlapped
-    loop returns the previous step's outputs and raises on the next call); the caller aborts the running
-    requests (as AsyncLLM does) and the waiting one then runs as if nothing happened."""
+@pytest.mark.parametrize("async_scheduling,max_tokens,site", [(False, None, "sampler"), (True, OVERLAP_ALL, "sampler"),
+                                                             (True, 1, "sampler"), (True, 1, "result")])
+def test_failed_step_loses_no_delivered_token(tiny, async_scheduling, max_tokens, site):
+    """A step that fails in the sampler (or, handled at once under async_scheduling_max_tokens, when its tokens
+    come to the host): every token the engine appended was delivered first (the overlapped loop returns the
+    previous step's outputs and raises on the next call); the caller aborts the running requests (as AsyncLLM
+    does) and the waiting one then runs as if nothing happened."""
     prompts = mixed_prompts(3, seed=9)
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     cumulative = dataclasses.replace(greedy, output_kind=RequestOutputKind.CUMULATIVE)
     expected = run(make_engine(tiny, False), {"2": (prompts[2], cumulative)})["2"]
 
+    def failing(entries) -> bool:
+        return any(e.request_id == "1" and e.samples and e.num_output_tokens == 3 for e in entries)
+
     def fault(entries, logits):
-        if any(e.request_id == "1" and e.samples and e.num_output_tokens == 3 for e in entries):
+        if site == "sampler" and failing(entries):
             raise RuntimeError("injected")
         return logits
 
     engine = LLMEngine(dataclasses.replace(BASE, async_scheduling=async_scheduling, max_num_seqs=2,
                                            async_scheduling_max_tokens=max_tokens), loaded=tiny, fault_injector=fault)
+    if site == "result":
+        dispatch = engine.runner.dispatch
+
+        def failing_dispatch(scheduler_output, previous):
+            pending = dispatch(scheduler_output, previous)
+            if failing(pending.entries):
+                pending.result = lambda: (_ for _ in ()).throw(RuntimeError("injected"))
+            return pending
+        engine.runner.dispatch = failing_dispatch
     for i, p in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": p}, greedy)
     requests = {str(i): engine.scheduler.get_request(str(i)) for i in range(3)}
@@ -264,6 +278,47 @@ def test_failed_step_loses_no_delivered_token(tiny, async_scheduling, max_tokens
     for rid, request in requests.items():
         assert delivered[rid] == request.output_token_ids, rid
     assert delivered["2"] == list(expected.outputs[0].token_ids)
+    assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_usable_pages
+    engine.scheduler.check_invariants()
+
+
+def test_failure_of_a_step_handled_at_once_keeps_the_step_before(tiny):
+    """A small step in flight, then a large one (a prefill joins) handled at once whose tokens fail to come to
+    the host: step() still returns the small step's outputs (their tokens were appended) and raises on the
+    next call; nothing appended is lost, and the pages all come back."""
+    prompts = mixed_prompts(3, seed=9)
+    params = {"0": 3, "1": 10, "2": 10}
+    engine = make_engine(tiny, True, max_num_seqs=2, async_scheduling_max_tokens=2)
+    dispatch, failed = engine.runner.dispatch, []
+
+    def failing_dispatch(scheduler_output, previous):
+        pending = dispatch(scheduler_output, previous)
+        if not failed and any(e.request_id == "2" for e in pending.entries):
+            assert previous is not None and scheduler_output.num_scheduled_tokens > 2
+            failed.append(True)
+            pending.result = lambda: (_ for _ in ()).throw(RuntimeError("injected"))
+        return pending
+    engine.runner.dispatch = failing_dispatch
+    for rid, max_tokens in params.items():
+        engine.add_request(rid, {"prompt_token_ids": prompts[int(rid)]}, SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
+    requests = {rid: engine.scheduler.get_request(rid) for rid in params}
+    delivered = {rid: [] for rid in params}
+    raised = 0
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except RuntimeError as err:
+            assert str(err) == "injected"
+            raised += 1
+            engine.abort_request([rid for rid in params if engine.is_request_running(rid)])
+            continue
+        for out in outputs:
+            delivered[out.request_id] += out.outputs[0].token_ids
+    assert raised == 1 and failed
+    for rid, request in requests.items():
+        assert delivered[rid] == request.output_token_ids, rid
+    assert len(delivered["1"]) >= 3  # its tokens up to the failure, the one from the step before included
     assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_usable_pages
     engine.scheduler.check_invariants()
 
