@@ -226,6 +226,44 @@ def test_aborted_id_reused_while_its_step_is_in_flight(tiny):
     assert summary(got) == summary(expected)
 
 
+def fail_results_when(engine: LLMEngine, picked) -> None:
+    """Make the tokens of the steps `picked(scheduler_output, previous)` selects fail to come to the host (the
+    error is raised where the engine reads them back)."""
+    dispatch = engine.runner.dispatch
+
+    def failing_dispatch(scheduler_output, previous):
+        pending = dispatch(scheduler_output, previous)
+        if picked(scheduler_output, previous):
+            pending.result = lambda: (_ for _ in ()).throw(RuntimeError("injected"))
+        return pending
+    engine.runner.dispatch = failing_dispatch
+
+
+def run_through_failures(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> tuple[dict, list]:
+    """Add `requests` {id: (prompt ids, DELTA params)} and step to the end; after each injected failure abort the
+    running requests (as AsyncLLM does). Checks that every token the engine appended was delivered and that the
+    pages all came back. Returns each request's delivered tokens and, per failure, the ids that were running."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    scheduled = {rid: engine.scheduler.get_request(rid) for rid in requests}
+    delivered, failures = {rid: [] for rid in requests}, []
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except RuntimeError as err:
+            assert str(err) == "injected"
+            failures.append([rid for rid in requests if engine.is_request_running(rid)])
+            engine.abort_request(failures[-1])
+            continue
+        for out in outputs:
+            delivered[out.request_id] += out.outputs[0].token_ids
+    for rid, request in scheduled.items():
+        assert delivered[rid] == request.output_token_ids, rid
+    assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_usable_pages
+    engine.scheduler.check_invariants()
+    return delivered, failures
+
+
 @pytest.mark.parametrize("async_scheduling,max_tokens,site", [(False, None, "sampler"), (True, OVERLAP_ALL, "sampler"),
                                                              (True, 1, "sampler"), (True, 1, "result")])
 def test_failed_step_loses_no_delivered_token(tiny, async_scheduling, max_tokens, site):
@@ -249,37 +287,10 @@ def test_failed_step_loses_no_delivered_token(tiny, async_scheduling, max_tokens
     engine = LLMEngine(dataclasses.replace(BASE, async_scheduling=async_scheduling, max_num_seqs=2,
                                            async_scheduling_max_tokens=max_tokens), loaded=tiny, fault_injector=fault)
     if site == "result":
-        dispatch = engine.runner.dispatch
-
-        def failing_dispatch(scheduler_output, previous):
-            pending = dispatch(scheduler_output, previous)
-            if failing(pending.entries):
-                pending.result = lambda: (_ for _ in ()).throw(RuntimeError("injected"))
-            return pending
-        engine.runner.dispatch = failing_dispatch
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, greedy)
-    requests = {str(i): engine.scheduler.get_request(str(i)) for i in range(3)}
-    delivered = {rid: [] for rid in requests}
-    raised = 0
-    while engine.has_unfinished_requests():
-        try:
-            outputs = engine.step()
-        except RuntimeError as err:
-            assert str(err) == "injected"
-            raised += 1
-            running = [rid for rid in requests if engine.is_request_running(rid)]
-            assert running == ["0", "1"]
-            engine.abort_request(running)
-            continue
-        for out in outputs:
-            delivered[out.request_id] += out.outputs[0].token_ids
-    assert raised == 1
-    for rid, request in requests.items():
-        assert delivered[rid] == request.output_token_ids, rid
+        fail_results_when(engine, lambda out, _: failing(out.scheduled_requests))
+    delivered, failures = run_through_failures(engine, {str(i): (p, greedy) for i, p in enumerate(prompts)})
+    assert failures == [["0", "1"]]
     assert delivered["2"] == list(expected.outputs[0].token_ids)
-    assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_usable_pages
-    engine.scheduler.check_invariants()
 
 
 def test_failure_of_a_step_handled_at_once_keeps_the_step_before(tiny):
@@ -287,40 +298,22 @@ def test_failure_of_a_step_handled_at_once_keeps_the_step_before(tiny):
     the host: step() still returns the small step's outputs (their tokens were appended) and raises on the
     next call; nothing appended is lost, and the pages all come back."""
     prompts = mixed_prompts(3, seed=9)
-    params = {"0": 3, "1": 10, "2": 10}
     engine = make_engine(tiny, True, max_num_seqs=2, async_scheduling_max_tokens=2)
-    dispatch, failed = engine.runner.dispatch, []
+    picked = []
 
-    def failing_dispatch(scheduler_output, previous):
-        pending = dispatch(scheduler_output, previous)
-        if not failed and any(e.request_id == "2" for e in pending.entries):
-            assert previous is not None and scheduler_output.num_scheduled_tokens > 2
-            failed.append(True)
-            pending.result = lambda: (_ for _ in ()).throw(RuntimeError("injected"))
-        return pending
-    engine.runner.dispatch = failing_dispatch
-    for rid, max_tokens in params.items():
-        engine.add_request(rid, {"prompt_token_ids": prompts[int(rid)]}, SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
-    requests = {rid: engine.scheduler.get_request(rid) for rid in params}
-    delivered = {rid: [] for rid in params}
-    raised = 0
-    while engine.has_unfinished_requests():
-        try:
-            outputs = engine.step()
-        except RuntimeError as err:
-            assert str(err) == "injected"
-            raised += 1
-            engine.abort_request([rid for rid in params if engine.is_request_running(rid)])
-            continue
-        for out in outputs:
-            delivered[out.request_id] += out.outputs[0].token_ids
-    assert raised == 1 and failed
-    for rid, request in requests.items():
-        assert delivered[rid] == request.output_token_ids, rid
+    def first_with_request_2(scheduler_output, previous) -> bool:
+        if picked or not any(e.request_id == "2" for e in scheduler_output.scheduled_requests):
+            return False
+        assert previous is not None and scheduler_output.num_scheduled_tokens > 2
+        picked.append(scheduler_output)
+        return True
+    fail_results_when(engine, first_with_request_2)
+    requests = {rid: (prompts[int(rid)], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                                        output_kind=RequestOutputKind.DELTA))
+                for rid, max_tokens in {"0": 3, "1": 10, "2": 10}.items()}
+    delivered, failures = run_through_failures(engine, requests)
+    assert len(failures) == 1 and picked
     assert len(delivered["1"]) >= 3  # its tokens up to the failure, the one from the step before included
-    assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_usable_pages
-    engine.scheduler.check_invariants()
 
 
 def compiles_while(fn) -> tuple[list, list]:
