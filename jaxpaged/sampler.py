@@ -536,11 +536,10 @@ def _scale(processed: jax.Array, batch: SamplingBatch, native: bool = False) -> 
     the min_p threshold f32[S], -inf when off). native (static): one call of cpu_sampler.scale_cpu, which
     computes what XLA:CPU does (it multiplies by 1 / temperature), bit for bit."""
     is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # bool[S]
+    temperature = jnp.where(is_greedy, 1.0, batch.temperature)  # f32[S]
     if native:
-        inverse = 1.0 / jnp.where(is_greedy, 1.0, batch.temperature)  # f32[S]
-        return cpu_sampler.scale_cpu(processed, inverse, jnp.log(batch.min_p))
-    temperature = jnp.where(is_greedy, 1.0, batch.temperature)[:, None]  # f32[S, 1]
-    scaled = processed / temperature  # f32[S, V]
+        return cpu_sampler.scale_cpu(processed, 1.0 / temperature, jnp.log(batch.min_p))
+    scaled = processed / temperature[:, None]  # f32[S, V]
     min_p_threshold = jnp.max(scaled, axis=-1) + jnp.log(batch.min_p)  # f32[S]; -inf when off
     return jnp.where(scaled >= min_p_threshold[:, None], scaled, -jnp.inf), min_p_threshold
 

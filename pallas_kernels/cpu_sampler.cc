@@ -150,9 +150,9 @@ ffi::Error Threshold(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // A bound first: the k-th largest of the maxima of the row's 32-value chunks is at most the k-th largest
 // value (k chunks hold a value at or above it), so only the values at or above it, in the chunks whose
 // maximum reaches it, are candidates (at SmolLM2's 49k logits and k = 256: 330-420 of them); the first k in
-// (value descending, index ascending) order are selected, then sorted. With fewer whole chunks than k, the
-// radix select of the threshold finds the k-th largest key, over the whole row; with more than 4k + 1024
-// candidates (a weak bound: ties, many values near the top), over the candidates.
+// (value descending, index ascending) order are selected, then sorted. With fewer whole chunks than k every
+// value is a candidate; with more than 4k + 1024 candidates (that, or a weak bound: ties, many values near the
+// top) the radix select of the threshold finds the k-th largest key among them first.
 void row_top_k(const float* x, int64_t v, int64_t k, float* values, int32_t* ids) {
   constexpr int64_t kChunk = 32;
   thread_local std::vector<std::pair<uint32_t, int32_t>> chosen;
@@ -177,17 +177,12 @@ void row_top_k(const float* x, int64_t v, int64_t k, float* values, int32_t* ids
     }
     for (int64_t i = chunks * kChunk; i < v; ++i) chosen.emplace_back(key(i), int32_t(i));
   } else {
-    thread_local std::vector<uint32_t> keys;
-    keys.resize(v);
-    for (int64_t i = 0; i < v; ++i) keys[i] = key(i);
-    const uint32_t kth = largest_key(keys.data(), nullptr, v, double(k));
-    for (int64_t i = 0; i < v; ++i)
-      if (keys[i] >= kth) chosen.emplace_back(keys[i], int32_t(i));
+    for (int64_t i = 0; i < v; ++i) chosen.emplace_back(key(i), int32_t(i));
   }
   const auto first = [](const auto& a, const auto& b) {
     return a.first != b.first ? a.first > b.first : a.second < b.second;
   };
-  if (int64_t(chosen.size()) > 4 * k + 1024) {  // a weak bound (many values near the top, ties): the k-th
+  if (int64_t(chosen.size()) > 4 * k + 1024) {  // many candidates (a weak bound, or no bound): the k-th
     thread_local std::vector<uint32_t> candidate_keys;  // key by the radix select over the candidates, then
     candidate_keys.resize(chosen.size());                // the keys above it and its first ties, in index order
     for (size_t j = 0; j < chosen.size(); ++j) candidate_keys[j] = chosen[j].first;
