@@ -34,7 +34,7 @@ SIDES = ("before", "this")
 
 @dataclasses.dataclass(frozen=True)
 class SoakRun:
-    round: int
+    index: int              # the round, from 0
     side: str               # "before" or "this"
     report: dict | None     # soak.report(), None when the server did not come up
     status: str = "ok"
@@ -54,7 +54,7 @@ def round_ratios(runs: list[SoakRun]) -> dict[int, dict[str, float | None]]:
     by_round: dict[int, dict[str, dict]] = {}
     for run in runs:
         if run.report is not None:
-            by_round.setdefault(run.round, {})[run.side] = run.report
+            by_round.setdefault(run.index, {})[run.side] = run.report
     ratios = {}
     for index, sides in sorted(by_round.items()):
         before, this = sides.get("before"), sides.get("this")
@@ -66,8 +66,8 @@ def round_ratios(runs: list[SoakRun]) -> dict[int, dict[str, float | None]]:
     return ratios
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else format(value, spec) + suffix
 
 
 def format_table(runs: list[SoakRun], labels: dict[str, str]) -> str:
@@ -77,21 +77,27 @@ def format_table(runs: list[SoakRun], labels: dict[str, str]) -> str:
     for run in runs:
         r = run.report
         if r is None:
-            lines.append(f"| {run.round + 1} | {labels[run.side]} | {run.status} | | | | | | | |")
+            lines.append(f"| {run.index + 1} | {labels[run.side]} | {run.status} | | | | | | | |")
             continue
         errors = sum(r["errors"].values())
-        lines.append(f"| {run.round + 1} | {labels[run.side]} | {r['requests_ok']} | {errors} | "
+        lines.append(f"| {run.index + 1} | {labels[run.side]} | {r['requests_ok']} | {errors} | "
                      f"{r['output_tokens_per_s']:.1f} | {r['latency_s']['p50']:.2f} | {r['latency_s']['p90']:.2f} | "
                      f"{r['latency_s']['p99']:.2f} | {r['ttft_s']['p50']:.2f} | {_fmt(r['rss_growth_mib'], '.1f')} |")
     ratios = round_ratios(runs)
     lines.append("")
     for index, ratio in ratios.items():
-        lines.append(f"round {index + 1}: p50 latency before / this {_fmt(ratio['p50_before_over_this'], '.2f')}x, "
-                     f"output tok/s this / before {_fmt(ratio['tok_s_this_over_before'], '.2f')}x")
+        lines.append(f"round {index + 1}: p50 latency before / this {_fmt(ratio['p50_before_over_this'], '.2f', 'x')}, "
+                     f"output tok/s this / before {_fmt(ratio['tok_s_this_over_before'], '.2f', 'x')}")
     p50s = [r["p50_before_over_this"] for r in ratios.values() if r["p50_before_over_this"] is not None]
     if p50s:
         lines.append(f"median over {len(p50s)} round(s): p50 latency before / this {statistics.median(p50s):.2f}x")
     return "\n".join(lines)
+
+
+def _commit(tree: Path) -> str:
+    """The checkout's short HEAD commit ("" outside git)."""
+    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
 
 
 def run_side(args: argparse.Namespace, side: str, index: int, out_dir: Path) -> SoakRun:
@@ -157,10 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for proc in list(compare_servers._RUNNING):
             compare_servers.stop_process(proc, grace=5.0)
-    commit = compare_servers.jaxpaged_before_spec(args, args.base_port).precision.split("; ")[-1]
-    head = subprocess.run(["git", "-C", str(compare_servers.REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-    labels = {"before": f"before ({commit})", "this": f"this checkout ({head})"}
+    labels = {"before": f"before ({args.before_tree} @ {_commit(Path(args.before_tree))})",
+              "this": f"this checkout ({_commit(compare_servers.REPO)})"}
     table = format_table(runs, labels)
     print(f"\n## compare_soak {stamp} (logs and JSON in {out_dir})\n\n{table}", flush=True)
     if args.json:

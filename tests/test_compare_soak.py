@@ -48,7 +48,7 @@ def test_ratios_per_round_and_their_median(compare_soak):
     assert "| 1 | before (x) | 100 | 0 | 50.0 | 70.00 | 98.00 | 112.00 | 35.00 | n/a |" in table
     assert "| 3 | before (x) | failed: not ready |" in table
     assert "round 1: p50 latency before / this 5.00x, output tok/s this / before 6.00x" in table
-    assert "round 3: p50 latency before / this n/ax" in table
+    assert "round 3: p50 latency before / this n/a, output tok/s this / before n/a" in table
     assert table.endswith("median over 2 round(s): p50 latency before / this 5.50x")
 
 
