@@ -100,8 +100,8 @@ def top_k_cpu(x, k: int):
   bound from the row's 32-value chunk maxima (their k-th largest is at most the k-th largest value) leaves a
   few hundred candidates, in the chunks that reach it, of which k are selected and sorted (the radix select
   of the threshold first where many remain: rows of ties, or fewer chunks than k). At 32 x 49k, k = 256, on
-  SmolLM2's logits: 0.73 ms;
-  the radix select alone took ~2.2, XLA:CPU's TopK (a partial sort of each whole row) 4.8."""
+  SmolLM2's logits: 0.73 ms; the radix select alone took ~2.2, XLA:CPU's TopK (a partial sort of each whole
+  row) 4.8."""
   if x.ndim != 2 or x.dtype != jnp.float32 or not isinstance(k, int) or not 0 <= k <= x.shape[1]:
     raise ValueError(f"top_k_cpu takes float32 x [R, V] and an integer 0 <= k <= V; got x {x.dtype}"
                      f"{list(x.shape)}, k={k!r}")

@@ -173,13 +173,18 @@ def jaxpaged_spec(args, port: int, flags: str | None = None) -> ServerSpec:
     return ServerSpec("jaxpaged", cmd, port, MODEL, precision="float32 (dequantised from Q4_1)")
 
 
+def commit_of(tree: Path) -> str:
+    """The checkout's short HEAD commit ("" outside git)."""
+    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
 def jaxpaged_before_spec(args, port: int) -> ServerSpec:
     tree = Path(args.before_tree or "")
     if not args.before_tree or not (tree / "server").is_dir():
         raise RuntimeError("give --before-tree: a jaxpaged checkout (e.g. main's worktree) to run as 'before'")
     spec = jaxpaged_spec(args, port, args.before_args)
-    commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = commit_of(tree)
     return dataclasses.replace(spec, name="jaxpaged-before", cwd=tree, env={"PYTHONPATH": str(tree)},
                                precision=f"{spec.precision}; code of {tree} @ {commit}")
 
@@ -267,9 +272,14 @@ def stop_process(proc: subprocess.Popen, grace: float = 15.0) -> None:
         _RUNNING.remove(proc)
 
 
-def _on_signal(signum, _frame):
+def stop_all() -> None:
+    """Stop every server still running (after a failure or a signal)."""
     for proc in list(_RUNNING):
         stop_process(proc, grace=5.0)
+
+
+def _on_signal(signum, _frame):
+    stop_all()
     raise SystemExit(128 + signum)
 
 
@@ -544,8 +554,7 @@ def main(argv: Sequence[str] | None = None) -> list[PeerResult]:
             results.append(run_peer(args, name, args.base_port + i, out_dir))
             print(f"[compare] {name}: {results[-1].status}", flush=True)
     finally:
-        for proc in list(_RUNNING):
-            stop_process(proc, grace=5.0)
+        stop_all()
     table = format_table(results, roof)
     if args.roofline and roof is None:
         table += f"\n\n{NOTES['roofline']}"

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import signal
 import statistics
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -94,23 +93,15 @@ def format_table(runs: list[SoakRun], labels: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def _commit(tree: Path) -> str:
-    """The checkout's short HEAD commit ("" outside git)."""
-    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-
-
 def run_side(args: argparse.Namespace, side: str, index: int, out_dir: Path) -> SoakRun:
     """Start one side's server, soak it, stop it; a server that fails to start is reported, not raised."""
     port = args.base_port
     spec = (compare_servers.jaxpaged_before_spec(args, port) if side == "before"
             else compare_servers.jaxpaged_spec(args, port))
-    cfg = soak.SoakConfig(base_url=f"http://127.0.0.1:{port}", duration=args.duration, concurrency=args.concurrency,
-                          max_tokens=args.max_tokens, seed=args.seed)
     print(f"[compare_soak] round {index + 1}: starting {side}, code of {spec.cwd or compare_servers.REPO}", flush=True)
     try:
         with compare_servers.running_server(spec, out_dir / f"{side}-{index + 1}.log", args.startup_timeout):
-            report = asyncio.run(soak.soak(cfg))
+            report = asyncio.run(soak.soak(args.soak))
     except RuntimeError as err:
         return SoakRun(index, side, None, f"failed: {err}"[:200])
     (out_dir / f"{side}-{index + 1}.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -140,9 +131,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--rounds={args.rounds}: must be >= 1")
     if not (Path(args.before_tree) / "server").is_dir():
         p.error(f"--before-tree={args.before_tree!r}: not a jaxpaged checkout (no server/ folder)")
-    try:  # the soak's own checks, before any server starts
-        soak.SoakConfig(base_url="http://127.0.0.1", duration=args.duration, concurrency=args.concurrency,
-                        max_tokens=args.max_tokens)
+    try:  # the soak's own checks, before any server starts; every run soaks with this config
+        args.soak = soak.SoakConfig(base_url=f"http://127.0.0.1:{args.base_port}", duration=args.duration,
+                                    concurrency=args.concurrency, max_tokens=args.max_tokens, seed=args.seed)
     except ValueError as err:
         p.error(str(err))
     return args
@@ -161,10 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for side in round_order(index):
                 runs.append(run_side(args, side, index, out_dir))
     finally:
-        for proc in list(compare_servers._RUNNING):
-            compare_servers.stop_process(proc, grace=5.0)
-    labels = {"before": f"before ({args.before_tree} @ {_commit(Path(args.before_tree))})",
-              "this": f"this checkout ({_commit(compare_servers.REPO)})"}
+        compare_servers.stop_all()
+    labels = {"before": f"before ({args.before_tree} @ {compare_servers.commit_of(Path(args.before_tree))})",
+              "this": f"this checkout ({compare_servers.commit_of(compare_servers.REPO)})"}
     table = format_table(runs, labels)
     print(f"\n## compare_soak {stamp} (logs and JSON in {out_dir})\n\n{table}", flush=True)
     if args.json:
