@@ -5,11 +5,19 @@
 
 Two engines over the same weights (float32, loaded once): one plain, one with
 speculative_config={"method": "ngram", ...}. Each prompt is run alone (batch 1), greedy, end to end
-(add_request to the finished output), on both engines in turn, so load on a shared machine hits both
-sides alike, after an untimed pass over the workload on both (--warmup-passes). Two workloads of SmolLM2-135M-Instruct chat prompts:
+(add_request to the finished output), on both engines in turn (each side first for every other
+prompt), so load on a shared machine and whatever one run leaves in the caches hit both sides
+alike, after an untimed pass over the workload on both (--warmup-passes). Workloads of
+SmolLM2-135M-Instruct chat prompts:
 
-  grounded  answers that copy spans of the prompt: rewrite, fix, extract, edit code
-  open      nothing to copy: open questions and stories
+  grounded       answers that copy spans of the prompt: rewrite, fix, extract, edit code
+  open           nothing to copy: open questions and stories
+  grounded-more  20 more of the first kind (formats, code edits, extraction, a template, a poem;
+                 added in session 18: k and the lookup bounds were tuned on `grounded` alone), a
+                 wider check than 6 prompts (not run by default: ~3 min more)
+
+--prompts-file PATH adds a workload of your own: a JSON list of prompt strings, named by the
+file's stem (`--prompts-file my_edits.json --workloads my_edits`).
 
 Per workload: output tok/s of each side, their ratio, mean latency, the acceptance rate (accepted /
 drafted tokens) and mean tokens per verification step; the two sides' outputs must be identical
@@ -21,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import pathlib
 import time
 
 GROUNDED = [
@@ -55,6 +64,73 @@ OPEN = [
     "Invent a new board game and explain its rules.",
 ]
 
+GROUNDED_MORE = [
+    "Add type hints to this Python function. Output the full code.\n\n```python\ndef scale(values, "
+    "factor):\n    out = []\n    for v in values:\n        out.append(v * factor)\n    return out\n```",
+    "Convert this CSV to a Markdown table:\n\nname,age,city\nAlice,34,London\nBob,28,Paris\n"
+    "Carol,45,Madrid\nDave,39,Rome",
+    "Correct the grammar in this email and write it out again:\n\nHi Tom, I has send you the report "
+    "yesterday but you doesn't answered. Can you tell me if you receive it? I needs your comments before "
+    "friday. Thanks, Maria",
+    "Extract every email address from this text, one per line:\n\nContact sales at sales@example.com or "
+    "support at help@example.org. For press, write to press.office@news.example.net; jobs go to "
+    "careers@example.com.",
+    "Rewrite this paragraph as bullet points, keeping the wording:\n\nThe museum opens at nine in the "
+    "morning. Tickets cost twelve euros for adults. Children under six enter for free. The cafe on the top "
+    "floor closes at five.",
+    "Add a docstring to this function and output the whole function:\n\n```python\ndef clamp(x, low, "
+    "high):\n    if x < low:\n        return low\n    if x > high:\n        return high\n    return x\n```",
+    "Rename the variable `tmp` to `total` in this JavaScript code and output all of it:\n\n```javascript\n"
+    "function sum(items) {\n  let tmp = 0;\n  for (const item of items) {\n    tmp += item.price;\n  }\n  "
+    "return tmp;\n}\n```",
+    "Based only on the text below, answer: where did the expedition start, and when?\n\nText: The "
+    "expedition started in Punta Arenas on 3 January 1998. It crossed the Strait of Magellan two days "
+    "later and reached the Antarctic Peninsula on 19 January, where the team set up a camp near Hope Bay.",
+    "Replace every British spelling with the American one and write out the text:\n\nThe colour of the "
+    "theatre curtains was chosen to favour a warm atmosphere. The organisers apologised for the delay and "
+    "analysed the feedback from the neighbours.",
+    "Sort these names alphabetically and write them one per line:\n\nOliver\nCharlotte\nNoah\nAmelia\n"
+    "Liam\nSophia\nBenjamin",
+    "Convert this Python dictionary to JSON:\n\n{'title': 'Dune', 'author': 'Frank Herbert', 'year': 1965, "
+    "'tags': ['science fiction', 'desert', 'politics']}",
+    "Add a WHERE clause to this SQL query so it returns only orders above 100, and output the query:\n\n"
+    "SELECT customer_id, order_id, amount\nFROM orders\nORDER BY amount DESC;",
+    "Fill in this template with the details below and output the filled letter.\n\nTemplate: Dear [NAME], "
+    "your order [ORDER] will arrive on [DATE]. Thank you for shopping with [SHOP].\nDetails: NAME = Ms "
+    "Jensen, ORDER = #4471, DATE = 12 March, SHOP = Greenleaf Books",
+    "Rewrite these sentences in the past tense:\n\nThe train leaves the station at noon. Sarah waves at "
+    "her friends on the platform. The conductor checks every ticket and the journey begins.",
+    "Turn this Python loop into a function called `count_words` that takes the text as an argument. Output "
+    "the code.\n\n```python\ntext = \"the cat sat on the mat\"\ncounts = {}\nfor word in text.split():\n   "
+    " counts[word] = counts.get(word, 0) + 1\nprint(counts)\n```",
+    "Quote the sentence from this passage that says what the bridge is made of:\n\nThe old bridge crosses "
+    "the river at its narrowest point. It was built in 1871 by a local engineer. The bridge is made of "
+    "grey granite blocks taken from the quarry above the town. Today only pedestrians may use it.",
+    "Translate the keys of this JSON object to snake_case and output the JSON:\n\n{\"firstName\": \"Ada\", "
+    "\"lastName\": \"Lovelace\", \"birthYear\": 1815, \"knownFor\": \"Analytical Engine notes\"}",
+    "Here is a shopping list. Write it out again with quantities first:\n\napples - 6\nbread - 1 loaf\n"
+    "milk - 2 litres\neggs - 12\ncheese - 200 grams",
+    "Fix the bug in this function (it should return the largest number) and output the corrected code:\n\n"
+    "```python\ndef largest(numbers):\n    best = numbers[0]\n    for n in numbers:\n        if n < best:\n"
+    "            best = n\n    return best\n```",
+    "Copy this poem exactly and add a title above it:\n\nThe wind is cold across the hill,\nthe river runs "
+    "but time stands still;\nthe lamps are lit along the lane,\nand soon the snow will come again.",
+]
+
+WORKLOADS = {"grounded": GROUNDED, "open": OPEN, "grounded-more": GROUNDED_MORE}
+
+
+def load_prompts_file(path: str) -> tuple[str, list[str]]:
+    """(the file's stem, its prompts): a JSON list of non-empty strings; anything else is a ValueError."""
+    file = pathlib.Path(path)
+    try:
+        prompts = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--prompts-file {path}: {err}") from None
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(x, str) and x for x in prompts):
+        raise ValueError(f"--prompts-file {path}: expected a JSON list of non-empty prompt strings")
+    return file.stem, prompts
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -70,10 +146,22 @@ def parse_args(argv=None):
                    help="untimed passes over each workload first (like vllm bench latency's warm-up iterations): "
                         "the first run of a step shape costs up to ~0.3 s more, which would go to whichever side "
                         "meets that shape first")
-    p.add_argument("--workloads", default="grounded,open")
+    p.add_argument("--workloads", default="grounded,open", help=f"comma-separated: {', '.join(WORKLOADS)}, "
+                   "or a --prompts-file's stem")
+    p.add_argument("--prompts-file", action="append", default=[], metavar="PATH",
+                   help="a workload of your own: a JSON list of prompts, named by the file's stem (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object per workload as well")
     p.add_argument("--show", action="store_true", help="print each output's text")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.prompts = dict(WORKLOADS)
+    try:
+        args.prompts.update(load_prompts_file(path) for path in args.prompts_file)
+    except ValueError as err:
+        p.error(str(err))
+    unknown = [name for name in args.workloads.split(",") if name not in args.prompts]
+    if unknown:
+        p.error(f"unknown workloads {unknown}; known: {sorted(args.prompts)}")
+    return args
 
 
 def make_engines(args):
@@ -121,10 +209,11 @@ def run_workload(name, prompts, tokenizer, plain, speculative, args) -> dict:
             for engine in (plain, speculative):
                 run_one(engine, prompt, args.max_tokens)
     before = spec_counters(speculative)
-    for prompt in ids:
-        for _ in range(args.repeats):
+    sides = (("plain", plain), ("spec", speculative))
+    for i, prompt in enumerate(ids):
+        for repeat in range(args.repeats):
             outputs = {}
-            for side, engine in (("plain", plain), ("spec", speculative)):
+            for side, engine in sides if (i + repeat) % 2 == 0 else sides[::-1]:  # each side first in turn
                 seconds, outputs[side] = run_one(engine, prompt, args.max_tokens)
                 times[side] += seconds
                 produced[side] += len(outputs[side])
@@ -152,15 +241,14 @@ def main(argv=None) -> int:
     warm = tokenizer("Hello, how are you?")["input_ids"]
     for engine in (plain, speculative):  # first-request effects out of the timed runs
         run_one(engine, warm, 8)
-    workloads = {"grounded": GROUNDED, "open": OPEN}
-    results = [run_workload(name, workloads[name], tokenizer, plain, speculative, args)
+    results = [run_workload(name, args.prompts[name], tokenizer, plain, speculative, args)
                for name in args.workloads.split(",")]
     print(f"\nbatch 1, greedy, max_tokens {args.max_tokens}, k = {args.num_speculative_tokens}, "
           f"prompt_lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}")
-    print(f"{'workload':<10}{'tokens':>8}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}"
+    print(f"{'workload':<14}{'tokens':>8}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}"
           f"{'plain lat s':>13}{'spec lat s':>12}{'accept':>8}{'tok/draft':>11}{'same':>6}")
     for r in results:
-        print(f"{r['workload']:<10}{r['output_tokens']:>8}{r['plain_tok_s']:>13.1f}{r['spec_tok_s']:>12.1f}"
+        print(f"{r['workload']:<14}{r['output_tokens']:>8}{r['plain_tok_s']:>13.1f}{r['spec_tok_s']:>12.1f}"
               f"{r['ratio']:>7.2f}x{r['plain_mean_latency_s']:>13.2f}{r['spec_mean_latency_s']:>12.2f}"
               f"{r['acceptance_rate']:>8.2f}{r['mean_accepted_per_draft']:>11.2f}{str(r['outputs_identical']):>6}")
     if args.json:

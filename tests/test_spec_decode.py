@@ -81,13 +81,13 @@ def propose(tokens, k=3, lo=2, hi=3, max_drafts=None):
 
 
 def reference_propose(tokens, k, lo, hi, max_drafts=None):
-    """The definition: n from hi down to lo, the latest earlier occurrence of the last n tokens."""
+    """The definition: n from hi down to lo, the earliest occurrence of the last n tokens before them."""
     k = k if max_drafts is None else min(k, max_drafts)
     for n in range(hi, lo - 1, -1):
         if len(tokens) <= n:
             continue
         suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
+        for start in range(len(tokens) - n):
             if tokens[start:start + n] == suffix:
                 return tokens[start + n:start + n + k] if k > 0 else []
     return []
@@ -96,7 +96,7 @@ def reference_propose(tokens, k, lo, hi, max_drafts=None):
 def test_proposer_examples():
     assert propose([1, 2, 3, 4, 1, 2]) == [3, 4, 1]
     assert propose([0, 1, 2, 7, 3, 1, 2, 8, 0, 1, 2]) == [7, 3, 1]  # the 3-gram beats a later 2-gram
-    assert propose([1, 2, 5, 1, 2, 6, 1, 2]) == [6, 1, 2]  # latest of equal matches
+    assert propose([1, 2, 5, 1, 2, 6, 1, 2]) == [5, 1, 2]  # earliest of equal matches (vLLM's choice)
     assert propose([1, 2, 3, 4, 5]) == []  # nothing repeats
     assert propose([1, 2, 3, 1], lo=2) == []  # a 1-gram is below prompt_lookup_min
     assert propose([1, 2, 3, 1], lo=1) == [2, 3, 1]

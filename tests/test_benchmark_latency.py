@@ -1,0 +1,58 @@
+"""scripts/benchmark_latency.py: its workloads and arguments (the engines themselves: by hand, docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_latency.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("benchmark_latency", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_built_in_workloads(bench):
+    args = bench.parse_args([])
+    assert args.workloads == "grounded,open"
+    assert {name: len(prompts) for name, prompts in args.prompts.items()} == \
+        {"grounded": 6, "open": 6, "grounded-more": 20}
+    assert len(set(bench.GROUNDED + bench.GROUNDED_MORE)) == 26  # no prompt counted twice
+
+
+def test_a_prompts_file_is_a_workload_named_by_its_stem(bench, tmp_path):
+    path = tmp_path / "my_edits.json"
+    path.write_text(json.dumps(["Fix: teh cat", "Copy: a b c"]))
+    args = bench.parse_args(["--prompts-file", str(path), "--workloads", "my_edits,grounded"])
+    assert args.prompts["my_edits"] == ["Fix: teh cat", "Copy: a b c"]
+    assert args.prompts["grounded"] is bench.GROUNDED
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file"),
+    ("not json", "Expecting value"),
+    ('{"a": "b"}', "a JSON list of non-empty prompt strings"),
+    ("[]", "a JSON list of non-empty prompt strings"),
+    ('["ok", 3]', "a JSON list of non-empty prompt strings"),
+    ('["ok", ""]', "a JSON list of non-empty prompt strings"),
+])
+def test_bad_prompts_files_are_refused(bench, tmp_path, capsys, content, message):
+    path = tmp_path / "w.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--prompts-file", str(path)])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_unknown_workloads_are_refused(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--workloads", "grounded,nope"])
+    assert "unknown workloads ['nope']" in capsys.readouterr().err
