@@ -285,7 +285,8 @@ def forward_variants(engine: LLMEngine, report: Report, context: int, iters: int
             x.delete()
 
 
-# issue 17's batch-1 setting, as scripts/benchmark_latency.py on CPU: k = 3 (1 + 3 tokens fit the S = 4 rows)
+# issue 17's batch-1 setting: k = 3, so 1 + 3 tokens fit the S = 4 logits rows of the fused GPU step (the CPU
+# benchmark, scripts/benchmark_latency.py, uses k = 7: its unfused verify buckets take T logits rows)
 SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
