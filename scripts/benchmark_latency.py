@@ -13,7 +13,7 @@ SmolLM2-135M-Instruct chat prompts:
   grounded       answers that copy spans of the prompt: rewrite, fix, extract, edit code
   open           nothing to copy: open questions and stories
   grounded-more  20 more of the first kind (formats, code edits, extraction, a template, a poem;
-                 added in session 18: k and the lookup bounds were tuned on `grounded` alone), a
+                 written in session 18, after k and the lookup bounds were tuned on `grounded`): a
                  wider check than 6 prompts (not run by default: ~3 min more)
 
 --prompts-file PATH adds a workload of your own: a JSON list of prompt strings, named by the
@@ -129,6 +129,8 @@ def load_prompts_file(path: str) -> tuple[str, list[str]]:
         raise ValueError(f"--prompts-file {path}: {err}") from None
     if not isinstance(prompts, list) or not prompts or not all(isinstance(x, str) and x for x in prompts):
         raise ValueError(f"--prompts-file {path}: expected a JSON list of non-empty prompt strings")
+    if file.stem in WORKLOADS:
+        raise ValueError(f"--prompts-file {path}: {file.stem!r} names a built-in workload; rename the file")
     return file.stem, prompts
 
 

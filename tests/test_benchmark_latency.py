@@ -52,6 +52,14 @@ def test_bad_prompts_files_are_refused(bench, tmp_path, capsys, content, message
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_prompts_file_may_not_shadow_a_built_in_workload(bench, tmp_path, capsys):
+    path = tmp_path / "grounded.json"
+    path.write_text(json.dumps(["Fix: teh cat"]))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--prompts-file", str(path)])
+    assert "'grounded' names a built-in workload" in capsys.readouterr().err
+
+
 def test_unknown_workloads_are_refused(bench, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--workloads", "grounded,nope"])
