@@ -71,6 +71,11 @@ _CPU_DEFAULT_MAX_MODEL_LEN = 2048  # keeps the CPU warm-up (one compile per step
 # reading the weights (a few rows) and costs once its matmuls are compute-bound (docs/benchmarks.md,
 # "Session 16")
 CPU_ASYNC_MAX_TOKENS = 8
+# Speculative decoding on GPU: steps of up to this many tokens cost about the same (bf16 weights on an H200:
+# ~200 FLOP a byte before the matmuls turn compute-bound), so drafts beside a request without drafts may fill a
+# step up to it (SchedulerConfig.memory_bound_tokens; an estimate from the roofline, not yet measured). On CPU
+# every row adds compute: 0.
+GPU_MEMORY_BOUND_TOKENS = 128
 
 
 def default_compilation_cache_dir() -> str:
@@ -260,6 +265,8 @@ class LLMEngine:
             max_num_batched_tokens=self.runner_config.max_num_batched_tokens,
             max_model_len=self.runner_config.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
             max_num_partial_prefills=self.runner_config.max_num_partial_prefills,
+            token_buckets=self.runner_config.token_buckets,
+            memory_bound_tokens=GPU_MEMORY_BOUND_TOKENS if jax.default_backend() == "gpu" else 0,
             sliding_window=self.model.config.sliding_window if self.model.config.all_layers_windowed else None))
         mark = time.perf_counter()
         self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh,
@@ -693,11 +700,15 @@ class LLMEngine:
             request.num_output_placeholders = 0
 
     def _propose_drafts(self) -> None:
-        """Speculative decoding: n-gram drafts for every decoding request (none under a grammar)."""
+        """Speculative decoding: n-gram drafts for every decoding request (none under a grammar, none while
+        more requests are enqueued than speculative_config.disable_by_batch_size)."""
+        limit = self.args.speculative_config.disable_by_batch_size
+        enqueued = self.scheduler.num_running + self.scheduler.num_waiting
         for request in self.scheduler.decoding_requests():
             room = max_drafts_for(request.num_tokens, request.num_output_tokens, request.max_tokens,
                                   request.max_model_len)
-            if room < 1 or self._child_to_parent[request.request_id][1].matcher is not None:
+            if room < 1 or (limit is not None and enqueued > limit) or \
+                    self._child_to_parent[request.request_id][1].matcher is not None:
                 request.spec_token_ids = []
                 continue
             request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)

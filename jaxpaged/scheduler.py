@@ -31,11 +31,15 @@ reads the pages (per layer), as paged attention does in vLLM and nano-vllm.
 
 Speculative decoding (jaxpaged/spec_decode.py): a decoding request may carry draft tokens
 (`Request.spec_token_ids`, set by the engine's proposer before `schedule()`). It is then fed its
-last token and the drafts in one chunk (in the budget, pages allocated for all, one of the
-max_num_partial_prefills slots; without a slot or pages it decodes without them, before anyone is
-preempted), and num_computed_tokens counts them all until `update_from_output` learns how many
-were accepted: it rolls back to the accepted ones and frees the pages past them. Drafts are never
-hashed into the prefix cache (hashing covers real tokens only).
+last token and the drafts in one chunk, and num_computed_tokens counts them all until
+`update_from_output` learns how many were accepted: it rolls back to the accepted ones and frees
+the pages past them. Drafts are never hashed into the prefix cache (hashing covers real tokens
+only). Drafts are scheduled last (`_schedule_drafts`), from what the step's decodes and prefill
+chunks left: the budget, the max_num_partial_prefills slots (attention tiles a verification like
+a prefill chunk) and free pages. So a draft never delays another request's prompt and never
+preempts anyone; a request whose drafts don't fit decodes without them (all of them: a step
+without preemption only). And when the step carries a request without drafts, drafts only fill
+the rows its T bucket (`SchedulerConfig.token_buckets`) pads anyway: that request is not slowed.
 
 Stopping has one owner: `update_from_output` ends every request that stops on a
 sampled token (EOS, stop token ids, length: `Request.check_stop`; stop strings and
@@ -92,6 +96,12 @@ class SchedulerConfig:
     sliding_window: int | None = None
     # vLLM v1's async scheduling: a sampled token becomes a placeholder the next step feeds (module docstring)
     async_scheduling: bool = False
+    # The runner's T buckets (step sizes it pads to), for speculative decoding: a step that carries a request
+    # without drafts takes drafts only into the rows its bucket pads anyway (see `_draft_room`); (): no cap
+    token_buckets: tuple[int, ...] = ()
+    # ... or up to this many tokens, where a step costs about the same whatever its size (the weights' read
+    # dominates: a GPU); 0 where every row adds compute (a CPU)
+    memory_bound_tokens: int = 0
 
     def __post_init__(self):
         def bad(field: str, why: str) -> None:
@@ -117,6 +127,13 @@ class SchedulerConfig:
         cap = self.max_num_partial_prefills
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
             bad("max_num_partial_prefills", "must be an integer >= 1, or None for no cap")
+        buckets = self.token_buckets
+        if not isinstance(buckets, tuple) or any(not isinstance(b, int) or isinstance(b, bool) or b < 1
+                                                 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            bad("token_buckets", "must be a tuple of increasing integers >= 1 (or () for no cap on drafts)")
+        if not isinstance(self.memory_bound_tokens, int) or isinstance(self.memory_bound_tokens, bool) or \
+                self.memory_bound_tokens < 0:
+            bad("memory_bound_tokens", "must be an integer >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,9 +282,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        budget = self._schedule_running(budget, scheduled, preempted)
+        drafting: list[tuple[int, Request, tuple[int, ...]]] = []  # (index in scheduled, request, its drafts)
+        budget = self._schedule_running(budget, scheduled, preempted, drafting)
         if not preempted:
             budget = self._schedule_waiting(budget, scheduled)
+            budget = self._schedule_drafts(budget, scheduled, drafting)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled_requests=tuple(scheduled),
@@ -289,7 +308,9 @@ class Scheduler:
             return True
         return sum(entry.num_tokens > 1 for entry in scheduled) < cap
 
-    def _schedule_running(self, budget: int, scheduled: list, preempted: list) -> int:
+    def _schedule_running(self, budget: int, scheduled: list, preempted: list, drafting: list) -> int:
+        """Running requests in order: their next chunk (a decode: one token), preempting from the back of
+        the queue when pages run out. A decode with drafts is noted in `drafting` (see `_schedule_drafts`)."""
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -302,30 +323,58 @@ class Scheduler:
                 continue
             if self.config.sliding_window is not None:
                 self.pool.free_outside_window(request, self.config.sliding_window)
-            drafts = self._drafts_to_verify(request, num_new, budget, scheduled)
-            if drafts and self.pool.allocate(request, num_new + len(drafts)) is None:
-                drafts = ()  # no pages for the drafts: decode without them before preempting anyone
-            while not drafts and self.pool.allocate(request, num_new) is None:
+            while self.pool.allocate(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     return budget
-            scheduled.append(self._advance(request, num_new, drafts))
-            budget -= num_new + len(drafts)
+            is_decode = num_new == 1 and request.num_tokens - request.num_computed_tokens == 1
+            if request.spec_token_ids and is_decode:
+                drafting.append((len(scheduled), request, tuple(request.spec_token_ids)))
+            scheduled.append(self._advance(request, num_new))
+            budget -= num_new
             index += 1
         return budget
 
-    def _drafts_to_verify(self, request: Request, num_new: int, budget: int, scheduled: list) -> tuple[int, ...]:
-        """The request's speculative drafts that fit this step: only for a decode (one token left to feed),
-        within the token budget, and when a slot under max_num_partial_prefills is free (attention
-        tiles a sequence fed several tokens as a prefill chunk)."""
-        if not request.spec_token_ids or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
-            return ()
-        num_drafts = min(len(request.spec_token_ids), budget - num_new)
-        if num_drafts < 1 or not self._prefill_slot_free(num_new + num_drafts, scheduled):
-            return ()
-        return tuple(request.spec_token_ids[:num_drafts])
+    def _schedule_drafts(self, budget: int, scheduled: list, drafting: list) -> int:
+        """Speculative decoding: add the noted decodes' drafts to their entries, in order, from what the
+        step left: the token budget and the rows of `_draft_room` (drafts cut to them), a
+        max_num_partial_prefills slot each (attention tiles a sequence fed several tokens as a prefill
+        chunk) and free pages (none: no drafts)."""
+        room = self._draft_room(scheduled, drafting)
+        for index, request, drafts in drafting:
+            drafts = drafts[:min(budget, room)]
+            if not drafts or not self._prefill_slot_free(1 + len(drafts), scheduled) or \
+                    self.pool.allocate(request, len(drafts)) is None:
+                continue
+            scheduled[index] = self._with_drafts(scheduled[index], request, drafts)
+            budget -= len(drafts)
+            room -= len(drafts)
+        return budget
+
+    def _draft_room(self, scheduled: list, drafting: list) -> int:
+        """Rows the step's drafts may take. A step whose every entry is a decode with drafts: any number
+        (the rows each verification adds cost only requests that speculate). A step that carries a request
+        without drafts (a decode, a prefill chunk): only the rows its T bucket pads anyway, or up to
+        memory_bound_tokens, so that request's step costs what it would without speculation (on a CPU a
+        step of 32 rows takes ~2x one of 4: docs/benchmarks.md, "Session 19: drafts in a mixed batch")."""
+        num_tokens = sum(entry.num_tokens for entry in scheduled)
+        if not self.config.token_buckets or len(drafting) == len(scheduled):
+            return self.config.max_num_batched_tokens
+        bucket = next((b for b in self.config.token_buckets if b >= num_tokens), num_tokens)
+        return max(bucket, self.config.memory_bound_tokens) - num_tokens
+
+    def _with_drafts(self, entry: ScheduledRequest, request: Request, drafts: tuple[int, ...]) -> ScheduledRequest:
+        """The decode entry with the drafts fed after its token (their pages already allocated); they count
+        as computed until `update_from_output` rolls the rejected ones back."""
+        if entry.placeholder or not entry.samples or entry.num_tokens != 1:
+            raise RuntimeError(f"request {request.request_id!r}: drafts go after a decode of one known token only")
+        num_output = request.num_output_tokens
+        request.num_computed_tokens += len(drafts)
+        return dataclasses.replace(
+            entry, token_ids=entry.token_ids + drafts, page_ids=tuple(request.page_ids), spec_token_ids=drafts,
+            spec_banned_token_ids=tuple(request.banned_token_ids_at(num_output + j + 1) for j in range(len(drafts))))
 
     def _schedule_waiting(self, budget: int, scheduled: list) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -349,23 +398,21 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _advance(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
-        """Snapshot the request's chunk (and the drafts fed after it), then count it as computed and cache
-        its full pages (of real tokens only: drafts and placeholders are never hashed).
+    def _advance(self, request: Request, num_new: int) -> ScheduledRequest:
+        """Snapshot the request's chunk, then count it as computed and cache its full pages (of real tokens
+        only: placeholders are never hashed; drafts, added later by `_with_drafts`, neither).
 
         Async scheduling: a chunk that samples adds a placeholder; a chunk past the known tokens is the one
         placeholder the previous step sampled (see the module docstring)."""
         start = request.num_computed_tokens
         end = start + num_new
-        num_output = request.num_output_tokens
         num_placeholders_fed = max(0, end - max(start, request.num_tokens))
-        if num_placeholders_fed and (num_new != 1 or not request.num_output_placeholders or drafts):
+        if num_placeholders_fed and (num_new != 1 or not request.num_output_placeholders):
             raise RuntimeError(f"request {request.request_id!r}: a chunk of {num_new} tokens at {start} feeds "
                                f"{num_placeholders_fed} placeholders (at most its one in-flight token)")
         entry = ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.token_ids_slice(start, end)) + (PLACEHOLDER_TOKEN_ID,) * num_placeholders_fed
-            + drafts,
+            token_ids=tuple(request.token_ids_slice(start, end)) + (PLACEHOLDER_TOKEN_ID,) * num_placeholders_fed,
             start_position=start,
             page_ids=tuple(request.page_ids),
             samples=end == _num_known_and_placeholder_tokens(request),
@@ -377,11 +424,9 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             placeholder=bool(num_placeholders_fed),
-            spec_token_ids=drafts,
-            spec_banned_token_ids=tuple(request.banned_token_ids_at(num_output + j + 1) for j in range(len(drafts))),
         )
         request.spec_token_ids = []
-        request.num_computed_tokens = end + len(drafts)
+        request.num_computed_tokens = end
         if entry.samples and self.config.async_scheduling:
             request.num_output_placeholders += 1
         self.pool.cache_full_pages(request)  # full pages of known tokens only

@@ -49,11 +49,17 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int | None = None  # longest n-gram matched; default: prompt_lookup_min, else 5
     prompt_lookup_min: int | None = None  # shortest n-gram matched; default: prompt_lookup_max, else 5
+    # vLLM's key: no drafts while more than this many requests are enqueued (running + waiting), checked
+    # every step, so speculation resumes as the batch drains. None: always draft (beside requests without
+    # drafts, only into rows that cost them nothing: Scheduler._draft_room).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method={self.method!r}: choose one of {SPECULATIVE_METHODS}")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 2)  # vLLM's bound
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = _DEFAULT_PROMPT_LOOKUP

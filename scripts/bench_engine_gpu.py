@@ -25,7 +25,9 @@ step at 256). Prints, each line as soon as it is measured:
     greedy run's output, P + O + P (O: the greedy continuation of P), so the proposer finds the
     continuation in the prompt as far as the model repeats itself after the second P (the acceptance
     rate says how far). Off: the bench's engine (its default loop); on: an engine with
-    speculative_config over the same weights (the synchronous loop speculation takes);
+    speculative_config over the same weights (the synchronous loop speculation takes); and a mixed batch,
+    2 grounded + 2 open requests at once: each one's decode tok/s on / off (are those with nothing to copy
+    slowed by the others' verifications?);
   - the batch-1 forward in other builds of the step: XLA command buffers off / XLA's default set
     (the launch overhead the runner's "full" command buffers save) and the stacked layer scan the
     engine ran before issue 15 (alone and with dynamic-slice fusion).
@@ -345,9 +347,45 @@ def speculative_decoding(engine: LLMEngine, report: Report, args, vocab: int, ro
                    f"{'yes' if same else 'NO'}; workload: {what}; {len(prompt)} in, {n} out, best of {rounds}",
                    workload=name, ratio=ratio, on_tok_s=best["on"], off_tok_s=best["off"], acceptance=rate,
                    draft_tokens=drafted, accepted_tokens=accepted, same=same)
+    mixed_batch(engine, spec, report, [workloads["grounded"][0]] * 2 + [workloads["open"][0], o + p], n)
     dispatches = []
     timed_decode(spec, workloads["grounded"][0], n, dispatches)
     report_dispatches(report, "b=1 spec decode (grounded)", spec, dispatches)
+
+
+def timed_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[list[int]]]:
+    """All prompts at once, greedy: (each request's decode tok/s after its first token, the output ids)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.CUMULATIVE)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"mix{i}-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params)
+    first, last, ids = {}, {}, {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            rid, ids[out.request_id] = out.request_id, list(out.outputs[0].token_ids)
+            first.setdefault(rid, (now, len(ids[rid])))
+            last[rid] = now
+    rids = sorted(ids, key=lambda r: int(r[3:r.index("-")]))
+    return [(len(ids[r]) - first[r][1]) / max(last[r] - first[r][0], 1e-9) for r in rids], [ids[r] for r in rids]
+
+
+def mixed_batch(engine: LLMEngine, spec: LLMEngine, report: Report, prompts: list[list[int]], n: int) -> None:
+    """Issue 17's "in a mixed batch, requests without drafts are not slowed": 2 copying and 2 non-copying requests
+    at once, each request's decode tok/s with speculation on / off (best of 2 a side)."""
+    best = {"off": [0.0] * len(prompts), "on": [0.0] * len(prompts)}
+    same = True
+    for _ in range(2):
+        off, ids_off = timed_batch(engine, prompts, n)
+        on, ids_on = timed_batch(spec, prompts, n)
+        best = {"off": list(map(max, best["off"], off)), "on": list(map(max, best["on"], on))}
+        same &= ids_on == ids_off
+    ratios = [on / off for on, off in zip(best["on"], best["off"])]
+    report.row("spec mixed batch", f"{min(ratios[2:]):.2f}x", f"the slower non-copying request's decode tok/s on / off "
+               f"(>= 1 = not slowed); copying: {ratios[0]:.2f}x, {ratios[1]:.2f}x; non-copying: {ratios[2]:.2f}x, "
+               f"{ratios[3]:.2f}x; same tokens: {'yes' if same else 'NO'}; 4 requests at once, {n} out, best of 2",
+               ratios=ratios, same=same)
 
 
 def warm_cache_warmup(engine: LLMEngine) -> float:

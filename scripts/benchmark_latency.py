@@ -19,6 +19,14 @@ SmolLM2-135M-Instruct chat prompts:
 --prompts-file PATH adds a workload of your own: a JSON list of prompt strings, named by the
 file's stem (`--prompts-file my_edits.json --workloads my_edits`).
 
+--mixed-batch N adds one batch of N requests sent at once, half grounded-more prompts, half open
+ones (each list cycled), on a plain and a speculating engine of max_num_seqs N: whether the
+requests with little to copy are slowed when others in their batch verify drafts (per class: mean
+time to first token, time per output token after it (mean, and the largest of one request), mean
+latency; and the batch's output tok/s).
+--disable-by-batch-size M passes vLLM's `disable_by_batch_size` (no drafts while more than M
+requests are enqueued) to the speculating engines.
+
 Per workload: output tok/s of each side, their ratio, mean latency, the acceptance rate (accepted /
 drafted tokens) and mean tokens per verification step; the two sides' outputs must be identical
 (greedy decoding is exact under speculation), and the script says so.
@@ -152,6 +160,10 @@ def parse_args(argv=None):
                    "or a --prompts-file's stem")
     p.add_argument("--prompts-file", action="append", default=[], metavar="PATH",
                    help="a workload of your own: a JSON list of prompts, named by the file's stem (repeatable)")
+    p.add_argument("--mixed-batch", type=int, default=0, metavar="N",
+                   help="also run N requests at once, half grounded-more, half open, with and without speculation")
+    p.add_argument("--disable-by-batch-size", type=int, default=None, metavar="M",
+                   help="speculative_config's disable_by_batch_size: no drafts while more than M requests are enqueued")
     p.add_argument("--json", action="store_true", help="print one JSON object per workload as well")
     p.add_argument("--show", action="store_true", help="print each output's text")
     args = p.parse_args(argv)
@@ -160,24 +172,40 @@ def parse_args(argv=None):
         args.prompts.update(load_prompts_file(path) for path in args.prompts_file)
     except ValueError as err:
         p.error(str(err))
-    unknown = [name for name in args.workloads.split(",") if name not in args.prompts]
+    args.workload_names = [name for name in args.workloads.split(",") if name]  # '': the mixed batch only
+    unknown = [name for name in args.workload_names if name not in args.prompts]
     if unknown:
         p.error(f"unknown workloads {unknown}; known: {sorted(args.prompts)}")
+    if not args.workload_names and not args.mixed_batch:
+        p.error("nothing to run: give --workloads, --mixed-batch or both")
+    if args.mixed_batch == 1 or args.mixed_batch < 0:
+        p.error(f"--mixed-batch {args.mixed_batch}: a batch needs at least 2 requests (0: no mixed batch)")
+    try:
+        spec_config(args)
+    except ValueError as err:
+        p.error(str(err))
     return args
 
 
-def make_engines(args):
-    from jaxpaged.engine import EngineArgs, LLMEngine
-    from jaxpaged.models.loader import load_model
+def spec_config(args):
+    from jaxpaged.spec_decode import SpeculativeConfig
 
-    loaded = load_model(args.model, dtype="float32")
-    base = EngineArgs(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=4,
-                      max_num_batched_tokens=512, kv_cache_memory=128 << 20)
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
+    return SpeculativeConfig.from_dict(spec)  # a bad value: ValueError, before any model loads
+
+
+def make_engines(args, loaded, max_num_seqs: int = 4):
+    """A plain and a speculating engine over the same loaded weights (float32)."""
+    from jaxpaged.engine import EngineArgs, LLMEngine
+
+    base = EngineArgs(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=512, kv_cache_memory=(32 << 20) * max_num_seqs)
     plain = LLMEngine(base, loaded=loaded)
-    speculative = LLMEngine(dataclasses.replace(base, speculative_config=spec), loaded=loaded)
-    return loaded.tokenizer, plain, speculative
+    speculative = LLMEngine(dataclasses.replace(base, speculative_config=spec_config(args)), loaded=loaded)
+    return plain, speculative
 
 
 def run_one(engine, prompt_ids, max_tokens) -> tuple[float, list[int]]:
@@ -199,9 +227,7 @@ def spec_counters(engine) -> tuple[int, int, int]:
 
 
 def run_workload(name, prompts, tokenizer, plain, speculative, args) -> dict:
-    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                         add_generation_prompt=True) for p in prompts]
-    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ids]
+    ids = chat_ids(tokenizer, prompts)
     times = {"plain": 0.0, "spec": 0.0}
     produced = {"plain": 0, "spec": 0}
     latencies = {"plain": [], "spec": []}
@@ -234,17 +260,101 @@ def run_workload(name, prompts, tokenizer, plain, speculative, args) -> dict:
             "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted, "outputs_identical": identical}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def chat_ids(tokenizer, prompts) -> list[list[int]]:
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def run_batch(engine, requests, max_tokens) -> tuple[float, dict]:
+    """All `requests` ((class, prompt ids) each) added at once, greedy, stepped to the end: the wall time and,
+    per request, (class, time to first token, time per output token after it, latency, token ids)."""
+    from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
     start = time.perf_counter()
-    tokenizer, plain, speculative = make_engines(args)
+    for i, (_, prompt) in enumerate(requests):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    first, last, tokens = {}, {}, {str(i): [] for i in range(len(requests))}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            if o.outputs[0].token_ids:
+                first.setdefault(o.request_id, now)
+                last[o.request_id] = now
+                tokens[o.request_id].extend(o.outputs[0].token_ids)
+    wall = time.perf_counter() - start
+    return wall, {rid: (requests[int(rid)][0], first[rid] - start, (last[rid] - first[rid]) / max(1, len(ids) - 1),
+                        last[rid] - start, ids) for rid, ids in tokens.items()}
+
+
+def run_mixed(args, loaded) -> dict:
+    """--mixed-batch: N requests at once, half grounded-more, half open, on fresh engines of max_num_seqs N;
+    per side and class the mean TTFT, TPOT and latency (ms / s) and the largest TPOT, and the batch's
+    output tok/s."""
+    n = args.mixed_batch
+    grounded = chat_ids(loaded.tokenizer, [GROUNDED_MORE[i % len(GROUNDED_MORE)] for i in range(n - n // 2)])
+    open_ = chat_ids(loaded.tokenizer, [OPEN[i % len(OPEN)] for i in range(n // 2)])
+    requests = [("grounded", p) for p in grounded] + [("open", p) for p in open_]
+    plain, speculative = make_engines(args, loaded, max_num_seqs=n)
+    sides = (("plain", plain), ("spec", speculative))
+    for _, engine in sides:  # untimed: first runs of the batch's step shapes
+        run_batch(engine, requests, args.max_tokens)
+    before = spec_counters(speculative)
+    rows = {side: {"wall": 0.0, "tokens": 0, "requests": []} for side, _ in sides}
+    outputs = {}
+    for repeat in range(args.repeats):
+        for side, engine in sides if repeat % 2 == 0 else sides[::-1]:
+            wall, per_request = run_batch(engine, requests, args.max_tokens)
+            rows[side]["wall"] += wall
+            rows[side]["tokens"] += sum(len(r[4]) for r in per_request.values())
+            rows[side]["requests"] += per_request.values()
+            outputs[side] = {rid: r[4] for rid, r in per_request.items()}
+    drafts, drafted, accepted = (b - a for a, b in zip(before, spec_counters(speculative)))
+    result = {"mixed_batch": n, "repeats": args.repeats, "outputs_identical": outputs["plain"] == outputs["spec"],
+              "acceptance_rate": accepted / drafted if drafted else 0.0, "drafts": drafts}
+    for side, row in rows.items():
+        result[f"{side}_tok_s"] = row["tokens"] / row["wall"]
+        for cls in ("grounded", "open"):
+            mine = [r for r in row["requests"] if r[0] == cls]
+            for i, name in ((1, "ttft_ms"), (2, "tpot_ms"), (3, "latency_s")):
+                scale = 1e3 if name.endswith("ms") else 1.0
+                result[f"{side}_{cls}_{name}"] = scale * sum(r[i] for r in mine) / len(mine)
+            result[f"{side}_{cls}_tpot_max_ms"] = 1e3 * max(r[2] for r in mine)  # the most slowed request
+    return result
+
+
+def print_mixed(r: dict, args) -> None:
+    n = r["mixed_batch"]
+    metrics = (("ttft_ms", "TTFT ms", 1), ("tpot_ms", "TPOT ms", 1), ("tpot_max_ms", "max TPOT", 1),
+               ("latency_s", "lat s", 3))
+    print(f"\nmixed batch: {n} requests at once ({n - n // 2} grounded-more, {n // 2} open), greedy, max_tokens "
+          f"{args.max_tokens}, {r['repeats']} run(s) a side; acceptance {r['acceptance_rate']:.2f}, outputs "
+          f"identical: {r['outputs_identical']}")
+    print(f"{'':<11}{'':>8}  {'grounded':^40}  {'open':^40}")
+    print(f"{'side':<11}{'tok/s':>8}  " + "  ".join("".join(f"{label:>10}" for _, label, _ in metrics)
+                                                     for _ in range(2)))
+    for side in ("plain", "spec"):
+        print(f"{side:<11}{r[f'{side}_tok_s']:>8.1f}  " + "  ".join(
+            "".join(f"{r[f'{side}_{c}_{m}']:>10.{digits}f}" for m, _, digits in metrics) for c in ("grounded", "open")))
+    print(f"{'spec/plain':<11}{r['spec_tok_s'] / r['plain_tok_s']:>7.2f}x  " + "  ".join(
+        "".join(f"{r[f'spec_{c}_{m}'] / r[f'plain_{c}_{m}']:>9.2f}x" for m, _, _ in metrics)
+        for c in ("grounded", "open")))
+
+
+def run_batch_one(args, loaded) -> list[dict]:
+    """The batch-1 workloads (--workloads) on a plain and a speculating engine; prints their table."""
+    start = time.perf_counter()
+    tokenizer = loaded.tokenizer
+    plain, speculative = make_engines(args, loaded)
     print(f"engines ready in {time.perf_counter() - start:.0f} s; speculative_config "
           f"{speculative.args.speculative_config}", flush=True)
     warm = tokenizer("Hello, how are you?")["input_ids"]
     for engine in (plain, speculative):  # first-request effects out of the timed runs
         run_one(engine, warm, 8)
     results = [run_workload(name, args.prompts[name], tokenizer, plain, speculative, args)
-               for name in args.workloads.split(",")]
+               for name in args.workload_names]
     print(f"\nbatch 1, greedy, max_tokens {args.max_tokens}, k = {args.num_speculative_tokens}, "
           f"prompt_lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}")
     print(f"{'workload':<14}{'tokens':>8}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}"
@@ -253,6 +363,18 @@ def main(argv=None) -> int:
         print(f"{r['workload']:<14}{r['output_tokens']:>8}{r['plain_tok_s']:>13.1f}{r['spec_tok_s']:>12.1f}"
               f"{r['ratio']:>7.2f}x{r['plain_mean_latency_s']:>13.2f}{r['spec_mean_latency_s']:>12.2f}"
               f"{r['acceptance_rate']:>8.2f}{r['mean_accepted_per_draft']:>11.2f}{str(r['outputs_identical']):>6}")
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from jaxpaged.models.loader import load_model
+
+    loaded = load_model(args.model, dtype="float32")
+    results = run_batch_one(args, loaded) if args.workload_names else []
+    if args.mixed_batch:
+        results.append(run_mixed(args, loaded))
+        print_mixed(results[-1], args)
     if args.json:
         for r in results:
             print(json.dumps(r))

@@ -143,6 +143,12 @@ for workload, target in (("grounded", 1.8), ("open", 0.95)):
     print(f"  {workload}: on {r['on_tok_s']:.1f} / off {r['off_tok_s']:.1f} tok/s, acceptance "
           f"{r['acceptance']:.0%} ({r['accepted_tokens']}/{r['draft_tokens']} draft tokens), same tokens: "
           f"{'yes' if r['same'] else 'NO'}")
+r = find("spec mixed batch")  # "in a mixed batch, requests without drafts are not slowed" (5% for noise)
+verdict("mixed batch (2 copying + 2 not), slower non-copying request on / off", r and min(r["ratios"][2:]), 0.95,
+        unit="x")
+if r:
+  print(f"  copying requests on / off: {r['ratios'][0]:.2f}x, {r['ratios'][1]:.2f}x; same tokens: "
+        f"{'yes' if r['same'] else 'NO'}")
 for r in rows:
   if r["name"] == "dispatches/step":
     print(f"  dispatches/step {r['label']}: {r['dispatches_per_step']:.2f} (fused sampler: {r['fused']}) "

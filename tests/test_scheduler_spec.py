@@ -136,7 +136,8 @@ def test_a_preempted_request_loses_its_drafts():
 
 def test_drafts_take_a_partial_prefill_slot_and_fit_the_budget():
     """Attention tiles a sequence fed several tokens like a prefill chunk and trusts max_num_partial_prefills:
-    a request decodes without its drafts when no such slot is left, and drafts are cut to the budget."""
+    a request decodes without its drafts when no such slot is left, and drafts are cut to the budget that the
+    step's decodes leave (b's decode is never crowded out by a's drafts)."""
     sched = Scheduler(config(num_pages=32, page_size=4, max_num_partial_prefills=1, max_num_batched_tokens=8))
     requests = [make(rid, [1, 2, 3], ignore_eos=True, max_tokens=20) for rid in "ab"]
     for r in requests:
@@ -148,13 +149,101 @@ def test_drafts_take_a_partial_prefill_slot_and_fit_the_budget():
     a.spec_token_ids, b.spec_token_ids = [5, 6, 7, 8, 9], [5, 6]
     out = sched.schedule()
     assert [e.spec_token_ids for e in out.scheduled_requests] == [(5, 6, 7, 8, 9), ()]  # b: no slot left
-    assert out.num_scheduled_tokens == 7
+    assert out.num_scheduled_tokens == 7 and b.spec_token_ids == []
     sched.update_from_output(out, {"a": [5, 6, 77], "b": [7]})
     sched.check_invariants()
     a.spec_token_ids = list(range(10, 18))
     out = sched.schedule()
-    assert [e.spec_token_ids for e in out.scheduled_requests] == [tuple(range(10, 17))]  # cut to the budget
+    assert [e.token_ids for e in out.scheduled_requests] == [(77,) + tuple(range(10, 16)), (7,)]  # cut to 8 - 2
+    assert out.num_scheduled_tokens == 8 and a.num_computed_tokens == a.num_tokens + 6
+
+
+def test_drafts_never_delay_a_prompt():
+    """Prefill chunks come before drafts: a waiting prompt gets the one partial-prefill slot and its budget
+    (the decode with drafts goes without them), and a running request's next prefill chunk as well."""
+    sched = Scheduler(config(num_pages=32, page_size=4, max_num_partial_prefills=1, max_num_batched_tokens=16))
+    a = prefilled(sched, [1, 2, 3, 4, 5], ignore_eos=True, max_tokens=20)
+    assert a.page_ids == [1, 2] and a.num_computed_tokens == 5
+    b = make("b", list(range(20, 40)), ignore_eos=True, max_tokens=4)  # 20 tokens: chunks of 15, then 5
+    sched.add_request(b)
+    a.spec_token_ids = [6, 7, 8]
+    out = sched.schedule()
+    assert [(e.request_id, e.num_tokens, e.spec_token_ids) for e in out.scheduled_requests] == \
+        [("a", 1, ()), ("b", 15, ())]
+    assert a.page_ids == [1, 2] and b.page_ids == [3, 4, 5, 6] and a.num_computed_tokens == 6
+    sched.update_from_output(out, {"a": [6]})
+    sched.check_invariants()
+    a.spec_token_ids = [7, 8, 9]
+    out = sched.schedule()  # b's last chunk (5 tokens) takes the slot again; a decodes alone
+    assert [(e.request_id, e.num_tokens, e.spec_token_ids) for e in out.scheduled_requests] == \
+        [("a", 1, ()), ("b", 5, ())]
+    sched.update_from_output(out, {"a": [7], "b": [50]})
+    sched.check_invariants()
+    a.spec_token_ids, b.spec_token_ids = [8, 9, 10], [51]
+    out = sched.schedule()  # no prompt left: a's drafts take the slot, b decodes without its own
+    assert [(e.request_id, e.token_ids, e.spec_token_ids) for e in out.scheduled_requests] == \
+        [("a", (7, 8, 9, 10), (8, 9, 10)), ("b", (50,), ())]
+    assert b.page_ids == [3, 4, 5, 6, 7, 8] and a.page_ids == [1, 2, 9]  # b's decode took its page first
+    assert a.num_computed_tokens == 11 and out.num_scheduled_tokens == 5
+    sched.update_from_output(out, {"a": [8, 9, 10, 11], "b": [52]})
+    sched.check_invariants()
+    assert a.output_token_ids == [100, 6, 7, 8, 9, 10, 11] and a.num_computed_tokens == 11
+
+
+def test_beside_a_request_without_drafts_drafts_only_fill_the_bucket_padding():
+    """With the runner's T buckets known, a step that carries a request without drafts takes drafts only into
+    the rows its bucket pads anyway (that request's step costs what it would without speculation); a step of
+    decodes that all have drafts takes them all."""
+    sched = Scheduler(config(num_pages=64, page_size=4, token_buckets=(1, 2, 4, 8, 16, 32, 64)))
+    requests = [make(rid, [1, 2, 3], ignore_eos=True, max_tokens=30) for rid in "abc"]
+    for r in requests:
+        sched.add_request(r)
+    a, b, c = requests
+    sched.update_from_output(sched.schedule(), {rid: [4] for rid in "abc"})
+
+    def drafts_of(out):
+        return {e.request_id: e.spec_token_ids for e in out.scheduled_requests}
+
+    a.spec_token_ids, c.spec_token_ids = [5, 6, 7], [5, 6]  # b has none: 3 tokens, bucket 4, 1 padded row
+    out = sched.schedule()
+    assert drafts_of(out) == {"a": (5,), "b": (), "c": ()} and out.num_scheduled_tokens == 4
+    assert a.num_computed_tokens == 5 and c.num_computed_tokens == 4
+    sched.update_from_output(out, {"a": [5, 6], "b": [9], "c": [9]})
+    sched.check_invariants()
+    a.spec_token_ids, b.spec_token_ids, c.spec_token_ids = [1, 2, 3], [1, 2], [1]  # all draft: no cap
+    out = sched.schedule()
+    assert drafts_of(out) == {"a": (1, 2, 3), "b": (1, 2), "c": (1,)} and out.num_scheduled_tokens == 9
+    sched.update_from_output(out, {"a": [7], "b": [1, 7], "c": [7]})
+    sched.check_invariants()
+    d = make("d", [1] * 9, ignore_eos=True, max_tokens=4)  # a prefill chunk of 9 beside 3 decodes: bucket 16
+    sched.add_request(d)
+    a.spec_token_ids, b.spec_token_ids = [1, 2, 3, 4, 5], [1, 2, 3]
+    out = sched.schedule()
+    assert drafts_of(out) == {"a": (1, 2, 3, 4), "b": (), "c": (), "d": ()} and out.num_scheduled_tokens == 16
+
+
+def test_memory_bound_tokens_let_drafts_grow_a_step_up_to_them():
+    """Where steps up to memory_bound_tokens cost about the same (a GPU), drafts beside a request without drafts
+    may fill the step up to that size, not only its bucket's padding."""
+    sched = Scheduler(config(num_pages=64, page_size=4, token_buckets=(1, 2, 4, 8, 16), memory_bound_tokens=8))
+    requests = [make(rid, [1, 2, 3], ignore_eos=True, max_tokens=30) for rid in "ab"]
+    for r in requests:
+        sched.add_request(r)
+    a, b = requests
+    sched.update_from_output(sched.schedule(), {"a": [4], "b": [4]})
+    a.spec_token_ids = list(range(10, 20))  # beside b's plain decode: 2 tokens, room up to 8
+    out = sched.schedule()
+    assert [e.spec_token_ids for e in out.scheduled_requests] == [tuple(range(10, 16)), ()]
     assert out.num_scheduled_tokens == 8
+
+
+def test_token_buckets_must_increase():
+    for bad in ((4, 2), (0, 1), (1, 1), [1, 2], (1, True)):
+        with pytest.raises(ValueError, match="token_buckets"):
+            config(token_buckets=bad)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="memory_bound_tokens"):
+            config(memory_bound_tokens=bad)
 
 
 @pytest.mark.parametrize("tokens, match", [([1, 2, 3], "3 tokens"), ([], "no sampled token")])
@@ -197,7 +286,9 @@ def spec_workloads(draw):
     cfg = SchedulerConfig(num_pages=1 + -(-most_slots // page_size) + draw(st.integers(0, 6)), page_size=page_size,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=draw(st.integers(max_num_seqs, 32)),
                           max_model_len=64, enable_prefix_caching=draw(st.booleans()),
-                          max_num_partial_prefills=draw(st.sampled_from([None, 1, 2])))
+                          max_num_partial_prefills=draw(st.sampled_from([None, 1, 2])),
+                          token_buckets=draw(st.sampled_from([(), (1, 2, 4, 8, 16, 32), (4, 16, 64)])),
+                          memory_bound_tokens=draw(st.sampled_from([0, 0, 8])))
     return cfg, specs, draw(st.integers(0, 2**32 - 1))
 
 

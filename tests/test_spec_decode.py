@@ -40,6 +40,8 @@ def test_config_defaults_and_conversion():
     only_max = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3)
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (3, 3)
     assert SpeculativeConfig.from_dict('{"num_speculative_tokens": 3, "prompt_lookup_min": 2}').prompt_lookup_max == 2
+    assert c.disable_by_batch_size is None  # vLLM's default: always draft
+    assert SpeculativeConfig.from_dict({**SPEC, "disable_by_batch_size": 2}).disable_by_batch_size == 2
     args = dataclasses.replace(BASE, speculative_config=SPEC)
     assert args.speculative_config == c and dataclasses.replace(args).speculative_config == c
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -55,6 +57,8 @@ def test_config_defaults_and_conversion():
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4"),
     ({"num_speculative_tokens": 2, "model": "x"}, "unknown keys"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size=1"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 4.0}, "disable_by_batch_size"),
     ("{not json", "not valid JSON"),
     ("[1, 2]", "JSON object"),
 ])
@@ -229,7 +233,7 @@ def test_verify_buckets_give_small_verifications_their_own_lm_head_rows():
 
 def test_verification_samples_drafts_from_the_steps_own_lm_head(tiny):
     """Drafts that do not fit in S logits rows take T rows of the step's own LM head (T <= 64); a step with a
-    longer prefill chunk beside them computes them in `draft_logits`. Both: greedy output exact, no compile."""
+    long prefill chunk beside them (T = 128: drafts fill its padding) computes them in `draft_logits`. Both: greedy output exact, no compile."""
     engine = make_engine(tiny, max_num_batched_tokens=128)
     runner, shapes = engine.runner, []
     prepare = runner.prepare
@@ -248,9 +252,10 @@ def test_verification_samples_drafts_from_the_steps_own_lm_head(tiny):
             engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
         done = {}
         for step in range(200):
-            if step == 4:  # the drafting requests decode while these prefill (chunks > 64 tokens)
-                for i, prompt in enumerate(long):
-                    engine.add_request(str(len(drafting) + i), {"prompt_token_ids": prompt}, GREEDY)
+            if step in (4, 8, 12, 16):  # the drafting requests decode while these prefill, one at a time: 90
+                # tokens beside <= 12 decodes leave >= 26 of the T = 128 bucket's rows to drafts (_draft_room)
+                i = step // 4 - 1
+                engine.add_request(str(len(drafting) + i), {"prompt_token_ids": long[i]}, GREEDY)
             done.update({o.request_id: o for o in engine.step() if o.finished})
             if not engine.has_unfinished_requests():
                 break
@@ -430,6 +435,25 @@ def test_no_compilation_after_warmup_with_speculation(tiny):
         run_all(engine, prompts, params[:20])
     assert traces == []
     assert accepted(engine)[0] > 0
+
+
+def test_no_drafts_while_more_requests_are_enqueued_than_disable_by_batch_size(tiny):
+    """vLLM's disable_by_batch_size, checked every step: 4 requests of different lengths draft nothing while
+    more than 2 are enqueued, then speculate as the batch drains; the outputs are the plain greedy ones."""
+    engine = make_engine(tiny, speculative_config={**SPEC, "disable_by_batch_size": 2})
+    prompts = repetitive_prompts(4, seed=71)
+    lengths = (6, 10, 30, 40)
+    seen = []  # per step: (requests enqueued, whether it fed drafts)
+    execute = engine.runner.execute_model
+    engine.runner.execute_model = lambda out, *rest: seen.append(
+        (engine.scheduler.num_running + engine.scheduler.num_waiting,
+         any(e.spec_token_ids for e in out.scheduled_requests))) or execute(out, *rest)
+    done = run_all(engine, prompts, [dataclasses.replace(GREEDY, max_tokens=n) for n in lengths])
+    assert [n for n, drafted in seen if drafted] and all(n <= 2 for n, drafted in seen if drafted)
+    assert sum(n > 2 for n, _ in seen) >= 6  # the first steps: 4, then 3 requests
+    for rid, out in done.items():
+        assert out.outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, prompts[int(rid)],
+                                                           lengths[int(rid)])
 
 
 def test_metrics_expose_the_spec_decode_counters(spec):
