@@ -36,10 +36,11 @@ last token and the drafts in one chunk, and num_computed_tokens counts them all 
 the pages past them. Drafts are never hashed into the prefix cache (hashing covers real tokens
 only). Drafts are scheduled last (`_schedule_drafts`), from what the step's decodes and prefill
 chunks left: the budget, the max_num_partial_prefills slots (attention tiles a verification like
-a prefill chunk) and free pages. So a draft never delays another request's prompt and never
-preempts anyone; a request whose drafts don't fit decodes without them (all of them: a step
-without preemption only). And when the step carries a request without drafts, drafts only fill
-the rows its T bucket (`SchedulerConfig.token_buckets`) pads anyway: that request is not slowed.
+a prefill chunk) and free pages; a request whose drafts don't fit decodes without them, and in a
+step that preempts anyone nobody drafts. So a draft never delays another request's prompt or
+decode and never preempts anyone. And when the step carries a request without drafts, drafts only
+fill the rows its T bucket (`SchedulerConfig.token_buckets`) pads anyway, or up to
+`memory_bound_tokens`: that request is not slowed (`_draft_room`).
 
 Stopping has one owner: `update_from_output` ends every request that stops on a
 sampled token (EOS, stop token ids, length: `Request.check_stop`; stop strings and

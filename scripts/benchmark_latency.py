@@ -303,16 +303,18 @@ def run_mixed(args, loaded) -> dict:
         run_batch(engine, requests, args.max_tokens)
     before = spec_counters(speculative)
     rows = {side: {"wall": 0.0, "tokens": 0, "requests": []} for side, _ in sides}
-    outputs = {}
+    identical = True
     for repeat in range(args.repeats):
+        outputs = {}
         for side, engine in sides if repeat % 2 == 0 else sides[::-1]:
             wall, per_request = run_batch(engine, requests, args.max_tokens)
             rows[side]["wall"] += wall
             rows[side]["tokens"] += sum(len(r[4]) for r in per_request.values())
             rows[side]["requests"] += per_request.values()
             outputs[side] = {rid: r[4] for rid, r in per_request.items()}
+        identical &= outputs["plain"] == outputs["spec"]
     drafts, drafted, accepted = (b - a for a, b in zip(before, spec_counters(speculative)))
-    result = {"mixed_batch": n, "repeats": args.repeats, "outputs_identical": outputs["plain"] == outputs["spec"],
+    result = {"mixed_batch": n, "repeats": args.repeats, "outputs_identical": identical,
               "acceptance_rate": accepted / drafted if drafted else 0.0, "drafts": drafts}
     for side, row in rows.items():
         result[f"{side}_tok_s"] = row["tokens"] / row["wall"]

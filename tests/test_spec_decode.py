@@ -476,7 +476,7 @@ def test_metrics_expose_the_spec_decode_counters(spec):
 
 def test_structured_output_requests_are_not_drafted(spec):
     """A constrained request's drafts would skip its grammar's mask: it decodes without drafts, the others
-    in its batch speculate."""
+    in its batch speculate (beside it, into the padding of the step's bucket: 3 decodes, T = 4)."""
     jsonschema = pytest.importorskip("jsonschema")
     pytest.importorskip("llguidance")
     import json
@@ -494,11 +494,11 @@ def test_structured_output_requests_are_not_drafted(spec):
     spec.runner.execute_model = lambda out, *rest: drafted.update(
         e.request_id for e in out.scheduled_requests if e.spec_token_ids) or execute(out, *rest)
     try:
-        done = run_all(spec, repetitive_prompts(2, seed=61), [constrained, GREEDY])
+        done = run_all(spec, repetitive_prompts(3, seed=61), [constrained, GREEDY, GREEDY])
     finally:
         del spec.runner.execute_model
     jsonschema.validate(json.loads(done["0"].outputs[0].text), schema)
-    assert drafted == {"1"}
+    assert "0" not in drafted and drafted
 
 
 def test_server_flag_parses_and_a_bad_config_is_a_cli_error(capsys):
