@@ -347,7 +347,8 @@ def speculative_decoding(engine: LLMEngine, report: Report, args, vocab: int, ro
                    f"{'yes' if same else 'NO'}; workload: {what}; {len(prompt)} in, {n} out, best of {rounds}",
                    workload=name, ratio=ratio, on_tok_s=best["on"], off_tok_s=best["off"], acceptance=rate,
                    draft_tokens=drafted, accepted_tokens=accepted, same=same)
-    mixed_batch(engine, spec, report, [workloads["grounded"][0]] * 2 + [workloads["open"][0], o + p], n)
+    other_open = rng.integers(0, vocab, 2 * half + n).tolist()  # a second random prompt: nothing to copy either
+    mixed_batch(engine, spec, report, [workloads["grounded"][0]] * 2 + [workloads["open"][0], other_open], n)
     dispatches = []
     timed_decode(spec, workloads["grounded"][0], n, dispatches)
     report_dispatches(report, "b=1 spec decode (grounded)", spec, dispatches)

@@ -233,7 +233,8 @@ def test_verify_buckets_give_small_verifications_their_own_lm_head_rows():
 
 def test_verification_samples_drafts_from_the_steps_own_lm_head(tiny):
     """Drafts that do not fit in S logits rows take T rows of the step's own LM head (T <= 64); a step with a
-    long prefill chunk beside them (T = 128: drafts fill its padding) computes them in `draft_logits`. Both: greedy output exact, no compile."""
+    long prefill chunk beside them (T = 128: drafts fill its padding) computes them in `draft_logits`. Both:
+    greedy output exact, no compile."""
     engine = make_engine(tiny, max_num_batched_tokens=128)
     runner, shapes = engine.runner, []
     prepare = runner.prepare
@@ -498,7 +499,7 @@ def test_structured_output_requests_are_not_drafted(spec):
     finally:
         del spec.runner.execute_model
     jsonschema.validate(json.loads(done["0"].outputs[0].text), schema)
-    assert "0" not in drafted and drafted
+    assert drafted and drafted <= {"1", "2"}
 
 
 def test_server_flag_parses_and_a_bad_config_is_a_cli_error(capsys):
