@@ -343,7 +343,7 @@ class Scheduler:
         step left: the token budget and the rows of `_draft_room` (drafts cut to them), a
         max_num_partial_prefills slot each (attention tiles a sequence fed several tokens as a prefill
         chunk) and free pages (none: no drafts)."""
-        room = self._draft_room(scheduled, drafting)
+        room = self._draft_room(budget, scheduled, drafting)
         for index, request, drafts in drafting:
             drafts = drafts[:min(budget, room)]
             if not drafts or not self._prefill_slot_free(1 + len(drafts), scheduled) or \
@@ -354,15 +354,19 @@ class Scheduler:
             room -= len(drafts)
         return budget
 
-    def _draft_room(self, scheduled: list, drafting: list) -> int:
-        """Rows the step's drafts may take. A step whose every entry is a decode with drafts: any number
-        (the rows each verification adds cost only requests that speculate). A step that carries a request
-        without drafts (a decode, a prefill chunk): only the rows its T bucket pads anyway, or up to
-        memory_bound_tokens, so that request's step costs what it would without speculation (on a CPU a
-        step of 32 rows takes ~2x one of 4: docs/benchmarks.md, "Session 19: drafts in a mixed batch")."""
+    def _draft_room(self, budget: int, scheduled: list, drafting: list) -> int:
+        """Rows the step's drafts may take. A step whose every entry is a decode with drafts that all fit
+        (budget and partial-prefill slots): any number (the rows each verification adds cost only requests
+        that speculate). A step that carries a request without drafts (a decode, a prefill chunk, a decode
+        whose drafts find no slot): only the rows its T bucket pads anyway, or up to memory_bound_tokens,
+        so that request's step costs what it would without speculation (on a CPU a step of 32 rows takes
+        ~2x one of 4: docs/benchmarks.md, "Session 19: drafts in a mixed batch")."""
         num_tokens = sum(entry.num_tokens for entry in scheduled)
-        if not self.config.token_buckets or len(drafting) == len(scheduled):
-            return self.config.max_num_batched_tokens
+        cap = self.config.max_num_partial_prefills
+        slots = len(drafting) if cap is None else cap - sum(entry.num_tokens > 1 for entry in scheduled)
+        if not self.config.token_buckets or (len(drafting) == len(scheduled) <= slots and
+                                             sum(len(drafts) for _, _, drafts in drafting) <= budget):
+            return budget
         bucket = next((b for b in self.config.token_buckets if b >= num_tokens), num_tokens)
         return max(bucket, self.config.memory_bound_tokens) - num_tokens
 

@@ -182,7 +182,8 @@ def test_speculative_decoding(tiny, batch, monkeypatch):
     groups = [[i] for i in range(len(prompts))] if batch == "packed" else [list(range(len(prompts)))]
     outputs, stats = {}, {}
     for fuse in ("off", "on"):
-        engine = make_engine(tiny, fuse, speculative_config=SPEC3)
+        # 8 slots for the batch's 8 verifications: every decode's drafts fit, so all verify (Scheduler._draft_room)
+        engine = make_engine(tiny, fuse, speculative_config=SPEC3, max_num_partial_prefills=8)
         with count_dispatches(engine.runner) as counts:
             for oracle in (False, True):
                 if oracle:  # drafts accepted, then rejected from the second on

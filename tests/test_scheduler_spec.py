@@ -222,6 +222,39 @@ def test_beside_a_request_without_drafts_drafts_only_fill_the_bucket_padding():
     assert drafts_of(out) == {"a": (1, 2, 3, 4), "b": (), "c": (), "d": ()} and out.num_scheduled_tokens == 16
 
 
+def test_when_some_drafts_cannot_fit_the_others_only_fill_the_bucket_padding():
+    """Every decode has drafts, but not all can be verified (2 partial-prefill slots for 3; then a budget
+    that cannot hold them all): the ones left without are requests without drafts, so the drafts that go
+    only fill the bucket's padding."""
+    sched = Scheduler(config(num_pages=64, page_size=4, max_num_partial_prefills=2, max_num_batched_tokens=12,
+                             token_buckets=(1, 2, 4, 8, 12)))
+    requests = [make(rid, [1, 2, 3], ignore_eos=True, max_tokens=30) for rid in "abc"]
+    for r in requests:
+        sched.add_request(r)
+    sched.update_from_output(sched.schedule(), {"a": [4], "b": [4]})
+    sched.update_from_output(sched.schedule(), {"a": [5], "b": [5], "c": [4]})
+    a, b, c = requests
+    a.spec_token_ids, b.spec_token_ids, c.spec_token_ids = [6, 7], [6, 7], [5, 6]  # 3 slots needed, 2 free
+    out = sched.schedule()
+    assert [e.spec_token_ids for e in out.scheduled_requests] == [(6,), (), ()]  # 3 tokens, bucket 4
+    sched.update_from_output(out, {"a": [6, 7], "b": [6], "c": [5]})
+    sched.check_invariants()
+    sched = Scheduler(config(num_pages=64, page_size=4, max_num_batched_tokens=8, token_buckets=(1, 2, 4, 8)))
+    requests = [make(rid, [1, 2, 3], ignore_eos=True, max_tokens=30) for rid in "ab"]
+    for r in requests:
+        sched.add_request(r)
+    sched.update_from_output(sched.schedule(), {"a": [4], "b": [4]})
+    a, b = requests
+    a.spec_token_ids, b.spec_token_ids = [5, 6, 7, 8], [5, 6, 7]  # 2 + 7 tokens: over the budget of 8
+    out = sched.schedule()
+    assert [e.spec_token_ids for e in out.scheduled_requests] == [(), ()]  # 2 tokens fill bucket 2
+    sched.update_from_output(out, {"a": [5], "b": [5]})
+    a.spec_token_ids, b.spec_token_ids = [6, 7, 8], [6, 7, 8]  # 2 + 6 fit: both verify
+    out = sched.schedule()
+    assert [e.spec_token_ids for e in out.scheduled_requests] == [(6, 7, 8), (6, 7, 8)]
+    assert out.num_scheduled_tokens == 8
+
+
 def test_memory_bound_tokens_let_drafts_grow_a_step_up_to_them():
     """Where steps up to memory_bound_tokens cost about the same (a GPU), drafts beside a request without drafts
     may fill the step up to that size, not only its bucket's padding."""
