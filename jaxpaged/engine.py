@@ -703,12 +703,11 @@ class LLMEngine:
         """Speculative decoding: n-gram drafts for every decoding request (none under a grammar, none while
         more requests are enqueued than speculative_config.disable_by_batch_size)."""
         limit = self.args.speculative_config.disable_by_batch_size
-        enqueued = self.scheduler.num_running + self.scheduler.num_waiting
+        disabled = limit is not None and self.scheduler.num_running + self.scheduler.num_waiting > limit
         for request in self.scheduler.decoding_requests():
             room = max_drafts_for(request.num_tokens, request.num_output_tokens, request.max_tokens,
                                   request.max_model_len)
-            if room < 1 or (limit is not None and enqueued > limit) or \
-                    self._child_to_parent[request.request_id][1].matcher is not None:
+            if room < 1 or disabled or self._child_to_parent[request.request_id][1].matcher is not None:
                 request.spec_token_ids = []
                 continue
             request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)

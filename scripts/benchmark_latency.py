@@ -181,7 +181,7 @@ def parse_args(argv=None):
     if args.mixed_batch == 1 or args.mixed_batch < 0:
         p.error(f"--mixed-batch {args.mixed_batch}: a batch needs at least 2 requests (0: no mixed batch)")
     try:
-        spec_config(args)
+        args.speculative_config = spec_config(args)
     except ValueError as err:
         p.error(str(err))
     return args
@@ -204,7 +204,7 @@ def make_engines(args, loaded, max_num_seqs: int = 4):
     base = EngineArgs(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=512, kv_cache_memory=(32 << 20) * max_num_seqs)
     plain = LLMEngine(base, loaded=loaded)
-    speculative = LLMEngine(dataclasses.replace(base, speculative_config=spec_config(args)), loaded=loaded)
+    speculative = LLMEngine(dataclasses.replace(base, speculative_config=args.speculative_config), loaded=loaded)
     return plain, speculative
 
 

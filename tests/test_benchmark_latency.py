@@ -69,8 +69,8 @@ def test_unknown_workloads_are_refused(bench, capsys):
 def test_mixed_batch_arguments(bench, capsys):
     args = bench.parse_args(["--workloads", "", "--mixed-batch", "8", "--disable-by-batch-size", "4"])
     assert (args.workload_names, args.mixed_batch) == ([], 8)
-    assert bench.spec_config(args).disable_by_batch_size == 4
-    assert bench.spec_config(bench.parse_args([])).disable_by_batch_size is None
+    assert args.speculative_config.disable_by_batch_size == 4
+    assert bench.parse_args([]).speculative_config.disable_by_batch_size is None
     for argv, message in ((["--mixed-batch", "1"], "at least 2 requests"),
                           (["--workloads", ""], "nothing to run"),
                           (["--disable-by-batch-size", "1"], "disable_by_batch_size=1")):
