@@ -27,6 +27,10 @@ Workloads (`--dataset`):
            prompt, the first reply's token count the output length (or `--output-len`).
   prefix   `--num-prefixes` shared prefixes of `--prefix-len` tokens, each request one of
            them plus a random suffix of `--input-len` tokens (shows prefix caching).
+  prompts  prompts as written (`--dataset-path`): a JSON list of prompt strings, or the name of
+           one of benchmark_latency.py's workloads (grounded, open, grounded-more); the first
+           `--num-prompts` in order, each asking for `--output-len` tokens (e.g. speculative
+           decoding over HTTP, on prompts whose answers copy from them).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import math
 import random
@@ -221,6 +226,34 @@ def sample_sharegpt(tokenizer, path: str, num: int, seed: int, output_len: int |
     return requests
 
 
+def load_prompts(path: str) -> list[str]:
+    """`--dataset prompts`: a JSON list of prompt strings, or a benchmark_latency.py workload's name."""
+    latency = Path(__file__).with_name("benchmark_latency.py")
+    if not Path(path).exists():
+        spec = importlib.util.spec_from_file_location("_benchmark_latency", latency)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # stdlib imports only at its top
+        if path in module.WORKLOADS:
+            return module.WORKLOADS[path]
+        raise SystemExit(f"--dataset-path {path}: no such file, nor a benchmark_latency.py workload "
+                         f"({', '.join(module.WORKLOADS)})")
+    try:
+        prompts = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SystemExit(f"--dataset-path {path}: cannot read a JSON list of prompts ({err})") from None
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(x, str) and x for x in prompts):
+        raise SystemExit(f"--dataset-path {path}: expected a JSON list of non-empty prompt strings")
+    return prompts
+
+
+def sample_prompts(tokenizer, path: str, num: int, output_len: int) -> list[SampleRequest]:
+    """The first `num` prompts of `load_prompts(path)`, in order, each asking for `output_len` tokens."""
+    prompts = load_prompts(path)
+    if num > len(prompts):
+        raise SystemExit(f"--dataset-path {path}: {len(prompts)} prompts, --num-prompts {num} asked")
+    return [SampleRequest(p, count_tokens(tokenizer, p), output_len) for p in prompts[:num]]
+
+
 def build_requests(args, tokenizer) -> list[SampleRequest]:
     """The workload `args.dataset` names."""
     if args.dataset == "random":
@@ -234,6 +267,11 @@ def build_requests(args, tokenizer) -> list[SampleRequest]:
             raise SystemExit("--dataset sharegpt needs --dataset-path")
         return sample_sharegpt(tokenizer, args.dataset_path, args.num_prompts, args.seed,
                                args.sharegpt_output_len)
+    if args.dataset == "prompts":
+        if not args.dataset_path:
+            raise SystemExit("--dataset prompts needs --dataset-path (a JSON list of prompts, or grounded, "
+                             "open, grounded-more)")
+        return sample_prompts(tokenizer, args.dataset_path, args.num_prompts, args.output_len)
     raise SystemExit(f"unknown --dataset {args.dataset!r}")
 
 
@@ -603,8 +641,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="counts tokens: jaxpaged model name, .gguf, HF folder or repo id (default: --model)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="per-request read timeout (s)")
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", choices=("random", "sharegpt", "prefix"), default="random")
-    g.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset sharegpt)")
+    g.add_argument("--dataset", choices=("random", "sharegpt", "prefix", "prompts"), default="random")
+    g.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset sharegpt); a JSON list "
+                   "of prompts or a benchmark_latency.py workload name (--dataset prompts)")
     g.add_argument("--random-source", choices=("tokens", "words"), default="tokens",
                    help="random prompts from random token ids or random words")
     g.add_argument("--num-prompts", type=int, default=100)

@@ -34,6 +34,17 @@ its own defaults (llama-server top_k 40 and min_p 0.05), and the sides would not
 distribution. transformers serve rejects both fields (422), so it gets neither: its generation config's
 top_k (50 unless the model sets another) still cuts its samples.
 
+Speculative decoding against llama-server's own (one run per setting; `--dataset prompts` takes
+benchmark_latency.py's batch-1 workloads by name, the same prompts for every server):
+
+    python scripts/compare_servers.py --peers jaxpaged,llamacpp --dataset prompts \
+        --dataset-path grounded-more --num-prompts 20 --output-len 128 --no-ignore-eos \
+        --concurrency 1 --sampling greedy \
+        --jaxpaged-args "--max-model-len 1024 --max-num-seqs 32 --max-num-batched-tokens 256 \
+            --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 7, \
+            \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'" \
+        --llamacpp-args "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 8"
+
 --roofline: before the servers start, `scripts/roofline.py` probes this machine's read bandwidth (same
 run) and the table's footer gives each server's concurrency-1 decode rate (1000 / median TPOT) as a
 share of the batch-1 weight-read roofline (bandwidth / the model's float32 weight bytes).
@@ -344,7 +355,7 @@ def bench_argv(args, spec: ServerSpec, out_json: Path, sampling: dict | None = N
             "--range-ratio", str(args.range_ratio), "--seed", str(args.seed if seed is None else seed),
             "--max-concurrency", concurrency or args.concurrency, "--request-rate", str(args.request_rate),
             "--num-warmups", str(args.num_warmups), "--save-json", str(out_json), "--label", spec.name]
-    if args.dataset == "sharegpt":
+    if args.dataset in ("sharegpt", "prompts"):
         argv += ["--dataset-path", args.dataset_path]
     if args.dataset == "prefix":
         argv += ["--num-prefixes", str(args.num_prefixes), "--prefix-len", str(args.prefix_len)]
@@ -475,7 +486,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench-timeout", type=float, default=1800.0, help="seconds for each server's benchmark")
     g = p.add_argument_group("workload (passed to benchmark_serving.py)")
     g.add_argument("--endpoint", choices=("completions", "chat"), default="chat")
-    g.add_argument("--dataset", choices=("random", "sharegpt", "prefix"), default="random")
+    g.add_argument("--dataset", choices=("random", "sharegpt", "prefix", "prompts"), default="random")
     g.add_argument("--dataset-path", default=None)
     g.add_argument("--num-prompts", type=int, default=64)
     g.add_argument("--input-len", type=int, default=128)
@@ -517,6 +528,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.sampling_settings = [(name, sampling_fields(name)) for name in args.sampling.split(",")]
     except ValueError as err:
         p.error(str(err))
+    if args.dataset in ("sharegpt", "prompts") and not args.dataset_path:
+        p.error(f"--dataset {args.dataset} needs --dataset-path")
+    if args.dataset == "prompts" and len(bench_runs(args)) > 1:
+        # its prompts are the same list in every run (no seed draws others), so a second run would find the
+        # first one's prompts in each server's prefix cache and time less prefill
+        p.error("--dataset prompts sends the same prompts in every run: give one --sampling and one --concurrency "
+                "(run the script again for another)")
     return args
 
 

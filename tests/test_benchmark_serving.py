@@ -145,6 +145,32 @@ def test_workloads_offline(bench, tiny_checkpoints, tmp_path):
         bench.sample_sharegpt(tok, str(tmp_path / "sg.json"), 50, seed=0)
 
 
+def test_prompts_workload_from_a_file_or_a_latency_workload(bench, tiny_checkpoints, tmp_path):
+    """--dataset prompts: a JSON list of prompts or benchmark_latency.py's workload by name, the first
+    --num-prompts in order, each asking for --output-len tokens; anything else a clear SystemExit."""
+    tok = bench.get_tokenizer(str(tiny_checkpoints["gqa4"]))
+    (tmp_path / "mine.json").write_text(json.dumps(["copy this: abc", "and this: def", "third"]))
+    reqs = bench.sample_prompts(tok, str(tmp_path / "mine.json"), 2, 64)
+    assert [(r.prompt, r.output_len) for r in reqs] == [("copy this: abc", 64), ("and this: def", 64)]
+    assert reqs[0].prompt_len == bench.count_tokens(tok, "copy this: abc")
+    spec = importlib.util.spec_from_file_location("_latency", SCRIPT.with_name("benchmark_latency.py"))
+    latency = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(latency)
+    grounded = bench.sample_prompts(tok, "grounded-more", 20, 128)
+    assert [r.prompt for r in grounded] == latency.GROUNDED_MORE
+    (tmp_path / "bad.json").write_text(json.dumps(["ok", ""]))
+    (tmp_path / "notjson.json").write_text("[")
+    for path, num, message in ((str(tmp_path / "mine.json"), 4, "3 prompts, --num-prompts 4"),
+                               ("no-such-workload", 1, "nor a benchmark_latency.py workload"),
+                               (str(tmp_path / "bad.json"), 1, "non-empty prompt strings"),
+                               (str(tmp_path / "notjson.json"), 1, "cannot read")):
+        with pytest.raises(SystemExit, match=message):
+            bench.sample_prompts(tok, path, num, 8)
+    args = bench.parse_args(["--dataset", "prompts", "--num-prompts", "1"])
+    with pytest.raises(SystemExit, match="needs --dataset-path"):
+        bench.build_requests(args, tok)
+
+
 def test_warm_up_retries_a_dropped_connection(bench, server_url, tiny_checkpoints, tmp_path):
     """A server that drops the first connection unanswered (llama-server did, right after a busy run):
     the warm-up retries on a new connection and the run goes on; an HTTP error is not retried."""

@@ -89,3 +89,20 @@ def test_compare_servers_draws_fresh_prompts_for_each_run():
     spec = compare.ServerSpec("jaxpaged", [], 1, "m", ignore_eos=True, cut_fields=True)
     argv = compare.bench_argv(args, spec, Path("out.json"), runs[3][1], runs[3][2], runs[3][3])
     assert argv[argv.index("--seed") + 1] == "8" and argv[argv.index("--max-concurrency") + 1] == "32"
+
+
+def test_compare_servers_runs_a_prompts_workload_once(capsys):
+    """--dataset prompts passes its path on; it is one list for every run, so a second run (which would time
+    the first one's prompts from the prefix cache) is refused, as is a missing path."""
+    compare = _script("compare_servers")
+    args = compare.parse_args(["--dataset", "prompts", "--dataset-path", "grounded-more", "--num-prompts", "20",
+                               "--concurrency", "1", "--sampling", "greedy"])
+    spec = compare.ServerSpec("jaxpaged", [], 1, "m", ignore_eos=True, cut_fields=True)
+    argv = compare.bench_argv(args, spec, Path("out.json"))
+    assert argv[argv.index("--dataset") + 1] == "prompts" and argv[argv.index("--dataset-path") + 1] == "grounded-more"
+    for bad, message in ((["--dataset-path", "open", "--concurrency", "1,4", "--sampling", "greedy"], "one --sampling"),
+                         (["--dataset-path", "open", "--concurrency", "1"], "one --sampling"),
+                         (["--concurrency", "1", "--sampling", "greedy"], "needs --dataset-path")):
+        with pytest.raises(SystemExit):
+            compare.parse_args(["--dataset", "prompts", *bad])
+        assert message in capsys.readouterr().err
