@@ -1,0 +1,106 @@
+"""The OpenAI API tests of test_openai_api.py, run again against a server whose engine speculates (n-gram).
+
+Speculation changes only the time: the imported tests (seeded streams, n = 2, logprobs, stop strings, greedy
+parity with a plain engine) must pass as they do without it, while steps emit several tokens at once. The
+tests below check that drafts were accepted over HTTP and that a stream's pieces, usage and stop strings are
+those of a plain server when a stop falls inside a step's accepted drafts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpaged.async_engine import AsyncLLM
+from jaxpaged.engine import EngineArgs, LLMEngine
+from server.app import build_app
+from server.config import ServerConfig
+from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, LiveServer, serve
+from tests.server.test_openai_api import (  # collected here too, over this module's fixtures
+    test_chat_completion, test_chat_logprobs, test_completion_logprobs, test_greedy_over_http_equals_the_engine,
+    test_n_two, test_seeded_request_repeats, test_stop_string, test_stop_strings_held_back_matched_and_included,
+    test_streaming_chat_equals_non_streamed_for_a_seed, test_streaming_completion_equals_non_streamed)
+
+__all__ = ["test_chat_completion", "test_chat_logprobs", "test_completion_logprobs",
+           "test_greedy_over_http_equals_the_engine", "test_n_two", "test_seeded_request_repeats", "test_stop_string",
+           "test_stop_strings_held_back_matched_and_included", "test_streaming_chat_equals_non_streamed_for_a_seed",
+           "test_streaming_completion_equals_non_streamed"]
+# (__all__: the imported tests are used; pytest collects them from this module)
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+REPEATING = "one two three four five, one two three four five, one two three four five, one two"
+# The tiny tokenizer is bytes without merges: printable ASCII only, so every token is one streamed character.
+ASCII_ONLY = {str(i): -100 for i in [*range(32), *range(127, 260)]}
+GREEDY = dict(prompt=REPEATING, max_tokens=40, temperature=0, logit_bias=ASCII_ONLY, extra_body={"ignore_eos": True})
+
+
+def _server(path: str, **engine_args):
+    llm = AsyncLLM(LLMEngine(EngineArgs(model=path, **{**ENGINE_ARGS, **engine_args})))
+    return llm, build_app(llm, ServerConfig(served_model_names=(MODEL_NAME, path)))
+
+
+@pytest.fixture(scope="module")
+def live(tiny_checkpoints):
+    path = str(tiny_checkpoints["gqa4"])
+    llm, app = _server(path, speculative_config=SPEC)
+    try:
+        with serve(app) as url:
+            yield LiveServer(url, llm, path)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_checkpoints):
+    path = str(tiny_checkpoints["gqa4"])
+    llm, app = _server(path)
+    try:
+        with serve(app) as url:
+            yield LiveServer(url, llm, path)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return live.openai()
+
+
+def _stream(client, **kw) -> tuple[list[str], str, int]:
+    """A streamed completion's text pieces, its finish reason and its usage's completion tokens."""
+    chunks = list(client.completions.create(model=MODEL_NAME, stream=True, stream_options={"include_usage": True},
+                                            **kw))
+    pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return pieces, finish[-1], chunks[-1].usage.completion_tokens
+
+
+def test_streams_equal_a_plain_servers_with_drafts_accepted(live, plain, client):
+    """Greedy streams over a prompt the model copies from: the same text, finish reason and usage as a plain
+    server's, in fewer pieces (a piece per step), while the engine accepted drafts; no page leaks."""
+    before = live.engine.stats()
+    kw = GREEDY
+    pieces, finish, used = _stream(client, **kw)
+    plain_pieces, plain_finish, plain_used = _stream(plain.openai(), **kw)
+    assert ("".join(pieces), finish, used) == ("".join(plain_pieces), plain_finish, plain_used)
+    assert used == 40 and len(plain_pieces) == 40
+    after = live.wait_idle()
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert accepted > 0 and len(pieces) <= 40 - accepted
+    assert after["kv_cache_usage"] == 0.0
+
+
+def test_stop_strings_in_steps_with_accepted_drafts(live, plain, client):
+    """A stop string in text whose steps accept drafts ends the text where a plain server ends it (tokens
+    accepted after it are dropped), streamed or not, with the plain server's usage."""
+    kw = GREEDY
+    full = "".join(_stream(plain.openai(), **kw)[0])
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    for c in (client, plain.openai()):
+        r = c.completions.create(model=MODEL_NAME, stop=[stop], **kw)
+        assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    before = live.engine.stats()["spec_decode_num_accepted_tokens"]
+    pieces, finish, used = _stream(client, stop=[stop], **kw)
+    plain_pieces, _, plain_used = _stream(plain.openai(), stop=[stop], **kw)
+    assert ("".join(pieces), finish, used) == (full[:full.index(stop)], "stop", plain_used)
+    after = live.wait_idle()
+    assert after["spec_decode_num_accepted_tokens"] > before and after["kv_cache_usage"] == 0.0
