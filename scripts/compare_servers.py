@@ -530,6 +530,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(str(err))
     if args.dataset in ("sharegpt", "prompts") and not args.dataset_path:
         p.error(f"--dataset {args.dataset} needs --dataset-path")
+    if args.dataset_path and Path(args.dataset_path).exists():  # the benchmark runs in the repository's root
+        args.dataset_path = str(Path(args.dataset_path).resolve())
     if args.dataset == "prompts" and len(bench_runs(args)) > 1:
         # its prompts are the same list in every run (no seed draws others), so a second run would find the
         # first one's prompts in each server's prefix cache and time less prefill

@@ -91,7 +91,7 @@ def test_compare_servers_draws_fresh_prompts_for_each_run():
     assert argv[argv.index("--seed") + 1] == "8" and argv[argv.index("--max-concurrency") + 1] == "32"
 
 
-def test_compare_servers_runs_a_prompts_workload_once(capsys):
+def test_compare_servers_runs_a_prompts_workload_once(capsys, tmp_path, monkeypatch):
     """--dataset prompts passes its path on; it is one list for every run, so a second run (which would time
     the first one's prompts from the prefix cache) is refused, as is a missing path."""
     compare = _script("compare_servers")
@@ -100,6 +100,11 @@ def test_compare_servers_runs_a_prompts_workload_once(capsys):
     spec = compare.ServerSpec("jaxpaged", [], 1, "m", ignore_eos=True, cut_fields=True)
     argv = compare.bench_argv(args, spec, Path("out.json"))
     assert argv[argv.index("--dataset") + 1] == "prompts" and argv[argv.index("--dataset-path") + 1] == "grounded-more"
+    (tmp_path / "mine.json").write_text('["a prompt"]')
+    monkeypatch.chdir(tmp_path)  # a file named from elsewhere than the repository's root, where the benchmark runs
+    args = compare.parse_args(["--dataset", "prompts", "--dataset-path", "mine.json", "--concurrency", "1",
+                               "--sampling", "greedy"])
+    assert args.dataset_path == str((tmp_path / "mine.json").resolve())
     for bad, message in ((["--dataset-path", "open", "--concurrency", "1,4", "--sampling", "greedy"], "one --sampling"),
                          (["--dataset-path", "open", "--concurrency", "1"], "one --sampling"),
                          (["--concurrency", "1", "--sampling", "greedy"], "needs --dataset-path")):
