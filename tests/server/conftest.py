@@ -80,6 +80,17 @@ def serve(app, timeout: float = 30.0):
         thread.join(10)
 
 
+@contextlib.contextmanager
+def live_server(path: str, **engine_args):
+    """A LiveServer over its own engine (ENGINE_ARGS and `engine_args`) on the checkpoint at `path`."""
+    llm = AsyncLLM(LLMEngine(EngineArgs(model=path, **{**ENGINE_ARGS, **engine_args})))
+    try:
+        with serve(build_app(llm, ServerConfig(served_model_names=(MODEL_NAME, path)))) as url:
+            yield LiveServer(url, llm, path)
+    finally:
+        llm.shutdown()
+
+
 @pytest.fixture(scope="session")
 def async_llm(tiny_checkpoints):
     engine = LLMEngine(EngineArgs(model=str(tiny_checkpoints["gqa4"]), **ENGINE_ARGS))

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpaged.async_engine import AsyncLLM
-from jaxpaged.engine import EngineArgs, LLMEngine
-from server.app import build_app
-from server.config import ServerConfig
-from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, LiveServer, serve
+from tests.server.conftest import MODEL_NAME, live_server
 from tests.server.test_openai_api import (  # collected here too, over this module's fixtures
     test_chat_completion, test_completion_logprobs, test_greedy_over_http_equals_the_engine, test_n_two,
     test_seeded_request_repeats, test_stop_string, test_stop_strings_held_back_matched_and_included,
@@ -26,13 +22,8 @@ __all__ = ["test_chat_completion", "test_completion_logprobs", "test_greedy_over
 
 @pytest.fixture(scope="module")
 def live(tiny_checkpoints):
-    path = str(tiny_checkpoints["gqa4"])
-    llm = AsyncLLM(LLMEngine(EngineArgs(model=path, **{**ENGINE_ARGS, "async_scheduling": True})))
-    try:
-        with serve(build_app(llm, ServerConfig(served_model_names=(MODEL_NAME, path)))) as url:
-            yield LiveServer(url, llm, path)
-    finally:
-        llm.shutdown()
+    with live_server(str(tiny_checkpoints["gqa4"]), async_scheduling=True) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

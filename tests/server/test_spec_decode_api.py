@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpaged.async_engine import AsyncLLM
-from jaxpaged.engine import EngineArgs, LLMEngine
-from server.app import build_app
-from server.config import ServerConfig
-from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, LiveServer, serve
+from tests.server.conftest import MODEL_NAME, live_server
 from tests.server.test_openai_api import (  # collected here too, over this module's fixtures
     test_chat_completion, test_chat_logprobs, test_completion_logprobs, test_greedy_over_http_equals_the_engine,
     test_n_two, test_seeded_request_repeats, test_stop_string, test_stop_strings_held_back_matched_and_included,
@@ -33,31 +29,16 @@ ASCII_ONLY = {str(i): -100 for i in [*range(32), *range(127, 260)]}
 GREEDY = dict(prompt=REPEATING, max_tokens=40, temperature=0, logit_bias=ASCII_ONLY, extra_body={"ignore_eos": True})
 
 
-def _server(path: str, **engine_args):
-    llm = AsyncLLM(LLMEngine(EngineArgs(model=path, **{**ENGINE_ARGS, **engine_args})))
-    return llm, build_app(llm, ServerConfig(served_model_names=(MODEL_NAME, path)))
-
-
 @pytest.fixture(scope="module")
 def live(tiny_checkpoints):
-    path = str(tiny_checkpoints["gqa4"])
-    llm, app = _server(path, speculative_config=SPEC)
-    try:
-        with serve(app) as url:
-            yield LiveServer(url, llm, path)
-    finally:
-        llm.shutdown()
+    with live_server(str(tiny_checkpoints["gqa4"]), speculative_config=SPEC) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_checkpoints):
-    path = str(tiny_checkpoints["gqa4"])
-    llm, app = _server(path)
-    try:
-        with serve(app) as url:
-            yield LiveServer(url, llm, path)
-    finally:
-        llm.shutdown()
+    with live_server(str(tiny_checkpoints["gqa4"])) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
