@@ -396,6 +396,25 @@ def test_logprobs_and_penalties_are_those_without_speculation(plain, spec):
                 assert [v.rank for v in y.values()] == [v.rank for v in x.values()]
 
 
+def test_prompt_logprobs_are_those_without_speculation(plain, spec):
+    """Prompt log-probs come from prefill chunks, which may share a step with other requests' verifications:
+    the same as without speculation, next to the same tokens, while drafts are accepted."""
+    prompts = repetitive_prompts(6, seed=71)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    expected = run_all(plain, prompts, params)
+    before = accepted(spec)
+    got = run_all(spec, prompts, params)
+    assert accepted(spec)[0] > before[0]
+    for rid, out in expected.items():
+        assert got[rid].outputs[0].token_ids == out.outputs[0].token_ids
+        assert len(got[rid].prompt_logprobs) == len(out.prompt_logprobs) == len(prompts[int(rid)])
+        for x, y in zip(out.prompt_logprobs, got[rid].prompt_logprobs):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert x.keys() == y.keys()
+                assert [v.logprob for v in y.values()] == pytest.approx([v.logprob for v in x.values()], abs=1e-4)
+
+
 def test_drafts_stay_within_max_model_len(tiny):
     engine = make_engine(tiny, max_model_len=64, num_pages=40)
     prompt = ([5, 6, 7, 8] * 16)[:60]
