@@ -307,7 +307,7 @@ class Scheduler:
         cap = self.config.max_num_partial_prefills
         if num_new <= 1 or cap is None:
             return True
-        return sum(entry.num_tokens > 1 for entry in scheduled) < cap
+        return _num_partial_prefills(scheduled) < cap
 
     def _schedule_running(self, budget: int, scheduled: list, preempted: list, drafting: list) -> int:
         """Running requests in order: their next chunk (a decode: one token), preempting from the back of
@@ -363,7 +363,7 @@ class Scheduler:
         ~2x one of 4: docs/benchmarks.md, "Session 19: drafts in a mixed batch")."""
         num_tokens = sum(entry.num_tokens for entry in scheduled)
         cap = self.config.max_num_partial_prefills
-        slots = len(drafting) if cap is None else cap - sum(entry.num_tokens > 1 for entry in scheduled)
+        slots = len(drafting) if cap is None else cap - _num_partial_prefills(scheduled)
         if not self.config.token_buckets or (len(drafting) == len(scheduled) <= slots and
                                              sum(len(drafts) for _, _, drafts in drafting) <= budget):
             return budget
@@ -535,6 +535,11 @@ class Scheduler:
         for page_id in range(1, self.pool.num_pages):
             assert self.pool.ref_count(page_id) == refs[page_id], f"page {page_id}: ref count != page-table uses"
         assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(self._requests)
+
+
+def _num_partial_prefills(scheduled: list) -> int:
+    """The step's entries fed more than one token (prefill chunks, verifications): max_num_partial_prefills'."""
+    return sum(entry.num_tokens > 1 for entry in scheduled)
 
 
 def _num_known_and_placeholder_tokens(request: Request) -> int:
