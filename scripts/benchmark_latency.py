@@ -128,15 +128,25 @@ GROUNDED_MORE = [
 WORKLOADS = {"grounded": GROUNDED, "open": OPEN, "grounded-more": GROUNDED_MORE}
 
 
+def read_prompts(path: str) -> list[str]:
+    """The file's prompts: a JSON list of non-empty strings; anything else is a ValueError (also read by
+    benchmark_serving.py's `--dataset prompts`)."""
+    try:
+        prompts = json.loads(pathlib.Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read a JSON list of prompts ({err})") from None
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(x, str) and x for x in prompts):
+        raise ValueError("expected a JSON list of non-empty prompt strings")
+    return prompts
+
+
 def load_prompts_file(path: str) -> tuple[str, list[str]]:
-    """(the file's stem, its prompts): a JSON list of non-empty strings; anything else is a ValueError."""
+    """(the file's stem, its prompts) for --prompts-file (see `read_prompts`); a ValueError names the flag."""
     file = pathlib.Path(path)
     try:
-        prompts = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        prompts = read_prompts(path)
+    except ValueError as err:
         raise ValueError(f"--prompts-file {path}: {err}") from None
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(x, str) and x for x in prompts):
-        raise ValueError(f"--prompts-file {path}: expected a JSON list of non-empty prompt strings")
     if file.stem in WORKLOADS:
         raise ValueError(f"--prompts-file {path}: {file.stem!r} names a built-in workload; rename the file")
     return file.stem, prompts

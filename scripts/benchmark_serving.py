@@ -227,23 +227,21 @@ def sample_sharegpt(tokenizer, path: str, num: int, seed: int, output_len: int |
 
 
 def load_prompts(path: str) -> list[str]:
-    """`--dataset prompts`: a JSON list of prompt strings, or a benchmark_latency.py workload's name."""
-    latency = Path(__file__).with_name("benchmark_latency.py")
+    """`--dataset prompts`: a JSON list of prompt strings, or a benchmark_latency.py workload's name (that
+    script reads the file, and holds the workloads)."""
+    script = Path(__file__).with_name("benchmark_latency.py")
+    spec = importlib.util.spec_from_file_location("_benchmark_latency", script)
+    latency = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(latency)  # stdlib imports only at its top
     if not Path(path).exists():
-        spec = importlib.util.spec_from_file_location("_benchmark_latency", latency)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)  # stdlib imports only at its top
-        if path in module.WORKLOADS:
-            return module.WORKLOADS[path]
+        if path in latency.WORKLOADS:
+            return latency.WORKLOADS[path]
         raise SystemExit(f"--dataset-path {path}: no such file, nor a benchmark_latency.py workload "
-                         f"({', '.join(module.WORKLOADS)})")
+                         f"({', '.join(latency.WORKLOADS)})")
     try:
-        prompts = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise SystemExit(f"--dataset-path {path}: cannot read a JSON list of prompts ({err})") from None
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(x, str) and x for x in prompts):
-        raise SystemExit(f"--dataset-path {path}: expected a JSON list of non-empty prompt strings")
-    return prompts
+        return latency.read_prompts(path)
+    except ValueError as err:
+        raise SystemExit(f"--dataset-path {path}: {err}") from None
 
 
 def sample_prompts(tokenizer, path: str, num: int, output_len: int) -> list[SampleRequest]:
