@@ -50,9 +50,11 @@ def _cpu_tag() -> str:
   return "\n".join(sorted(set(keep)))
 
 
-def build_library(source: Path, cache_dir: Path | None = None) -> Path:
+def build_library(source: Path, cache_dir: Path | None = None,
+                  extra_flags: tuple[str, ...] = ()) -> Path:
   """Compiles `source` (once per source and the headers beside it, jaxlib,
-  compiler and CPU) -> .so path.
+  compiler, flags and CPU) -> .so path. `extra_flags` follow FLAGS (tests
+  build the other vector widths with them, e.g. "-mno-avx512f").
 
   Raises RuntimeError (no compiler) or subprocess.CalledProcessError."""
   compiler = shutil.which("g++") or shutil.which("c++")
@@ -61,7 +63,7 @@ def build_library(source: Path, cache_dir: Path | None = None) -> Path:
   headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # cpu_pool.h
   key = hashlib.sha256(b"\0".join([
       source.read_bytes(), *headers, jaxlib.__version__.encode(),
-      compiler.encode(), " ".join(FLAGS).encode(),
+      compiler.encode(), " ".join(FLAGS + tuple(extra_flags)).encode(),
       _cpu_tag().encode()])).hexdigest()[:16]
   cache_dir = cache_dir or default_kernel_cache_dir()
   lib = cache_dir / f"{source.stem}-{key}.so"
@@ -70,19 +72,20 @@ def build_library(source: Path, cache_dir: Path | None = None) -> Path:
   cache_dir.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
     out = Path(tmp) / lib.name
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source),
-           "-o", str(out)]
+    cmd = [compiler, *FLAGS, *extra_flags, f"-I{jax.ffi.include_dir()}",
+           str(source), "-o", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     os.replace(out, lib)   # atomic: concurrent builders agree on the result
   return lib
 
 
 @functools.cache
-def load_target(source: Path, symbol: str, target: str) -> bool:
+def load_target(source: Path, symbol: str, target: str,
+                extra_flags: tuple[str, ...] = ()) -> bool:
   """Builds `source` and registers its handler `symbol` as the CPU FFI target
   `target`, once per process; False (with a warning) if it can't be built."""
   try:
-    lib = ctypes.cdll.LoadLibrary(str(build_library(source)))
+    lib = ctypes.cdll.LoadLibrary(str(build_library(source, extra_flags=extra_flags)))
   except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
     detail = getattr(err, "stderr", "") or err
     logger.warning("native CPU kernel %s unavailable, using the XLA path: %s",

@@ -3,11 +3,14 @@
 //
 // XLA:CPU hands a 17-32-row dot to YNNPACK, whose GEMM packs w on every call: each weight
 // byte is read, written and read again, and the step's dots ran at ~55% of the cores' FMA
-// rate. Here w is read in place. A work item is one 64-column block of w (4 AVX-512
-// vectors wide). The block goes through in chunks of kChunk rows of w; each chunk serves
-// every row of x, in near-equal groups of at most 6, each group a register tile of 6 x 4
-// accumulators (kept in y between chunks). While a chunk is computed on, its groups
-// prefetch the next chunk into L2 between them, so reading w from memory overlaps the FMAs:
+// rate. Here w is read in place. A work item is one 64-column block of w. The block goes
+// through in chunks of kChunk rows of w; each chunk serves every row of x, in near-equal
+// groups of at most 6, each group one or more register tiles of up to 6 rows (accumulators
+// kept in y between chunks): one tile of 6 x 4 vectors with AVX-512, four of 6 x 2 with AVX2
+// (see Vec below; before AVX2 had its own tiles, the AVX-512 source did not build there and
+// the steps kept XLA's dots: on a 2-core Zen 3, a decode step of 8 sequences 82.9 -> 41.6 ms).
+// While a chunk is computed on, its tiles prefetch the next chunk into L2 between them, so
+// reading w from memory overlaps the FMAs:
 // without it the first group of a block waited on memory and the others computed with
 // memory idle (32 rows: 31.9 -> 27.8 ms for SmolLM2's dots). Items are shared between the
 // calling thread and XLA's intra-op thread pool (cpu_pool.h).
@@ -20,7 +23,9 @@
 // weights on huge pages (jaxpaged/host_memory.py), the bare stack at 1 row 18.6 -> 15.7 ms and at
 // 4 rows 23.3 -> 16.8 with the prefetch.
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -35,11 +40,47 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kCols = 64;   // columns of w per work item: 4 AVX-512 vectors
-constexpr int kMaxRows = 6;     // rows of x per register tile: 6 x 4 accumulators
-constexpr int64_t kChunk = 64;  // rows of w per chunk: 16 KiB of a block
+// The vector unit the build targets (-march=native): a register tile is kMaxRows rows of x by
+// kTileVecs vectors of w's columns, the accumulators and one row of w in registers.
+//   AVX-512: 16 lanes, 4 vectors a tile row: one tile spans a whole 64-column block (32 registers).
+//   AVX2 + FMA: 8 lanes; its 16 registers hold 6 x 2 accumulators, 2 vectors of w and the broadcast,
+//     so a block is 4 tiles of 16 columns, each over the same rows of w (in L1 after the first).
+//   Otherwise (SSE, NEON): GCC's generic 4-lane vectors, 6 x 2 tiles, 8 to a block.
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kLanes = 16, kTileVecs = 4;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vset1(float s) { return _mm512_set1_ps(s); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+#elif defined(__AVX2__) && defined(__FMA__)
+using Vec = __m256;
+constexpr int kLanes = 8, kTileVecs = 2;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vset1(float s) { return _mm256_set1_ps(s); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+#else
+typedef float Vec __attribute__((vector_size(16)));
+constexpr int kLanes = 4, kTileVecs = 2;
+inline Vec vzero() { return Vec{}; }
+inline Vec vload(const float* p) { Vec v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vstore(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+inline Vec vset1(float s) { return Vec{} + s; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }  // fused under -ffp-contract=fast
+#endif
 
-void prefetch_l2(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+constexpr int64_t kCols = 64;   // columns of w per work item (one blocked-layout block)
+constexpr int kMaxRows = 6;     // rows of x per register tile
+constexpr int64_t kChunk = 64;  // rows of w per chunk: 16 KiB of a block
+constexpr int64_t kTileCols = kLanes * kTileVecs;  // columns of a register tile: 64, 16 or 8
+constexpr int64_t kTiles = kCols / kTileCols;      // register tiles across a block: 1, 4 or 8
+constexpr int64_t kLineFloats = 16;                // floats in a 64-byte cache line: 4 a block row
+static_assert(kCols % kTileCols == 0, "a block is whole register tiles");
+
+void prefetch_l2(const float* p) { __builtin_prefetch(p, 0, 2); }  // prefetcht1 on x86
 
 // One column block of w: its first row, and the distance between its rows (N, or 64 blocked).
 struct Block {
@@ -48,39 +89,38 @@ struct Block {
   bool contiguous;  // blocked: its rows one run
 };
 
-// Rows [i0, i1) of the block for MR rows of x: y[0:MR, n0:n0+64] = (first ? 0 : y) + x[:, i0:i1] @ w[i0:i1].
-// It prefetches part `part` of `parts` of the next chunk, rows [i1, next_end): its 4 lines a row,
-// spread one or more an iteration (parts = 0: none).
+// Rows [i0, i1) of the block for MR rows of x and its columns [c0, c0 + kTileCols):
+// y[0:MR, n0+c0:...] = (first ? 0 : y) + x[:, i0:i1] @ w[i0:i1, c0:...]. It prefetches part `part` of
+// `parts` of the next chunk, rows [i1, next_end): its 4 lines a row, spread one or more an iteration
+// (parts = 0: none).
 template <int MR>
-void tile(const float* x, Block b, float* y, int64_t k, int64_t n, int64_t n0, int64_t i0,
+void tile(const float* x, Block b, int64_t c0, float* y, int64_t k, int64_t n, int64_t n0, int64_t i0,
           int64_t i1, bool first, int64_t part, int64_t parts, int64_t next_end) {
-  __m512 acc[MR][4];
+  Vec acc[MR][kTileVecs];
+  float* yt = y + n0 + c0;
 #pragma GCC unroll 6
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < 4; ++c)
-      acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * n + n0 + 16 * c);
+    for (int c = 0; c < kTileVecs; ++c)
+      acc[r][c] = first ? vzero() : vload(yt + r * n + kLanes * c);
   const int64_t per = parts ? (4 + parts - 1) / parts : 0;  // prefetches an iteration
-  const float* wr = b.w + i0 * b.ld;
+  const float* wr = b.w + c0 + i0 * b.ld;
   for (int64_t i = i0; i < i1; ++i, wr += b.ld) {
     for (int64_t p = 0; p < per; ++p) {
       const int64_t line = (part * (i1 - i0) + (i - i0)) * per + p;  // of the next chunk's lines
       const int64_t row = i1 + line / 4;
-      if (row < next_end) prefetch_l2(b.w + row * b.ld + 16 * (line % 4));
+      if (row < next_end) prefetch_l2(b.w + row * b.ld + kLineFloats * (line % 4));
     }
-    const __m512 w0 = _mm512_loadu_ps(wr), w1 = _mm512_loadu_ps(wr + 16);
-    const __m512 w2 = _mm512_loadu_ps(wr + 32), w3 = _mm512_loadu_ps(wr + 48);
+    Vec wv[kTileVecs];
+    for (int c = 0; c < kTileVecs; ++c) wv[c] = vload(wr + kLanes * c);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * k + i]);
-      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+      const Vec xv = vset1(x[r * k + i]);
+      for (int c = 0; c < kTileVecs; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
     }
   }
 #pragma GCC unroll 6
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(y + r * n + n0 + 16 * c, acc[r][c]);
+    for (int c = 0; c < kTileVecs; ++c) vstore(yt + r * n + kLanes * c, acc[r][c]);
 }
 
 // The last, narrower column block: plain loops.
@@ -100,7 +140,7 @@ void edge(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_
 void block(const float* x, Block b, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
   const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
   for (int64_t i = 0; i < std::min(kChunk, k); ++i)  // the first chunk: no chunk before fetched it
-      for (int c = 0; c < 4; ++c) prefetch_l2(b.w + i * b.ld + 16 * c);
+      for (int c = 0; c < 4; ++c) prefetch_l2(b.w + i * b.ld + kLineFloats * c);
   for (int64_t i0 = 0; i0 < k; i0 += kChunk) {
     // Blocked, the rows past k are the next block's, which the same thread most likely takes next
     // (cpu_pool.h): the last chunk prefetches its first (a prefetch past the buffer never faults).
@@ -111,14 +151,17 @@ void block(const float* x, Block b, float* y, int64_t m, int64_t k, int64_t n, i
       const float* xr = x + r0 * k;
       float* yr = y + r0 * n;
       const bool first = i0 == 0;
-      const int64_t parts = groups;
-      switch (r1 - r0) {
-        case 6: tile<6>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
-        case 5: tile<5>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
-        case 4: tile<4>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
-        case 3: tile<3>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
-        case 2: tile<2>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
-        case 1: tile<1>(xr, b, yr, k, n, n0, i0, i1, first, g, parts, next_end); break;
+      const int64_t parts = groups * kTiles;
+      for (int64_t t = 0; t < kTiles; ++t) {
+        const int64_t c0 = t * kTileCols, part = g * kTiles + t;
+        switch (r1 - r0) {
+          case 6: tile<6>(xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end); break;
+          case 5: tile<5>(xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end); break;
+          case 4: tile<4>(xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end); break;
+          case 3: tile<3>(xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end); break;
+          case 2: tile<2>(xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end); break;
+          case 1: tile<1>(xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end); break;
+        }
       }
     }
   }

@@ -5,7 +5,9 @@ T = 32 bucket (17-32 decodes) and its LM head, and the T = 64 and 128 buckets
 (mixed steps, shorter prefills). XLA:CPU gives those dots to
 YNNPACK (model_runner.cpu_compiler_options: steps above 16 tokens), which
 packs w on every call; this call reads w in place with 6 x 64 register
-tiles, 64 rows of w at a time, prefetching the next 64 while it computes.
+tiles (AVX-512; four 6 x 16 tiles with AVX2, eight 6 x 8 tiles of GCC's
+generic vectors elsewhere), 64 rows of w at a time, prefetching the next 64
+while it computes.
 A bare stack of SmolLM2's dots (30 layers and the LM head, quiet 2-core
 machine): 32 rows XLA 37 ms, this 27.6-27.9 (without the prefetching chunks
 31.9); 24 rows 31.2 -> 21.1; 64 rows 61-63 -> 48-50; 128 rows 102-112 -> 89-92

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_matmul
+from pallas_kernels import cpu_build, cpu_matmul
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel is XLA:CPU's")
 
@@ -98,3 +101,36 @@ def test_every_column_block_once_however_the_threads_split_them(blocks, m):
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   for _ in range(3):
     np.testing.assert_array_equal(np.asarray(run(jnp.asarray(x), blocked)), got)
+
+
+# cpu_matmul.cc's register tiles per vector unit: the flags (after -march=native) that select each, and
+# the CPU flag it needs to run. A machine runs the widest it has by default; the others are built here.
+WIDTHS = [
+    ("avx512", ("-mavx512f",), "avx512f"),
+    ("avx2", ("-mno-avx512f",), "avx2"),
+    ("generic", ("-mno-avx512f", "-mno-avx2", "-mno-fma"), None),  # GCC's 4-lane vectors (SSE here)
+]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 flags select the widths")
+@pytest.mark.parametrize("name, flags, needs", WIDTHS, ids=[w[0] for w in WIDTHS])
+def test_every_vector_width_builds_and_each_this_cpu_runs_matches(name, flags, needs):
+  """The AVX-512 tile (one per 64-column block), the AVX2 one (4 a block) and the generic one (8) all
+  compile on any x86 machine; each this CPU can run matches a float64 product over uneven row groups,
+  blocked and [K, N] weights with a narrow last block, whole and partial chunks of w. (The AVX-512
+  tile runs only where the CPU has AVX-512: the Intel and Zen 5 machines did, the Zen 3 one does not.)"""
+  lib = cpu_build.build_library(cpu_matmul.SOURCE, extra_flags=flags)  # a compile error fails here
+  assert lib.exists()
+  if needs is not None and needs not in Path("/proc/cpuinfo").read_text().split():
+    return  # built, not run: this CPU lacks the unit
+  target = f"jaxpaged_cpu_matmul_{name}"
+  assert cpu_build.load_target(cpu_matmul.SOURCE, "JaxpagedCpuMatmul", target, flags)
+  rng = np.random.default_rng(len(name))
+  for m, k, n in [(1, 576, 960), (7, 130, 192), (13, 64, 128), (32, 576, 200)]:
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32)
+    weights = [jnp.asarray(w)] + ([cpu_matmul.block_weight(jnp.asarray(w))] if n % 64 == 0 else [])
+    for wj in weights:
+      got = np.asarray(jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(jnp.asarray(x), wj))
+      np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5,
+                                 atol=1e-5 * np.sqrt(k), err_msg=f"{name}: m {m}, k {k}, n {n}, w {wj.shape}")
