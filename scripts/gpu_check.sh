@@ -36,8 +36,8 @@ SMOKE=() MODE=gpu SCALE=1 SWEEP=1 ENGINE=1 BUDGET=530
 usage="usage: gpu_check.sh [--smoke] [--budget SECONDS] [--skip-sweep] [--skip-engine]"
 while [ $# -gt 0 ]; do
   case $1 in
-    # Interpret mode on a CPU: each limit x8. On a 2-core Zen 3 (session 21) the kernel tests took
-    # ~12 min there, past x4's 520 s (on the Intel VM they fit in it).
+    # Interpret mode on a CPU: each limit x8. On a 2-core Zen 3 (session 21) the kernel tests ran past
+    # x4's 520 s on a cold start (210 of 300 passed by then; 463 s on a rerun); on the Intel VM they fit.
     --smoke) SMOKE=(--smoke) MODE=interpret SCALE=8 ;;
     --budget) BUDGET=${2:?$usage}; shift ;;
     --skip-sweep) SWEEP=0 ;;
