@@ -107,7 +107,14 @@ struct Block {
 // tiles a block a second row group (7-12 rows) computed with memory idle. With pin() as well, on the
 // Zen 3: SmolLM2's dots at 8 rows 40.8 -> 35.9 ms, 16 rows 59.8 -> 49.7, 1-4 rows unchanged. On
 // AVX-512 the split changes only for 3 and for 5 or more row groups (not measured there).
-template <int MR>
+// Blocked (kContig), the next chunk is one run: the tile's lines are [pf, pf_end), a line 16 floats on,
+// taken one every `every` iterations on a countdown (or, with a line or more an iteration, as many as
+// are due). The [K, N] layout keeps the general schedule, which finds each line's row and column of w.
+// Before, the blocked layout took it too, and that bookkeeping, not memory, held the FMAs back at two
+// row groups (one thread, w in L2, 8 rows: ~2-3 G FMAs/s against ~5 without any prefetch). On the Zen 3
+// (SmolLM2's dots on two threads, 13 interleaved rounds): 8 rows 34.6 -> 30.6 ms min, 41.1 -> 34.5
+// median; 16 rows 47.8 -> 44.9 min; 1 and 4 rows unchanged within the noise (27.7 vs 29.2 at 1).
+template <int MR, bool kContig>
 void tile(const float* x, Block b, int64_t c0, float* y, int64_t k, int64_t n, int64_t n0, int64_t i0,
           int64_t i1, bool first, int64_t part, int64_t parts, int64_t next_end) {
   Vec acc[MR][kTileVecs];
@@ -121,11 +128,25 @@ void tile(const float* x, Block b, int64_t c0, float* y, int64_t k, int64_t n, i
   const int64_t lines = parts ? 4 * (next_end - i1) : 0, share = parts ? (lines + parts - 1) / parts : 0;
   int64_t line = std::min(lines, part * share);
   const int64_t line_end = std::min(lines, line + share), mine = line_end - line, n_iter = i1 - i0;
+  const float* pf = kContig ? b.w + i1 * b.ld + kLineFloats * line : nullptr;
+  const float* const pf_end = kContig ? pf + kLineFloats * mine : nullptr;
+  const int64_t every = mine ? std::max<int64_t>(1, n_iter / mine) : 0;  // mine <= n_iter / every
   int64_t due = 0, paid = 0;  // lines due and issued so far, both scaled by n_iter
+  int64_t count = 1;          // iterations to the next line, on the countdown
   const float* wr = b.w + c0 + i0 * b.ld;
   for (int64_t i = i0; i < i1; ++i, wr += b.ld) {
-    for (due += mine; paid < due && line < line_end; ++line, paid += n_iter)
-      prefetch_l2(b.w + (i1 + line / 4) * b.ld + kLineFloats * (line % 4));
+    if (kContig && every > 1) {
+      if (--count == 0) {
+        count = every;
+        if (pf < pf_end) prefetch_l2(pf);
+        pf += kLineFloats;
+      }
+    } else if (kContig) {
+      for (due += mine; paid < due && pf < pf_end; pf += kLineFloats, paid += n_iter) prefetch_l2(pf);
+    } else {
+      for (due += mine; paid < due && line < line_end; ++line, paid += n_iter)
+        prefetch_l2(b.w + (i1 + line / 4) * b.ld + kLineFloats * (line % 4));
+    }
     Vec wv[kTileVecs];
     for (int c = 0; c < kTileVecs; ++c) {
       wv[c] = vload(wr + kLanes * c);
@@ -140,6 +161,20 @@ void tile(const float* x, Block b, int64_t c0, float* y, int64_t k, int64_t n, i
 #pragma GCC unroll 6
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < kTileVecs; ++c) vstore(yt + r * n + kLanes * c, acc[r][c]);
+}
+
+// One tile of `rows` (1-6) rows of x: tile<rows> for the layout.
+template <bool kContig>
+void row_tile(int64_t rows, const float* x, Block b, int64_t c0, float* y, int64_t k, int64_t n, int64_t n0,
+              int64_t i0, int64_t i1, bool first, int64_t part, int64_t parts, int64_t next_end) {
+  switch (rows) {
+    case 6: return tile<6, kContig>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
+    case 5: return tile<5, kContig>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
+    case 4: return tile<4, kContig>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
+    case 3: return tile<3, kContig>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
+    case 2: return tile<2, kContig>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
+    case 1: return tile<1, kContig>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
+  }
 }
 
 // The last, narrower column block: plain loops.
@@ -173,14 +208,10 @@ void block(const float* x, Block b, float* y, int64_t m, int64_t k, int64_t n, i
       const int64_t parts = groups * kTiles;
       for (int64_t t = 0; t < kTiles; ++t) {
         const int64_t c0 = t * kTileCols, part = g * kTiles + t;
-        switch (r1 - r0) {
-          case 6: tile<6>(xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end); break;
-          case 5: tile<5>(xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end); break;
-          case 4: tile<4>(xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end); break;
-          case 3: tile<3>(xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end); break;
-          case 2: tile<2>(xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end); break;
-          case 1: tile<1>(xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end); break;
-        }
+        if (b.contiguous)
+          row_tile<true>(r1 - r0, xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end);
+        else
+          row_tile<false>(r1 - r0, xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end);
       }
     }
   }
