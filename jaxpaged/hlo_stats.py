@@ -22,6 +22,7 @@ OP_PATTERNS = {
     "dot": r"\sdot\(",
     "fusion": r"\sfusion\(",
     "while": r"\swhile\(",
+    "call": r"\scall\(",  # a call XLA left in place (the engine's per-layer calls are inlined: expect 0)
 }
 # "%name = f32[1,64,2,6,16]{4,3,2,1,0} opcode(" -> dims, opcode
 _INSTRUCTION = re.compile(r"=\s+\w+\[([\d,]*)\]\S*\s+([\w-]+)\(")

@@ -711,9 +711,10 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     log-probabilities, no second forward), and the updated pool.
 
     params["layers"] is either stacked ({name: [L, ...]}, scanned: one layer compiled) or a list of L
-    per-layer dicts (a Python loop: L layers compiled, but no weight is sliced out of a stack, which
-    XLA:GPU may copy before each gemm), with fused projections or not (jaxpaged/weight_layout.py). With a
-    mesh, attention runs per tensor-parallel shard (local heads, local pool slice).
+    per-layer dicts (a Python loop of L calls of one traced layer: XLA inlines them, so L layers compiled,
+    but no weight is sliced out of a stack, which XLA:GPU may copy before each gemm), with fused
+    projections or not (jaxpaged/weight_layout.py). With a mesh, attention runs per tensor-parallel shard
+    (local heads, local pool slice).
     """
     attend_paged = functools.partial(_attend_paged, sm_scale=config.attn_scale, attention=attention)
     if mesh is not None:
@@ -727,7 +728,7 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     else:
         cos_table, sin_table = rope_tables(config, step.positions)
 
-    def body(carry, xs):
+    def layer_fn(carry, xs, step, cos_table, sin_table):
         h, k_pool, v_pool = carry
         layer_params, layer, c = xs
         cos, sin = cos_table[c["rope"]], sin_table[c["rope"]]  # [T, D]
@@ -738,16 +739,20 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
             return o, (kp, vp)
 
         h, (k_pool, v_pool) = decoder_layer(config, layer_params, h, cos, sin, attend, matmul)
-        return (h, k_pool, v_pool), None
+        return h, k_pool, v_pool
 
     carry = (embed_tokens(params, step.token_ids, config), kv.k, kv.v)  # h [T, E], the pool
     if isinstance(params["layers"], Sequence):
+        # One traced layer called L times: XLA inlines the calls (the program is the unrolled one), but
+        # Python traces and lowers one layer, not L, per step shape (docs/benchmarks.md, "Start-up")
+        traced_layer = jax.jit(layer_fn)
         for layer, layer_params in enumerate(params["layers"]):
             c = jax.tree.map(lambda x, i=layer: x[i], consts)
-            carry, _ = body(carry, (layer_params, jnp.int32(layer), c))
+            carry = traced_layer(carry, (layer_params, jnp.int32(layer), c), step, cos_table, sin_table)
     else:
         layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(body, carry, (params["layers"], layers, consts))
+        carry, _ = jax.lax.scan(lambda carry, xs: (layer_fn(carry, xs, step, cos_table, sin_table), None),
+                                carry, (params["layers"], layers, consts))
     h, k, v = carry
     logits = lm_logits(config, params, h[step.logits_indices], matmul)  # [S, V]
     return logits, h, KVPool(k, v)
@@ -1265,11 +1270,12 @@ class ModelRunner:
 
         With the fused sampler each shape gets the fused step's two programs, greedy-only and with random rows
         (the forward alone is never compiled: steps that sample outside it use the greedy program's logits).
-        Returns the seconds spent: {"compile": step shapes, "sampler": sampler and prompt-logprob shapes}.
-        Nothing runs: each shape is lowered here and compiled on a pool of threads (XLA compiles
-        outside the GIL; a persistent-cache hit loads the program instead), and `_run` calls the
-        compiled programs. Logs each shape as it is handed to the pool, so a cold start shows its
-        progress. Every process compiles the same shapes.
+        Returns the wall seconds of its two phases: {"sampler": the sampler, prompt-logprob and draft programs,
+        "compile": the rest (lowering the step shapes, then waiting for their compiles)}. No step shape runs:
+        each is lowered here and compiled on a pool of threads (XLA compiles outside the GIL; a persistent-
+        cache hit loads the program instead), and `_run` calls the compiled programs. This thread warms the
+        sampler's parts while the pool compiles (a cold start would otherwise leave it idle). Logs each shape
+        as it is handed to the pool, so a cold start shows its progress. Every process compiles the same shapes.
         """
         start, buckets = time.perf_counter(), self.config.buckets
         workers = max(1, min(len(buckets), (os.cpu_count() or 1) // 2, _MAX_COMPILE_THREADS))
@@ -1286,22 +1292,24 @@ class ModelRunner:
                     lowered = self.lower_fused(empty_step(t, s, p), random)
                     futures[pool.submit(lowered.compile, compiler_options=options)] = \
                         (self._compiled_fused, (t, s, p, random))
+            sampler_start = time.perf_counter()
+            self.warmup_sampler()
+            if self.mesh is None:  # prompt log-probs run on one device only (the engine refuses them on a mesh)
+                self.warmup_prompt_logprobs()
+                self.warmup_draft_verification()
+            sampler_seconds = time.perf_counter() - sampler_start
             for future in concurrent.futures.as_completed(futures):
                 compiled, key = futures[future]
                 compiled[key] = future.result()
-        seconds = time.perf_counter() - start
-        logger.info("compiled %d step shapes (T, S, P) in %.1f s on %d threads", len(buckets), seconds, workers)
-        start = time.perf_counter()
-        self.warmup_sampler()
-        if self.mesh is None:  # prompt log-probs are computed on one device only (the engine refuses them on a mesh)
-            self.warmup_prompt_logprobs()
-            self.warmup_draft_verification()
+        seconds = time.perf_counter() - start - sampler_seconds
+        logger.info("compiled %d step shapes (T, S, P) in %.1f s on %d threads (and the sampler's parts in %.1f s "
+                    "meanwhile)", len(buckets), seconds + sampler_seconds, workers, sampler_seconds)
         if self.multi_process:  # processes finish compiling at different times: meet, then run a step together
             parallel.barrier("jaxpaged-warmup", _WARMUP_BARRIER_SECONDS)
             jax.block_until_ready(self._run(empty_step(*buckets[0])))  # also sets up the cross-process collectives
         if self.huge_page_bytes:  # again once warm: pages the first advice could not collapse (already huge: free)
             self.huge_page_bytes = advise_huge_pages((self.params, self.kv))
-        return {"compile": seconds, "sampler": time.perf_counter() - start}
+        return {"compile": seconds, "sampler": sampler_seconds}
 
     def _warm_logits_rows(self, shape: tuple[int, int, int]) -> tuple[int, ...]:
         """The L values `warmup` compiles the forward of shape (T, S, P) with (none with the fused sampler)."""
@@ -1311,11 +1319,12 @@ class ModelRunner:
         return (s, t) if shape in self._verify_buckets else (s,)
 
     def warmup_prompt_logprobs(self) -> None:
-        """Compile prompt_logprobs_step at every T bucket (it runs only for requests that ask)."""
+        """Compile prompt_logprobs_step at every T bucket (it runs only for requests that ask). Compiled, not
+        run: an ahead-of-time compile fills the jit's cache, and running [T, V] logits at every T bucket took
+        most of this (~1.5 s of 2.1 for SmolLM2 on a 2-core CPU)."""
         for t in sorted({t for t, _, _ in self.config.buckets}):
             hidden = jnp.zeros((t, self.model_config.hidden_size), self.dtype)
-            jax.block_until_ready(prompt_logprobs_step(self.model_config, self.params, hidden,
-                                                       np.zeros(t, np.int32)))
+            prompt_logprobs_step.lower(self.model_config, self.params, hidden, np.zeros(t, np.int32)).compile()
 
     def warmup_draft_verification(self) -> None:
         """Speculative decoding: compile draft_logits at every (T, M) of `draft_shapes`, the sampler at every

@@ -774,6 +774,7 @@ def _gumbel_argmax(values: jax.Array, ids: jax.Array, threshold: jax.Array, key_
     return jnp.min(jnp.where(scores == best[:, None], ids, big), axis=-1).astype(jnp.int32), best
 
 
+@jax.jit  # nested in the sampler's programs: traced once per shape, not once per program (warm-up time)
 def _gumbel_noise_at(key_data: jax.Array, steps: jax.Array, ids: jax.Array) -> jax.Array:
     """f32[S, C] standard Gumbel noise of each row's vocabulary stream at token ids i32[S, C].
 
@@ -781,14 +782,12 @@ def _gumbel_noise_at(key_data: jax.Array, steps: jax.Array, ids: jax.Array) -> j
     fold_in(key, step) on the counter (0, t), its two words xor-ed (jax.random.bits' layout over a
     vocabulary-sized vector), u = (top 23 bits + 1/2) / 2**23 in (0, 1), -log(-log(u)).
     """
-    def row(key, row_ids):
-        counters = row_ids.astype(jnp.uint32)
-        hi, lo = threefry2x32(key[0], key[1], jnp.zeros_like(counters), counters)
-        bits = hi ^ lo  # u32[C]
-        u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
-        return -jnp.log(-jnp.log(u))
-
-    return jax.vmap(row)(_row_keys(key_data, steps), ids)
+    keys = _row_keys(key_data, steps)  # u32[S, 2]
+    counters = ids.astype(jnp.uint32)  # u32[S, C]
+    hi, lo = threefry2x32(keys[:, :1], keys[:, 1:], jnp.zeros_like(counters), counters)  # each row's key broadcast
+    bits = hi ^ lo  # u32[S, C]
+    u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
+    return -jnp.log(-jnp.log(u))
 
 
 def _row_keys(key_data: jax.Array, steps: jax.Array) -> jax.Array:

@@ -216,13 +216,13 @@ def test_cpu_steps_take_the_native_matmul_and_attention(tiny):
     for n in (1, 20, 100, 200):
         tokens = np.random.default_rng(n).integers(0, 256, size=n).tolist()
         step = runner.prepare([entry("a", tokens, 0, range(3, 3 + -(-n // 16)))])
-        text = runner.lower(step).as_text()
-        assert "jaxpaged_cpu_attention" in text
+        compiled = runner.lower(step).compile().as_text()  # the program as run: the layers' calls inlined
+        assert " call(" not in compiled and 'custom_call_target="jaxpaged_cpu_attention"' in compiled
         # packed weights: 3 native calls a layer; [K, N] wqkv and the LM head too at 17-128 tokens
         per_layer = 4 if 17 <= len(step.token_ids) <= 128 else 3
-        assert text.count("@jaxpaged_cpu_matmul(") >= per_layer * tiny.config.num_hidden_layers, len(step.token_ids)
-        assert text.count("@jaxpaged_cpu_rope_tables(") == 1
-        compiled = runner.lower(step).compile().as_text()
+        assert compiled.count('custom_call_target="jaxpaged_cpu_matmul"') >= \
+            per_layer * tiny.config.num_hidden_layers, len(step.token_ids)
+        assert compiled.count('custom_call_target="jaxpaged_cpu_rope_tables"') == 1
         assert " cosine(" not in compiled and " sine(" not in compiled
         logits = runner.execute(step)
         plain = forward_jit(tiny.config, tiny.params, jnp.asarray([tokens]))[0, -1]

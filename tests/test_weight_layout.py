@@ -182,9 +182,10 @@ def test_op_counts():
     text = """%copy.1 = f32[4]{0} copy(%p)
   %dynamic-slice.2 = f32[1,48]{1,0} dynamic-slice(%a, %i, %j)
   %fusion.3 = f32[4,8]{1,0} fusion(%x), kind=kCustom, calls=%f, custom_call_target="__cublas$lt$matmul"
-  %while.4 = (s32[]) while(%t), condition=%c, body=%b"""
+  %while.4 = (s32[]) while(%t), condition=%c, body=%b
+  %call.5 = f32[4]{0} call(%copy.1), to_apply=%layer_fn"""
     assert hlo_stats.op_counts(text) == {"copy": 1, "dynamic-slice": 1, "gemm": 1, "dot": 0, "fusion": 1,
-                                         "while": 1}
+                                         "while": 1, "call": 1}
     assert hlo_stats.weight_copies(text, {48, 32}) == [text.splitlines()[1].strip(), text.splitlines()[2].strip()]
 
 
