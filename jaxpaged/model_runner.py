@@ -58,6 +58,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -67,7 +68,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpaged import parallel, sampler
-from jaxpaged.host_memory import advise_huge_pages
+from jaxpaged.host_memory import HugePageArena, advise_huge_pages, advise_zeroed_huge_pages, cpu_array_over
 from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
 
 from jaxpaged.models.llama import (LlamaConfig, Matmul, PackedWeight, Params, WeightLayout, decoder_layer,
@@ -836,12 +837,17 @@ def empty_step(t: int, s: int, p: int, num_logits: int | None = None) -> StepInp
                      np.int32(0), np.zeros(s if num_logits is None else num_logits, np.int32))
 
 
-def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...]) -> PackedWeight | None:
+def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...], arena: HugePageArena) -> PackedWeight | None:
     """A weight dot's 2-D view w [K, N] as the native CPU matmul's contiguous column blocks (one stream per
-    block: one row of x reads them ~1.4x faster than [K, N], docs/kernels.md); None where it can't take w."""
+    block: one row of x reads them ~1.4x faster than [K, N], docs/kernels.md), written by the host into
+    `arena` (born on huge pages: host_memory); None where it can't take w."""
     if not cpu_matmul.blockable(w):
         return None
-    return PackedWeight(jax.block_until_ready(cpu_matmul.block_weight(w)), tuple(shape), cpu_matmul.matmul_cpu)
+    host = np.asarray(w)  # [K, N]: a view of w's CPU buffer
+    blocks = arena.empty((host.shape[1] // cpu_matmul.BLOCK_COLS, host.shape[0], cpu_matmul.BLOCK_COLS),
+                         host.dtype)  # [N / 64, K, 64]
+    np.copyto(blocks, cpu_matmul.block_weight(host))
+    return PackedWeight(cpu_array_over(blocks), tuple(shape), cpu_matmul.matmul_cpu)
 
 
 class ModelRunner:
@@ -873,7 +879,7 @@ class ModelRunner:
         self.kv_dtype = config.kv_dtype(self.dtype)
         self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.kv_dtype, mesh)
         self._followers_released = False
-        self.huge_page_bytes = 0  # of the weights and pool advised onto huge pages (CPU, one device)
+        self._huge_pages: threading.Thread | None = None  # advising the weights (CPU, one device)
         self._compiled: dict[tuple[int, int, int, int], jax.stages.Compiled] = {}  # (T, S, P, L) -> step; warmup()
         options = config.compiler_options()
         self._init_fused_sampler(options)
@@ -883,9 +889,17 @@ class ModelRunner:
             # XLA:CPU: a tied LM head runs as its own [E, V] copy (llama.untie_lm_head)
             self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
             if config.attention.native_matmul and self.layout.per_layer:  # the native matmul's column blocks
-                self.params = pack_weights(self.params, _pack_for_cpu_matmul, consume=consume_params)
-            # XLA:CPU's buffers on huge pages: each step streams the weights (donation keeps the pool's buffer)
-            self.huge_page_bytes = advise_huge_pages((self.params, self.kv))
+                arena = HugePageArena(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(self.params)))
+                self.params = pack_weights(self.params, functools.partial(_pack_for_cpu_matmul, arena=arena),
+                                           consume=consume_params)
+            # XLA:CPU's buffers on huge pages: each step streams the weights (donation keeps the pool's buffer).
+            # The weight blocks are born there; the fresh pool's pages are dropped, to come back huge as it
+            # fills; the rest (the embedding, norms) is collapsed, which copies it, on a thread of its own (the
+            # kernel's work, outside the GIL) while warm-up traces; `warmup` waits for it.
+            advise_zeroed_huge_pages(self.kv)
+            self._huge_pages = threading.Thread(target=advise_huge_pages, args=(self.params,), daemon=True,
+                                                name="jaxpaged-huge-pages")
+            self._huge_pages.start()
             self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,), compiler_options=options)
             return
         shardings = parallel.param_shardings(model_config, mesh, self.layout)
@@ -1307,8 +1321,9 @@ class ModelRunner:
         if self.multi_process:  # processes finish compiling at different times: meet, then run a step together
             parallel.barrier("jaxpaged-warmup", _WARMUP_BARRIER_SECONDS)
             jax.block_until_ready(self._run(empty_step(*buckets[0])))  # also sets up the cross-process collectives
-        if self.huge_page_bytes:  # again once warm: pages the first advice could not collapse (already huge: free)
-            self.huge_page_bytes = advise_huge_pages((self.params, self.kv))
+        if self._huge_pages is not None:  # the weights' advice done, then again: pages it could not collapse
+            self._huge_pages.join()  # (already huge: free; the pool's pages come in huge as it fills)
+            advise_huge_pages(self.params)
         return {"compile": seconds, "sampler": sampler_seconds}
 
     def _warm_logits_rows(self, shape: tuple[int, int, int]) -> tuple[int, ...]:

@@ -49,10 +49,11 @@ BLOCK_COLS = 64  # the blocked layout's column blocks (kCols in cpu_matmul.cc)
 
 def block_weight(w):
   """w [K, N] (N a multiple of 64) -> [N / 64, K, 64]: each 64-column block one contiguous run, the
-  layout `matmul_cpu` streams fastest (the runner's `pack_weights` holds the weight dots' weights so)."""
+  layout `matmul_cpu` streams fastest (the runner's `pack_weights` holds the weight dots' weights so).
+  A jax.Array gives a jax.Array; a numpy array gives a (strided) numpy view, for the host to copy."""
   if w.ndim != 2 or w.shape[1] % BLOCK_COLS:
     raise ValueError(f"block_weight takes w [K, N] with N a multiple of {BLOCK_COLS}; got {list(w.shape)}")
-  return jnp.transpose(w.reshape(w.shape[0], w.shape[1] // BLOCK_COLS, BLOCK_COLS), (1, 0, 2))
+  return w.reshape(w.shape[0], w.shape[1] // BLOCK_COLS, BLOCK_COLS).transpose(1, 0, 2)
 
 
 def blockable(w) -> bool:

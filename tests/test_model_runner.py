@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -19,6 +20,7 @@ from jaxpaged.models.llama import PackedWeight, WeightLayout, forward_jit, unsta
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import ScheduledRequest
+from pallas_kernels import cpu_matmul
 
 CONFIG = RunnerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128, page_size=16, num_pages=32,
                       attention_backend="reference")
@@ -305,15 +307,22 @@ def test_bf16_model_on_cpu_gets_an_f32_pool_written_in_place(tiny):
 
 
 def test_pack_weights_takes_per_layer_params_and_consumes_only_what_it_packed(tiny):
+    from jaxpaged.host_memory import HugePageArena
     from jaxpaged.model_runner import _pack_for_cpu_matmul
     from jaxpaged.models.llama import pack_weights
     from jaxpaged.weight_layout import to_weight_layout
+    arena = HugePageArena(1 << 22)
+    pack = functools.partial(_pack_for_cpu_matmul, arena=arena)
     with pytest.raises(ValueError, match="per-layer"):
-        pack_weights(tiny.params, _pack_for_cpu_matmul)
+        pack_weights(tiny.params, pack)
     params = to_weight_layout(tiny.config, jax.tree.map(jnp.copy, tiny.params), WeightLayout(per_layer=True, fused=True))
     source = params["layers"][0]
-    packed = pack_weights(params, _pack_for_cpu_matmul, consume=True)["layers"][0]
+    wo = np.asarray(source["wo"]).reshape(-1, source["wo"].shape[-1])  # [H * D, E]
+    packed = pack_weights(params, pack, consume=True)["layers"][0]
     assert source["wo"].is_deleted() and source["w_down"].is_deleted()  # packed: the sources went
     assert not source["wqkv"].is_deleted() and packed["wqkv"] is source["wqkv"]  # N = 96: held as it was
     assert packed["wo"].shape == (64, 64)  # wo [H, D, E] packed as its [H * D, E] view
-    assert pack_weights({"layers": [packed]}, _pack_for_cpu_matmul)["layers"][0]["wo"] is packed["wo"]
+    np.testing.assert_array_equal(packed["wo"].data, cpu_matmul.block_weight(jnp.asarray(wo)))
+    first = arena.empty((1,), np.uint8).ctypes.data  # the arena's next byte: the blocks were written before it
+    assert first - (1 << 22) < packed["wo"].data.unsafe_buffer_pointer() < first  # in place, in the arena
+    assert pack_weights({"layers": [packed]}, pack)["layers"][0]["wo"] is packed["wo"]
