@@ -317,7 +317,7 @@ def test_pack_weights_takes_per_layer_params_and_consumes_only_what_it_packed(ti
         pack_weights(tiny.params, pack)
     params = to_weight_layout(tiny.config, jax.tree.map(jnp.copy, tiny.params), WeightLayout(per_layer=True, fused=True))
     source = params["layers"][0]
-    wo = np.asarray(source["wo"]).reshape(-1, source["wo"].shape[-1])  # [H * D, E]
+    wo = np.array(source["wo"]).reshape(-1, source["wo"].shape[-1])  # [H * D, E], a copy: the source goes
     packed = pack_weights(params, pack, consume=True)["layers"][0]
     assert source["wo"].is_deleted() and source["w_down"].is_deleted()  # packed: the sources went
     assert not source["wqkv"].is_deleted() and packed["wqkv"] is source["wqkv"]  # N = 96: held as it was
