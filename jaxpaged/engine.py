@@ -49,7 +49,7 @@ from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.model_runner import (GPU_COMMAND_BUFFERS, FaultInjector, ModelRunner, ModelRunnerOutput,
                                    PendingStep, PromptLogprobs, RunnerConfig, check_fuse_sampler, check_kv_cache_dtype,
-                                   kv_bytes_per_page, resolve_kv_cache_dtype)
+                                   kv_bytes_per_page, packs_weights, resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -104,8 +104,9 @@ class EngineArgs:
     num_pages: int | None = None  # KV pool size in pages (incl. the null page); overrides the above
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"  # the KV pool's dtype (see model_runner.resolve_kv_cache_dtype)
-    # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays, read in place; the
-    # stacked scan compiles faster), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up one gemm each
+    # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays, read in place, where the
+    # weights are not packed for the native CPU matmul, whose packed stack a scan reads in place; the stacked
+    # scan compiles faster), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up one gemm each
     weight_layout: str = "auto"
     fuse_projections: bool = True
     # XLA:GPU command buffers (CUDA graphs) over the step: "auto", "xla", "off" or "full" (model_runner)
@@ -241,7 +242,9 @@ class LLMEngine:
         self.tokenizer = self.model.tokenizer
         # The step's weight layout, before the KV pool is sized from free memory: weights this engine
         # loaded are converted in place (one group of tensors at a time); a caller's `loaded` is left usable.
-        layout = resolve_weight_layout(args.weight_layout, args.fuse_projections, jax.default_backend())
+        layout = resolve_weight_layout(args.weight_layout, args.fuse_projections, jax.default_backend(),
+                                       packed=packs_weights(args.attention_backend, self.model.dtype,
+                                                            sharded=self.mesh is not None))
         self.model = dataclasses.replace(self.model, params=to_weight_layout(
             self.model.config, self.model.params, layout, self.mesh, consume=loaded is None))
         phases = {"load": time.perf_counter() - start}  # seconds per start-up phase, for the ready line

@@ -504,6 +504,30 @@ class AttentionConfig:
     native_matmul: bool = False
 
 
+def resolve_attention_backend(attention_backend: str) -> str:
+    """The attention backend an "auto" choice runs on JAX's default backend: the Pallas kernel on GPU, the
+    native CPU kernel where it builds, else the XLA path."""
+    if attention_backend != "auto":
+        return attention_backend
+    if jax.default_backend() == "gpu":
+        return "pallas"
+    return "cpu" if load_cpu_attention() else "xla"
+
+
+def uses_native_matmul(backend: str) -> bool:
+    """Whether a step with attention `backend` takes the native CPU matmul for its weight dots: it goes with
+    the native attention (both are the CPU's C++ build)."""
+    return backend == "cpu" and jax.default_backend() == "cpu" and cpu_matmul.load_cpu_matmul()
+
+
+def packs_weights(attention_backend: str, dtype, sharded: bool = False) -> bool:
+    """Whether a runner holds the weight dots' weights packed as the native CPU matmul's blocks (float32
+    weights on one device; `ModelRunner`, `_pack_for_cpu_matmul`). The weight layout follows it: a layer scan
+    reads packed weights in place (`resolve_weight_layout`)."""
+    return not sharded and np.dtype(dtype) == np.float32 and \
+        uses_native_matmul(resolve_attention_backend(attention_backend))
+
+
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
     """The runner's limits and the bucket rules of its step shapes (T tokens, S sequence slots, P pages).
@@ -542,8 +566,9 @@ class RunnerConfig:
     max_num_partial_prefills: int | None = None
     # Speculative decoding: drafts verified per request and step (SpeculativeConfig's k); 0: off
     num_speculative_tokens: int = 0
-    # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays on GPU and CPU; the stacked
-    # scan compiles faster), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up as one gemm each.
+    # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays on GPU, and on CPU where
+    # the weights are not packed; the stacked scan compiles faster), "stacked" or "per_layer"; fuse_projections:
+    # q/k/v and gate/up as one gemm each.
     weight_layout: str = "auto"
     fuse_projections: bool = True
     # XLA:GPU command buffers over the step: "auto" or a GPU_COMMAND_BUFFERS key (ignored off GPU)
@@ -581,19 +606,17 @@ class RunnerConfig:
 
     @property
     def backend(self) -> str:
-        if self.attention_backend != "auto":
-            return self.attention_backend
-        if jax.default_backend() == "gpu":
-            return "pallas"
-        return "cpu" if load_cpu_attention() else "xla"  # the native CPU kernel where it builds
+        return resolve_attention_backend(self.attention_backend)
 
     def kv_dtype(self, model_dtype) -> np.dtype:
         """The pool's dtype for a model of `model_dtype` on the default backend."""
         return resolve_kv_cache_dtype(self.kv_cache_dtype, model_dtype, jax.default_backend())
 
-    def layout(self, platform: str | None = None) -> WeightLayout:
-        """The step's weight layout on `platform` (default: JAX's default backend)."""
-        return resolve_weight_layout(self.weight_layout, self.fuse_projections, platform or jax.default_backend())
+    def layout(self, platform: str | None = None, packed: bool = False) -> WeightLayout:
+        """The step's weight layout on `platform` (default: JAX's default backend) when the runner packs its
+        weights (`packs_weights`) or not."""
+        return resolve_weight_layout(self.weight_layout, self.fuse_projections, platform or jax.default_backend(),
+                                     packed=packed)
 
     def compiler_options(self, platform: str | None = None, num_tokens: int | None = None) -> dict[str, str]:
         """XLA options of a step of num_tokens (T bucket; None: any): XLA:CPU's dot settings for that size
@@ -602,9 +625,7 @@ class RunnerConfig:
 
     @property
     def attention(self) -> AttentionConfig:
-        # the native matmul goes with the native attention: both are the CPU's C++ build
-        native_matmul = self.backend == "cpu" and jax.default_backend() == "cpu" and cpu_matmul.load_cpu_matmul()
-        return AttentionConfig(self.backend, self.max_num_partial_prefills, native_matmul)
+        return AttentionConfig(self.backend, self.max_num_partial_prefills, uses_native_matmul(self.backend))
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -711,10 +732,11 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     fed token (before the final norm; `prompt_logprobs_step` turns rows of it into prompt
     log-probabilities, no second forward), and the updated pool.
 
-    params["layers"] is either stacked ({name: [L, ...]}, scanned: one layer compiled) or a list of L
-    per-layer dicts (a Python loop of L calls of one traced layer: XLA inlines them, so L layers compiled,
-    but no weight is sliced out of a stack, which XLA:GPU may copy before each gemm), with fused
-    projections or not (jaxpaged/weight_layout.py). With a mesh, attention runs per tensor-parallel shard
+    params["layers"] is either stacked ({name: [L, ...]}, scanned: one layer compiled; packed weights, a
+    stack each, are read at the layer's index in place) or a list of L per-layer dicts (a Python loop of L
+    calls of one traced layer: XLA inlines them, so L layers compiled, but no weight is sliced out of a
+    stack, which XLA:GPU may copy before each gemm), with fused projections or not
+    (jaxpaged/weight_layout.py). With a mesh, attention runs per tensor-parallel shard
     (local heads, local pool slice).
     """
     attend_paged = functools.partial(_attend_paged, sm_scale=config.attn_scale, attention=attention)
@@ -751,9 +773,18 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
             c = jax.tree.map(lambda x, i=layer: x[i], consts)
             carry = traced_layer(carry, (layer_params, jnp.int32(layer), c), step, cos_table, sin_table)
     else:
+        # Packed weights (the native CPU matmul's blocks, stacked) stay out of the scanned xs: each layer's
+        # product reads its layer of the whole stack in place, where a scanned slice would be copied out
+        packed = {n: w for n, w in params["layers"].items() if isinstance(w, PackedWeight)}
+        sliced = {n: w for n, w in params["layers"].items() if n not in packed}
+
+        def body(carry, xs):
+            layer_params, layer, c = xs
+            layer_params = {**layer_params, **{n: w.at_layer(layer) for n, w in packed.items()}}
+            return layer_fn(carry, (layer_params, layer, c), step, cos_table, sin_table), None
+
         layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(lambda carry, xs: (layer_fn(carry, xs, step, cos_table, sin_table), None),
-                                carry, (params["layers"], layers, consts))
+        carry, _ = jax.lax.scan(body, carry, (sliced, layers, consts))
     h, k, v = carry
     logits = lm_logits(config, params, h[step.logits_indices], matmul)  # [S, V]
     return logits, h, KVPool(k, v)
@@ -838,14 +869,15 @@ def empty_step(t: int, s: int, p: int, num_logits: int | None = None) -> StepInp
 
 
 def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...], arena: HugePageArena) -> PackedWeight | None:
-    """A weight dot's 2-D view w [K, N] as the native CPU matmul's contiguous column blocks (one stream per
-    block: one row of x reads them ~1.4x faster than [K, N], docs/kernels.md), written by the host into
-    `arena` (born on huge pages: host_memory); None where it can't take w."""
+    """A weight dot's 2-D view w [K, N] (stacked layers: [L, K, N]) as the native CPU matmul's contiguous
+    column blocks [N / 64, K, 64] ([L, N / 64, K, 64]; one stream per block: one row of x reads them ~1.4x
+    faster than [K, N], docs/kernels.md), written by the host into `arena` (born on huge pages:
+    host_memory); None where it can't take w."""
     if not cpu_matmul.blockable(w):
         return None
-    host = np.asarray(w)  # [K, N]: a view of w's CPU buffer
-    blocks = arena.empty((host.shape[1] // cpu_matmul.BLOCK_COLS, host.shape[0], cpu_matmul.BLOCK_COLS),
-                         host.dtype)  # [N / 64, K, 64]
+    host = np.asarray(w)  # [(L,) K, N]: a view of w's CPU buffer
+    *lead, k, n = host.shape
+    blocks = arena.empty((*lead, n // cpu_matmul.BLOCK_COLS, k, cpu_matmul.BLOCK_COLS), host.dtype)
     np.copyto(blocks, cpu_matmul.block_weight(host))
     return PackedWeight(cpu_array_over(blocks), tuple(shape), cpu_matmul.matmul_cpu)
 
@@ -873,7 +905,8 @@ class ModelRunner:
         if mesh is not None:
             parallel.check_tensor_parallel(model_config, mesh.shape[parallel.TP])
         # params in the checkpoint layout are converted here (the engine converts before sizing the pool)
-        self.layout = config.layout()
+        self.layout = config.layout(packed=packs_weights(config.attention_backend, params["embed"].dtype,
+                                                         sharded=mesh is not None))
         params = to_weight_layout(model_config, params, self.layout, mesh)
         self.dtype = params["embed"].dtype
         self.kv_dtype = config.kv_dtype(self.dtype)
@@ -888,7 +921,7 @@ class ModelRunner:
         if mesh is None:
             # XLA:CPU: a tied LM head runs as its own [E, V] copy (llama.untie_lm_head)
             self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
-            if config.attention.native_matmul and self.layout.per_layer:  # the native matmul's column blocks
+            if config.attention.native_matmul:  # the native matmul's column blocks
                 arena = HugePageArena(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(self.params)))
                 self.params = pack_weights(self.params, functools.partial(_pack_for_cpu_matmul, arena=arena),
                                            consume=consume_params)

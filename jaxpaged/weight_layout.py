@@ -10,14 +10,19 @@ Checkpoints load stacked ({name: [L, ...]}) and unfused (wq, wk, wv, w_gate, w_u
     L layers compiled instead of one (the persistent compilation cache keeps it to the first start).
   - fused projections: wqkv [E, K, G + 2, D] and w_gate_up [E, 2, F], one gemm each instead of three
     and two, on the same input.
-"auto" (RunnerConfig.weight_layout, EngineArgs.weight_layout) picks per-layer weights on GPU and on CPU.
-On CPU the scan's slices are copied too (at 2-32 rows the dot reads a copy of each weight) and the
-per-layer step ran ~10% faster at every shape measured, quiet machine, engine steps interleaved
-(SmolLM2 f32: batch-1 decode 19.4 -> 17.4 ms, batch 32 83.9 -> 75.4 ms, a 256-token prefill 178 ->
-162 ms). Its price is compile time: 30 layers compiled instead of one, a cold start of 19 step shapes
-~75 s instead of ~20-35 s, paid once per machine (the persistent compilation cache loads them in ~1 s
-later; docs/benchmarks.md, "CPU weight layout"). "stacked" keeps the scan (fast cold starts, e.g.
-for short-lived test engines). Fusing was neutral on CPU and is on everywhere.
+"auto" (RunnerConfig.weight_layout, EngineArgs.weight_layout) picks per-layer weights on GPU, and on CPU
+where the weights are not packed. On CPU the scan's slices are copied too (at 2-32 rows the dot reads a
+copy of each weight) and the per-layer step ran ~10% faster at every shape measured, quiet machine,
+engine steps interleaved (SmolLM2 f32: batch-1 decode 19.4 -> 17.4 ms, batch 32 83.9 -> 75.4 ms, a
+256-token prefill 178 -> 162 ms); its price is compile time (30 layers compiled instead of one).
+But float32 weights on CPU are packed as the native matmul's column blocks (`model_runner.packs_weights`),
+and a stack of those is read in place by layer index (`llama.PackedWeight.at_layer`): nothing is sliced,
+so "auto" scans them there. Same step times as per-layer (SmolLM2, 2-core Zen 3: decode 1/4/16/32 requests
+24.7/26.5/45.6/84.4 vs 25.9/27.5/45.4/85.2 ms, prefill 189 ms both), with one layer compiled: the cold
+start and the warm one's loading of every step program from the persistent cache are several times
+shorter (docs/benchmarks.md, "Start-up and loading (CPU)", session 26). "stacked" keeps the scan
+everywhere (fast cold starts, e.g. for short-lived test engines). Fusing was neutral on CPU and is on
+everywhere.
 """
 
 from __future__ import annotations
@@ -39,10 +44,13 @@ def check_weight_layout(weight_layout: str) -> None:
         raise ValueError(f"weight_layout={weight_layout!r}: choose one of {WEIGHT_LAYOUTS}")
 
 
-def resolve_weight_layout(weight_layout: str, fuse_projections: bool, platform: str) -> WeightLayout:
-    """The layout the step runs on `platform` ("cpu", "gpu", ...) for the configured choice."""
+def resolve_weight_layout(weight_layout: str, fuse_projections: bool, platform: str,
+                          packed: bool = False) -> WeightLayout:
+    """The layout the step runs on `platform` ("cpu", "gpu", ...) for the configured choice; packed: the
+    runner packs the weight dots' weights (`model_runner.packs_weights`), whose stack a scan reads in place."""
     check_weight_layout(weight_layout)
-    per_layer = weight_layout == "per_layer" or (weight_layout == "auto" and platform in PER_LAYER_PLATFORMS)
+    per_layer = weight_layout == "per_layer" or (weight_layout == "auto" and platform in PER_LAYER_PLATFORMS
+                                                 and not packed)
     return WeightLayout(per_layer=per_layer, fused=bool(fuse_projections))
 
 

@@ -16,7 +16,8 @@
 // calling thread and XLA's intra-op thread pool (cpu_pool.h).
 //
 // w comes in one of two layouts: [K, N] (row-major; a block's rows 4 * N bytes apart) or blocked,
-// [N / 64, K, 64] (each column block one contiguous run, `block_weight` in cpu_matmul.py). Blocked,
+// [N / 64, K, 64] (each column block one contiguous run, `block_weight` in cpu_matmul.py), the latter
+// possibly stacked [L, N / 64, K, 64] with a layer index (a layer scan reads its layer in place). Blocked,
 // a block is one sequential stream (4 rows of x: 16.0 -> 13.4 ms for SmolLM2's dots on the Zen 5
 // machine). The software prefetch runs for every step size: on Zen 5 the hardware prefetcher kept
 // ahead of a one-group stream, but on the Intel (AVX-512, 2 MiB L2) machine it did not: with the
@@ -218,15 +219,22 @@ void block(const float* x, Block b, float* y, int64_t m, int64_t k, int64_t n, i
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::ResultBuffer<ffi::F32> y) {
+                  ffi::Buffer<ffi::S32> layer_buf, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  const bool blocked = wd.size() == 3;
-  if (xd.size() != 2 || (wd.size() != 2 && !(blocked && wd[2] == kCols)) || xd[1] != wd[blocked ? 1 : 0])
-    return ffi::Error::InvalidArgument("cpu matmul: x [M, K] and w [K, N] or blocked [N / 64, K, 64]");
-  const int64_t m = xd[0], k = xd[1], n = blocked ? wd[0] * kCols : wd[1];
+  // Blocked weights may come stacked, [L, N / 64, K, 64]: the product reads layer `layer` in place (a
+  // layer scan's weight without a slice copied out of the stack); clamped, as the attention's layer is.
+  const bool stacked = wd.size() == 4;
+  const size_t off = stacked ? 1 : 0;
+  const bool blocked = wd.size() == 3 + off;
+  if (xd.size() != 2 || (wd.size() != 2 && !(blocked && wd[2 + off] == kCols)) ||
+      xd[1] != wd[blocked ? 1 + off : 0])
+    return ffi::Error::InvalidArgument(
+        "cpu matmul: x [M, K] and w [K, N], blocked [N / 64, K, 64] or stacked [L, N / 64, K, 64]");
+  const int64_t m = xd[0], k = xd[1], n = blocked ? wd[off] * kCols : wd[1];
+  const int64_t layer = stacked ? std::clamp<int64_t>(layer_buf.typed_data()[0], 0, wd[0] - 1) : 0;
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const float* wp = w.typed_data() + layer * n * k;
   float* yp = y->typed_data();
   if (k == 0) {  // no chunk writes y
     std::memset(yp, 0, sizeof(float) * m * n);
@@ -249,4 +257,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmul, Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer (stacked w)
                                   .Ret<ffi::Buffer<ffi::F32>>());

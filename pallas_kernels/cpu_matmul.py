@@ -49,16 +49,19 @@ BLOCK_COLS = 64  # the blocked layout's column blocks (kCols in cpu_matmul.cc)
 
 def block_weight(w):
   """w [K, N] (N a multiple of 64) -> [N / 64, K, 64]: each 64-column block one contiguous run, the
-  layout `matmul_cpu` streams fastest (the runner's `pack_weights` holds the weight dots' weights so).
-  A jax.Array gives a jax.Array; a numpy array gives a (strided) numpy view, for the host to copy."""
-  if w.ndim != 2 or w.shape[1] % BLOCK_COLS:
-    raise ValueError(f"block_weight takes w [K, N] with N a multiple of {BLOCK_COLS}; got {list(w.shape)}")
-  return w.reshape(w.shape[0], w.shape[1] // BLOCK_COLS, BLOCK_COLS).transpose(1, 0, 2)
+  layout `matmul_cpu` streams fastest (the runner's `pack_weights` holds the weight dots' weights so);
+  stacked layers w [L, K, N] -> [L, N / 64, K, 64]. A jax.Array gives a jax.Array; a numpy array gives
+  a (strided) numpy view, for the host to copy."""
+  if w.ndim not in (2, 3) or w.shape[-1] % BLOCK_COLS:
+    raise ValueError(f"block_weight takes w [K, N] or [L, K, N] with N a multiple of {BLOCK_COLS}; "
+                     f"got {list(w.shape)}")
+  return w.reshape(*w.shape[:-1], w.shape[-1] // BLOCK_COLS, BLOCK_COLS).swapaxes(-3, -2)
 
 
 def blockable(w) -> bool:
-  """Whether `block_weight` takes w and the native call reads the result: f32 [K, N], N % 64 == 0."""
-  return w.ndim == 2 and w.shape[1] % BLOCK_COLS == 0 and w.shape[1] > 0 and w.dtype == jnp.float32
+  """Whether `block_weight` takes w and the native call reads the result: f32 [K, N] or [L, K, N],
+  N % 64 == 0."""
+  return w.ndim in (2, 3) and w.shape[-1] % BLOCK_COLS == 0 and w.shape[-1] > 0 and w.dtype == jnp.float32
 
 
 def load_cpu_matmul() -> bool:
@@ -68,23 +71,29 @@ def load_cpu_matmul() -> bool:
 
 def supports(x, w) -> bool:
   """Whether the native call takes x [M, K] @ w (static): w [K, N] for MIN_ROWS <= M <= MAX_ROWS, or
-  blocked [N / 64, K, 64] (`block_weight`) for any M >= 1; float32."""
+  blocked [N / 64, K, 64] (`block_weight`), or blocked layers stacked [L, N / 64, K, 64] (with a layer
+  index), for any M >= 1; float32."""
   if x.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.shape[0] < 1:
     return False
-  if w.ndim == 3:
-    return w.shape[1] == x.shape[1] and w.shape[2] == BLOCK_COLS
+  if w.ndim in (3, 4):
+    return w.shape[-2] == x.shape[1] and w.shape[-1] == BLOCK_COLS
   return (w.ndim == 2 and x.shape[1] == w.shape[0]
           and MIN_ROWS <= x.shape[0] <= MAX_ROWS)
 
 
-def matmul_cpu(x, w):
-  """x [M, K] @ w -> f32 [M, N]: w [K, N], or blocked [N / 64, K, 64]
+def matmul_cpu(x, w, layer=None):
+  """x [M, K] @ w -> f32 [M, N]: w [K, N], blocked [N / 64, K, 64], or stacked [L, N / 64, K, 64] read
+  at `layer` (an int32 scalar, traced or not; required then, clamped to [0, L)) in place
   (`load_cpu_matmul()` must have returned True)."""
   if not supports(x, w):
     raise ValueError(f"native CPU matmul takes float32 x [M, K] and w [K, N] "
-                     f"({MIN_ROWS} <= M <= {MAX_ROWS}) or blocked [N / "
-                     f"{BLOCK_COLS}, K, {BLOCK_COLS}] (any M); got x {x.dtype}"
-                     f"{list(x.shape)}, w {w.dtype}{list(w.shape)}.")
-  n = w.shape[0] * BLOCK_COLS if w.ndim == 3 else w.shape[1]
+                     f"({MIN_ROWS} <= M <= {MAX_ROWS}), blocked [N / "
+                     f"{BLOCK_COLS}, K, {BLOCK_COLS}] or stacked [L, N / {BLOCK_COLS}, K, {BLOCK_COLS}] "
+                     f"(any M); got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}.")
+  if (w.ndim == 4) != (layer is not None):
+    raise ValueError(f"native CPU matmul: a layer index goes with stacked w [L, N / {BLOCK_COLS}, K, "
+                     f"{BLOCK_COLS}] only; got w {list(w.shape)}, layer {layer!r}")
+  n = w.shape[-3] * BLOCK_COLS if w.ndim >= 3 else w.shape[1]
   out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-  return jax.ffi.ffi_call(TARGET, out)(x, w)
+  index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+  return jax.ffi.ffi_call(TARGET, out)(x, w, index)

@@ -74,7 +74,8 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
                    "(XLA:CPU would convert the whole cache around every write)")
     e.add_argument("--weight-layout", default="auto", choices=["auto", "stacked", "per_layer"],
                    help="how the step holds the layer weights; auto: per-layer arrays (read in place, faster "
-                   "steps, a longer cold compile); stacked: one layer scanned over the stack (compiles fast)")
+                   "steps, a longer cold compile), except float32 weights on CPU, packed for the native matmul, "
+                   "whose stack a scan reads in place; stacked: one layer scanned over the stack (compiles fast)")
     e.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=True,
                    help="q/k/v and gate/up projections as one matmul each")
     e.add_argument("--command-buffers", default="auto", choices=["auto", "xla", "off", "full"],

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged import parallel
+from jaxpaged import hlo_stats, parallel
 from jaxpaged.engine import EngineArgs, LLMEngine
 from jaxpaged.model_runner import (CPU_COMPILER_OPTIONS, CPU_SMALL_STEP_OPTIONS, CPU_SMALL_STEP_TOKENS, ModelRunner,
                                    RunnerConfig, cpu_compiler_options,
@@ -204,26 +204,35 @@ def test_cpu_steps_take_the_native_matmul_and_attention(tiny):
     """The default CPU backend: every step attends through the native kernel. The weight dots whose
     weights the runner holds packed (f32, N a multiple of 64: the native matmul's contiguous column
     blocks) take the native matmul at every step size; the others ([K, N]) at 17-128 tokens, XLA's dots
-    elsewhere. The RoPE tables are one native call a step: no cosine is left in the compiled program (XLA:CPU
-    would evaluate them in every layer, per head). Logits stay the plain forward's."""
+    elsewhere. Packed, the layers stay stacked and scanned ("auto"): each layer's product reads its layer
+    of the packed stack in place, so the compiled step copies none of them out of it. The RoPE tables are
+    one native call a step: no cosine is left in the compiled program (XLA:CPU would evaluate them in every
+    layer, per head). Logits stay the plain forward's."""
     config = dataclasses.replace(CONFIG, attention_backend="auto", min_token_bucket=1, max_num_batched_tokens=256,
-                                 max_model_len=256)
+                                 max_model_len=256, weight_layout="auto")
     runner = ModelRunner(tiny.config, tiny.params, config)
     assert runner.config.backend == "cpu" and runner.config.attention.native_matmul
-    layer = runner.params["layers"][0]
+    assert runner.layout == WeightLayout(per_layer=False, fused=True)
+    layers = runner.params["layers"]
     # gqa4: wo [64 -> 64], w_gate_up [64 -> 256], w_down [128 -> 64] packed; wqkv (N = 96), lm_head (V = 260) not
-    assert {n for n, w in layer.items() if isinstance(w, PackedWeight)} == {"wo", "w_gate_up", "w_down"}
-    assert layer["w_gate_up"].data.shape == (4, 64, 64) and layer["w_gate_up"].shape == (64, 2, 128)
+    assert {n for n, w in layers.items() if isinstance(w, PackedWeight)} == {"wo", "w_gate_up", "w_down"}
+    assert layers["w_gate_up"].data.shape == (2, 4, 64, 64) and layers["w_gate_up"].shape == (64, 2, 128)
     assert not isinstance(runner.params["lm_head"], PackedWeight)
+    sizes = {"packed": {64 * 64, 64 * 256, 128 * 64}, "wqkv": {64 * 96}}  # one layer's weights' element counts
+
+    def slices(text, names):  # a weight's layer sliced out of its stack (by the instruction's own name)
+        return [line for line in hlo_stats.weight_copies(text, sizes[names])
+                if re.search(r"dynamic[-_]slice", line.split(" = ")[0])]
+
     for n in (1, 20, 100, 200):
         tokens = np.random.default_rng(n).integers(0, 256, size=n).tolist()
         step = runner.prepare([entry("a", tokens, 0, range(3, 3 + -(-n // 16)))])
-        compiled = runner.lower(step).compile().as_text()  # the program as run: the layers' calls inlined
-        assert " call(" not in compiled and 'custom_call_target="jaxpaged_cpu_attention"' in compiled
-        # packed weights: 3 native calls a layer; [K, N] wqkv and the LM head too at 17-128 tokens
-        per_layer = 4 if 17 <= len(step.token_ids) <= 128 else 3
-        assert compiled.count('custom_call_target="jaxpaged_cpu_matmul"') >= \
-            per_layer * tiny.config.num_hidden_layers, len(step.token_ids)
+        compiled = runner.lower(step).compile().as_text()  # the program as run: one layer, in a while loop
+        assert " while(" in compiled and 'custom_call_target="jaxpaged_cpu_attention"' in compiled
+        assert slices(compiled, "packed") == [] and slices(compiled, "wqkv"), len(step.token_ids)  # wqkv: unpacked
+        # packed weights: 3 native calls in the layer; the [K, N] wqkv too at 17-128 tokens (the LM head: 1 row)
+        native = 4 if 17 <= len(step.token_ids) <= 128 else 3
+        assert compiled.count('custom_call_target="jaxpaged_cpu_matmul"') == native, len(step.token_ids)
         assert compiled.count('custom_call_target="jaxpaged_cpu_rope_tables"') == 1
         assert " cosine(" not in compiled and " sine(" not in compiled
         logits = runner.execute(step)
@@ -306,23 +315,29 @@ def test_bf16_model_on_cpu_gets_an_f32_pool_written_in_place(tiny):
     np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain, np.float32), atol=0.1, rtol=0.05)
 
 
-def test_pack_weights_takes_per_layer_params_and_consumes_only_what_it_packed(tiny):
+def test_pack_weights_packs_stacked_and_per_layer_params_and_consumes_only_what_it_packed(tiny):
     from jaxpaged.host_memory import HugePageArena
     from jaxpaged.model_runner import _pack_for_cpu_matmul
     from jaxpaged.models.llama import pack_weights
     from jaxpaged.weight_layout import to_weight_layout
     arena = HugePageArena(1 << 22)
     pack = functools.partial(_pack_for_cpu_matmul, arena=arena)
-    with pytest.raises(ValueError, match="per-layer"):
-        pack_weights(tiny.params, pack)
     params = to_weight_layout(tiny.config, jax.tree.map(jnp.copy, tiny.params), WeightLayout(per_layer=True, fused=True))
     source = params["layers"][0]
     wo = np.array(source["wo"]).reshape(-1, source["wo"].shape[-1])  # [H * D, E], a copy: the source goes
     packed = pack_weights(params, pack, consume=True)["layers"][0]
     assert source["wo"].is_deleted() and source["w_down"].is_deleted()  # packed: the sources went
     assert not source["wqkv"].is_deleted() and packed["wqkv"] is source["wqkv"]  # N = 96: held as it was
-    assert packed["wo"].shape == (64, 64)  # wo [H, D, E] packed as its [H * D, E] view
+    assert packed["wo"].shape == (64, 64) and packed["wo"].layer is None  # wo [H, D, E] as its [H * D, E] view
     np.testing.assert_array_equal(packed["wo"].data, cpu_matmul.block_weight(jnp.asarray(wo)))
     first = arena.empty((1,), np.uint8).ctypes.data  # the arena's next byte: the blocks were written before it
     assert first - (1 << 22) < packed["wo"].data.unsafe_buffer_pointer() < first  # in place, in the arena
     assert pack_weights({"layers": [packed]}, pack)["layers"][0]["wo"] is packed["wo"]
+    # stacked layers pack as a stack of blocks [L, N / 64, K, 64] with one layer's shape
+    stacked = to_weight_layout(tiny.config, jax.tree.map(jnp.copy, tiny.params), WeightLayout(fused=True))
+    w_down = np.array(stacked["layers"]["w_down"])  # [L, F, E]
+    layers = pack_weights(stacked, pack, consume=True)["layers"]
+    assert layers["w_down"].shape == (128, 64) and layers["w_down"].data.shape == (2, 1, 128, 64)
+    np.testing.assert_array_equal(layers["w_down"].data[1], cpu_matmul.block_weight(jnp.asarray(w_down[1])))
+    assert layers["wo"].shape == (64, 64) and layers["wo"].data.shape == (2, 1, 64, 64)
+    assert not isinstance(layers["wqkv"], PackedWeight) and not layers["wqkv"].is_deleted()

@@ -13,13 +13,13 @@ import pytest
 from jaxpaged import hlo_stats
 from jaxpaged.engine import EngineArgs, LLMEngine
 from jaxpaged.model_runner import (GPU_COMMAND_BUFFERS, ModelRunner, RunnerConfig, command_buffer_options,
-                                   gpu_compiler_options)
+                                   gpu_compiler_options, packs_weights)
 from jaxpaged.models.llama import LlamaConfig, WeightLayout, forward_jit, init_params, param_shapes
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import ScheduledRequest
 from jaxpaged.weight_layout import resolve_weight_layout, to_weight_layout
-from pallas_kernels import cuda_compile
+from pallas_kernels import cpu_matmul, cuda_compile
 
 STACKED, PER_LAYER = WeightLayout(), WeightLayout(per_layer=True)
 FUSED, PER_LAYER_FUSED = WeightLayout(fused=True), WeightLayout(per_layer=True, fused=True)
@@ -83,6 +83,12 @@ def test_every_layout_gives_the_same_logits_and_pool(tiny_checkpoints, tmp_path_
 def test_resolve_weight_layout():
     assert resolve_weight_layout("auto", True, "gpu") == PER_LAYER_FUSED
     assert resolve_weight_layout("auto", True, "cpu") == PER_LAYER_FUSED  # measured faster there too
+    # weights packed for the native CPU matmul: the scan reads each layer of the packed stack in place
+    assert resolve_weight_layout("auto", True, "cpu", packed=True) == FUSED
+    assert resolve_weight_layout("per_layer", True, "cpu", packed=True) == PER_LAYER_FUSED
+    assert packs_weights("auto", np.float32) == cpu_matmul.load_cpu_matmul()  # the default CPU engine
+    assert not packs_weights("auto", jnp.bfloat16) and not packs_weights("auto", np.float32, sharded=True)
+    assert not packs_weights("xla", np.float32) and not packs_weights("reference", np.float32)
     assert resolve_weight_layout("auto", False, "cpu") == PER_LAYER
     assert resolve_weight_layout("stacked", False, "cpu") == STACKED
     assert resolve_weight_layout("stacked", True, "cpu") == FUSED
@@ -136,6 +142,16 @@ def test_engine_runs_the_configured_layout_and_leaves_a_callers_params_usable(ti
     while stacked.has_unfinished_requests():
         want = stacked.step()
     assert out[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    # "auto": the engine converts to the layout its runner runs (they must agree, or the runner refuses
+    # params already converted): on CPU a float32 model's packed weights stay stacked, a bfloat16 one's not
+    auto = LLMEngine(dataclasses.replace(args, weight_layout="auto"), loaded=model)
+    assert auto.runner.layout == (FUSED if packs_weights("auto", np.float32) else PER_LAYER_FUSED)
+    auto.add_request("a", {"prompt_token_ids": [5, 6, 7, 8, 9]}, params)
+    while auto.has_unfinished_requests():
+        got = auto.step()
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    half = load_model(str(tiny_checkpoints["gqa4"]), dtype="bfloat16")
+    assert LLMEngine(dataclasses.replace(args, weight_layout="auto"), loaded=half).runner.layout == PER_LAYER_FUSED
 
 
 # ----------------------------------------------------------------------------- HLO evidence

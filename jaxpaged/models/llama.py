@@ -249,38 +249,51 @@ def norm(config: LlamaConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A weight dot's w [K, ...] held in a layout only its own product reads (the paged engine on CPU: the
-    native matmul's contiguous column blocks, `pack_weights`). data: that layout; shape: w's 2-D-viewable
-    shape [K, ...] (wo's is [H * D, E]); dot: fn(x [M, K], data) -> [M, prod(shape[1:])] (static)."""
+    native matmul's contiguous column blocks, `pack_weights`). data: that layout, for one layer or (stacked
+    layers) every layer on a leading L axis; shape: one layer's w's 2-D-viewable shape [K, ...] (wo's is
+    [H * D, E]); dot: fn(x [M, K], data, layer) -> [M, prod(shape[1:])] (static); layer: which layer of
+    stacked data the product reads (int32 scalar; None for one layer's data). A layer scan hands each
+    step the whole stack with its layer (`at_layer`), so no weight is sliced out of the stack."""
     data: jax.Array
     shape: tuple[int, ...]
-    dot: Callable[[jax.Array, jax.Array], jax.Array]
+    dot: Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array]
+    layer: jax.Array | None = None
+
+    def at_layer(self, layer: jax.Array) -> PackedWeight:
+        """Stacked data read at `layer` (a traced int32 scalar inside a scan)."""
+        return dataclasses.replace(self, layer=layer)
 
 
-jax.tree_util.register_dataclass(PackedWeight, data_fields=["data"], meta_fields=["shape", "dot"])
+jax.tree_util.register_dataclass(PackedWeight, data_fields=["data", "layer"], meta_fields=["shape", "dot"])
 
 
 def pack_weights(params: Params, pack: Callable[[jax.Array, tuple[int, ...]], PackedWeight | None], *,
                  consume: bool = False) -> Params:
-    """Per-layer params with each weight dot's weight (wqkv, wo, w_gate_up, w_down, lm_head) as
-    `pack(w2, shape)` of its 2-D view w2 [K, N] and its shape (wo: both [H * D, E]) where that is not
-    None; the rest as it is. consume=True deletes each source array once packed (the caller's params
-    become unusable)."""
-    if not isinstance(params["layers"], (list, tuple)):
-        raise ValueError("pack_weights takes per-layer params (WeightLayout(per_layer=True))")
+    """Params with each weight dot's weight (wqkv, wo, w_gate_up, w_down, lm_head) as `pack(w2, shape)`
+    of its 2-D view w2 [K, N] and one layer's shape (wo: both [H * D, E]) where that is not None; the rest
+    as it is. Stacked layers ({name: [L, ...]}) pack as stacked views w2 [L, K, N] (`pack` returns stacked
+    data), per-layer ones one layer at a time. consume=True deletes each source array once packed (the
+    caller's params become unusable)."""
 
-    def one(name: str, w):
+    def one(name: str, w, stacked: bool = False):
         if isinstance(w, PackedWeight):
             return w
-        view = w.reshape(-1, w.shape[-1]) if name == "wo" else w.reshape(w.shape[0], -1)
-        packed = pack(view, view.shape if name == "wo" else w.shape)
+        lead = w.shape[:1] if stacked else ()
+        layer_shape = w.shape[len(lead):]
+        view = w.reshape(*lead, -1, w.shape[-1]) if name == "wo" else w.reshape(*lead, layer_shape[0], -1)
+        packed = pack(view, view.shape[len(lead):] if name == "wo" else layer_shape)
         if packed is None:
             return w
         if consume and not w.is_deleted():
             w.delete()
         return packed
 
-    layers = [{name: one(name, w) if name in PACKED_WEIGHTS else w for name, w in layer.items()}
-              for layer in params["layers"]]
+    if isinstance(params["layers"], (list, tuple)):
+        layers = [{name: one(name, w) if name in PACKED_WEIGHTS else w for name, w in layer.items()}
+                  for layer in params["layers"]]
+    else:
+        layers = {name: one(name, w, stacked=True) if name in PACKED_WEIGHTS else w
+                  for name, w in params["layers"].items()}
     out = dict(params, layers=layers)
     if "lm_head" in params:
         out["lm_head"] = one("lm_head", params["lm_head"])
@@ -302,7 +315,7 @@ def dot_weight(x: jax.Array, w: jax.Array, matmul: Matmul | None, spec: str,
     """x [T, E] @ w [E, ...] -> [T, ...]: a PackedWeight's own product; else matmul on w's 2-D view (a free
     reshape) if it takes the shapes, else jnp.einsum(spec, x, w); in preferred_element_type (default x's)."""
     if isinstance(w, PackedWeight):
-        y = w.dot(x.reshape(-1, x.shape[-1]), w.data).astype(preferred_element_type or x.dtype)
+        y = w.dot(x.reshape(-1, x.shape[-1]), w.data, w.layer).astype(preferred_element_type or x.dtype)
         return y.reshape(*x.shape[:-1], *w.shape[1:])
     if matmul is not None and x.ndim == 2:
         w2 = w.reshape(w.shape[0], -1)

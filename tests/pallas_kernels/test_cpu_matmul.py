@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import re
 from pathlib import Path
 
 import jax
@@ -59,11 +60,41 @@ def test_blocked_weights_match_a_float64_product(m, k, n):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(max(k, 1)))
 
 
+def test_stacked_blocks_are_read_at_the_layer_given():
+  """Stacked layers' blocks [L, N / 64, K, 64] with a layer index, traced inside a scan as the engine's
+  step gives it: each layer's product is that layer's weight's, read in place (no slice in the program);
+  an index outside the stack is clamped, as the attention's layer is, never a read past it."""
+  assert cpu_matmul.load_cpu_matmul()
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((5, 96), np.float32)
+  w = rng.standard_normal((3, 96, 192), np.float32)  # [L, K, N]
+  stacked = cpu_matmul.block_weight(jnp.asarray(w))
+  assert stacked.shape == (3, 3, 96, 64)
+  np.testing.assert_array_equal(np.asarray(stacked[2]), np.asarray(cpu_matmul.block_weight(jnp.asarray(w[2]))))
+
+  def per_layer(x, stacked):
+    return jax.lax.scan(lambda c, layer: (c, cpu_matmul.matmul_cpu(x, stacked, layer)), 0,
+                        jnp.arange(3, dtype=jnp.int32))[1]  # [L, M, N]
+
+  program = jax.jit(per_layer).lower(jnp.asarray(x), stacked).compile()
+  assert not re.search(r"f32\[[\d,]*\]\{[\d,]*\} dynamic-slice", program.as_text())  # only the index is sliced
+  got = np.asarray(program(jnp.asarray(x), stacked))
+  want = np.einsum("mk,lkn->lmn", x.astype(np.float64), w.astype(np.float64))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(cpu_matmul.matmul_cpu(jnp.asarray(x), stacked, 7)), want[2], rtol=1e-5,
+                             atol=1e-4)
+  with pytest.raises(ValueError, match="layer index"):
+    cpu_matmul.matmul_cpu(jnp.asarray(x), stacked)
+  with pytest.raises(ValueError, match="layer index"):
+    cpu_matmul.matmul_cpu(jnp.asarray(x), stacked[0], 1)
+
+
 def test_what_blocks():
   assert cpu_matmul.blockable(jnp.zeros((8, 128), jnp.float32))
   assert not cpu_matmul.blockable(jnp.zeros((8, 96), jnp.float32))  # N not a multiple of 64
   assert not cpu_matmul.blockable(jnp.zeros((8, 128), jnp.bfloat16))
-  assert not cpu_matmul.blockable(jnp.zeros((8, 2, 64), jnp.float32))  # the 2-D view is the caller's
+  assert cpu_matmul.blockable(jnp.zeros((3, 8, 64), jnp.float32))  # stacked layers [L, K, N]
+  assert not cpu_matmul.blockable(jnp.zeros((3, 8, 2, 64), jnp.float32))  # the 2-D views are the caller's
   with pytest.raises(ValueError, match="multiple of 64"):
     cpu_matmul.block_weight(jnp.zeros((8, 96), jnp.float32))
   x = jnp.zeros((3, 8), jnp.float32)
@@ -130,7 +161,11 @@ def test_every_vector_width_builds_and_each_this_cpu_runs_matches(name, flags, n
     x = rng.standard_normal((m, k), np.float32)
     w = rng.standard_normal((k, n), np.float32)
     weights = [jnp.asarray(w)] + ([cpu_matmul.block_weight(jnp.asarray(w))] if n % 64 == 0 else [])
+    if n % 64 == 0:  # stacked layers, read at layer 1
+      weights.append(cpu_matmul.block_weight(jnp.asarray(np.stack([np.zeros_like(w), w]))))
     for wj in weights:
-      got = np.asarray(jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(jnp.asarray(x), wj))
+      layer = jnp.int32(1 if wj.ndim == 4 else 0)
+      got = np.asarray(jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(jnp.asarray(x), wj,
+                                                                                            layer))
       np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5,
                                  atol=1e-5 * np.sqrt(k), err_msg=f"{name}: m {m}, k {k}, n {n}, w {wj.shape}")
