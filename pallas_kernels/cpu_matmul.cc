@@ -228,7 +228,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const size_t off = stacked ? 1 : 0;
   const bool blocked = wd.size() == 3 + off;
   if (xd.size() != 2 || (wd.size() != 2 && !(blocked && wd[2 + off] == kCols)) ||
-      xd[1] != wd[blocked ? 1 + off : 0])
+      xd[1] != wd[blocked ? 1 + off : 0] || (stacked && wd[0] < 1))
     return ffi::Error::InvalidArgument(
         "cpu matmul: x [M, K] and w [K, N], blocked [N / 64, K, 64] or stacked [L, N / 64, K, 64]");
   const int64_t m = xd[0], k = xd[1], n = blocked ? wd[off] * kCols : wd[1];
