@@ -116,7 +116,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (0: only the sampled one)
-    prompt_logprobs: int | None = None  # not implemented yet: LLMEngine.add_request rejects it when set
+    prompt_logprobs: int | None = None  # top-k log-probs of each prompt token (one device: refused with a mesh)
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (no text, so no stop strings)
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
