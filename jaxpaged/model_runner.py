@@ -905,8 +905,9 @@ class ModelRunner:
         if mesh is not None:
             parallel.check_tensor_parallel(model_config, mesh.shape[parallel.TP])
         # params in the checkpoint layout are converted here (the engine converts before sizing the pool)
-        self.layout = config.layout(packed=packs_weights(config.attention_backend, params["embed"].dtype,
-                                                         sharded=mesh is not None))
+        # the native CPU matmul's column blocks (f32, one device): they decide the layout, then get packed below
+        packed = packs_weights(config.attention_backend, params["embed"].dtype, sharded=mesh is not None)
+        self.layout = config.layout(packed=packed)
         params = to_weight_layout(model_config, params, self.layout, mesh)
         self.dtype = params["embed"].dtype
         self.kv_dtype = config.kv_dtype(self.dtype)
@@ -921,7 +922,7 @@ class ModelRunner:
         if mesh is None:
             # XLA:CPU: a tied LM head runs as its own [E, V] copy (llama.untie_lm_head)
             self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
-            if config.attention.native_matmul:  # the native matmul's column blocks
+            if packed:
                 arena = HugePageArena(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(self.params)))
                 self.params = pack_weights(self.params, functools.partial(_pack_for_cpu_matmul, arena=arena),
                                            consume=consume_params)
