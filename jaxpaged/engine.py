@@ -48,8 +48,8 @@ from jaxpaged import parallel
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.model_runner import (GPU_COMMAND_BUFFERS, FaultInjector, ModelRunner, ModelRunnerOutput,
-                                   PendingStep, PromptLogprobs, RunnerConfig, check_fuse_sampler, check_kv_cache_dtype,
-                                   kv_bytes_per_page, packs_weights, resolve_kv_cache_dtype)
+                                   PendingStep, PromptLogprobs, RunnerConfig, build_native_kernels, check_fuse_sampler,
+                                   check_kv_cache_dtype, kv_bytes_per_page, packs_weights, resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -234,6 +234,7 @@ class LLMEngine:
         self.args = args
         _configure_compilation_cache(args)
         parallel.initialize_distributed(args.distributed)  # before any JAX computation
+        build_native_kernels(args.attention_backend)  # a cold start's C++ builds, beside the loading below
         self.mesh = self._make_mesh()
         self.model = loaded or load_model(args.model, dtype=args.dtype, tokenizer=args.tokenizer,
                                           revision=args.revision, chat_template=args.chat_template,
@@ -360,14 +361,9 @@ class LLMEngine:
     def warmup(self) -> dict[str, float]:
         """Compile every step shape and every sampler shape now; none are compiled later.
 
-        Returns the seconds spent on each: {"compile": step shapes, "sampler": sampler shapes} (and
-        "async": the placeholder-token gathers, with async scheduling)."""
-        phases = self.runner.warmup()
-        if self.async_scheduling:
-            start = time.perf_counter()
-            self.runner.warmup_async()
-            phases["async"] = time.perf_counter() - start
-        return phases
+        Returns the seconds spent on each (ModelRunner.warmup): {"compile": step shapes, "sampler": sampler
+        shapes} (and "async": the placeholder-token gathers, with async scheduling)."""
+        return self.runner.warmup(self.async_scheduling)
 
     # ---- requests ---------------------------------------------------------
 

@@ -9,8 +9,8 @@ seed, num_output_tokens, banned ids, prompt/output ids) and returns a host-side
 
 Async scheduling (the engine's overlapped loop) splits that call in three:
 `dispatch(scheduler_output, previous)` packs the step, fills its placeholder tokens
-from the previous step's sampled tokens ON THE DEVICE (`merge_sampled_tokens`, one
-gather; no host round trip) and dispatches the forward; `dispatch_sample(pending)`
+from the previous step's sampled tokens ON THE DEVICE (`pad_sampled_tokens`, then
+`merge_sampled_tokens`'s gather; no host round trip) and dispatches the forward; `dispatch_sample(pending)`
 dispatches the sampler once the host has handled the previous step's outputs (so
 penalties and grammar masks see its tokens); `pending.result()` brings the sampled
 tokens to the host. Same programs, same results as `execute_model`.
@@ -79,12 +79,12 @@ from jaxpaged.sampler import (RowInfo, SamplerOutput, SamplingBatch, make_sampli
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
-from pallas_kernels import cpu_matmul, cpu_rope
+from pallas_kernels import cpu_attention, cpu_build, cpu_matmul, cpu_rope, cpu_sampler
 from pallas_kernels.cpu_attention import load_cpu_attention
 
 logger = logging.getLogger(__name__)
 
-_MAX_COMPILE_THREADS = 8  # warm-up compiles step shapes in parallel on up to this many threads (half the cores)
+_MAX_COMPILE_THREADS = 8  # warm-up compiles its programs in parallel on up to this many threads (half the cores)
 _WARMUP_BARRIER_SECONDS = 1800.0  # multi-host: how long a process waits for the others to finish warming up
 ATTENTION_BACKENDS = ("auto", "reference", "xla", "cpu", "pallas")
 FUSE_SAMPLER = ("auto", "on", "off")  # RunnerConfig.fuse_sampler: the sampler inside the step program
@@ -403,7 +403,8 @@ class PendingStep:
 @jax.jit
 def merge_sampled_tokens(token_ids: jax.Array, sampled: jax.Array, sources: jax.Array) -> jax.Array:
     """i32[T]: token_ids i32[T] with each position t where sources[t] >= 0 replaced by sampled[sources[t]],
-    sampled i32[S'] being the previous step's sampled tokens (a gather on the device)."""
+    sampled i32[R] being the previous step's sampled tokens (a gather on the device; `dispatch` pads them to
+    the largest S bucket, `pad_sampled_tokens`, so one program serves each T)."""
     return jnp.where(sources >= 0, sampled[jnp.maximum(sources, 0)], token_ids)
 
 
@@ -512,6 +513,18 @@ def resolve_attention_backend(attention_backend: str) -> str:
     if jax.default_backend() == "gpu":
         return "pallas"
     return "cpu" if load_cpu_attention() else "xla"
+
+
+def build_native_kernels(attention_backend: str) -> threading.Thread | None:
+    """On a CPU backend, start building the native kernels a runner with `attention_backend` may call, in the
+    background and in the order a start first asks for them (cpu_build.build_in_background): the step's matmul,
+    attention and RoPE tables (unless the backend is another one), then the sampler's. A cold start's C++
+    compiles (~3-4 s each on 2 cores) then overlap the model's loading instead of queueing on the main thread.
+    Returns the build thread (None elsewhere)."""
+    if jax.default_backend() != "cpu":
+        return None
+    step = (cpu_matmul, cpu_attention, cpu_rope) if attention_backend in ("auto", "cpu") else ()
+    return cpu_build.build_in_background([module.SOURCE for module in (*step, cpu_sampler)])
 
 
 def uses_native_matmul(backend: str) -> bool:
@@ -1155,9 +1168,9 @@ class ModelRunner:
         sources = _placeholder_sources(entries, step, previous) if any(e.placeholder for e in entries) else None
         if self.fuse_sampler:
             return self._dispatch_fused(entries, step, previous, sources)
-        if sources is not None:
+        if sources is not None:  # previous' tokens padded to the largest S: one gather program per T bucket
             step = dataclasses.replace(step, token_ids=merge_sampled_tokens(
-                step.token_ids, previous.sampler_output().token_ids, sources))
+                step.token_ids, previous.next_tokens(self.config.seq_buckets[-1]), sources))
         logits, hidden = self._forward(step)  # f32[S, V], [T, E]; dispatched
         return PendingStep(entries, step, logits, hidden)
 
@@ -1196,18 +1209,6 @@ class ModelRunner:
             pending.prompt_arrays = prompt_logprobs_step(self.model_config, self.params, pending.hidden,
                                                          _prompt_targets(spans, len(pending.step.token_ids)))
         pending.logits = pending.hidden = None  # the sampler has what it needs: let the device free them
-
-    def warmup_async(self) -> None:
-        """Compile `merge_sampled_tokens` at every (T bucket, S bucket) (the fused step gathers inside its
-        program; it needs `pad_sampled_tokens` at every S bucket): async scheduling never compiles later."""
-        if self.fuse_sampler:
-            for s in self.config.seq_buckets:
-                jax.block_until_ready(pad_sampled_tokens(jnp.zeros((s,), jnp.int32), self.config.seq_buckets[-1]))
-            return
-        for t in sorted({t for t, _, _ in self.config.buckets}):
-            for s in self.config.seq_buckets:
-                sampled = jax.device_put(np.zeros(s, np.int32))
-                jax.block_until_ready(merge_sampled_tokens(np.zeros(t, np.int32), sampled, np.full(t, -1, np.int32)))
 
     def execute(self, step: StepInput) -> jax.Array:
         """Run one step; returns logits f32[S, V] on device (rows past num_seqs are padding).
@@ -1313,22 +1314,25 @@ class ModelRunner:
         # replicated: this process's full copies, sampled locally
         return logits.addressable_data(0), hidden.addressable_data(0)
 
-    def warmup(self) -> dict[str, float]:
+    def warmup(self, async_scheduling: bool = False) -> dict[str, float]:
         """Compile every (T, S, P) bucket and the sampler ahead of time, so serving never compiles.
 
         With the fused sampler each shape gets the fused step's two programs, greedy-only and with random rows
         (the forward alone is never compiled: steps that sample outside it use the greedy program's logits).
-        Returns the wall seconds of its two phases: {"sampler": the sampler, prompt-logprob and draft programs,
-        "compile": the rest (lowering the step shapes, then waiting for their compiles)}. No step shape runs:
-        each is lowered here and compiled on a pool of threads (XLA compiles outside the GIL; a persistent-
-        cache hit loads the program instead), and `_run` calls the compiled programs. This thread warms the
-        sampler's parts while the pool compiles (a cold start would otherwise leave it idle). Logs each shape
-        as it is handed to the pool, so a cold start shows its progress. Every process compiles the same shapes.
+        async_scheduling: also the placeholder-token gathers (`lower_async`). Nothing runs: this thread traces
+        and lowers every program, a pool of threads compiles them as they come (XLA compiles outside the GIL;
+        a persistent-cache hit loads the program instead) and fills the jit caches (the sampler's parts and
+        the others called through their jits) or `_compiled` (the step shapes, which `_run` calls directly).
+        Returns the wall seconds of its phases: {"sampler": lowering the sampler's, prompt-logprob and draft
+        programs, "async": lowering the gathers (with async_scheduling), "compile": the rest (lowering the
+        step shapes, then waiting for the pool)}. Logs each step shape as it is handed to the pool, so a cold
+        start shows its progress. Every process compiles the same programs.
         """
-        start, buckets = time.perf_counter(), self.config.buckets
+        start, buckets, phases = time.perf_counter(), self.config.buckets, {}
+        # half the cores: XLA:CPU's compile of one program takes a second core (one thread: 34.4 s cold, two: 40.2)
         workers = max(1, min(len(buckets), (os.cpu_count() or 1) // 2, _MAX_COMPILE_THREADS))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxpaged-compile") as pool:
-            futures = {}
+            futures = {}  # future -> (dict, key) its program goes to, None: a jit's cache holds it
             for i, (t, s, p) in enumerate(buckets, 1):
                 logger.info("compiling step shape %d/%d: (T, S, P) = (%d, %d, %d)", i, len(buckets), t, s, p)
                 options = self.config.compiler_options(num_tokens=t)
@@ -1340,25 +1344,27 @@ class ModelRunner:
                     lowered = self.lower_fused(empty_step(t, s, p), random)
                     futures[pool.submit(lowered.compile, compiler_options=options)] = \
                         (self._compiled_fused, (t, s, p, random))
-            sampler_start = time.perf_counter()
-            self.warmup_sampler()
-            if self.mesh is None:  # prompt log-probs run on one device only (the engine refuses them on a mesh)
-                self.warmup_prompt_logprobs()
-                self.warmup_draft_verification()
-            sampler_seconds = time.perf_counter() - sampler_start
+            for phase, lower in (("sampler", self.lower_sampler), ("async", self.lower_async)):
+                if phase == "async" and not async_scheduling:
+                    continue
+                phase_start = time.perf_counter()
+                futures.update((pool.submit(lowered.compile), None) for lowered in lower())
+                phases[phase] = time.perf_counter() - phase_start
             for future in concurrent.futures.as_completed(futures):
-                compiled, key = futures[future]
-                compiled[key] = future.result()
-        seconds = time.perf_counter() - start - sampler_seconds
-        logger.info("compiled %d step shapes (T, S, P) in %.1f s on %d threads (and the sampler's parts in %.1f s "
-                    "meanwhile)", len(buckets), seconds + sampler_seconds, workers, sampler_seconds)
+                program, target = future.result(), futures[future]
+                if target is not None:
+                    target[0][target[1]] = program
+        phases["compile"] = time.perf_counter() - start - sum(phases.values())
+        logger.info("compiled %d step shapes (T, S, P) and %d other programs in %.1f s on %d threads",
+                    len(buckets), sum(target is None for target in futures.values()), time.perf_counter() - start,
+                    workers)
         if self.multi_process:  # processes finish compiling at different times: meet, then run a step together
             parallel.barrier("jaxpaged-warmup", _WARMUP_BARRIER_SECONDS)
             jax.block_until_ready(self._run(empty_step(*buckets[0])))  # also sets up the cross-process collectives
         if self._huge_pages is not None:  # the weights' advice done, then again: pages it could not collapse
             self._huge_pages.join()  # (already huge: free; the pool's pages come in huge as it fills)
             advise_huge_pages(self.params)
-        return {"compile": seconds, "sampler": sampler_seconds}
+        return phases
 
     def _warm_logits_rows(self, shape: tuple[int, int, int]) -> tuple[int, ...]:
         """The L values `warmup` compiles the forward of shape (T, S, P) with (none with the fused sampler)."""
@@ -1367,35 +1373,51 @@ class ModelRunner:
         t, s, _ = shape
         return (s, t) if shape in self._verify_buckets else (s,)
 
-    def warmup_prompt_logprobs(self) -> None:
-        """Compile prompt_logprobs_step at every T bucket (it runs only for requests that ask). Compiled, not
-        run: an ahead-of-time compile fills the jit's cache, and running [T, V] logits at every T bucket took
-        most of this (~1.5 s of 2.1 for SmolLM2 on a 2-core CPU)."""
-        for t in sorted({t for t, _, _ in self.config.buckets}):
-            hidden = jnp.zeros((t, self.model_config.hidden_size), self.dtype)
-            prompt_logprobs_step.lower(self.model_config, self.params, hidden, np.zeros(t, np.int32)).compile()
+    def lower_sampler(self) -> list[jax.stages.Lowered]:
+        """The sampler's parts at every S bucket (sampler.lower_parts) and, on one device (the engine refuses
+        prompt log-probs on a mesh), the prompt log-probs' and speculative decoding's programs: what `warmup`
+        compiles besides the step shapes and async scheduling's gathers."""
+        V = self.model_config.vocab_size
+        lowered = [program for s in self.config.seq_buckets for program in sampler.lower_parts(s, V)]
+        return lowered + (self.lower_prompt_logprobs() + self.lower_draft_verification() if self.mesh is None else [])
 
-    def warmup_draft_verification(self) -> None:
-        """Speculative decoding: compile draft_logits at every (T, M) of `draft_shapes`, the sampler at every
-        M x k rows and at the T rows of packed verify buckets, and accept_drafts for each (rows sampled, M)
-        (nothing when speculation is off)."""
+    def lower_prompt_logprobs(self) -> list[jax.stages.Lowered]:
+        """prompt_logprobs_step at every T bucket (it runs only for requests that ask)."""
+        return [prompt_logprobs_step.lower(self.model_config, self.params,
+                                           jnp.zeros((t, self.model_config.hidden_size), self.dtype),
+                                           np.zeros(t, np.int32))
+                for t in sorted({t for t, _, _ in self.config.buckets})]
+
+    def lower_draft_verification(self) -> list[jax.stages.Lowered]:
+        """Speculative decoding: draft_logits at every (T, M) of `draft_shapes`, the sampler at every M x k rows
+        and at the T rows of packed verify buckets, and accept_drafts for each (rows sampled, M) (none when
+        speculation is off)."""
         k, V = self.config.num_speculative_tokens, self.model_config.vocab_size
-        for t, m in self.config.draft_shapes:
-            hidden = jnp.zeros((t, self.model_config.hidden_size), self.dtype)
-            jax.block_until_ready(draft_logits(self.model_config, self.params, hidden, np.zeros(m * k, np.int32)))
+        lowered = [draft_logits.lower(self.model_config, self.params,
+                                      jnp.zeros((t, self.model_config.hidden_size), self.dtype),
+                                      np.zeros(m * k, np.int32))
+                   for t, m in self.config.draft_shapes]
         packed = {t for t, _, _ in self._verify_buckets}  # T logits rows of the packed verify buckets
         for rows in sorted(packed - set(self.config.seq_buckets)):
-            sampler.warmup(rows, V)
+            lowered += sampler.lower_parts(rows, V)
         for m in self.config.draft_seq_buckets:
-            sampler.warmup(m * k, V)
-            for n in {m * k, *self.config.seq_buckets, *packed}:  # draft rows alone, or packed with the entries'
-                jax.block_until_ready(accept_drafts(jnp.zeros(n, jnp.int32), np.zeros((m, k), np.int32),
-                                                    np.zeros((m, k), np.int32)))
+            lowered += sampler.lower_parts(m * k, V)
+            lowered += [accept_drafts.lower(jnp.zeros(n, jnp.int32), np.zeros((m, k), np.int32),
+                                            np.zeros((m, k), np.int32))
+                        for n in {m * k, *self.config.seq_buckets, *packed}]  # draft rows alone, or with the entries'
+        return lowered
 
-    def warmup_sampler(self) -> None:
-        """Compile every part of the sampler at every S bucket (see sampler.warmup)."""
-        for s in self.config.seq_buckets:
-            sampler.warmup(s, self.model_config.vocab_size)
+    def lower_async(self) -> list[jax.stages.Lowered]:
+        """Async scheduling's gathers: `pad_sampled_tokens` at every S bucket (a step's sampled tokens as the next
+        step's, i32[largest S]) and, unless the step program gathers them itself (the fused sampler),
+        `merge_sampled_tokens` at every T bucket."""
+        R = self.config.seq_buckets[-1]
+        lowered = [pad_sampled_tokens.lower(jnp.zeros((s,), jnp.int32), R) for s in self.config.seq_buckets]
+        if not self.fuse_sampler:
+            lowered += [merge_sampled_tokens.lower(np.zeros(t, np.int32), jnp.zeros(R, jnp.int32),
+                                                   np.full(t, -1, np.int32))
+                        for t in sorted({t for t, _, _ in self.config.buckets})]
+        return lowered
 
 
 class _Counted:

@@ -29,13 +29,13 @@ that key and V, so a seeded request samples the same tokens in any batch, in
 any row. Log-probs are those of the RAW model distribution (vLLM v1's
 default): log_softmax of the unmodified logits.
 
-Compile variants at one (S, V, B) (`warmup` compiles them all): greedy and
-random parts with and without the penalty arrays (`output_counts`/
-`prompt_mask` None or not), times each `num_top_logprobs` (0 when no row asks
-for logprobs: `num_top_logprobs_for`), the fallback (`_resample_rows`: per row
-count R of `fallback_rows` and cut method), and the token-bitmask
-pass (run only when some row is constrained: an unconstrained batch pays
-nothing for it). Parameter values never cause a recompile.
+Compile variants at one (S, V, B) (`warmup` compiles them all, `lower_parts`
+lowers them): greedy and random parts with and without the penalty arrays
+(`output_counts`/`prompt_mask` None or not), the top log-probs (a program of
+their own, run only when some row asks: `num_top_logprobs_for`), the fallback
+(`_resample_rows`: per row count R of `fallback_rows` and cut method), and the
+token-bitmask pass (run only when some row is constrained: an unconstrained
+batch pays nothing for it). Parameter values never cause a recompile.
 
 The fused step (jaxpaged/model_runner.py, `fuse_sampler`) traces `sample_in_step` into the step's own
 program instead: the same operations as the parts above (so the same samples), every optional array present
@@ -299,10 +299,21 @@ def _sample_parts(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int
     random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch: free)
     native = native_kernels(logits)
     if not random_rows.any():
-        out = _greedy_sample(logits, batch, num_top_logprobs, native)
+        out = with_top_logprobs(_greedy_sample(logits, batch, native), logits, num_top_logprobs)
         return lambda: out
-    out, scaled, threshold, flags = _candidate_sample(logits, batch, num_top_logprobs, prefilter_k, native)
+    out, scaled, threshold, flags = _candidate_sample(logits, batch, prefilter_k, native)
+    out = with_top_logprobs(out, logits, num_top_logprobs)
     return functools.partial(_finish_random, logits, batch, random_rows, out, scaled, threshold, flags)
+
+
+def with_top_logprobs(out: SamplerOutput, raw: jax.Array, num_top_logprobs: int) -> SamplerOutput:
+    """out with the top log-probs of raw f32[S, V] (the logits the sampler read, after any token bitmask) when
+    num_top_logprobs > 0: `_top_logprobs`, a program of its own dispatched only then, so that the sampler's
+    parts have no variant per num_top_logprobs (half the programs to compile at warm-up)."""
+    if not num_top_logprobs:
+        return out
+    top_ids, top_logprobs = _top_logprobs(raw, num_top_logprobs, native_kernels(raw))
+    return dataclasses.replace(out, top_token_ids=top_ids, top_logprobs=top_logprobs)
 
 
 def _finish_random(logits, batch: SamplingBatch, random_rows: np.ndarray, out: SamplerOutput, scaled, threshold,
@@ -441,17 +452,17 @@ def finish_in_step(state: StepSample, batch: SamplingBatch, num_top_logprobs: in
         if state.flags is not None:
             random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch)
             out = _finish_random(state.logits, batch, random_rows, out, state.scaled, state.threshold, state.flags)
-        if num_top_logprobs:
-            top_ids, top_logprobs = _top_logprobs(state.logits, num_top_logprobs)
-            out = dataclasses.replace(out, top_token_ids=top_ids, top_logprobs=top_logprobs)
-        return out
+        return with_top_logprobs(out, state.logits, num_top_logprobs)
     return finish
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def _top_logprobs(raw: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """(i32[S, K] ids, f32[S, K] log-probs) of the raw distribution's k most likely tokens (`_raw_logprobs`')."""
-    out = _raw_logprobs(raw, jnp.zeros(raw.shape[:1], jnp.int32), k)
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _top_logprobs(raw: jax.Array, k: int, native: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(i32[S, K] ids, f32[S, K] log-probs) of the raw distribution's k most likely tokens (`_raw_logprobs`'),
+    under the log-sum-exp the parts give the sampled token's log-prob (`_row_stats`; native: static)."""
+    raw = raw.astype(jnp.float32)
+    _, lse, finite = _row_stats(raw, raw, native)
+    out = _raw_logprobs(raw, jnp.zeros(raw.shape[:1], jnp.int32), k, lse, finite)
     return out.top_token_ids, out.top_logprobs
 
 
@@ -461,28 +472,37 @@ def num_top_logprobs_for(requested: Sequence[int | None]) -> int:
     return MAX_LOGPROBS if any(k is not None for k in requested) else 0
 
 
-def warmup(num_rows: int, vocab_size: int, num_top_logprobs: Sequence[int] = (0, MAX_LOGPROBS)) -> None:
-    """Compile every part of `sample` at (num_rows, vocab_size): greedy and random batches, with and
-    without penalty arrays, each num_top_logprobs, and the fallback. Nothing compiles later."""
+def lower_parts(num_rows: int, vocab_size: int) -> list[jax.stages.Lowered]:
+    """Every part of `sample` at (num_rows, vocab_size), lowered with arguments of the kinds serving passes
+    (logits on the device, a numpy batch): greedy and random parts with and without the penalty arrays, the
+    fallback at each R and cut method this device takes, the token-bitmask pass and the top log-probs.
+    Compiling them (`warmup`, or the runner's pool of compile threads) fills the parts' jit caches, so no
+    batch traces or compiles later. Lowering only: nothing runs."""
     logits = jax.device_put(np.zeros((num_rows, vocab_size), np.float32))  # as the runner hands it over
-    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
-        for penalties in (False, True):
-            p = dataclasses.replace(params, repetition_penalty=1.1) if penalties else params
-            batch = make_sampling_batch([RowInfo(p, seed=0)], num_rows, vocab_size)
-            for k in num_top_logprobs:
-                jax.block_until_ready(sample(logits, batch, num_top_logprobs=k))
-    batch = make_sampling_batch([RowInfo(SamplingParams(temperature=1.0), seed=0)], num_rows, vocab_size)
-    out, scaled, threshold, _ = _candidate_sample(logits, batch, 0, PREFILTER_K, native_kernels(logits))
+    native = native_kernels(logits)
+    lowered = []
+    for penalties in (False, True):
+        params = SamplingParams(temperature=1.0, repetition_penalty=1.1 if penalties else 1.0)
+        batch = make_sampling_batch([RowInfo(params, seed=0)], num_rows, vocab_size)
+        lowered.append(_greedy_sample.lower(logits, batch, native))
+        lowered.append(_candidate_sample.lower(logits, batch, PREFILTER_K, native))
+    out, scaled, threshold, _ = lowered[-1].out_info  # the fallback reads the candidate pass's outputs
     methods = sorted({_cut_method(logits, any_inexact, with_top_k) for any_inexact in (False, True)
                       for with_top_k in (False, True)})  # those this device takes
     for num_fallback_rows in sorted({fallback_rows(n, num_rows) for n in (*FALLBACK_ROW_BUCKETS, num_rows)}):
         index = np.arange(num_fallback_rows, dtype=np.int32)  # the fallback of every R and cut method
-        for cut in methods:
-            jax.block_until_ready(_resample_rows(
-                logits, out.token_ids, out.logprobs, scaled, threshold, batch.top_k, batch.top_p, batch.min_p,
-                batch.key_data, batch.steps, index, np.ones(index.shape, bool), cut))
-    jax.block_until_ready(_mask_logits(logits, np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)))
-    jax.block_until_ready(_top_logprobs(logits, MAX_LOGPROBS))  # the fused step's top log-probs
+        lowered += [_resample_rows.lower(logits, out.token_ids, out.logprobs, scaled, threshold, batch.top_k,
+                                         batch.top_p, batch.min_p, batch.key_data, batch.steps, index,
+                                         np.ones(index.shape, bool), cut) for cut in methods]
+    lowered.append(_mask_logits.lower(logits, np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)))
+    lowered.append(_top_logprobs.lower(logits, MAX_LOGPROBS, native))
+    return lowered
+
+
+def warmup(num_rows: int, vocab_size: int) -> None:
+    """Compile every part of `sample` at (num_rows, vocab_size) (`lower_parts`): nothing compiles later."""
+    for lowered in lower_parts(num_rows, vocab_size):
+        lowered.compile()
 
 
 def compiled_variants() -> int:
@@ -498,12 +518,12 @@ def _mask_logits(logits: jax.Array, bitmask: jax.Array) -> tuple[jax.Array, jax.
     return apply_token_bitmask(raw, bitmask), jnp.all(jnp.isfinite(raw), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _greedy_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int,
-                   native: bool = False) -> SamplerOutput:
+@functools.partial(jax.jit, static_argnums=(2,))
+def _greedy_sample(logits: jax.Array, batch: SamplingBatch, native: bool = False) -> SamplerOutput:
+    """Every row's argmax (K = 0: `with_top_logprobs` adds the top log-probs)."""
     raw = logits.astype(jnp.float32)
     token_ids, lse, finite = _row_stats(process_logits(raw, batch), raw, native)
-    return _raw_logprobs(raw, token_ids, num_top_logprobs, lse, finite)
+    return _raw_logprobs(raw, token_ids, 0, lse, finite)
 
 
 def _row_stats(processed: jax.Array, raw: jax.Array, native: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -517,12 +537,12 @@ def _row_stats(processed: jax.Array, raw: jax.Array, native: bool) -> tuple[jax.
     return _argmax(processed), _logsumexp(raw), jnp.all(jnp.isfinite(raw), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _candidate_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int, kp: int, native: bool):
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _candidate_sample(logits: jax.Array, batch: SamplingBatch, kp: int, native: bool):
     """Greedy rows: argmax. Random rows: temperature, the min_p / top_k / top_p cut, Gumbel-max over
     each row's kp largest logits (no sort of the vocabulary).
 
-    Returns (SamplerOutput, scaled f32[S, V] (the tempered, min_p-cut logits), threshold f32[S],
+    Returns (SamplerOutput (K = 0), scaled f32[S, V] (the tempered, min_p-cut logits), threshold f32[S],
     flags bool[2, S] = (covered, exact)); see `_candidate_tokens`.
     """
     raw = logits.astype(jnp.float32)
@@ -530,7 +550,7 @@ def _candidate_sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs:
     greedy_ids, lse, finite = _row_stats(processed, raw, native)
     scaled, min_p_threshold = _scale(processed, batch, native)
     token_ids, threshold, flags = _candidate_tokens(greedy_ids, scaled, min_p_threshold, batch, kp, native)
-    return _raw_logprobs(raw, token_ids, num_top_logprobs, lse, finite), scaled, threshold, flags
+    return _raw_logprobs(raw, token_ids, 0, lse, finite), scaled, threshold, flags
 
 
 def _scale(processed: jax.Array, batch: SamplingBatch, native: bool = False) -> tuple[jax.Array, jax.Array]:

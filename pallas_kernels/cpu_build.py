@@ -11,6 +11,7 @@ returns False and callers keep their XLA path.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -19,6 +20,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -70,13 +73,40 @@ def build_library(source: Path, cache_dir: Path | None = None,
   if lib.exists():
     return lib
   cache_dir.mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-    out = Path(tmp) / lib.name
-    cmd = [compiler, *FLAGS, *extra_flags, f"-I{jax.ffi.include_dir()}",
-           str(source), "-o", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    os.replace(out, lib)   # atomic: concurrent builders agree on the result
+  # One build per library: a second builder (a thread or a process; each open
+  # is its own lock holder) waits here for the first, then finds the library.
+  lock_path = cache_dir / f"{lib.name}.lock"
+  with open(lock_path, "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if lib.exists():
+      return lib
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+      out = Path(tmp) / lib.name
+      cmd = [compiler, *FLAGS, *extra_flags, f"-I{jax.ffi.include_dir()}",
+             str(source), "-o", str(out)]
+      subprocess.run(cmd, check=True, capture_output=True, text=True)
+      os.replace(out, lib)   # atomic: a reader never sees half a library
+    lock_path.unlink()  # whoever opens it from now on finds the library first
   return lib
+
+
+def build_in_background(sources: Sequence[Path],
+                        cache_dir: Path | None = None) -> threading.Thread:
+  """Starts `build_library(source)` (default flags) for each source in turn,
+  on a daemon thread, and returns it. A cold start's compiles (seconds each)
+  then run beside the caller's work (one compiler at a time: the caller keeps
+  a core), not on its thread when each kernel is first asked for; list the
+  sources in the order they will be. `load_target` waits on a build in flight
+  (its lock) and reports any error itself, so this thread ignores them."""
+  def build() -> None:
+    for source in sources:
+      try:
+        build_library(source, cache_dir)
+      except (RuntimeError, OSError, subprocess.CalledProcessError):
+        pass  # load_target builds again and warns
+  thread = threading.Thread(target=build, daemon=True, name="jaxpaged-kernel-builds")
+  thread.start()
+  return thread
 
 
 @functools.cache

@@ -395,7 +395,7 @@ def warm_cache_warmup(engine: LLMEngine) -> float:
     engine.runner.forget_compiled()
     jax.clear_caches()
     start = time.perf_counter()
-    engine.runner.warmup()
+    engine.runner.warmup(engine.async_scheduling)
     return time.perf_counter() - start
 
 

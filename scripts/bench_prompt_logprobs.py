@@ -41,9 +41,11 @@ def main() -> None:
         jax.block_until_ready(runner._run(empty_step(t, s, pages)))
     steps = time.perf_counter() - start
     start = time.perf_counter()
-    runner.warmup_prompt_logprobs()
+    for lowered in runner.lower_prompt_logprobs():
+        lowered.compile()
     extra = time.perf_counter() - start
-    runner.warmup_sampler()
+    for lowered in runner.lower_sampler():
+        lowered.compile()
     print(f"{args.model} on {jax.default_backend()}: warm-up of {len(runner.config.buckets)} step shapes "
           f"{steps:.1f} s; prompt_logprobs_step at {len({t for t, _, _ in runner.config.buckets})} T buckets "
           f"+{extra:.1f} s")

@@ -249,7 +249,7 @@ MUTATIONS: tuple[Mutation, ...] = (
        "num_output_tokens=request.num_output_tokens,",
        "tests/test_scheduler.py::test_async_decode_feeds_a_placeholder_with_exact_pages"),
     _m("async-gather-not-warmed", "engine: async scheduling", "jaxpaged/engine.py",
-       "            self.runner.warmup_async()\n", "            pass\n",
+       "return self.runner.warmup(self.async_scheduling)", "return self.runner.warmup()",
        ASYNC + "test_no_compilation_after_warmup"),
     _m("async-dispatch-error-not-deferred", "engine: async scheduling", "jaxpaged/engine.py",
        "            self._deferred_error = err\n            return False", "            raise",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -341,3 +342,14 @@ def test_pack_weights_packs_stacked_and_per_layer_params_and_consumes_only_what_
     np.testing.assert_array_equal(layers["w_down"].data[1], cpu_matmul.block_weight(jnp.asarray(w_down[1])))
     assert layers["wo"].shape == (64, 64) and layers["wo"].data.shape == (2, 1, 64, 64)
     assert not isinstance(layers["wqkv"], PackedWeight) and not layers["wqkv"].is_deleted()
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernels are XLA:CPU's")
+def test_build_native_kernels_starts_the_kernels_the_step_will_ask_for_in_that_order(monkeypatch):
+    from jaxpaged.model_runner import build_native_kernels
+    from pallas_kernels import cpu_build
+    asked = []  # the sources of each background build, in their order
+    monkeypatch.setattr(cpu_build, "build_in_background", lambda sources: asked.append(
+        [Path(s).name for s in sources]))
+    build_native_kernels("auto")
+    build_native_kernels("xla")
+    assert asked == [["cpu_matmul.cc", "cpu_attention.cc", "cpu_rope.cc", "cpu_sampler.cc"], ["cpu_sampler.cc"]]

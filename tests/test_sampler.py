@@ -349,17 +349,32 @@ def test_random_params_outputs_are_sane(data):
 # ---- compiles ------------------------------------------------------------------
 
 
+def traces_and_compiles(fn) -> list[str]:
+    """The jaxpr traces and backend compiles (a jit cache miss, then its compile) while fn() runs."""
+    events = []
+
+    def listener(event, duration, **_):
+        if event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return events
+
+
 @pytest.mark.parametrize("vocab", [V, 1024])
 def test_warmup_compiles_every_part_no_recompile_across_param_values(vocab):
-    """After `warmup`, no batch compiles anything: greedy, random, penalties, logprobs on or off,
-    and (vocab 1024 > the prefilter's 256) the bisection and full-vocabulary fallbacks."""
+    """After `warmup` (which compiles what `lower_parts` lowers, running nothing), no batch traces or compiles
+    anything: greedy, random, penalties, logprobs on or off, and (vocab 1024 > the prefilter's 256) the
+    bisection and full-vocabulary fallbacks."""
     logits = jnp.asarray(logits_of(12, vocab=vocab, scale=0.1))  # flat rows: the fallbacks run
-    warmup(S, vocab)
-    before = compiled_variants()
+    assert traces_and_compiles(lambda: warmup(S, vocab))  # it compiles (or loads) what the calls below run
 
-    def call(rows, k=20):
+    def call(rows, k):
         jax.block_until_ready(sample_jit(logits, make_sampling_batch(rows, S, vocab), num_top_logprobs=k))
-        return compiled_variants()
 
     variants = [
         [RowInfo(SP(temperature=0.0), seed=0)],
@@ -370,7 +385,12 @@ def test_warmup_compiles_every_part_no_recompile_across_param_values(vocab):
         [RowInfo(SP(repetition_penalty=1.2), seed=0, prompt_token_ids=[1])],
         [RowInfo(SP(presence_penalty=-1.0, temperature=0.0), seed=3, output_token_ids=[4])],
     ]
-    assert all(call(rows, k) == before for rows in variants for k in (0, 20))
+    for rows in variants:
+        for k in (0, 20):
+            assert traces_and_compiles(lambda: call(rows, k)) == [], (rows, k)
+    before = compiled_variants()
+    call([RowInfo(SP(temperature=0.0), seed=0)], 5)  # a new num_top_logprobs: the top log-probs' program only
+    assert compiled_variants() == before + 1
     assert isinstance(make_sampling_batch([], S, V), SamplingBatch)
 
 

@@ -192,8 +192,8 @@ def test_the_greedy_sampler_takes_the_native_row_stats():
   """The sampler's greedy part with the native row stats: the XLA part's tokens, log-probs within rounding."""
   logits = jnp.asarray((np.random.default_rng(3).standard_normal((4, 3000)) * 5).astype(np.float32))
   batch = sampler.make_sampling_batch([], 4, 3000)
-  native = sampler._greedy_sample(logits, batch, 0, True)
-  xla = sampler._greedy_sample(logits, batch, 0, False)
+  native = sampler._greedy_sample(logits, batch, True)
+  xla = sampler._greedy_sample(logits, batch, False)
   np.testing.assert_array_equal(native.token_ids, xla.token_ids)
   np.testing.assert_allclose(native.logprobs, xla.logprobs, rtol=1e-5, atol=1e-5)
   assert bool(native.finite.all())
