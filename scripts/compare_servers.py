@@ -316,14 +316,15 @@ def wait_ready(spec: ServerSpec, proc: subprocess.Popen, timeout: float, log_pat
     """Poll the server's ready paths until one answers 200 (bounded by `timeout`)."""
     deadline = time.monotonic() + timeout
     base = f"http://127.0.0.1:{spec.port}"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with code {proc.returncode} during start-up: {_tail(log_path)}")
-        for path in spec.ready_paths:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + path, timeout=2).status_code == 200:
-                    return
-        time.sleep(1.0)
+    with httpx.Client(timeout=2) as client:  # one client: httpx.get builds one (and its SSL context) a call
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"exited with code {proc.returncode} during start-up: {_tail(log_path)}")
+            for path in spec.ready_paths:
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(base + path).status_code == 200:
+                        return
+            time.sleep(1.0)
     raise RuntimeError(f"not ready after {timeout:.0f}s: {_tail(log_path)}")
 
 

@@ -64,15 +64,16 @@ def serve(app, timeout: float = 30.0):
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError(f"the server on port {port} did not come up")
-        time.sleep(0.05)
+    with httpx.Client(timeout=1) as client:  # one client: httpx.get builds one (~27 ms of CPU) a call
+        while True:
+            try:
+                if client.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError(f"the server on port {port} did not come up")
+            time.sleep(0.05)
     try:
         yield url
     finally:
