@@ -15,13 +15,13 @@ import pytest
 from jaxpaged import hlo_stats, parallel
 from jaxpaged.engine import EngineArgs, LLMEngine
 from jaxpaged.model_runner import (CPU_COMPILER_OPTIONS, CPU_SMALL_STEP_OPTIONS, CPU_SMALL_STEP_TOKENS, ModelRunner,
-                                   RunnerConfig, cpu_compiler_options,
+                                   RunnerConfig, build_native_kernels, cpu_compiler_options,
                                    kv_bytes_per_page, paged_forward, resolve_kv_cache_dtype)
 from jaxpaged.models.llama import PackedWeight, WeightLayout, forward_jit, unstack_layers
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import ScheduledRequest
-from pallas_kernels import cpu_matmul
+from pallas_kernels import cpu_build, cpu_matmul
 
 CONFIG = RunnerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128, page_size=16, num_pages=32,
                       attention_backend="reference")
@@ -343,10 +343,9 @@ def test_pack_weights_packs_stacked_and_per_layer_params_and_consumes_only_what_
     assert layers["wo"].shape == (64, 64) and layers["wo"].data.shape == (2, 1, 64, 64)
     assert not isinstance(layers["wqkv"], PackedWeight) and not layers["wqkv"].is_deleted()
 
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernels are XLA:CPU's")
 def test_build_native_kernels_starts_the_kernels_the_step_will_ask_for_in_that_order(monkeypatch):
-    from jaxpaged.model_runner import build_native_kernels
-    from pallas_kernels import cpu_build
     asked = []  # the sources of each background build, in their order
     monkeypatch.setattr(cpu_build, "build_in_background", lambda sources: asked.append(
         [Path(s).name for s in sources]))
