@@ -14,6 +14,7 @@ import time
 
 import jax
 
+from jaxpaged import sampler
 from jaxpaged.engine import EngineArgs, LLMEngine
 from jaxpaged.model_runner import empty_step
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -44,8 +45,8 @@ def main() -> None:
     for lowered in runner.lower_prompt_logprobs():
         lowered.compile()
     extra = time.perf_counter() - start
-    for lowered in runner.lower_sampler():
-        lowered.compile()
+    for s in runner.config.seq_buckets:  # the sampler's parts (lower_sampler would lower the above again)
+        sampler.warmup(s, runner.model_config.vocab_size)
     print(f"{args.model} on {jax.default_backend()}: warm-up of {len(runner.config.buckets)} step shapes "
           f"{steps:.1f} s; prompt_logprobs_step at {len({t for t, _, _ in runner.config.buckets})} T buckets "
           f"+{extra:.1f} s")

@@ -82,7 +82,7 @@ def start_once(tree: Path, cache_home: Path, server_args: list[str], timeout: fl
 def wait_healthy(url: str, proc: subprocess.Popen, spawned: float, timeout: float) -> float | None:
     """Seconds from spawn to /health 200, polled every 50 ms through one client: `httpx.get` builds a
     client (and its SSL context) per call, ~27 ms of CPU, which at this rate took a third of a core from
-    the start it measured (a cold start read ~14 s slower on 2 cores, sessions 24-27)."""
+    the start it measured (sessions 24-27; its effect on their figures was within the machine's drift)."""
     with httpx.Client(timeout=1) as client:
         while time.perf_counter() - spawned < timeout and proc.poll() is None:
             try:
