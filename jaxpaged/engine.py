@@ -49,7 +49,8 @@ from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.model_runner import (GPU_COMMAND_BUFFERS, FaultInjector, ModelRunner, ModelRunnerOutput,
                                    PendingStep, PromptLogprobs, RunnerConfig, build_native_kernels, check_fuse_sampler,
-                                   check_kv_cache_dtype, kv_bytes_per_page, packs_weights, resolve_kv_cache_dtype)
+                                   check_kv_cache_dtype, check_quantization, kv_bytes_per_page, packs_weights,
+                                   resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -104,6 +105,9 @@ class EngineArgs:
     num_pages: int | None = None  # KV pool size in pages (incl. the null page); overrides the above
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"  # the KV pool's dtype (see model_runner.resolve_kv_cache_dtype)
+    # vLLM's `quantization`: weight-only quantisation of the weight dots, "int8" (model_runner.QUANTIZATIONS; CPU,
+    # float32 weights on one device: the native matmul reads int8, a scale per column and 32 rows) or None
+    quantization: str | None = None
     # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays, read in place, where the
     # weights are not packed for the native CPU matmul, whose packed stack a scan reads in place; the stacked
     # scan compiles faster), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up one gemm each
@@ -158,6 +162,10 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
         check_kv_cache_dtype(self.kv_cache_dtype)  # before the model loads
+        check_quantization(self.quantization)
+        if self.quantization is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
+            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor parallelism or several "
+                             "processes (it runs on the native CPU matmul, one device)")
         check_weight_layout(self.weight_layout)
         if self.command_buffers not in ("auto", *GPU_COMMAND_BUFFERS):
             raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
@@ -295,9 +303,10 @@ class LLMEngine:
         self.startup_seconds = time.perf_counter() - start
         self.startup_phases = phases
         rc = self.runner_config
-        logger.info("jaxpaged ready in %.1f s (%s): %s (%s), KV pool %d pages x %d tokens = %d tokens (%s), "
+        quantized = "" if rc.quantization is None else f", weight dots {rc.quantization}"
+        logger.info("jaxpaged ready in %.1f s (%s): %s (%s%s), KV pool %d pages x %d tokens = %d tokens (%s), "
                     "backend %s", self.startup_seconds, ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
-                    self.model.source, self.model.dtype, rc.num_pages - 1, rc.page_size,
+                    self.model.source, self.model.dtype, quantized, rc.num_pages - 1, rc.page_size,
                     (rc.num_pages - 1) * rc.page_size, self.runner.kv_dtype, rc.backend)
 
     # ---- configuration ----------------------------------------------------
@@ -331,6 +340,7 @@ class LLMEngine:
         return RunnerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                             max_model_len=max_model_len, page_size=args.block_size, num_pages=num_pages,
                             attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+                            quantization=args.quantization,
                             weight_layout=args.weight_layout, fuse_projections=args.fuse_projections,
                             command_buffers=args.command_buffers, fuse_sampler=args.fuse_sampler,
                             # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes

@@ -533,6 +533,17 @@ def uses_native_matmul(backend: str) -> bool:
     return backend == "cpu" and jax.default_backend() == "cpu" and cpu_matmul.load_cpu_matmul()
 
 
+# Weight-only quantisation of the weight dots (vLLM's `quantization` argument): "int8", a float32 scale per output
+# column and run of 32 rows (pallas_kernels/cpu_matmul.py: quantize_int8), computed in float32 by the native CPU matmul
+QUANTIZATIONS = ("int8",)
+
+
+def check_quantization(quantization: str | None) -> None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: choose one of {QUANTIZATIONS} or None (the checkpoint's "
+                         "weights as loaded)")
+
+
 def packs_weights(attention_backend: str, dtype, sharded: bool = False) -> bool:
     """Whether a runner holds the weight dots' weights packed as the native CPU matmul's blocks (float32
     weights on one device; `ModelRunner`, `_pack_for_cpu_matmul`). The weight layout follows it: a layer scan
@@ -589,6 +600,9 @@ class RunnerConfig:
     # The sampler inside the step's jitted program (`fused_step`): "auto" (on with a GPU backend; off on CPU,
     # where it measured slower: docs/benchmarks.md, "The fused sampler"), "on" or "off". One device only.
     fuse_sampler: str = "auto"
+    # Weight-only quantisation of the weight dots (QUANTIZATIONS) or None. It needs the native CPU matmul's packed
+    # weights (`packs_weights`: float32 on one device), which the ModelRunner checks.
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -610,6 +624,7 @@ class RunnerConfig:
             raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
                              f"{('auto', *GPU_COMMAND_BUFFERS)}")
         check_fuse_sampler(self.fuse_sampler)
+        check_quantization(self.quantization)
 
     def sampler_fused(self, platform: str | None = None) -> bool:
         """Whether the step program samples too (fuse_sampler; "auto": on a GPU backend only)."""
@@ -881,18 +896,25 @@ def empty_step(t: int, s: int, p: int, num_logits: int | None = None) -> StepInp
                      np.int32(0), np.zeros(s if num_logits is None else num_logits, np.int32))
 
 
-def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...], arena: HugePageArena) -> PackedWeight | None:
+def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...], arena: HugePageArena,
+                         quantization: str | None = None) -> PackedWeight | None:
     """A weight dot's 2-D view w [K, N] (stacked layers: [L, K, N]) as the native CPU matmul's contiguous
     column blocks [N / 64, K, 64] ([L, N / 64, K, 64]; one stream per block: one row of x reads them ~1.4x
     faster than [K, N], docs/kernels.md), written by the host into `arena` (born on huge pages:
-    host_memory); None where it can't take w."""
+    host_memory); None where it can't take w. quantization="int8": the blocks hold `quantize_int8`'s int8
+    values, its scales (per column and run of 32 rows) blocked alike beside them, [(L,) N / 64, K / 32, 64]."""
     if not cpu_matmul.blockable(w):
         return None
     host = np.asarray(w)  # [(L,) K, N]: a view of w's CPU buffer
+    scale = None
+    if quantization == "int8":
+        host, scale = cpu_matmul.quantize_int8(host)  # int8 [(L,) K, N], f32 [(L,) K / 32, N]
     *lead, k, n = host.shape
     blocks = arena.empty((*lead, n // cpu_matmul.BLOCK_COLS, k, cpu_matmul.BLOCK_COLS), host.dtype)
     np.copyto(blocks, cpu_matmul.block_weight(host))
-    return PackedWeight(cpu_array_over(blocks), tuple(shape), cpu_matmul.matmul_cpu)
+    if scale is not None:  # [(L,) N / 64, K / 32, 64]
+        scale = jnp.asarray(np.ascontiguousarray(cpu_matmul.block_weight(scale)))
+    return PackedWeight(cpu_array_over(blocks), tuple(shape), cpu_matmul.matmul_cpu, scale=scale)
 
 
 class ModelRunner:
@@ -920,6 +942,13 @@ class ModelRunner:
         # params in the checkpoint layout are converted here (the engine converts before sizing the pool)
         # the native CPU matmul's column blocks (f32, one device): they decide the layout, then get packed below
         packed = packs_weights(config.attention_backend, params["embed"].dtype, sharded=mesh is not None)
+        if config.quantization is not None and not packed:
+            raise ValueError(f"quantization={config.quantization!r} runs on the native CPU matmul, which holds "
+                             "float32 weights on one device: use dtype='float32', one device (no tensor "
+                             "parallelism), the CPU backend with attention_backend 'auto' or 'cpu', and a C++ "
+                             f"compiler (g++); here: dtype {np.dtype(params['embed'].dtype).name}, backend "
+                             f"{jax.default_backend()}/{config.backend}, "
+                             f"{'a mesh' if mesh is not None else 'one device'}")
         self.layout = config.layout(packed=packed)
         params = to_weight_layout(model_config, params, self.layout, mesh)
         self.dtype = params["embed"].dtype
@@ -937,7 +966,8 @@ class ModelRunner:
             self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
             if packed:
                 arena = HugePageArena(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(self.params)))
-                self.params = pack_weights(self.params, functools.partial(_pack_for_cpu_matmul, arena=arena),
+                self.params = pack_weights(self.params, functools.partial(_pack_for_cpu_matmul, arena=arena,
+                                                                          quantization=config.quantization),
                                            consume=consume_params)
             # XLA:CPU's buffers on huge pages: each step streams the weights (donation keeps the pool's buffer).
             # The weight blocks are born there; the fresh pool's pages are dropped, to come back huge as it

@@ -1,5 +1,14 @@
 // Matmul on the CPU for a decode step's rows: y [M, N] = x [M, K] @ w [K, N], float32, an XLA
-// FFI custom call (see cpu_matmul.py).
+// FFI custom call (see cpu_matmul.py). Weight-only int8 too (JaxpagedCpuMatmulInt8): w blocked as
+// int8 q with a float32 scale per column and run of `group` rows (32: llama.cpp's Q8_0 blocks); each row
+// of w is a quarter of the bytes, widened to float32 in registers (the same tiles; every FMA stays
+// float32), and each run's sums go into y times its scales. On the Zen 3 (AVX2), SmolLM2's dots (30
+// layers and the LM head, min of 11 interleaved rounds) float32 -> int8 (runs of 32 rows): 1 row 19.2 ->
+// 5.2 ms, 4 rows 15.4 -> 9.3, 8 rows 18.1 -> 15.9, 16 rows 25.6 -> 28.2, 32 rows 45.9 -> 52.9, 64 rows
+// 88.1 -> 100.1: while memory bounds the product int8 reads a quarter of it, once the FMAs do the
+// widening costs ~10-15%. One scale per column (no runs) was ~2% faster at 32 rows and twice as far
+// from float32 (docs/benchmarks.md, "Weight-only int8 (CPU)"). Widening each chunk once into a float32
+// chunk in L1 for all row groups was slower from 8 rows on (8: 18.4 ms, 32: 61.7) and was dropped.
 //
 // XLA:CPU hands a 17-32-row dot to YNNPACK, whose GEMM packs w on every call: each weight
 // byte is read, written and read again, and the step's dots ran at ~55% of the cores' FMA
@@ -33,6 +42,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
@@ -55,6 +65,9 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec vset1(float s) { return _mm512_set1_ps(s); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vload(const int8_t* p) {  // 16 int8 -> 16 floats
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 constexpr int kLanes = 8, kTileVecs = 2;
@@ -63,6 +76,9 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vset1(float s) { return _mm256_set1_ps(s); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vload(const int8_t* p) {  // 8 int8 -> 8 floats (vpmovsxbd from memory, vcvtdq2ps)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 #else
 typedef float Vec __attribute__((vector_size(16)));
 constexpr int kLanes = 4, kTileVecs = 2;
@@ -71,6 +87,7 @@ inline Vec vload(const float* p) { Vec v; std::memcpy(&v, p, sizeof v); return v
 inline void vstore(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 inline Vec vset1(float s) { return Vec{} + s; }
 inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }  // fused under -ffp-contract=fast
+inline Vec vload(const int8_t* p) { return Vec{float(p[0]), float(p[1]), float(p[2]), float(p[3])}; }
 #endif
 
 constexpr int64_t kCols = 64;   // columns of w per work item (one blocked-layout block)
@@ -78,10 +95,16 @@ constexpr int kMaxRows = 6;     // rows of x per register tile
 constexpr int64_t kChunk = 64;  // rows of w per chunk: 16 KiB of a block
 constexpr int64_t kTileCols = kLanes * kTileVecs;  // columns of a register tile: 64, 16 or 8
 constexpr int64_t kTiles = kCols / kTileCols;      // register tiles across a block: 1, 4 or 8
-constexpr int64_t kLineFloats = 16;                // floats in a 64-byte cache line: 4 a block row
 static_assert(kCols % kTileCols == 0, "a block is whole register tiles");
 
-void prefetch_l2(const float* p) { __builtin_prefetch(p, 0, 2); }  // prefetcht1 on x86
+// A block row of w in 64-byte cache lines (float32: 4, int8: 1), and w's elements in a line.
+template <typename W>
+constexpr int64_t kRowLines = kCols * int64_t(sizeof(W)) / 64;
+template <typename W>
+constexpr int64_t kLineElems = 64 / int64_t(sizeof(W));
+
+template <typename W>
+void prefetch_l2(const W* p) { __builtin_prefetch(p, 0, 2); }  // prefetcht1 on x86
 
 // Keeps v in a register: GCC otherwise folds each use's load into its FMA, and a row of w then costs
 // MR loads instead of one (Zen 3, AVX2, SmolLM2's dots at 8 rows: 43.3 -> 39.8 ms).
@@ -93,11 +116,16 @@ inline void pin(Vec& v) {
 #endif
 }
 
-// One column block of w: its first row, and the distance between its rows (N, or 64 blocked).
+// One column block of w: its first row, and the distance between its rows (N, or 64 blocked), in
+// elements of W: float, or int8_t (blocked only) with the block's scales, [ceil(K / group), 64]: one per
+// column and run of `group` rows of w.
+template <typename W>
 struct Block {
-  const float* w;
+  const W* w;
   int64_t ld;
   bool contiguous;  // blocked: its rows one run
+  const float* scale = nullptr;
+  int64_t group = 0;
 };
 
 // Rows [i0, i1) of the block for MR rows of x and its columns [c0, c0 + kTileCols):
@@ -108,45 +136,51 @@ struct Block {
 // tiles a block a second row group (7-12 rows) computed with memory idle. With pin() as well, on the
 // Zen 3: SmolLM2's dots at 8 rows 40.8 -> 35.9 ms, 16 rows 59.8 -> 49.7, 1-4 rows unchanged. On
 // AVX-512 the split changes only for 3 and for 5 or more row groups (not measured there).
-// Blocked (kContig), the next chunk is one run: the tile's lines are [pf, pf_end), a line 16 floats on,
+// Blocked (kContig), the next chunk is one run: the tile's lines are [pf, pf_end), a line 64 bytes on,
 // taken one every `every` iterations on a countdown (or, with a line or more an iteration, as many as
 // are due). The [K, N] layout keeps the general schedule, which finds each line's row and column of w.
 // Before, the blocked layout took it too, and that bookkeeping, not memory, held the FMAs back at two
 // row groups (one thread, w in L2, 8 rows: ~2-3 G FMAs/s against ~5 without any prefetch). On the Zen 3
 // (SmolLM2's dots on two threads, 13 interleaved rounds): 8 rows 34.6 -> 30.6 ms min, 41.1 -> 34.5
 // median; 16 rows 47.8 -> 44.9 min; 1 and 4 rows unchanged within the noise (27.7 vs 29.2 at 1).
-template <int MR, bool kContig>
-void tile(const float* x, Block b, int64_t c0, float* y, int64_t k, int64_t n, int64_t n0, int64_t i0,
+// int8 w: the accumulators start at zero and, each time a run of `group` rows of w ends (its scales'),
+// go into y times those scales (y = acc * s the first time, when y holds nothing yet, else y += acc * s).
+template <int MR, bool kContig, typename W>
+void tile(const float* x, Block<W> b, int64_t c0, float* y, int64_t k, int64_t n, int64_t n0, int64_t i0,
           int64_t i1, bool first, int64_t part, int64_t parts, int64_t next_end) {
+  constexpr bool kInt8 = std::is_same_v<W, int8_t>;
   Vec acc[MR][kTileVecs];
   float* yt = y + n0 + c0;
 #pragma GCC unroll 6
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < kTileVecs; ++c)
-      acc[r][c] = first ? vzero() : vload(yt + r * n + kLanes * c);
+      acc[r][c] = first || kInt8 ? vzero() : vload(yt + r * n + kLanes * c);
+  bool fresh = first;  // int8: y holds nothing of this tile yet
+  int64_t left = kInt8 ? b.group - i0 % b.group : 0;  // int8: rows of w to the end of this scale group
   // This tile's share of the next chunk's lines (rows [i1, next_end), 4 lines a row), part `part` of
   // `parts` (0: none): lines [line, line_end), spread evenly over its iterations from the first on.
-  const int64_t lines = parts ? 4 * (next_end - i1) : 0, share = parts ? (lines + parts - 1) / parts : 0;
+  constexpr int64_t kRow = kRowLines<W>, kLine = kLineElems<W>;
+  const int64_t lines = parts ? kRow * (next_end - i1) : 0, share = parts ? (lines + parts - 1) / parts : 0;
   int64_t line = std::min(lines, part * share);
   const int64_t line_end = std::min(lines, line + share), mine = line_end - line, n_iter = i1 - i0;
-  const float* pf = kContig ? b.w + i1 * b.ld + kLineFloats * line : nullptr;
-  const float* const pf_end = kContig ? pf + kLineFloats * mine : nullptr;
+  const W* pf = kContig ? b.w + i1 * b.ld + kLine * line : nullptr;
+  const W* const pf_end = kContig ? pf + kLine * mine : nullptr;
   const int64_t every = mine ? std::max<int64_t>(1, n_iter / mine) : 0;  // mine <= n_iter / every
   int64_t due = 0, paid = 0;  // lines due and issued so far, both scaled by n_iter
   int64_t count = 1;          // iterations to the next line, on the countdown
-  const float* wr = b.w + c0 + i0 * b.ld;
+  const W* wr = b.w + c0 + i0 * b.ld;
   for (int64_t i = i0; i < i1; ++i, wr += b.ld) {
     if (kContig && every > 1) {
       if (--count == 0) {
         count = every;
         if (pf < pf_end) prefetch_l2(pf);
-        pf += kLineFloats;
+        pf += kLine;
       }
     } else if (kContig) {
-      for (due += mine; paid < due && pf < pf_end; pf += kLineFloats, paid += n_iter) prefetch_l2(pf);
+      for (due += mine; paid < due && pf < pf_end; pf += kLine, paid += n_iter) prefetch_l2(pf);
     } else {
       for (due += mine; paid < due && line < line_end; ++line, paid += n_iter)
-        prefetch_l2(b.w + (i1 + line / 4) * b.ld + kLineFloats * (line % 4));
+        prefetch_l2(b.w + (i1 + line / kRow) * b.ld + kLine * (line % kRow));
     }
     Vec wv[kTileVecs];
     for (int c = 0; c < kTileVecs; ++c) {
@@ -158,23 +192,39 @@ void tile(const float* x, Block b, int64_t c0, float* y, int64_t k, int64_t n, i
       const Vec xv = vset1(x[r * k + i]);
       for (int c = 0; c < kTileVecs; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
     }
-  }
+    if constexpr (kInt8) {
+      if (--left == 0 || i + 1 == i1) {  // a scale group ends (a chunk ends on a group's end or at k)
+        const float* s = b.scale + i / b.group * kCols + c0;
 #pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < kTileVecs; ++c) vstore(yt + r * n + kLanes * c, acc[r][c]);
+        for (int r = 0; r < MR; ++r)
+          for (int c = 0; c < kTileVecs; ++c) {
+            float* yc = yt + r * n + kLanes * c;
+            vstore(yc, vfma(acc[r][c], vload(s + kLanes * c), fresh ? vzero() : vload(yc)));
+            acc[r][c] = vzero();
+          }
+        fresh = false;
+        left = b.group;
+      }
+    }
+  }
+  if constexpr (!kInt8) {
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < kTileVecs; ++c) vstore(yt + r * n + kLanes * c, acc[r][c]);
+  }
 }
 
 // One tile of `rows` (1-6) rows of x: tile<rows> for the layout.
-template <bool kContig>
-void row_tile(int64_t rows, const float* x, Block b, int64_t c0, float* y, int64_t k, int64_t n, int64_t n0,
+template <bool kContig, typename W>
+void row_tile(int64_t rows, const float* x, Block<W> b, int64_t c0, float* y, int64_t k, int64_t n, int64_t n0,
               int64_t i0, int64_t i1, bool first, int64_t part, int64_t parts, int64_t next_end) {
   switch (rows) {
-    case 6: return tile<6, kContig>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
-    case 5: return tile<5, kContig>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
-    case 4: return tile<4, kContig>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
-    case 3: return tile<3, kContig>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
-    case 2: return tile<2, kContig>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
-    case 1: return tile<1, kContig>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
+    case 6: return tile<6, kContig, W>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
+    case 5: return tile<5, kContig, W>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
+    case 4: return tile<4, kContig, W>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
+    case 3: return tile<3, kContig, W>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
+    case 2: return tile<2, kContig, W>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
+    case 1: return tile<1, kContig, W>(x, b, c0, y, k, n, n0, i0, i1, first, part, parts, next_end);
   }
 }
 
@@ -192,10 +242,11 @@ void edge(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_
 }
 
 // Column block n0 (of `b`) for all m rows: chunk by chunk of w, every row group per chunk.
-void block(const float* x, Block b, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
+template <typename W>
+void block(const float* x, Block<W> b, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
   const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
   for (int64_t i = 0; i < std::min(kChunk, k); ++i)  // the first chunk: no chunk before fetched it
-      for (int c = 0; c < 4; ++c) prefetch_l2(b.w + i * b.ld + kLineFloats * c);
+      for (int64_t c = 0; c < kRowLines<W>; ++c) prefetch_l2(b.w + i * b.ld + kLineElems<W> * c);
   for (int64_t i0 = 0; i0 < k; i0 += kChunk) {
     // Blocked, the rows past k are the next block's, which the same thread most likely takes next
     // (cpu_pool.h): the last chunk prefetches its first (a prefetch past the buffer never faults).
@@ -243,9 +294,44 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const int64_t total = (n + kCols - 1) / kCols;  // items: column blocks
   jaxpaged::run_items(pool, total, [=](int64_t i) {
     const int64_t n0 = i * kCols;
-    if (blocked) return block(xp, Block{wp + n0 * k, kCols, true}, yp, m, k, n, n0);
+    if (blocked) return block(xp, Block<float>{wp + n0 * k, kCols, true}, yp, m, k, n, n0);
     if (n - n0 < kCols) return edge(xp, wp, yp, m, k, n, n0);
-    block(xp, Block{wp + n0, n, false}, yp, m, k, n, n0);
+    block(xp, Block<float>{wp + n0, n, false}, yp, m, k, n, n0);
+  });
+  return ffi::Error::Success();
+}
+
+// Weight-only int8: q blocked [N / 64, K, 64] with scales [N / 64, ceil(K / group), 64], or stacked
+// [L, N / 64, K, 64] with [L, N / 64, ceil(K / group), 64]; y = sum over groups of (x @ q_g) * scale_g,
+// layer `layer` of a stack (clamped). group divides the 64-row chunk.
+ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer_buf,
+                      ffi::ResultBuffer<ffi::F32> y, int64_t group) {
+  auto xd = x.dimensions();
+  auto qd = q.dimensions();
+  auto sd = scale.dimensions();
+  const bool stacked = qd.size() == 4;
+  const size_t off = stacked ? 1 : 0;
+  const int64_t groups = group > 0 && qd.size() == 3 + off ? (qd[1 + off] + group - 1) / group : -1;
+  if (xd.size() != 2 || qd.size() != 3 + off || qd[2 + off] != kCols || xd[1] != qd[1 + off] || group < 1 ||
+      kChunk % group != 0 || sd.size() != qd.size() || sd[off] != qd[off] || sd[1 + off] != groups ||
+      sd[2 + off] != kCols || (stacked && (qd[0] < 1 || sd[0] != qd[0])))
+    return ffi::Error::InvalidArgument(
+        "cpu int8 matmul: x [M, K], q [N / 64, K, 64] with scales [N / 64, ceil(K / group), 64], or stacked "
+        "[L, N / 64, K, 64] with [L, N / 64, ceil(K / group), 64]; group divides 64");
+  const int64_t m = xd[0], k = xd[1], n = qd[off] * kCols;
+  const int64_t layer = stacked ? std::clamp<int64_t>(layer_buf.typed_data()[0], 0, qd[0] - 1) : 0;
+  const float* xp = x.typed_data();
+  const int8_t* qp = q.typed_data() + layer * n * k;
+  const float* sp = scale.typed_data() + layer * n * groups;
+  float* yp = y->typed_data();
+  if (k == 0) {
+    std::memset(yp, 0, sizeof(float) * m * n);
+    return ffi::Error::Success();
+  }
+  jaxpaged::run_items(pool, n / kCols, [=](int64_t i) {
+    block(xp, Block<int8_t>{qp + i * kCols * k, kCols, true, sp + i * groups * kCols, group}, yp, m, k, n,
+          i * kCols);
   });
   return ffi::Error::Success();
 }
@@ -259,3 +345,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmul, Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer (stacked w)
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmulInt8, MatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer (stacked q)
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group"));

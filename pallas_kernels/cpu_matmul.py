@@ -29,6 +29,14 @@ it (`AttentionConfig.native_matmul`, set by the runner with the native CPU
 attention). Compiled on first use and registered once per process
 (cpu_build.py); `load_cpu_matmul` is False where it can't be built. The
 reference is `x @ w`.
+
+Weight-only int8 (`quantize_int8`, the engine's `quantization="int8"`): w as
+int8 q [K, N] and a float32 scale per column and run of GROUP_SIZE rows (as
+llama.cpp's Q8_0 blocks), scale = the run's max |w| / 127, q = round(w / scale);
+the call reads q blocked ([N / 64, K, 64], a quarter of float32's bytes; the
+scales blocked alike, [N / 64, K / GROUP_SIZE, 64]) and widens each row to
+float32 in registers: y = sum over runs of (x @ q_run) * scale_run, every
+product and sum in float32. Its reference is `reference_int8`.
 """
 
 from __future__ import annotations
@@ -37,14 +45,19 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.cpu_build import load_target
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxpaged_cpu_matmul"
+TARGET_INT8 = "jaxpaged_cpu_matmul_int8"
 MIN_ROWS = 17  # [K, N] weights
 MAX_ROWS = 128
 BLOCK_COLS = 64  # the blocked layout's column blocks (kCols in cpu_matmul.cc)
+CHUNK_ROWS = 64  # rows of w a tile walks at a time (kChunk): an int8 scale's run of rows divides it
+GROUP_SIZE = 32  # int8: rows of w per scale (SmolLM2, mean KL to float32 per token: per column 0.0061, 64 rows
+#                  0.0030, 32 rows 0.0020; docs/benchmarks.md, "Weight-only int8 (CPU)")
 
 
 def block_weight(w):
@@ -64,9 +77,52 @@ def blockable(w) -> bool:
   return w.ndim in (2, 3) and w.shape[-1] % BLOCK_COLS == 0 and w.shape[-1] > 0 and w.dtype == jnp.float32
 
 
+def quantize_int8(w, group_size: int = GROUP_SIZE):
+  """Weight-only int8, symmetric, on the host: w [..., K, N] (float; numpy or JAX) -> numpy (q int8 [..., K, N],
+  scale float32 [..., ceil(K / group_size), N]): one scale per column and run of group_size rows of w (the last
+  run may be shorter), the run's max |w| / 127 (1 for an all-zero run), q = round(w / scale), so each
+  |w - q * scale| <= scale / 2. group_size divides 64 (the native call's chunk of rows)."""
+  w = np.asarray(w)
+  if w.ndim < 2 or not np.issubdtype(w.dtype, np.floating):
+    raise ValueError(f"quantize_int8 takes a float w [..., K, N]; got {w.dtype}{list(w.shape)}")
+  if group_size < 1 or CHUNK_ROWS % group_size:
+    raise ValueError(f"quantize_int8: group_size={group_size} must divide {CHUNK_ROWS}")
+  *lead, k, n = w.shape
+  groups = -(-k // group_size)
+  padded = np.zeros((*lead, groups * group_size, n), w.dtype)
+  padded[..., :k, :] = w
+  runs = padded.reshape(*lead, groups, group_size, n)
+  amax = np.abs(runs).max(axis=-2).astype(np.float32)  # [..., groups, N]
+  scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+  q = np.clip(np.rint(runs / scale[..., None, :]), -127, 127).astype(np.int8)
+  return q.reshape(padded.shape)[..., :k, :], scale
+
+
+def dequantize_int8(q, scale):
+  """quantize_int8's values as float32: q [..., K, N] times its runs' scales [..., ceil(K / G), N]."""
+  k = q.shape[-2]
+  group = _group_size(k, scale.shape[-2])
+  return q.astype(jnp.float32) * jnp.repeat(scale, group, axis=-2)[..., :k, :]
+
+
+def reference_int8(x, q, scale):
+  """The int8 product as written: x [M, K] @ (q [K, N] widened, times its runs' scales [ceil(K / G), N])."""
+  return x @ dequantize_int8(q, scale)
+
+
+def _group_size(k: int, groups: int) -> int:
+  """The run length G (a power of two dividing 64) of scales for ceil(K / G) = groups runs (one run: any G >= K
+  computes alike; 64 is used)."""
+  for group in (64, 32, 16, 8, 4, 2, 1):
+    if -(-k // group) == groups or (k == 0 and groups == 0):
+      return group
+  raise ValueError(f"int8 scales: {groups} runs of rows fit no run length dividing {CHUNK_ROWS} for K = {k}")
+
+
 def load_cpu_matmul() -> bool:
-  """Builds and registers the FFI target once per process; False if it can't."""
-  return load_target(SOURCE, "JaxpagedCpuMatmul", TARGET)
+  """Builds and registers the FFI targets (float32 and int8 weights) once per process; False if it can't."""
+  return load_target(SOURCE, "JaxpagedCpuMatmul", TARGET) and load_target(SOURCE, "JaxpagedCpuMatmulInt8",
+                                                                          TARGET_INT8)
 
 
 def supports(x, w) -> bool:
@@ -81,10 +137,13 @@ def supports(x, w) -> bool:
           and MIN_ROWS <= x.shape[0] <= MAX_ROWS)
 
 
-def matmul_cpu(x, w, layer=None):
+def matmul_cpu(x, w, layer=None, scale=None):
   """x [M, K] @ w -> f32 [M, N]: w [K, N], blocked [N / 64, K, 64], or stacked [L, N / 64, K, 64] read
   at `layer` (an int32 scalar, traced or not; required then, clamped to [0, L)) in place
-  (`load_cpu_matmul()` must have returned True)."""
+  (`load_cpu_matmul()` must have returned True). With `scale`, w is `quantize_int8`'s int8 q blocked (or
+  stacked) and scale its float32 scales blocked alike, [(L,) N / 64, ceil(K / G), 64]: reference_int8."""
+  if scale is not None:
+    return _matmul_int8(x, w, layer, scale)
   if not supports(x, w):
     raise ValueError(f"native CPU matmul takes float32 x [M, K] and w [K, N] "
                      f"({MIN_ROWS} <= M <= {MAX_ROWS}), blocked [N / "
@@ -97,3 +156,22 @@ def matmul_cpu(x, w, layer=None):
   out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
   index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
   return jax.ffi.ffi_call(TARGET, out)(x, w, index)
+
+
+def _matmul_int8(x, q, layer, scale):
+  blocked = q.ndim in (3, 4) and q.shape[-1] == BLOCK_COLS
+  ok = (x.ndim == 2 and x.dtype == jnp.float32 and x.shape[0] >= 1 and q.dtype == jnp.int8 and blocked
+        and q.shape[-2] == x.shape[1] and scale.dtype == jnp.float32 and scale.ndim == q.ndim
+        and scale.shape[:-2] == q.shape[:-2] and scale.shape[-1] == BLOCK_COLS)
+  if not ok:
+    raise ValueError(f"native CPU int8 matmul takes float32 x [M, K] (M >= 1), int8 q [N / {BLOCK_COLS}, K, "
+                     f"{BLOCK_COLS}] with float32 scales [N / {BLOCK_COLS}, ceil(K / G), {BLOCK_COLS}] (`block_weight` "
+                     f"of quantize_int8's q and scale), or both stacked on a leading L axis; got x "
+                     f"{x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, scale {scale.dtype}{list(scale.shape)}")
+  if (q.ndim == 4) != (layer is not None):
+    raise ValueError(f"native CPU int8 matmul: a layer index goes with stacked q [L, N / {BLOCK_COLS}, K, "
+                     f"{BLOCK_COLS}] only; got q {list(q.shape)}, layer {layer!r}")
+  group = _group_size(q.shape[-2], scale.shape[-2])
+  out = jax.ShapeDtypeStruct((x.shape[0], q.shape[-3] * BLOCK_COLS), jnp.float32)
+  index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+  return jax.ffi.ffi_call(TARGET_INT8, out)(x, q, scale, index, group=np.int64(group))

@@ -161,6 +161,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--quantization", default=None, choices=("int8",),
+                   help="both engines' weight dots as int8 (weight-only, EngineArgs.quantization)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each prompt on each side")
     p.add_argument("--warmup-passes", type=int, default=1,
                    help="untimed passes over each workload first (like vllm bench latency's warm-up iterations): "
@@ -212,7 +214,8 @@ def make_engines(args, loaded, max_num_seqs: int = 4):
     from jaxpaged.engine import EngineArgs, LLMEngine
 
     base = EngineArgs(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=512, kv_cache_memory=(32 << 20) * max_num_seqs)
+                      max_num_batched_tokens=512, kv_cache_memory=(32 << 20) * max_num_seqs,
+                      quantization=args.quantization)
     plain = LLMEngine(base, loaded=loaded)
     speculative = LLMEngine(dataclasses.replace(base, speculative_config=args.speculative_config), loaded=loaded)
     return plain, speculative

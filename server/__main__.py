@@ -13,6 +13,7 @@ from pathlib import Path
 
 from jaxpaged.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
 from jaxpaged.engine import CPU_ASYNC_MAX_TOKENS, EngineArgs
+from jaxpaged.model_runner import QUANTIZATIONS
 from jaxpaged.models.loader import DEFAULT_MODEL
 from jaxpaged.spec_decode import SpeculativeConfig
 from server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig
@@ -72,6 +73,11 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="KV cache dtype; auto: the model's, but float32 for a bfloat16 model on CPU "
                    "(XLA:CPU would convert the whole cache around every write)")
+    e.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
+                   help="weight-only quantisation of the weight dots: int8 (a float32 scale per output "
+                   "column and 32 rows, as llama.cpp's Q8_0; computed in float32; about a quarter of the weight "
+                   "bytes per step). CPU: float32 weights on one device, the native matmul; default: the weights "
+                   "as loaded")
     e.add_argument("--weight-layout", default="auto", choices=["auto", "stacked", "per_layer"],
                    help="how the step holds the layer weights; auto: per-layer arrays (read in place, faster "
                    "steps, a longer cold compile), except float32 weights on CPU, packed for the native matmul, "
@@ -154,7 +160,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         max_num_partial_prefills=ns.max_num_partial_prefills, block_size=ns.block_size,
         enable_prefix_caching=ns.enable_prefix_caching, gpu_memory_utilization=ns.gpu_memory_utilization,
         kv_cache_memory=ns.kv_cache_memory, num_pages=ns.num_pages, attention_backend=ns.attention_backend,
-        kv_cache_dtype=ns.kv_cache_dtype, weight_layout=ns.weight_layout, fuse_projections=ns.fuse_projections,
+        kv_cache_dtype=ns.kv_cache_dtype, quantization=ns.quantization, weight_layout=ns.weight_layout,
+        fuse_projections=ns.fuse_projections,
         command_buffers=ns.command_buffers, fuse_sampler=ns.fuse_sampler,
         tensor_parallel_size=ns.tensor_parallel_size, chat_template=chat_template_arg(ns.chat_template),
         generation_config=ns.generation_config, distributed_coordinator=ns.distributed_coordinator,

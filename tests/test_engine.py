@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,8 +15,10 @@ from hypothesis import strategies as st
 from jaxpaged.engine import EngineArgs, LLMEngine
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.generate import greedy_generate
+from jaxpaged.models.llama import UNFUSED, PackedWeight, forward_jit
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
+from pallas_kernels.cpu_matmul import dequantize_int8, quantize_int8
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 BASE = EngineArgs(model="unused", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=200,
@@ -171,8 +174,64 @@ def test_n_samples_with_seed_differ_and_reproduce(tiny):
     assert [tuple(o.token_ids) for o in again.outputs] == samples
 
 
-def test_no_compilation_after_warmup(tiny):
-    engine = make_engine(tiny, num_pages=40)  # small pool: preemption too
+def int8_values(params, packed: set[str]):
+    """Checkpoint-layout params whose weight dots named in `packed` (the runner's names: wqkv, wo, w_gate_up,
+    w_down, lm_head) hold the int8 engine's values, q * scale per column and run of rows of each layer's 2-D
+    view [K, N]: the fused views' columns are the checkpoint weights' columns side by side, so each quantises
+    alike."""
+    names = {part for name in packed for part in UNFUSED.get(name, (name,))}
+
+    def dequantised(name, w):
+        view = w.reshape(*w.shape[:-3], -1, w.shape[-1]) if name == "wo" else w.reshape(*w.shape[:2], -1) \
+            if w.ndim > 2 else w
+        return dequantize_int8(*quantize_int8(view)).reshape(w.shape)
+
+    layers = {n: dequantised(n, w) if n in names else w for n, w in params["layers"].items()}
+    out = dict(params, layers=layers)
+    if "lm_head" in names:
+        out["lm_head"] = dequantised("lm_head", params["lm_head"])
+    return out
+
+
+def test_int8_engine_equals_the_plain_forward_over_its_int8_values(tiny):
+    """quantization="int8": the packed weight dots hold int8 values and per-column scales (a quarter of the
+    bytes), and the engine's greedy tokens over a mixed batch are the plain float32 forward's over those
+    values (q * scale), token for token, as the float32 engine's are over the float32 weights; its log-probs
+    are that forward's, not the float32 model's."""
+    engine = make_engine(tiny, quantization="int8")
+    layers = engine.runner.params["layers"]
+    packed = {n for n, w in layers.items() if isinstance(w, PackedWeight)}
+    assert packed == {"wo", "w_gate_up", "w_down"}  # gqa4: wqkv (N = 96) and lm_head (V = 260) stay float32
+    for name in packed:  # [L, N / 64, K, 64] int8, scales [L, N / 64, K / 32, 64]
+        data, scale = layers[name].data, layers[name].scale
+        assert data.dtype == np.int8 and scale.shape == (*data.shape[:2], data.shape[2] // 32, 64)
+    reference = int8_values(tiny.params, packed)
+    prompts = mixed_prompts(16, seed=2)
+    params = dataclasses.replace(GREEDY, logprobs=1)
+    done = run_all(engine, prompts, params)
+    for i, prompt in enumerate(prompts):
+        tokens = done[str(i)].outputs[0].token_ids
+        assert tokens == greedy_generate(tiny.config, reference, prompt, GREEDY.max_tokens), f"prompt {i}"
+        got = [lp[t].logprob for lp, t in zip(done[str(i)].outputs[0].logprobs, tokens)]
+        ids = jnp.asarray([prompt + tokens[:-1]])
+        for weights, close in ((reference, True), (tiny.params, False)):
+            logits = forward_jit(tiny.config, weights, ids)[0, len(prompt) - 1:]
+            want = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, axis=-1)), np.asarray(tokens)[:, None], 1)
+            assert np.allclose(got, want[:, 0], atol=1e-4) == close, (i, close)
+
+
+def test_int8_needs_the_native_cpu_matmul_and_a_known_name(tiny):
+    with pytest.raises(ValueError, match="native CPU matmul"):
+        make_engine(tiny, quantization="int8", attention_backend="xla")
+    with pytest.raises(ValueError, match="quantization='int4'"):
+        EngineArgs(model="unused", quantization="int4")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineArgs(model="unused", quantization="int8", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_no_compilation_after_warmup(tiny, quantization):
+    engine = make_engine(tiny, num_pages=40, quantization=quantization)  # small pool: preemption too
     prompts = mixed_prompts(20, seed=4)
     params = [SamplingParams(temperature=0.0, max_tokens=8), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
               SamplingParams(temperature=1.0, top_k=5, logprobs=3), SamplingParams(repetition_penalty=1.3,

@@ -55,6 +55,25 @@ def test_compare_servers_prints_the_batch1_share_of_the_roofline():
     assert "roofline" not in compare.format_table(results)
 
 
+def test_compare_servers_ratios_divide_by_the_chosen_peer():
+    """--ratio-base names the peer whose figures the ratio columns divide (jaxpaged-int8 against llama-server's
+    Q8_0); jaxpaged-int8 serves the same model with --quantization int8 appended to the jaxpaged flags."""
+    compare = _script("compare_servers")
+    run = {"max_concurrency": 1, "sampling": "greedy", "median_tpot_ms": 10.0, "completed": 4, "failed": 0,
+           "output_throughput": 90.0, "peak_output_throughput": 100.0, "median_ttft_ms": 200.0,
+           "mean_output_tokens_per_request": 128.0, "output_token_mismatches": 0}
+    results = [compare.PeerResult("jaxpaged", runs=[dict(run, output_throughput=40.0)]),
+               compare.PeerResult("jaxpaged-int8", runs=[run]),
+               compare.PeerResult("llamacpp", runs=[dict(run, output_throughput=60.0, median_tpot_ms=20.0)])]
+    table = compare.format_table(results, base="jaxpaged-int8")
+    assert "jaxpaged-int8/peer tok/s" in table
+    assert "| 2.25x | 1.00x | 1.00x |" in table  # jaxpaged's row: 90 / 40
+    assert "| 1.50x | 1.00x | 0.50x |" in table  # llamacpp's row: 90 / 60, TPOT 10 / 20
+    args = compare.parse_args(["--peers", "jaxpaged-int8", "--ratio-base", "jaxpaged-int8"])
+    spec = compare.jaxpaged_int8_spec(args, 18000)
+    assert spec.name == "jaxpaged-int8" and spec.command[-2:] == ["--quantization", "int8"]
+
+
 def test_compare_servers_sends_every_sampling_cut_so_no_server_default_applies():
     fields = _script("compare_servers").sampling_fields
     assert fields("greedy") == {"temperature": 0.0}

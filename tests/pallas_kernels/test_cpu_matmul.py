@@ -134,6 +134,76 @@ def test_every_column_block_once_however_the_threads_split_them(blocks, m):
     np.testing.assert_array_equal(np.asarray(run(jnp.asarray(x), blocked)), got)
 
 
+@pytest.mark.parametrize("m", [1, 4, 6, 7, 13, 32, 128])
+@pytest.mark.parametrize("k, n", [(576, 960), (130, 192), (64, 64), (20, 64), (0, 64)])
+@pytest.mark.parametrize("group", [32, 64, 16])
+def test_int8_weights_match_a_float64_product_of_their_values(m, k, n, group):
+  """Weight-only int8: the blocked int8 values times their runs' scales equal the float64 product of the
+  dequantised values, at one row group, uneven groups and many, whole and partial chunks and runs of rows
+  (K = 130: a last chunk of 2 rows; K = 20: one short run); stacked layers read at each layer with that
+  layer's scales."""
+  assert cpu_matmul.load_cpu_matmul()
+  rng = np.random.default_rng(m * 7 + k + n + group)
+  x = rng.standard_normal((m, k), np.float32)
+  w = rng.standard_normal((3, k, n), np.float32) * np.linspace(0.01, 3, n, dtype=np.float32)  # column ranges
+  w[:, : k // 3] *= 20  # and runs of rows with their own ranges
+  q, scale = cpu_matmul.quantize_int8(w, group)
+  assert q.dtype == np.int8 and scale.shape == (3, -(-k // group), n) and scale.dtype == np.float32
+  values = np.asarray(cpu_matmul.dequantize_int8(q, scale), np.float64)
+  want = np.einsum("mk,lkn->lmn", x.astype(np.float64), values)
+  tol = 1e-6 * np.sqrt(k) * 127 * scale.max(initial=0)  # float32 sums of terms up to 127 |x| scale
+  blocked_q, blocked_s = cpu_matmul.block_weight(jnp.asarray(q)), cpu_matmul.block_weight(jnp.asarray(scale))
+  one = jax.jit(cpu_matmul.matmul_cpu)(jnp.asarray(x), blocked_q[1], None, blocked_s[1])
+  np.testing.assert_allclose(np.asarray(one), want[1], rtol=1e-5, atol=tol)
+  run = jax.jit(lambda x, q, s: jax.lax.map(lambda layer: cpu_matmul.matmul_cpu(x, q, layer, s), jnp.arange(3)))
+  got = np.asarray(run(jnp.asarray(x), blocked_q, blocked_s))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=tol)
+  ref = cpu_matmul.reference_int8(jnp.asarray(x), jnp.asarray(q[2]), jnp.asarray(scale[2]))
+  np.testing.assert_allclose(np.asarray(ref), want[2], rtol=1e-5, atol=tol)
+
+
+def test_quantize_int8_rounds_each_run_of_rows_to_its_own_scale():
+  """scale = the run's max |w| / 127 (so its extreme is exactly +-127), error at most half a step, an all-zero
+  run gets scale 1 and zeros, a short last run its own scale; a JAX input gives the same; non-float input and
+  a run length that does not divide the 64-row chunk are refused."""
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((2, 40, 64)).astype(np.float32) * rng.uniform(0.001, 10, (40, 64)).astype(np.float32)
+  w[1, :32, 5] = 0
+  q, scale = cpu_matmul.quantize_int8(w)  # runs of 32 rows: 32 + 8
+  assert scale.shape == (2, 2, 64)
+  magnitudes = np.abs(q.astype(np.int32))
+  extremes = np.stack([magnitudes[:, :32].max(axis=1), magnitudes[:, 32:].max(axis=1)], 1)
+  assert (np.delete(extremes.reshape(4, 64), 2 * 64 + 5) == 127).all()  # all but the zero run
+  assert scale[1, 0, 5] == 1 and not q[1, :32, 5].any()
+  np.testing.assert_allclose(scale[:, 1], np.abs(w[:, 32:]).max(axis=1) / 127, rtol=1e-6)
+  step = np.repeat(scale, 32, axis=1)[:, :40]
+  assert np.all(np.abs(q * step - w) <= step / 2 * (1 + 1e-6))
+  jq, js = cpu_matmul.quantize_int8(jnp.asarray(w))
+  np.testing.assert_array_equal(jq, q)
+  np.testing.assert_array_equal(js, scale)
+  with pytest.raises(ValueError, match="float w"):
+    cpu_matmul.quantize_int8(q)
+  with pytest.raises(ValueError, match="must divide 64"):
+    cpu_matmul.quantize_int8(w, 48)
+
+
+def test_int8_call_refuses_what_it_cannot_read():
+  assert cpu_matmul.load_cpu_matmul()
+  x = jnp.zeros((2, 64), jnp.float32)
+  q = jnp.zeros((2, 64, 64), jnp.int8)  # N = 128, K = 64
+  s = jnp.ones((2, 2, 64), jnp.float32)  # runs of 32 rows
+  for bad_q, bad_s, layer in [(q, s[:1], None),                           # scales for half the columns
+                              (q.astype(jnp.float32), s, None),           # not int8
+                              (jnp.zeros((64, 128), jnp.int8), s, None),  # not blocked
+                              (q, s.astype(jnp.bfloat16), None),          # scales not float32
+                              (q, jnp.ones((2, 3, 64)), None),            # 3 runs of rows fit no run length
+                              (q, s, 1)]:                                 # a layer without a stack
+    with pytest.raises(ValueError, match="int8"):
+      cpu_matmul.matmul_cpu(x, bad_q, layer, bad_s)
+  with pytest.raises(ValueError, match="int8 matmul"):  # a stack without its layer
+    cpu_matmul.matmul_cpu(x, q[None], None, s[None])
+
+
 # cpu_matmul.cc's register tiles per vector unit: the flags (after -march=native) that select each, and
 # the CPU flag it needs to run. A machine runs the widest it has by default; the others are built here.
 WIDTHS = [
@@ -169,3 +239,14 @@ def test_every_vector_width_builds_and_each_this_cpu_runs_matches(name, flags, n
                                                                                             layer))
       np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5,
                                  atol=1e-5 * np.sqrt(k), err_msg=f"{name}: m {m}, k {k}, n {n}, w {wj.shape}")
+  # the int8 handler at the same width: widened in that unit's registers (a stack of two, read at layer 1)
+  assert cpu_build.load_target(cpu_matmul.SOURCE, "JaxpagedCpuMatmulInt8", f"{target}_int8", flags)
+  for m, k, n in [(1, 576, 960), (7, 130, 192), (13, 64, 128)]:
+    x = rng.standard_normal((m, k), np.float32)
+    q, scale = cpu_matmul.quantize_int8(rng.standard_normal((2, k, n), np.float32))
+    got = np.asarray(jax.ffi.ffi_call(f"{target}_int8", jax.ShapeDtypeStruct((m, n), jnp.float32))(
+        jnp.asarray(x), cpu_matmul.block_weight(jnp.asarray(q)), cpu_matmul.block_weight(jnp.asarray(scale)),
+        jnp.int32(1), group=np.int64(cpu_matmul.GROUP_SIZE)))
+    want = x.astype(np.float64) @ np.asarray(cpu_matmul.dequantize_int8(q[1], scale[1]), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.sqrt(k) * 127 * scale.max(),
+                               err_msg=f"{name} int8: m {m}, k {k}, n {n}")

@@ -13,7 +13,7 @@ FLAGS = ["--model", "--served-model-name", "--tokenizer", "--revision", "--dtype
          "--tensor-parallel-size", "--api-key", "--host", "--port", "--seed", "--chat-template",
          "--generation-config", "--attention-backend", "--kv-cache-dtype", "--log-level", "--max-request-bytes",
          "--enable-auto-tool-choice", "--tool-call-parser", "--weight-layout", "--fuse-projections",
-         "--no-fuse-projections", "--command-buffers"]
+         "--no-fuse-projections", "--command-buffers", "--quantization"]
 
 
 def test_help_lists_the_flags():
@@ -30,15 +30,16 @@ def test_parse_to_configs(tmp_path, monkeypatch):
     ns = build_parser().parse_args(["--model", "org/m", "--served-model-name", "a", "b", "--max-model-len", "64",
                                     "--no-enable-prefix-caching", "--chat-template", str(template),
                                     "--kv-cache-dtype", "float16", "--weight-layout", "per_layer",
-                                    "--no-fuse-projections", "--command-buffers", "off"])
+                                    "--no-fuse-projections", "--command-buffers", "off", "-q", "int8"])
     args, config = engine_args(ns), server_config(ns)
     assert args.model == "org/m" and args.max_model_len == 64 and args.enable_prefix_caching is False
-    assert args.kv_cache_dtype == "float16"
+    assert args.kv_cache_dtype == "float16" and args.quantization == "int8"
     assert (args.weight_layout, args.fuse_projections, args.command_buffers) == ("per_layer", False, "off")
     assert args.chat_template == "{{ messages[0]['content'] }}"
     assert config.served_model_names == ("a", "b", "org/m") and config.api_key == "from-env"
     ns = build_parser().parse_args(["--api-key", "flag"])
     assert server_config(ns).api_key == "flag" and ns.host == "0.0.0.0" and ns.port == 8000
+    assert engine_args(ns).quantization is None
 
 
 def test_tool_calling_flags():
