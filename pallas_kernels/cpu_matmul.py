@@ -149,13 +149,17 @@ def matmul_cpu(x, w, layer=None, scale=None):
                      f"({MIN_ROWS} <= M <= {MAX_ROWS}), blocked [N / "
                      f"{BLOCK_COLS}, K, {BLOCK_COLS}] or stacked [L, N / {BLOCK_COLS}, K, {BLOCK_COLS}] "
                      f"(any M); got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}.")
-  if (w.ndim == 4) != (layer is not None):
-    raise ValueError(f"native CPU matmul: a layer index goes with stacked w [L, N / {BLOCK_COLS}, K, "
-                     f"{BLOCK_COLS}] only; got w {list(w.shape)}, layer {layer!r}")
+  _check_layer("native CPU matmul", "w", w, layer)
   n = w.shape[-3] * BLOCK_COLS if w.ndim >= 3 else w.shape[1]
   out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
   index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
   return jax.ffi.ffi_call(TARGET, out)(x, w, index)
+
+
+def _check_layer(call: str, name: str, w, layer) -> None:
+  if (w.ndim == 4) != (layer is not None):
+    raise ValueError(f"{call}: a layer index goes with stacked {name} [L, N / {BLOCK_COLS}, K, {BLOCK_COLS}] only; "
+                     f"got {name} {list(w.shape)}, layer {layer!r}")
 
 
 def _matmul_int8(x, q, layer, scale):
@@ -168,9 +172,7 @@ def _matmul_int8(x, q, layer, scale):
                      f"{BLOCK_COLS}] with float32 scales [N / {BLOCK_COLS}, ceil(K / G), {BLOCK_COLS}] (`block_weight` "
                      f"of quantize_int8's q and scale), or both stacked on a leading L axis; got x "
                      f"{x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, scale {scale.dtype}{list(scale.shape)}")
-  if (q.ndim == 4) != (layer is not None):
-    raise ValueError(f"native CPU int8 matmul: a layer index goes with stacked q [L, N / {BLOCK_COLS}, K, "
-                     f"{BLOCK_COLS}] only; got q {list(q.shape)}, layer {layer!r}")
+  _check_layer("native CPU int8 matmul", "q", q, layer)
   group = _group_size(q.shape[-2], scale.shape[-2])
   out = jax.ShapeDtypeStruct((x.shape[0], q.shape[-3] * BLOCK_COLS), jnp.float32)
   index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
