@@ -157,7 +157,7 @@ void tile(const float* x, Block<W> b, int64_t c0, float* y, int64_t k, int64_t n
       acc[r][c] = first || kInt8 ? vzero() : vload(yt + r * n + kLanes * c);
   bool fresh = first;  // int8: y holds nothing of this tile yet
   int64_t left = kInt8 ? b.group - i0 % b.group : 0;  // int8: rows of w to the end of this scale group
-  // This tile's share of the next chunk's lines (rows [i1, next_end), 4 lines a row), part `part` of
+  // This tile's share of the next chunk's lines (rows [i1, next_end), kRow lines a row), part `part` of
   // `parts` (0: none): lines [line, line_end), spread evenly over its iterations from the first on.
   constexpr int64_t kRow = kRowLines<W>, kLine = kLineElems<W>;
   const int64_t lines = parts ? kRow * (next_end - i1) : 0, share = parts ? (lines + parts - 1) / parts : 0;
