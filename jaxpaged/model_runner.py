@@ -902,19 +902,24 @@ def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...], arena: HugePageAr
     column blocks [N / 64, K, 64] ([L, N / 64, K, 64]; one stream per block: one row of x reads them ~1.4x
     faster than [K, N], docs/kernels.md), written by the host into `arena` (born on huge pages:
     host_memory); None where it can't take w. quantization="int8": the blocks hold `quantize_int8`'s int8
-    values, its scales (per column and run of 32 rows) blocked alike beside them, [(L,) N / 64, K / 32, 64]."""
+    values, its scales (per column and run of 32 rows) blocked alike beside them, [(L,) N / 64, K / 32, 64];
+    quantised a layer at a time, so the host's temporaries stay a few times one layer's weight."""
     if not cpu_matmul.blockable(w):
         return None
     host = np.asarray(w)  # [(L,) K, N]: a view of w's CPU buffer
-    scale = None
-    if quantization == "int8":
-        host, scale = cpu_matmul.quantize_int8(host)  # int8 [(L,) K, N], f32 [(L,) K / 32, N]
     *lead, k, n = host.shape
-    blocks = arena.empty((*lead, n // cpu_matmul.BLOCK_COLS, k, cpu_matmul.BLOCK_COLS), host.dtype)
-    np.copyto(blocks, cpu_matmul.block_weight(host))
-    if scale is not None:  # [(L,) N / 64, K / 32, 64]
-        scale = jnp.asarray(np.ascontiguousarray(cpu_matmul.block_weight(scale)))
-    return PackedWeight(cpu_array_over(blocks), tuple(shape), cpu_matmul.matmul_cpu, scale=scale)
+    dtype = np.int8 if quantization == "int8" else host.dtype
+    blocks = arena.empty((*lead, n // cpu_matmul.BLOCK_COLS, k, cpu_matmul.BLOCK_COLS), dtype)
+    if quantization is None:
+        np.copyto(blocks, cpu_matmul.block_weight(host))
+        return PackedWeight(cpu_array_over(blocks), tuple(shape), cpu_matmul.matmul_cpu)
+    runs = -(-k // cpu_matmul.GROUP_SIZE)
+    scale = np.empty((*lead, n // cpu_matmul.BLOCK_COLS, runs, cpu_matmul.BLOCK_COLS), np.float32)
+    for layer in np.ndindex(*lead):  # () once for one layer's w
+        q, s = cpu_matmul.quantize_int8(host[layer])  # int8 [K, N], f32 [K / 32, N]
+        np.copyto(blocks[layer], cpu_matmul.block_weight(q))
+        np.copyto(scale[layer], cpu_matmul.block_weight(s))
+    return PackedWeight(cpu_array_over(blocks), tuple(shape), cpu_matmul.matmul_cpu, scale=jnp.asarray(scale))
 
 
 class ModelRunner:

@@ -89,12 +89,16 @@ def quantize_int8(w, group_size: int = GROUP_SIZE):
     raise ValueError(f"quantize_int8: group_size={group_size} must divide {CHUNK_ROWS}")
   *lead, k, n = w.shape
   groups = -(-k // group_size)
-  padded = np.zeros((*lead, groups * group_size, n), w.dtype)
-  padded[..., :k, :] = w
+  padded = w
+  if k % group_size:  # a short last run: zero rows, which change no max
+    padded = np.zeros((*lead, groups * group_size, n), w.dtype)
+    padded[..., :k, :] = w
   runs = padded.reshape(*lead, groups, group_size, n)
   amax = np.abs(runs).max(axis=-2).astype(np.float32)  # [..., groups, N]
   scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-  q = np.clip(np.rint(runs / scale[..., None, :]), -127, 127).astype(np.int8)
+  q = runs / scale[..., None, :]  # one float temporary, rounded and clipped in place
+  np.clip(np.rint(q, out=q), -127, 127, out=q)
+  q = q.astype(np.int8)
   return q.reshape(padded.shape)[..., :k, :], scale
 
 
