@@ -194,8 +194,8 @@ def int8_values(params, packed: set[str]):
 
 
 def test_int8_engine_equals_the_plain_forward_over_its_int8_values(tiny):
-    """quantization="int8": the packed weight dots hold int8 values and per-column scales (a quarter of the
-    bytes), and the engine's greedy tokens over a mixed batch are the plain float32 forward's over those
+    """quantization="int8": the packed weight dots hold int8 values and their scales (per column and run of 32
+    rows: about a quarter of the bytes), and the engine's greedy tokens over a mixed batch are the plain float32 forward's over those
     values (q * scale), token for token, as the float32 engine's are over the float32 weights; its log-probs
     are that forward's, not the float32 model's."""
     engine = make_engine(tiny, quantization="int8")
