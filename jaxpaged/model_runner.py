@@ -908,7 +908,7 @@ def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...], arena: HugePageAr
         return None
     host = np.asarray(w)  # [(L,) K, N]: a view of w's CPU buffer
     *lead, k, n = host.shape
-    dtype = np.int8 if quantization == "int8" else host.dtype
+    dtype = host.dtype if quantization is None else np.int8
     blocks = arena.empty((*lead, n // cpu_matmul.BLOCK_COLS, k, cpu_matmul.BLOCK_COLS), dtype)
     if quantization is None:
         np.copyto(blocks, cpu_matmul.block_weight(host))

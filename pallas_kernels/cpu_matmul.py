@@ -118,7 +118,7 @@ def _group_size(k: int, groups: int) -> int:
   """The run length G (a power of two dividing 64) of scales for ceil(K / G) = groups runs (one run: any G >= K
   computes alike; 64 is used)."""
   for group in (64, 32, 16, 8, 4, 2, 1):
-    if -(-k // group) == groups or (k == 0 and groups == 0):
+    if -(-k // group) == groups:
       return group
   raise ValueError(f"int8 scales: {groups} runs of rows fit no run length dividing {CHUNK_ROWS} for K = {k}")
 
