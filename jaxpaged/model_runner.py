@@ -73,7 +73,7 @@ from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, t
 
 from jaxpaged.models.llama import (LlamaConfig, Matmul, PackedWeight, Params, WeightLayout, decoder_layer,
                                    embed_tokens, layer_constants, lm_logits, pack_weights, rope_frequencies,
-                                   rope_tables, untie_lm_head)
+                                   rope_tables, untie_lm_head, with_live_rows)
 from jaxpaged.sampler import (RowInfo, SamplerOutput, SamplingBatch, make_sampling_batch, num_top_logprobs_for,
                               sample_deferred, sample_jit)
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -582,8 +582,9 @@ class RunnerConfig:
     min_seq_bucket: int = 4
     min_page_bucket: int = 8
     # T buckets halfway between doublings (48, 96, 192, ...) from this T on; None: doublings only. On CPU a padded
-    # token costs about what a real one does (SmolLM2, 32-256 rows: ~0.8 ms each), and a serving mix of decodes
+    # token cost about what a real one did (SmolLM2, 32-256 rows: ~0.8 ms each), and a serving mix of decodes
     # and short prefills filled its 64- and 128-token steps only 63-76% (docs/benchmarks.md, "Session 15").
+    # Since session 29 the packed weights' dots skip padding rows (`with_live_rows`); the rest still pays.
     mid_token_buckets_from: int | None = None
     # Most requests fed more than one token in a step; None: no cap. The scheduler enforces it (the engine
     # builds its SchedulerConfig from this config); attention sizes its prefill tiles for it and trusts it.
@@ -793,6 +794,8 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
         return h, k_pool, v_pool
 
     carry = (embed_tokens(params, step.token_ids, config), kv.k, kv.v)  # h [T, E], the pool
+    # packed layer weights compute the step's real tokens only (padding comes last: cu_q_lens[-1] of T)
+    params = dict(params, layers=with_live_rows(params["layers"], step.cu_q_lens[-1]))
     if isinstance(params["layers"], Sequence):
         # One traced layer called L times: XLA inlines the calls (the program is the unrolled one), but
         # Python traces and lowers one layer, not L, per step shape (docs/benchmarks.md, "Start-up")

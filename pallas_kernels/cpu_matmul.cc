@@ -269,8 +269,16 @@ void block(const float* x, Block<W> b, float* y, int64_t m, int64_t k, int64_t n
   }
 }
 
+// The rows of x [M, K] the product computes: the first `rows` (clamped to [0, M]; a padded step's real
+// tokens, the rest padding). y's other rows, and all of y when K = 0 (no chunk writes it), are zeros.
+int64_t live_rows(int64_t m, ffi::Buffer<ffi::S32> rows_buf, float* y, int64_t n, int64_t k) {
+  const int64_t live = k == 0 ? 0 : std::clamp<int64_t>(rows_buf.typed_data()[0], 0, m);
+  std::memset(y + live * n, 0, sizeof(float) * (m - live) * n);
+  return live;
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::Buffer<ffi::S32> layer_buf, ffi::ResultBuffer<ffi::F32> y) {
+                  ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> rows_buf, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   // Blocked weights may come stacked, [L, N / 64, K, 64]: the product reads layer `layer` in place (a
@@ -282,15 +290,13 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
       xd[1] != wd[blocked ? 1 + off : 0] || (stacked && wd[0] < 1))
     return ffi::Error::InvalidArgument(
         "cpu matmul: x [M, K] and w [K, N], blocked [N / 64, K, 64] or stacked [L, N / 64, K, 64]");
-  const int64_t m = xd[0], k = xd[1], n = blocked ? wd[off] * kCols : wd[1];
+  const int64_t k = xd[1], n = blocked ? wd[off] * kCols : wd[1];
   const int64_t layer = stacked ? std::clamp<int64_t>(layer_buf.typed_data()[0], 0, wd[0] - 1) : 0;
   const float* xp = x.typed_data();
   const float* wp = w.typed_data() + layer * n * k;
   float* yp = y->typed_data();
-  if (k == 0) {  // no chunk writes y
-    std::memset(yp, 0, sizeof(float) * m * n);
-    return ffi::Error::Success();
-  }
+  const int64_t m = live_rows(xd[0], rows_buf, yp, n, k);
+  if (m == 0) return ffi::Error::Success();
   const int64_t total = (n + kCols - 1) / kCols;  // items: column blocks
   jaxpaged::run_items(pool, total, [=](int64_t i) {
     const int64_t n0 = i * kCols;
@@ -305,7 +311,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 // [L, N / 64, K, 64] with [L, N / 64, ceil(K / group), 64]; y = sum over groups of (x @ q_g) * scale_g,
 // layer `layer` of a stack (clamped). group divides the 64-row chunk.
 ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer_buf,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> rows_buf,
                       ffi::ResultBuffer<ffi::F32> y, int64_t group) {
   auto xd = x.dimensions();
   auto qd = q.dimensions();
@@ -319,16 +325,14 @@ ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument(
         "cpu int8 matmul: x [M, K], q [N / 64, K, 64] with scales [N / 64, ceil(K / group), 64], or stacked "
         "[L, N / 64, K, 64] with [L, N / 64, ceil(K / group), 64]; group divides 64");
-  const int64_t m = xd[0], k = xd[1], n = qd[off] * kCols;
+  const int64_t k = xd[1], n = qd[off] * kCols;
   const int64_t layer = stacked ? std::clamp<int64_t>(layer_buf.typed_data()[0], 0, qd[0] - 1) : 0;
   const float* xp = x.typed_data();
   const int8_t* qp = q.typed_data() + layer * n * k;
   const float* sp = scale.typed_data() + layer * n * groups;
   float* yp = y->typed_data();
-  if (k == 0) {
-    std::memset(yp, 0, sizeof(float) * m * n);
-    return ffi::Error::Success();
-  }
+  const int64_t m = live_rows(xd[0], rows_buf, yp, n, k);
+  if (m == 0) return ffi::Error::Success();
   jaxpaged::run_items(pool, n / kCols, [=](int64_t i) {
     block(xp, Block<int8_t>{qp + i * kCols * k, kCols, true, sp + i * groups * kCols, group}, yp, m, k, n,
           i * kCols);
@@ -344,6 +348,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmul, Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer (stacked w)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows of x computed (the rest: padding)
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmulInt8, MatmulInt8,
@@ -353,5 +358,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmulInt8, MatmulInt8,
                                   .Arg<ffi::Buffer<ffi::S8>>()   // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer (stacked q)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows of x computed (the rest: padding)
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("group"));

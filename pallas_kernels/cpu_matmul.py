@@ -141,13 +141,15 @@ def supports(x, w) -> bool:
           and MIN_ROWS <= x.shape[0] <= MAX_ROWS)
 
 
-def matmul_cpu(x, w, layer=None, scale=None):
+def matmul_cpu(x, w, layer=None, scale=None, rows=None):
   """x [M, K] @ w -> f32 [M, N]: w [K, N], blocked [N / 64, K, 64], or stacked [L, N / 64, K, 64] read
   at `layer` (an int32 scalar, traced or not; required then, clamped to [0, L)) in place
   (`load_cpu_matmul()` must have returned True). With `scale`, w is `quantize_int8`'s int8 q blocked (or
-  stacked) and scale its float32 scales blocked alike, [(L,) N / 64, ceil(K / G), 64]: reference_int8."""
+  stacked) and scale its float32 scales blocked alike, [(L,) N / 64, ceil(K / G), 64]: reference_int8.
+  rows (an int32 scalar, traced or not; None: M): only x's first `rows` rows are computed (clamped to
+  [0, M]; a padded step's real tokens), y's rows from there on are zeros."""
   if scale is not None:
-    return _matmul_int8(x, w, layer, scale)
+    return _matmul_int8(x, w, layer, scale, rows)
   if not supports(x, w):
     raise ValueError(f"native CPU matmul takes float32 x [M, K] and w [K, N] "
                      f"({MIN_ROWS} <= M <= {MAX_ROWS}), blocked [N / "
@@ -156,8 +158,13 @@ def matmul_cpu(x, w, layer=None, scale=None):
   _check_layer("native CPU matmul", "w", w, layer)
   n = w.shape[-3] * BLOCK_COLS if w.ndim >= 3 else w.shape[1]
   out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+  return jax.ffi.ffi_call(TARGET, out)(x, w, *_scalars(x, layer, rows))
+
+
+def _scalars(x, layer, rows) -> tuple[jax.Array, jax.Array]:
+  """The calls' int32 scalar operands: the layer index (0 without a stack) and the rows computed."""
   index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
-  return jax.ffi.ffi_call(TARGET, out)(x, w, index)
+  return index, jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(())
 
 
 def _check_layer(call: str, name: str, w, layer) -> None:
@@ -166,7 +173,7 @@ def _check_layer(call: str, name: str, w, layer) -> None:
                      f"got {name} {list(w.shape)}, layer {layer!r}")
 
 
-def _matmul_int8(x, q, layer, scale):
+def _matmul_int8(x, q, layer, scale, rows):
   blocked = q.ndim in (3, 4) and q.shape[-1] == BLOCK_COLS
   ok = (x.ndim == 2 and x.dtype == jnp.float32 and x.shape[0] >= 1 and q.dtype == jnp.int8 and blocked
         and q.shape[-2] == x.shape[1] and scale.dtype == jnp.float32 and scale.ndim == q.ndim
@@ -179,5 +186,4 @@ def _matmul_int8(x, q, layer, scale):
   _check_layer("native CPU int8 matmul", "q", q, layer)
   group = _group_size(q.shape[-2], scale.shape[-2])
   out = jax.ShapeDtypeStruct((x.shape[0], q.shape[-3] * BLOCK_COLS), jnp.float32)
-  index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
-  return jax.ffi.ffi_call(TARGET_INT8, out)(x, q, scale, index, group=np.int64(group))
+  return jax.ffi.ffi_call(TARGET_INT8, out)(x, q, scale, *_scalars(x, layer, rows), group=np.int64(group))

@@ -134,8 +134,17 @@ def matmuls_only(config, params, token_ids, logits_indices):
     if isinstance(params["layers"], (list, tuple)):
         for p in params["layers"]:
             h, _ = layer(h, p)
-    else:
-        h, _ = jax.lax.scan(layer, h, params["layers"])
+    else:  # packed stacks are read at each layer's index in place, as the step does (a scanned slice is a copy)
+        packed_type = getattr(llama, "PackedWeight", ())
+        packed = {n: w for n, w in params["layers"].items() if isinstance(w, packed_type)}
+        sliced = {n: w for n, w in params["layers"].items() if n not in packed}
+        num_layers = config.num_hidden_layers
+
+        def scanned(h, xs):
+            p, i = xs
+            return layer(h, {**p, **{n: w.at_layer(i) for n, w in packed.items()}})
+
+        h, _ = jax.lax.scan(scanned, h, (sliced, jnp.arange(num_layers, dtype=jnp.int32)))
     x = h[logits_indices]
     head = params.get("lm_head")
     return _dot(x, head) if head is not None else jnp.einsum("se,ve->sv", x, params["embed"])
@@ -355,7 +364,7 @@ def run_here(args) -> dict[str, dict[str, float]]:
     results = {}
     for batch in args.batch:
         engine = LLMEngine(EngineArgs(model="smollm2-135m-instruct", dtype="float32", max_num_seqs=max(batch, 4),
-                                      max_model_len=512, warmup=False))
+                                      max_model_len=512, warmup=False, quantization=args.quantization))
         decode_batch(engine, batch, args.context)
         results[str(batch)] = measure(engine, args.steps, args.sampling, args.xla_options, args.hlo, batch)
         print(f"  [{_tree(sys.argv).name}] batch {batch}: " +
@@ -363,7 +372,8 @@ def run_here(args) -> dict[str, dict[str, float]]:
         del engine
     for tokens in args.prefill:
         engine = LLMEngine(EngineArgs(model="smollm2-135m-instruct", dtype="float32", max_num_seqs=32,
-                                      max_model_len=512, max_num_batched_tokens=max(512, tokens), warmup=False))
+                                      max_model_len=512, max_num_batched_tokens=max(512, tokens), warmup=False,
+                                      quantization=args.quantization))
         key = f"prefill {tokens}"
         results[key] = measure_prefill(engine, args.steps, tokens, args.hlo)
         print(f"  [{_tree(sys.argv).name}] {key}: " +
@@ -380,6 +390,7 @@ def run_tree(tree: str, args) -> dict:
     argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--tree", tree, "--json", "--no-roofline",
             "--batch", *map(str, args.batch), "--prefill", *map(str, args.prefill),
             "--context", str(args.context), "--steps", str(args.steps)]
+    argv += ["--quantization", args.quantization] if args.quantization else []
     argv += ["--sampling"] if args.sampling else []
     proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
     sys.stderr.write(proc.stderr[-2000:] if proc.returncode else "")
@@ -416,6 +427,8 @@ def main(argv=None) -> int:
     parser.add_argument("--xla-options", action="store_true", help="also time the forward per XLA option set")
     parser.add_argument("--hlo", default=None, help="write the compiled step HLO here and summarise its dots")
     parser.add_argument("--before-tree", default=None, help="another checkout to measure first (before / after)")
+    parser.add_argument("--quantization", choices=["int8"], default=None,
+                        help="weight-only quantisation of the engine measured (EngineArgs.quantization)")
     parser.add_argument("--no-roofline", action="store_true")
     parser.add_argument("--tree", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)

@@ -6,7 +6,9 @@ The 32-concurrent chat workload of `compare_servers.py` without the server: --nu
 with max_num_seqs = --concurrency (the scheduler keeps that many in flight, as the benchmark client does).
 Each `execute_model` call is timed (forward, sampler, results back on the host) and grouped by kind
 (decode only, or mixed: some request fed more than one token) and by its (T, S) bucket. Prints the
-total output tok/s and, per group: steps, seconds, ms per step, tokens fed.
+total output tok/s and, per group: steps, seconds, ms per step, tokens fed. Steps run one at a time
+(async scheduling off, as `EngineArgs(async_scheduling=False)`), so each is timed whole; --async-scheduling
+keeps the engine's default (the total tok/s as served, no per-step table: steps then overlap).
 
     python scripts/profile_workload.py                       # 64 x (160 in, 128 out) at 32
     python scripts/profile_workload.py --max-num-batched-tokens 512 --weight-layout stacked
@@ -31,6 +33,9 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--weight-layout", default="auto")
+    ap.add_argument("--quantization", choices=["int8"], default=None)
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="the engine's default async scheduling (no per-step table)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--tree", default=str(pathlib.Path(__file__).resolve().parents[1]),
@@ -46,6 +51,8 @@ def main(argv=None) -> None:
     from jaxpaged import LLM, SamplingParams
 
     extra = {} if args.weight_layout == "auto" else {"weight_layout": args.weight_layout}
+    extra |= {} if args.async_scheduling else {"async_scheduling": False}
+    extra |= {"quantization": args.quantization} if args.quantization else {}
     start = time.perf_counter()
     llm = LLM(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=args.concurrency,
               max_num_batched_tokens=args.max_num_batched_tokens, **extra)

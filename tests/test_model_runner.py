@@ -241,6 +241,29 @@ def test_cpu_steps_take_the_native_matmul_and_attention(tiny):
         np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(plain), atol=1e-4)
 
 
+@pytest.mark.parametrize("weight_layout", ["stacked", "per_layer"])
+def test_padding_tokens_cost_the_packed_weight_dots_nothing(tiny, weight_layout):
+    """A step padded to its T bucket: the packed weights' products compute its real tokens only
+    (cu_q_lens[-1]), so a padding row's hidden state is its embedding (token 0) untouched: every packed
+    product adds zeros to it (wo's, and the MLP's whole path). The real tokens' logits stay the plain
+    forward's; in both weight layouts."""
+    config = dataclasses.replace(CONFIG, attention_backend="auto", min_token_bucket=1, max_num_batched_tokens=256,
+                                 max_model_len=256, weight_layout=weight_layout)
+    runner = ModelRunner(tiny.config, tiny.params, config)
+    assert isinstance(runner.params["layers"][0]["w_down"] if weight_layout == "per_layer"
+                      else runner.params["layers"]["w_down"], PackedWeight)
+    tokens = np.random.default_rng(5).integers(1, 256, size=37).tolist()
+    step = runner.prepare([entry("a", tokens[:30], 0, [3, 4]), entry("b", tokens[30:], 0, [5])])
+    assert len(step.token_ids) > 37 and int(step.cu_q_lens[-1]) == 37  # padded
+    logits, hidden = runner._forward(step)
+    embed0 = np.asarray(tiny.params["embed"][0])
+    np.testing.assert_array_equal(np.asarray(hidden[37:]), np.broadcast_to(embed0, hidden[37:].shape))
+    assert not np.allclose(np.asarray(hidden[:37]), np.asarray(tiny.params["embed"])[tokens])
+    for row, prompt in enumerate((tokens[:30], tokens[30:])):
+        plain = forward_jit(tiny.config, tiny.params, jnp.asarray([prompt]))[0, -1]
+        np.testing.assert_allclose(np.asarray(logits[row]), np.asarray(plain), atol=1e-4)
+
+
 def test_cpu_runner_holds_a_tied_lm_head_as_its_own_copy(tiny_checkpoints):
     """On CPU a tied model's LM head is also held as the embedding transposed, [E, V] (the form XLA:CPU
     runs fast at one row); the logits stay the tied forward's and the caller's params are untouched."""

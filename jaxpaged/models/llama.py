@@ -251,24 +251,33 @@ class PackedWeight:
     """A weight dot's w [K, ...] held in a layout only its own product reads (the paged engine on CPU: the
     native matmul's contiguous column blocks, `pack_weights`). data: that layout, for one layer or (stacked
     layers) every layer on a leading L axis; shape: one layer's w's 2-D-viewable shape [K, ...] (wo's is
-    [H * D, E]); dot: fn(x [M, K], data, layer, scale) -> [M, prod(shape[1:])] (static); layer: which layer
-    of stacked data the product reads (int32 scalar; None for one layer's data); scale: weight-only int8's
-    scales (data then holds the int8 values; pallas_kernels/cpu_matmul.py), None for float weights. A
-    layer scan hands each step the whole stack with its layer (`at_layer`), so no weight is sliced out of
-    the stack."""
+    [H * D, E]); dot: fn(x [M, K], data, layer, scale, rows) -> [M, prod(shape[1:])] (static); layer: which
+    layer of stacked data the product reads (int32 scalar; None for one layer's data); scale: weight-only
+    int8's scales (data then holds the int8 values; pallas_kernels/cpu_matmul.py), None for float weights;
+    rows: how many of x's first rows the product computes (int32 scalar: a padded step's real tokens, the
+    other rows' products are zeros; None: all). A layer scan hands each step the whole stack with its
+    layer (`at_layer`), so no weight is sliced out of the stack."""
     data: jax.Array
     shape: tuple[int, ...]
-    dot: Callable[[jax.Array, jax.Array, jax.Array | None, jax.Array | None], jax.Array]
+    dot: Callable[..., jax.Array]
     layer: jax.Array | None = None
     scale: jax.Array | None = None
+    rows: jax.Array | None = None
 
     def at_layer(self, layer: jax.Array) -> PackedWeight:
         """Stacked data read at `layer` (a traced int32 scalar inside a scan)."""
         return dataclasses.replace(self, layer=layer)
 
 
-jax.tree_util.register_dataclass(PackedWeight, data_fields=["data", "layer", "scale"],
+jax.tree_util.register_dataclass(PackedWeight, data_fields=["data", "layer", "scale", "rows"],
                                  meta_fields=["shape", "dot"])
+
+
+def with_live_rows(tree, rows: jax.Array):
+    """`tree` (params or part of them) with each PackedWeight's product limited to x's first `rows` rows
+    (int32 scalar): a padded step's real tokens, so padding costs its weight dots nothing."""
+    return jax.tree.map(lambda w: dataclasses.replace(w, rows=rows) if isinstance(w, PackedWeight) else w, tree,
+                        is_leaf=lambda w: isinstance(w, PackedWeight))
 
 
 def pack_weights(params: Params, pack: Callable[[jax.Array, tuple[int, ...]], PackedWeight | None], *,
@@ -319,7 +328,8 @@ def dot_weight(x: jax.Array, w: jax.Array, matmul: Matmul | None, spec: str,
     """x [T, E] @ w [E, ...] -> [T, ...]: a PackedWeight's own product; else matmul on w's 2-D view (a free
     reshape) if it takes the shapes, else jnp.einsum(spec, x, w); in preferred_element_type (default x's)."""
     if isinstance(w, PackedWeight):
-        y = w.dot(x.reshape(-1, x.shape[-1]), w.data, w.layer, w.scale).astype(preferred_element_type or x.dtype)
+        y = w.dot(x.reshape(-1, x.shape[-1]), w.data, w.layer, w.scale, w.rows)
+        y = y.astype(preferred_element_type or x.dtype)
         return y.reshape(*x.shape[:-1], *w.shape[1:])
     if matmul is not None and x.ndim == 2:
         w2 = w.reshape(w.shape[0], -1)

@@ -89,6 +89,37 @@ def test_stacked_blocks_are_read_at_the_layer_given():
     cpu_matmul.matmul_cpu(jnp.asarray(x), stacked[0], 1)
 
 
+@pytest.mark.parametrize("layout", ["k_n", "blocked", "stacked", "int8", "int8_stacked"])
+@pytest.mark.parametrize("m, rows", [(32, 32), (32, 19), (32, 1), (32, 0), (17, 20), (17, -3), (128, 97)])
+def test_only_the_live_rows_are_computed(layout, m, rows):
+  """`rows` (a padded step's real tokens, traced as the step gives it): x's first `rows` rows are the
+  product's, the others zeros however x's padding rows read (here huge values, NaN: nothing reads them);
+  clamped to [0, M]. Every weight layout and both handlers."""
+  assert cpu_matmul.load_cpu_matmul()
+  rng = np.random.default_rng(m * 100 + rows)
+  k, n = 130, 192
+  x = rng.standard_normal((m, k), np.float32)
+  live = min(max(rows, 0), m)
+  x[live:] = np.nan
+  w = rng.standard_normal((2, k, n), np.float32)  # [L, K, N]: layer 1 is read where stacked
+  layer = jnp.int32(1) if layout.endswith("stacked") else None
+  scale = None
+  if layout.startswith("int8"):
+    q, s = cpu_matmul.quantize_int8(w if layer is not None else w[1])
+    weight, scale = cpu_matmul.block_weight(jnp.asarray(q)), cpu_matmul.block_weight(jnp.asarray(s))
+    dense = np.asarray(cpu_matmul.dequantize_int8(q, s))
+    dense = dense[1] if layer is not None else dense
+  else:
+    dense = w[1]
+    weight = {"k_n": jnp.asarray(w[1]), "blocked": cpu_matmul.block_weight(jnp.asarray(w[1])),
+              "stacked": cpu_matmul.block_weight(jnp.asarray(w))}[layout]
+  got = np.asarray(jax.jit(lambda x, wt, sc, r: cpu_matmul.matmul_cpu(x, wt, layer, sc, r))(
+      jnp.asarray(x), weight, scale, jnp.int32(rows)))
+  want = x[:live].astype(np.float64) @ np.asarray(dense, np.float64)
+  np.testing.assert_allclose(got[:live], want, rtol=1e-5, atol=1e-4)
+  np.testing.assert_array_equal(got[live:], 0.0)
+
+
 def test_what_blocks():
   assert cpu_matmul.blockable(jnp.zeros((8, 128), jnp.float32))
   assert not cpu_matmul.blockable(jnp.zeros((8, 96), jnp.float32))  # N not a multiple of 64
@@ -236,7 +267,7 @@ def test_every_vector_width_builds_and_each_this_cpu_runs_matches(name, flags, n
     for wj in weights:
       layer = jnp.int32(1 if wj.ndim == 4 else 0)
       got = np.asarray(jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(jnp.asarray(x), wj,
-                                                                                            layer))
+                                                                                            layer, jnp.int32(m)))
       np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5,
                                  atol=1e-5 * np.sqrt(k), err_msg=f"{name}: m {m}, k {k}, n {n}, w {wj.shape}")
   # the int8 handler at the same width: widened in that unit's registers (a stack of two, read at layer 1)
@@ -246,7 +277,7 @@ def test_every_vector_width_builds_and_each_this_cpu_runs_matches(name, flags, n
     q, scale = cpu_matmul.quantize_int8(rng.standard_normal((2, k, n), np.float32))
     got = np.asarray(jax.ffi.ffi_call(f"{target}_int8", jax.ShapeDtypeStruct((m, n), jnp.float32))(
         jnp.asarray(x), cpu_matmul.block_weight(jnp.asarray(q)), cpu_matmul.block_weight(jnp.asarray(scale)),
-        jnp.int32(1), group=np.int64(cpu_matmul.GROUP_SIZE)))
+        jnp.int32(1), jnp.int32(m), group=np.int64(cpu_matmul.GROUP_SIZE)))
     want = x.astype(np.float64) @ np.asarray(cpu_matmul.dequantize_int8(q[1], scale[1]), np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.sqrt(k) * 127 * scale.max(),
                                err_msg=f"{name} int8: m {m}, k {k}, n {n}")
