@@ -252,8 +252,7 @@ class LLMEngine:
         # The step's weight layout, before the KV pool is sized from free memory: weights this engine
         # loaded are converted in place (one group of tensors at a time); a caller's `loaded` is left usable.
         layout = resolve_weight_layout(args.weight_layout, args.fuse_projections, jax.default_backend(),
-                                       packed=packs_weights(args.attention_backend, self.model.dtype,
-                                                            sharded=self.mesh is not None))
+                                       packed=self._packs_weights())
         self.model = dataclasses.replace(self.model, params=to_weight_layout(
             self.model.config, self.model.params, layout, self.mesh, consume=loaded is None))
         phases = {"load": time.perf_counter() - start}  # seconds per start-up phase, for the ready line
@@ -321,6 +320,10 @@ class LLMEngine:
                              f"device count {jax.device_count()} (every process serves a shard)")
         return parallel.make_mesh(tp)
 
+    def _packs_weights(self) -> bool:
+        """Whether the runner will hold the weight dots' weights packed (`model_runner.packs_weights`)."""
+        return packs_weights(self.args.attention_backend, self.model.dtype, sharded=self.mesh is not None)
+
     def _runner_config(self) -> RunnerConfig:
         args, config = self.args, self.model.config
         on_gpu = jax.default_backend() == "gpu"
@@ -345,8 +348,10 @@ class LLMEngine:
                             command_buffers=args.command_buffers, fuse_sampler=args.fuse_sampler,
                             # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes
                             min_token_bucket=16 if on_gpu else 1,
-                            # and steps of decodes plus short prefills pad less (x1.5 buckets from 32 tokens on)
-                            mid_token_buckets_from=None if on_gpu else 32,
+                            # and where XLA's dots compute every padding row, steps of decodes plus short
+                            # prefills pad less (x1.5 buckets from 32 tokens on); packed weights' dots skip
+                            # padding rows (`with_live_rows`), so there the doublings alone compile a third less
+                            mid_token_buckets_from=None if on_gpu or self._packs_weights() else 32,
                             # and one request alone gets S = 1: its LM head is one row, not 4 (3 of them padding)
                             min_seq_bucket=4 if on_gpu else 1,
                             max_num_partial_prefills=min(args.max_num_partial_prefills or (16 if on_gpu else 4),

@@ -99,10 +99,14 @@ def test_greedy_batch_equals_plain_forward(tiny, overrides, expect):
 
 def test_cpu_engine_gives_one_request_one_sequence_slot(tiny):
     """On CPU the smallest S bucket is 1: one request's decode step computes one logits row (not 4, 3 of
-    them padding) and still matches the plain forward. Its T buckets add x1.5 steps from 32 tokens on."""
+    them padding) and still matches the plain forward. Its T buckets are doublings where the runner packs the
+    weights (their dots skip padding rows) and add x1.5 steps from 32 tokens on where XLA's dots run."""
     engine = make_engine(tiny)
     assert engine.runner_config.seq_buckets[0] == 1 and engine.runner_config.bucket_for(1, 1, 1)[:2] == (1, 1)
-    assert engine.runner_config.mid_token_buckets_from == 32
+    assert engine.runner_config.mid_token_buckets_from is None
+    assert all(t & (t - 1) == 0 or t == engine.runner_config.max_num_batched_tokens
+               for t in engine.runner_config.token_buckets)
+    assert make_engine(tiny, attention_backend="xla").runner_config.mid_token_buckets_from == 32
     done = run_all(engine, [[5, 6, 7]])
     assert done["0"].outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, [5, 6, 7], GREEDY.max_tokens)
     engine.add_request("b", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
