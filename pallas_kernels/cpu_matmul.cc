@@ -7,8 +7,12 @@
 // 5.2 ms, 4 rows 15.4 -> 9.3, 8 rows 18.1 -> 15.9, 16 rows 25.6 -> 28.2, 32 rows 45.9 -> 52.9, 64 rows
 // 88.1 -> 100.1: while memory bounds the product int8 reads a quarter of it, once the FMAs do the
 // widening costs ~10-15%. One scale per column (no runs) was ~2% faster at 32 rows and twice as far
-// from float32 (docs/benchmarks.md, "Weight-only int8 (CPU)"). Widening each chunk once into a float32
-// chunk in L1 for all row groups was slower from 8 rows on (8: 18.4 ms, 32: 61.7) and was dropped.
+// from float32 (docs/benchmarks.md, "Weight-only int8 (CPU)"). From kDequantisedFromGroups row groups on
+// (19+ rows: prefill, many decodes) each chunk is instead dequantised once, times its scales, into a
+// float32 chunk in L1 that the float tiles read (`block_dequantised`): on a Zen 4 (SmolLM2-shaped int8
+// stacks, interleaved, median of 9) 0.90-0.94x the in-register time at 32-256 rows with AVX-512 and
+// 0.83-0.90x with the AVX2 build, the same at 8-24 rows. (Session 28's Zen 3 found a variant that kept
+// the per-run flush in the tiles slower from 8 rows on: 8 rows 18.4 vs 14.4 ms, 32 rows 61.7 vs 52.9.)
 //
 // XLA:CPU hands a 17-32-row dot to YNNPACK, whose GEMM packs w on every call: each weight
 // byte is read, written and read again, and the step's dots ran at ~55% of the cores' FMA
@@ -65,6 +69,7 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec vset1(float s) { return _mm512_set1_ps(s); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vload(const int8_t* p) {  // 16 int8 -> 16 floats
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -76,6 +81,7 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vset1(float s) { return _mm256_set1_ps(s); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vload(const int8_t* p) {  // 8 int8 -> 8 floats (vpmovsxbd from memory, vcvtdq2ps)
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -87,12 +93,14 @@ inline Vec vload(const float* p) { Vec v; std::memcpy(&v, p, sizeof v); return v
 inline void vstore(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 inline Vec vset1(float s) { return Vec{} + s; }
 inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }  // fused under -ffp-contract=fast
+inline Vec vmul(Vec a, Vec b) { return a * b; }
 inline Vec vload(const int8_t* p) { return Vec{float(p[0]), float(p[1]), float(p[2]), float(p[3])}; }
 #endif
 
 constexpr int64_t kCols = 64;   // columns of w per work item (one blocked-layout block)
 constexpr int kMaxRows = 6;     // rows of x per register tile
 constexpr int64_t kChunk = 64;  // rows of w per chunk: 16 KiB of a block
+constexpr int64_t kDequantisedFromGroups = 4;  // int8: row groups from which chunks are dequantised once
 constexpr int64_t kTileCols = kLanes * kTileVecs;  // columns of a register tile: 64, 16 or 8
 constexpr int64_t kTiles = kCols / kTileCols;      // register tiles across a block: 1, 4 or 8
 static_assert(kCols % kTileCols == 0, "a block is whole register tiles");
@@ -241,10 +249,38 @@ void edge(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_
   }
 }
 
+// int8 w for several row groups: each chunk of the block is dequantised once (q times its scales) into a
+// float chunk in L1, which every row group's float tiles then read; meanwhile the next chunk of q is
+// prefetched. Widening in registers instead redoes it for every row group and flushes the accumulators
+// into y at every run of scales.
+void block_dequantised(const float* x, Block<int8_t> b, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
+  alignas(64) static thread_local float chunk[kChunk * kCols];
+  const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
+  for (int64_t i0 = 0; i0 < k; i0 += kChunk) {
+    const int64_t i1 = std::min(i0 + kChunk, k);
+    for (int64_t i = i1; i < i1 + kChunk; ++i) prefetch_l2(b.w + i * kCols);  // past k: the next block's
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* s = b.scale + i / b.group * kCols;
+      for (int64_t c = 0; c < kCols; c += kLanes)
+        vstore(chunk + (i - i0) * kCols + c, vmul(vload(b.w + i * kCols + c), vload(s + c)));
+    }
+    const Block<float> f{chunk, kCols, true};
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = m * g / groups, r1 = m * (g + 1) / groups;
+      for (int64_t t = 0; t < kTiles; ++t)
+        row_tile<true>(r1 - r0, x + r0 * k + i0, f, t * kTileCols, y + r0 * n, k, n, n0, 0, i1 - i0, i0 == 0, 0,
+                       0, 0);
+    }
+  }
+}
+
 // Column block n0 (of `b`) for all m rows: chunk by chunk of w, every row group per chunk.
 template <typename W>
 void block(const float* x, Block<W> b, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
   const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
+  if constexpr (std::is_same_v<W, int8_t>) {
+    if (groups >= kDequantisedFromGroups) return block_dequantised(x, b, y, m, k, n, n0);
+  }
   for (int64_t i = 0; i < std::min(kChunk, k); ++i)  // the first chunk: no chunk before fetched it
       for (int64_t c = 0; c < kRowLines<W>; ++c) prefetch_l2(b.w + i * b.ld + kLineElems<W> * c);
   for (int64_t i0 = 0; i0 < k; i0 += kChunk) {

@@ -170,7 +170,8 @@ def test_every_column_block_once_however_the_threads_split_them(blocks, m):
 @pytest.mark.parametrize("group", [32, 64, 16])
 def test_int8_weights_match_a_float64_product_of_their_values(m, k, n, group):
   """Weight-only int8: the blocked int8 values times their runs' scales equal the float64 product of the
-  dequantised values, at one row group, uneven groups and many, whole and partial chunks and runs of rows
+  dequantised values, at one row group, uneven groups and many (from 4 groups, 19+ rows, the chunks are
+  dequantised once for the float tiles: 32 and 128 rows), whole and partial chunks and runs of rows
   (K = 130: a last chunk of 2 rows; K = 20: one short run); stacked layers read at each layer with that
   layer's scales."""
   assert cpu_matmul.load_cpu_matmul()
@@ -270,9 +271,10 @@ def test_every_vector_width_builds_and_each_this_cpu_runs_matches(name, flags, n
                                                                                             layer, jnp.int32(m)))
       np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5,
                                  atol=1e-5 * np.sqrt(k), err_msg=f"{name}: m {m}, k {k}, n {n}, w {wj.shape}")
-  # the int8 handler at the same width: widened in that unit's registers (a stack of two, read at layer 1)
+  # the int8 handler at the same width: widened in that unit's registers up to 18 rows, chunks dequantised
+  # into float tiles from 19 on (a stack of two, read at layer 1)
   assert cpu_build.load_target(cpu_matmul.SOURCE, "JaxpagedCpuMatmulInt8", f"{target}_int8", flags)
-  for m, k, n in [(1, 576, 960), (7, 130, 192), (13, 64, 128)]:
+  for m, k, n in [(1, 576, 960), (7, 130, 192), (13, 64, 128), (32, 130, 192), (19, 576, 64)]:
     x = rng.standard_normal((m, k), np.float32)
     q, scale = cpu_matmul.quantize_int8(rng.standard_normal((2, k, n), np.float32))
     got = np.asarray(jax.ffi.ffi_call(f"{target}_int8", jax.ShapeDtypeStruct((m, n), jnp.float32))(
