@@ -93,7 +93,7 @@ def test_stacked_blocks_are_read_at_the_layer_given():
 @pytest.mark.parametrize("m, rows", [(32, 32), (32, 19), (32, 1), (32, 0), (17, 20), (17, -3), (128, 97)])
 def test_only_the_live_rows_are_computed(layout, m, rows):
   """`rows` (a padded step's real tokens, traced as the step gives it): x's first `rows` rows are the
-  product's, the others zeros however x's padding rows read (here huge values, NaN: nothing reads them);
+  product's, the others zeros whatever x's padding rows hold (NaN here: a computed one would show);
   clamped to [0, M]. Every weight layout and both handlers."""
   assert cpu_matmul.load_cpu_matmul()
   rng = np.random.default_rng(m * 100 + rows)
