@@ -346,7 +346,8 @@ class LLMEngine:
                             quantization=args.quantization,
                             weight_layout=args.weight_layout, fuse_projections=args.fuse_projections,
                             command_buffers=args.command_buffers, fuse_sampler=args.fuse_sampler,
-                            # CPU matmul time grows with padded tokens: decode batches of 1-8 get their own shapes
+                            # CPU step time grows with padded tokens (all of it with XLA's dots, the non-dot part
+                            # with packed weights): decode batches of 1-8 get their own shapes
                             min_token_bucket=16 if on_gpu else 1,
                             # and where XLA's dots compute every padding row, steps of decodes plus short
                             # prefills pad less (x1.5 buckets from 32 tokens on); packed weights' dots skip
