@@ -105,8 +105,8 @@ class EngineArgs:
     num_pages: int | None = None  # KV pool size in pages (incl. the null page); overrides the above
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"  # the KV pool's dtype (see model_runner.resolve_kv_cache_dtype)
-    # vLLM's `quantization`: weight-only quantisation of the weight dots, "int8" (model_runner.QUANTIZATIONS; CPU,
-    # float32 weights on one device: the native matmul reads int8, a scale per column and 32 rows) or None
+    # vLLM's `quantization`: the weight dots' weights as int8, a scale per column and 32 rows (model_runner.QUANTIZATIONS;
+    # CPU, float32 weights on one device, the native matmul): "int8" (weight-only), "w8a8" (x quantised too) or None
     quantization: str | None = None
     # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays, read in place, where the
     # weights are not packed for the native CPU matmul, whose packed stack a scan reads in place; the stacked

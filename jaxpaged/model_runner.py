@@ -533,9 +533,13 @@ def uses_native_matmul(backend: str) -> bool:
     return backend == "cpu" and jax.default_backend() == "cpu" and cpu_matmul.load_cpu_matmul()
 
 
-# Weight-only quantisation of the weight dots (vLLM's `quantization` argument): "int8", a float32 scale per output
-# column and run of 32 rows (pallas_kernels/cpu_matmul.py: quantize_int8), computed in float32 by the native CPU matmul
-QUANTIZATIONS = ("int8",)
+# Quantisation of the weight dots (vLLM's `quantization` argument), both with the weights as int8 and a float32 scale
+# per output column and run of 32 rows (pallas_kernels/cpu_matmul.py: quantize_int8), on the native CPU matmul:
+# "int8": weight-only, every product float32 (matmul_cpu); "w8a8": each dot's x quantised too, per row and run of 32
+# values, integer dots times both scales (matmul_w8a8; llama.cpp's Q8_0 dots): ~1.7-2.1x faster for 4+ rows where
+# AVX-512 VNNI runs them, else as fast as int8 (the same results), at some quality (docs/benchmarks.md, "W8A8")
+QUANTIZATIONS = ("int8", "w8a8")
+INT8_DOTS = {"int8": cpu_matmul.matmul_cpu, "w8a8": cpu_matmul.matmul_w8a8}  # each's product over the int8 blocks
 
 
 def check_quantization(quantization: str | None) -> None:
@@ -601,8 +605,8 @@ class RunnerConfig:
     # The sampler inside the step's jitted program (`fused_step`): "auto" (on with a GPU backend; off on CPU,
     # where it measured slower: docs/benchmarks.md, "The fused sampler"), "on" or "off". One device only.
     fuse_sampler: str = "auto"
-    # Weight-only quantisation of the weight dots (QUANTIZATIONS) or None. It needs the native CPU matmul's packed
-    # weights (`packs_weights`: float32 on one device), which the ModelRunner checks.
+    # Quantisation of the weight dots (QUANTIZATIONS: int8 weight-only, w8a8 with x too) or None. It needs the native
+    # CPU matmul's packed weights (`packs_weights`: float32 on one device), which the ModelRunner checks.
     quantization: str | None = None
 
     def __post_init__(self):
@@ -904,7 +908,7 @@ def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...], arena: HugePageAr
     """A weight dot's 2-D view w [K, N] (stacked layers: [L, K, N]) as the native CPU matmul's contiguous
     column blocks [N / 64, K, 64] ([L, N / 64, K, 64]; one stream per block: one row of x reads them ~1.4x
     faster than [K, N], docs/kernels.md), written by the host into `arena` (born on huge pages:
-    host_memory); None where it can't take w. quantization="int8": the blocks hold `quantize_int8`'s int8
+    host_memory); None where it can't take w. quantization "int8" or "w8a8": the blocks hold `quantize_int8`'s int8
     values, its scales (per column and run of 32 rows) blocked alike beside them, [(L,) N / 64, K / 32, 64];
     quantised a layer at a time, so the host's temporaries stay a few times one layer's weight."""
     if not cpu_matmul.blockable(w):
@@ -922,7 +926,7 @@ def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...], arena: HugePageAr
         q, s = cpu_matmul.quantize_int8(host[layer])  # int8 [K, N], f32 [K / 32, N]
         np.copyto(blocks[layer], cpu_matmul.block_weight(q))
         np.copyto(scale[layer], cpu_matmul.block_weight(s))
-    return PackedWeight(cpu_array_over(blocks), tuple(shape), cpu_matmul.matmul_cpu, scale=jnp.asarray(scale))
+    return PackedWeight(cpu_array_over(blocks), tuple(shape), INT8_DOTS[quantization], scale=jnp.asarray(scale))
 
 
 class ModelRunner:

@@ -41,6 +41,7 @@
 #include <immintrin.h>
 #endif
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -134,6 +135,8 @@ struct Block {
   bool contiguous;  // blocked: its rows one run
   const float* scale = nullptr;
   int64_t group = 0;
+  const float* row_scale = nullptr;  // W8A8: x's rows' scales [rows, row_runs] (x holds their int8 values)
+  int64_t row_runs = 0;
 };
 
 // Rows [i0, i1) of the block for MR rows of x and its columns [c0, c0 + kTileCols):
@@ -207,7 +210,9 @@ void tile(const float* x, Block<W> b, int64_t c0, float* y, int64_t k, int64_t n
         for (int r = 0; r < MR; ++r)
           for (int c = 0; c < kTileVecs; ++c) {
             float* yc = yt + r * n + kLanes * c;
-            vstore(yc, vfma(acc[r][c], vload(s + kLanes * c), fresh ? vzero() : vload(yc)));
+            const Vec sc = b.row_scale ? vmul(vload(s + kLanes * c), vset1(b.row_scale[r * b.row_runs + i / b.group]))
+                                       : vload(s + kLanes * c);
+            vstore(yc, vfma(acc[r][c], sc, fresh ? vzero() : vload(yc)));
             acc[r][c] = vzero();
           }
         fresh = false;
@@ -279,7 +284,7 @@ template <typename W>
 void block(const float* x, Block<W> b, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
   const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
   if constexpr (std::is_same_v<W, int8_t>) {
-    if (groups >= kDequantisedFromGroups) return block_dequantised(x, b, y, m, k, n, n0);
+    if (groups >= kDequantisedFromGroups && !b.row_scale) return block_dequantised(x, b, y, m, k, n, n0);
   }
   for (int64_t i = 0; i < std::min(kChunk, k); ++i)  // the first chunk: no chunk before fetched it
       for (int64_t c = 0; c < kRowLines<W>; ++c) prefetch_l2(b.w + i * b.ld + kLineElems<W> * c);
@@ -294,16 +299,197 @@ void block(const float* x, Block<W> b, float* y, int64_t m, int64_t k, int64_t n
       float* yr = y + r0 * n;
       const bool first = i0 == 0;
       const int64_t parts = groups * kTiles;
+      Block<W> bg = b;
+      if (b.row_scale) bg.row_scale = b.row_scale + r0 * b.row_runs;
       for (int64_t t = 0; t < kTiles; ++t) {
         const int64_t c0 = t * kTileCols, part = g * kTiles + t;
         if (b.contiguous)
-          row_tile<true>(r1 - r0, xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end);
+          row_tile<true>(r1 - r0, xr, bg, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end);
         else
-          row_tile<false>(r1 - r0, xr, b, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end);
+          row_tile<false>(r1 - r0, xr, bg, c0, yr, k, n, n0, i0, i1, first, part, parts, next_end);
       }
     }
   }
 }
+
+// W8A8 (the int8 call's `activations`): x quantised too, each row per run of `group` values (the weights' runs,
+// as llama.cpp's Q8_0 dots quantise theirs), so a run's dot is an integer sum, which goes into y times both
+// scales. With AVX-512 VNNI `vpdpbusd` sums four u8 x s8 products a lane (the VNNI tiles below); elsewhere, and
+// for one row (memory-bound: interleaving chunks for VNNI cost ~10% there), the float tiles above run over x's
+// int8 values as floats, every product and partial sum an integer below 2^24, so exact, and flush each run as
+// the VNNI tiles do: a row's result is the same to the bit on either path, in any batch.
+//
+// x's live rows as int8: per run of `group` values of a row, d = the run's max |x| / 127 and q = round(x / d)
+// (x times 1 / d, to nearest even: quantize_rows_int8 in cpu_matmul.py; d = 0 gives zeros), with -128 times
+// the run's sum of q (the VNNI tiles read w as u8, q_w + 128, and start each run's sums there to take the
+// offset back out), and the values as floats for the float tiles. Rows run to whole chunks of zeros, so a
+// chunk's quads never read past a row.
+struct Int8Rows {
+  int64_t ld = 0, runs = 0;           // q's row stride (K rounded up to kChunk), runs a row
+  std::unique_ptr<int8_t[]> q;        // [m, ld]
+  std::unique_ptr<float[]> scale;     // [m, runs]: d
+  std::unique_ptr<int32_t[]> offset;  // [m, runs]
+  std::unique_ptr<float[]> values;    // [m, k]: q as floats (float tiles only)
+};
+
+// One run of a row: d, and q written to `q` (and as floats to `f`, if given); returns the sum of q. Vector
+// and scalar lanes do the same float32 operations (max |x|, d = max * (1 / 127), 1 / d, x * (1 / d) rounded
+// to nearest even by the rounding mode), so every build quantises alike.
+int32_t quantise_run(const float* x, int64_t len, int8_t* q, float* f, float& d) {
+  constexpr float kInv127 = 1.0f / 127.0f;
+  float amax = 0;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_setzero_ps();
+  for (; j + 16 <= len; j += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+  amax = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; j < len; ++j) {
+    const float a = std::fabs(x[j]);
+    amax = a > amax ? a : amax;
+  }
+  volatile float opaque = amax * kInv127;  // -freciprocal-math had folded 1 / d into 127 / max: rounds apart
+  d = opaque;
+  const float id = d > 0 ? 1.0f / d : 0.0f;
+  int32_t sum = 0;
+  j = 0;
+#if defined(__AVX512F__)
+  __m512i vsum = _mm512_setzero_si512();
+  for (; j + 16 <= len; j += 16) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + j), _mm512_set1_ps(id)));
+    vsum = _mm512_add_epi32(vsum, v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(v));
+    if (f) _mm512_storeu_ps(f + j, _mm512_cvtepi32_ps(v));
+  }
+  sum = _mm512_reduce_add_epi32(vsum);
+#endif
+  for (; j < len; ++j) {
+    const int32_t v = int32_t(std::lrint(x[j] * id));
+    q[j] = int8_t(v);
+    sum += v;
+    if (f) f[j] = float(v);
+  }
+  return sum;
+}
+
+std::shared_ptr<const Int8Rows> quantise_rows(const float* x, int64_t m, int64_t k, int64_t group, bool values) {
+  auto out = std::make_shared<Int8Rows>();
+  out->ld = (k + kChunk - 1) / kChunk * kChunk;
+  out->runs = (k + group - 1) / group;
+  out->q.reset(new int8_t[m * out->ld]());
+  out->scale.reset(new float[m * out->runs]);
+  out->offset.reset(new int32_t[m * out->runs]);
+  if (values) out->values.reset(new float[m * k]);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < out->runs; ++g) {
+      const int64_t i0 = g * group;
+      float* f = values ? out->values.get() + r * k + i0 : nullptr;
+      const int32_t sum = quantise_run(x + r * k + i0, std::min(group, k - i0), out->q.get() + r * out->ld + i0, f,
+                                       out->scale[r * out->runs + g]);
+      out->offset[r * out->runs + g] = -128 * sum;
+    }
+  return out;
+}
+
+// Column block n0 of int8 w for all m rows of quantised x (xr, values given) on the float tiles.
+void block_w8a8_floats(const Int8Rows& xr, Block<int8_t> b, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
+  b.row_scale = xr.scale.get();
+  b.row_runs = xr.runs;
+  block(xr.values.get(), b, y, m, k, n, n0);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kVnni = true;
+constexpr int kVnniRows = 4;  // rows of x per VNNI tile: 16 accumulators (6 rows: 24, spilled)
+
+// `rows` (<= kChunk) rows of a block of int8 w (64 bytes a row) as u8 (q + 128) by quads of rows, for vpdpbusd:
+// out[j][c][t] = w[4j + t][c] + 128; rows past `rows` read as q = 0 (their x is zero).
+void interleave_quads(const int8_t* w, int64_t rows, uint8_t* out) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int64_t j = 0; 4 * j < rows; ++j) {
+    __m512i a[4];
+    for (int t = 0; t < 4; ++t)
+      a[t] = 4 * j + t < rows ? _mm512_loadu_si512(w + (4 * j + t) * kCols) : _mm512_setzero_si512();
+    // In each 128-bit lane L (columns 16L..16L+15): bytes of rows 0, 1 and of rows 2, 3 interleaved, then
+    // their pairs: v[h] holds columns 16L + 4h .. + 3, four bytes a column.
+    const __m512i lo01 = _mm512_unpacklo_epi8(a[0], a[1]), hi01 = _mm512_unpackhi_epi8(a[0], a[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(a[2], a[3]), hi23 = _mm512_unpackhi_epi8(a[2], a[3]);
+    const __m512i v0 = _mm512_unpacklo_epi16(lo01, lo23), v1 = _mm512_unpackhi_epi16(lo01, lo23);
+    const __m512i v2 = _mm512_unpacklo_epi16(hi01, hi23), v3 = _mm512_unpackhi_epi16(hi01, hi23);
+    // out vector L = lane L of v0..v3 (a 4 x 4 transpose of lanes): columns 16L..16L+15 in order.
+    const __m512i t0 = _mm512_shuffle_i32x4(v0, v1, 0x44), t1 = _mm512_shuffle_i32x4(v2, v3, 0x44);
+    const __m512i t2 = _mm512_shuffle_i32x4(v0, v1, 0xee), t3 = _mm512_shuffle_i32x4(v2, v3, 0xee);
+    uint8_t* o = out + j * 4 * kCols;
+    _mm512_storeu_si512(o, _mm512_xor_si512(_mm512_shuffle_i32x4(t0, t1, 0x88), flip));
+    _mm512_storeu_si512(o + 64, _mm512_xor_si512(_mm512_shuffle_i32x4(t0, t1, 0xdd), flip));
+    _mm512_storeu_si512(o + 128, _mm512_xor_si512(_mm512_shuffle_i32x4(t2, t3, 0x88), flip));
+    _mm512_storeu_si512(o + 192, _mm512_xor_si512(_mm512_shuffle_i32x4(t2, t3, 0xdd), flip));
+  }
+}
+
+// MR rows of x (from r0) over the 64 columns of one chunk (rows [i0, i0 + 4 * quads) of w, interleaved in wq),
+// a run of `group` rows at a time: int32 sums from the run's offset, then y (+)= float(sums) * d_x * s_w
+// (y = the first time, when `first`).
+template <int MR>
+void tile_w8a8(const Int8Rows& xr, int64_t r0, const uint8_t* wq, int64_t quads, const float* s, int64_t group,
+               int64_t i0, float* y, int64_t n, bool first) {
+  const int64_t run_quads = group / 4;
+  for (int64_t j0 = 0; j0 < quads; j0 += run_quads) {
+    const int64_t run = (i0 + 4 * j0) / group, j1 = std::min(quads, j0 + run_quads);
+    __m512i acc[MR][kTileVecs];
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < kTileVecs; ++c) acc[r][c] = _mm512_set1_epi32(xr.offset[(r0 + r) * xr.runs + run]);
+    const int8_t* xq = xr.q.get() + r0 * xr.ld + i0;
+    for (int64_t j = j0; j < j1; ++j) {
+      __m512i wv[kTileVecs];
+      for (int c = 0; c < kTileVecs; ++c) wv[c] = _mm512_load_si512(wq + (j * kTileVecs + c) * 64);
+      for (int r = 0; r < MR; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * xr.ld + 4 * j, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        for (int c = 0; c < kTileVecs; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xb);
+      }
+    }
+    const float* sr = s + (run - i0 / group) * kCols;
+    const bool fresh = first && j0 == 0;
+    for (int r = 0; r < MR; ++r) {
+      const __m512 d = _mm512_set1_ps(xr.scale[(r0 + r) * xr.runs + run]);
+      for (int c = 0; c < kTileVecs; ++c) {
+        float* yc = y + r * n + kLanes * c;
+        const __m512 v = _mm512_cvtepi32_ps(acc[r][c]), sc = _mm512_mul_ps(_mm512_loadu_ps(sr + kLanes * c), d);
+        _mm512_storeu_ps(yc, fresh ? _mm512_mul_ps(v, sc) : _mm512_fmadd_ps(v, sc, _mm512_loadu_ps(yc)));
+      }
+    }
+  }
+}
+
+// Column block n0 of int8 w for all m rows, x quantised (xr): each chunk interleaved once into L1 for every row
+// group's VNNI tiles, the next chunk prefetched meanwhile.
+void block_w8a8(const Int8Rows& xr, Block<int8_t> b, float* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
+  alignas(64) static thread_local uint8_t wq[kChunk * kCols];
+  const int64_t groups = (m + kVnniRows - 1) / kVnniRows;
+  for (int64_t i0 = 0; i0 < k; i0 += kChunk) {
+    const int64_t i1 = std::min(i0 + kChunk, k), quads = (i1 - i0 + 3) / 4;
+    for (int64_t i = i1; i < i1 + kChunk; ++i) prefetch_l2(b.w + i * kCols);  // past k: the next block's
+    interleave_quads(b.w + i0 * kCols, i1 - i0, wq);
+    const float* s = b.scale + i0 / b.group * kCols;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = m * g / groups, r1 = m * (g + 1) / groups;
+      float* yr = y + r0 * n + n0;
+      switch (r1 - r0) {
+        case 4: tile_w8a8<4>(xr, r0, wq, quads, s, b.group, i0, yr, n, i0 == 0); break;
+        case 3: tile_w8a8<3>(xr, r0, wq, quads, s, b.group, i0, yr, n, i0 == 0); break;
+        case 2: tile_w8a8<2>(xr, r0, wq, quads, s, b.group, i0, yr, n, i0 == 0); break;
+        case 1: tile_w8a8<1>(xr, r0, wq, quads, s, b.group, i0, yr, n, i0 == 0); break;
+      }
+    }
+  }
+}
+static_assert(kTileVecs * kLanes == kCols, "a VNNI tile spans a block");
+
+#else
+constexpr bool kVnni = false;
+#endif
 
 // The rows of x [M, K] the product computes: the first `rows` (clamped to [0, M]; a padded step's real
 // tokens, the rest padding). y's other rows, and all of y when K = 0 (no chunk writes it), are zeros.
@@ -348,7 +534,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 // layer `layer` of a stack (clamped). group divides the 64-row chunk.
 ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> rows_buf,
-                      ffi::ResultBuffer<ffi::F32> y, int64_t group) {
+                      ffi::ResultBuffer<ffi::F32> y, int64_t group, bool activations) {
   auto xd = x.dimensions();
   auto qd = q.dimensions();
   auto sd = scale.dimensions();
@@ -369,6 +555,18 @@ ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   float* yp = y->typed_data();
   const int64_t m = live_rows(xd[0], rows_buf, yp, n, k);
   if (m == 0) return ffi::Error::Success();
+  if (activations) {  // W8A8: VNNI tiles where built and runs are whole quads, else float tiles over x's values
+    const bool vnni = kVnni && m > 1 && group % 4 == 0;
+    auto xr = quantise_rows(xp, m, k, group, !vnni);
+    jaxpaged::run_items(pool, n / kCols, [=](int64_t i) {
+      const Block<int8_t> b{qp + i * kCols * k, kCols, true, sp + i * groups * kCols, group};
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (vnni) return block_w8a8(*xr, b, yp, m, k, n, i * kCols);
+#endif
+      block_w8a8_floats(*xr, b, yp, m, k, n, i * kCols);
+    });
+    return ffi::Error::Success();
+  }
   jaxpaged::run_items(pool, n / kCols, [=](int64_t i) {
     block(xp, Block<int8_t>{qp + i * kCols * k, kCols, true, sp + i * groups * kCols, group}, yp, m, k, n,
           i * kCols);
@@ -377,6 +575,9 @@ ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }
 
 }  // namespace
+
+// Whether this build's W8A8 products run on VNNI tiles (the same results as the float tiles), for cpu_matmul.py.
+extern "C" int JaxpagedCpuMatmulVnni() { return kVnni; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmul, Matmul,
                               ffi::Ffi::Bind()
@@ -396,4 +597,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmulInt8, MatmulInt8,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer (stacked q)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows of x computed (the rest: padding)
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("group"));
+                                  .Attr<int64_t>("group")
+                                  .Attr<bool>("activations"));  // W8A8: x quantised too

@@ -41,13 +41,14 @@ product and sum in float32. Its reference is `reference_int8`.
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_build import load_target
+from pallas_kernels.cpu_build import build_library, load_target
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxpaged_cpu_matmul"
@@ -114,6 +115,43 @@ def reference_int8(x, q, scale):
   return x @ dequantize_int8(q, scale)
 
 
+def quantize_rows_int8(x, group_size: int):
+  """x [M, K] float32 as `matmul_w8a8` quantises it: per row and run of
+  group_size values (the weights' runs; the last may be shorter), d = the run's max |x| / 127 (as x * (1 / 127)
+  in float32), q = round(x * (1 / d)) to nearest even (0 where d = 0) -> (q [M, K] int8, d [M, ceil(K / G)])."""
+  x = jnp.asarray(x, jnp.float32)
+  m, k = x.shape
+  runs = -(-k // group_size)
+  padded = jnp.pad(x, ((0, 0), (0, runs * group_size - k))).reshape(m, runs, group_size)
+  d = jnp.abs(padded).max(axis=-1) * (np.float32(1) / np.float32(127))  # [M, runs]
+  inv = jnp.where(d > 0, 1 / jnp.where(d > 0, d, 1), 0)
+  q = jnp.round(padded * inv[..., None]).astype(jnp.int8)  # |q| <= 127; jnp.round: half to even
+  return q.reshape(m, runs * group_size)[:, :k], d
+
+
+def reference_w8a8(x, q, scale):
+  """The int8 product with x quantised too (W8A8): each run of G rows of w (G from scale's shape) meets the
+  same run of x's values, quantised per row (quantize_rows_int8); their integer dot times both scales,
+  summed over runs: y [M, N] = sum_g d_x[:, g] * scale[g] * (x_q[:, run g] @ q[run g])."""
+  k = q.shape[-2]
+  group = _group_size(k, scale.shape[-2])
+  xq, d = quantize_rows_int8(x, group)
+  runs = scale.shape[-2]
+  pad = runs * group - k
+  xr = jnp.pad(xq, ((0, 0), (0, pad))).reshape(xq.shape[0], runs, group)
+  qr = jnp.pad(jnp.asarray(q), ((0, pad), (0, 0))).reshape(runs, group, q.shape[-1])
+  sums = jnp.einsum("mgk,gkn->mgn", xr, qr, preferred_element_type=jnp.int32)  # exact
+  return jnp.einsum("mgn,mg,gn->mn", sums.astype(jnp.float32), d, scale)
+
+
+def vnni(extra_flags: tuple[str, ...] = ()) -> bool:
+  """Whether the call built with `extra_flags` runs W8A8 products (`matmul_w8a8`) of 2+ rows on AVX-512 VNNI
+  integer dots; elsewhere its float tiles compute the same integer sums (exact in float32), so the results are
+  equal to the bit, only slower."""
+  lib = ctypes.cdll.LoadLibrary(str(build_library(SOURCE, extra_flags=extra_flags)))
+  return bool(lib.JaxpagedCpuMatmulVnni())
+
+
 def _group_size(k: int, groups: int) -> int:
   """The run length G (a power of two dividing 64) of scales for ceil(K / G) = groups runs (one run: any G >= K
   computes alike; 64 is used)."""
@@ -173,7 +211,17 @@ def _check_layer(call: str, name: str, w, layer) -> None:
                      f"got {name} {list(w.shape)}, layer {layer!r}")
 
 
-def _matmul_int8(x, q, layer, scale, rows):
+def matmul_w8a8(x, q, layer, scale, rows=None):
+  """matmul_cpu over int8 weights (q and scale as there) with x quantised too, per row and run of G values (the
+  weights' runs; `quantize_rows_int8`), each run's integer dot times both scales: reference_w8a8 (llama.cpp's
+  Q8_0 dots). AVX-512 VNNI integer dots where built (`vnni()`), else the float tiles, to the same bits; a row's
+  result does not depend on the other rows."""
+  if scale is None:
+    raise ValueError("matmul_w8a8 takes int8 weights with their scales (quantize_int8, blocked)")
+  return _matmul_int8(x, q, layer, scale, rows, activations=True)
+
+
+def _matmul_int8(x, q, layer, scale, rows, activations=False):
   blocked = q.ndim in (3, 4) and q.shape[-1] == BLOCK_COLS
   ok = (x.ndim == 2 and x.dtype == jnp.float32 and x.shape[0] >= 1 and q.dtype == jnp.int8 and blocked
         and q.shape[-2] == x.shape[1] and scale.dtype == jnp.float32 and scale.ndim == q.ndim
@@ -186,4 +234,5 @@ def _matmul_int8(x, q, layer, scale, rows):
   _check_layer("native CPU int8 matmul", "q", q, layer)
   group = _group_size(q.shape[-2], scale.shape[-2])
   out = jax.ShapeDtypeStruct((x.shape[0], q.shape[-3] * BLOCK_COLS), jnp.float32)
-  return jax.ffi.ffi_call(TARGET_INT8, out)(x, q, scale, *_scalars(x, layer, rows), group=np.int64(group))
+  return jax.ffi.ffi_call(TARGET_INT8, out)(x, q, scale, *_scalars(x, layer, rows), group=np.int64(group),
+                                            activations=bool(activations))
