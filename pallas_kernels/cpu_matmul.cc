@@ -14,6 +14,9 @@
 // 0.83-0.90x with the AVX2 build, the same at 8-24 rows. (Session 28's Zen 3 found a variant that kept
 // the per-run flush in the tiles slower from 8 rows on: 8 rows 18.4 vs 14.4 ms, 32 rows 61.7 vs 52.9.)
 //
+// W8A8 (the int8 call's `activations`): x quantised per row and run too, integer dots on AVX-512 VNNI (see
+// "W8A8" below): 1.7-2.1x the weight-only int8 call from 8 rows on (Zen 4).
+//
 // XLA:CPU hands a 17-32-row dot to YNNPACK, whose GEMM packs w on every call: each weight
 // byte is read, written and read again, and the step's dots ran at ~55% of the cores' FMA
 // rate. Here w is read in place. A work item is one 64-column block of w. The block goes

@@ -37,6 +37,13 @@ the call reads q blocked ([N / 64, K, 64], a quarter of float32's bytes; the
 scales blocked alike, [N / 64, K / GROUP_SIZE, 64]) and widens each row to
 float32 in registers: y = sum over runs of (x @ q_run) * scale_run, every
 product and sum in float32. Its reference is `reference_int8`.
+
+W8A8 (`matmul_w8a8`, the engine's `quantization="w8a8"`): the same int8
+blocks, and x quantised too at the call, per row and run of GROUP_SIZE values
+(`quantize_rows_int8`), each run's dot an integer sum times both scales, as
+llama.cpp's Q8_0 dots: AVX-512 VNNI tiles where built (`vnni()`), else the
+float tiles over x's int8 values, to the same bits. Its reference is
+`reference_w8a8`.
 """
 
 from __future__ import annotations

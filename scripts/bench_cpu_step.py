@@ -427,8 +427,8 @@ def main(argv=None) -> int:
     parser.add_argument("--xla-options", action="store_true", help="also time the forward per XLA option set")
     parser.add_argument("--hlo", default=None, help="write the compiled step HLO here and summarise its dots")
     parser.add_argument("--before-tree", default=None, help="another checkout to measure first (before / after)")
-    parser.add_argument("--quantization", choices=["int8"], default=None,
-                        help="weight-only quantisation of the engine measured (EngineArgs.quantization)")
+    parser.add_argument("--quantization", choices=["int8", "w8a8"], default=None,
+                        help="quantisation of the engine measured (EngineArgs.quantization)")
     parser.add_argument("--no-roofline", action="store_true")
     parser.add_argument("--tree", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)

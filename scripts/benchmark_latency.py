@@ -161,8 +161,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--quantization", default=None, choices=("int8",),
-                   help="both engines' weight dots as int8 (weight-only, EngineArgs.quantization)")
+    p.add_argument("--quantization", default=None, choices=("int8", "w8a8"),
+                   help="both engines' weight dots as int8 (weight-only, or W8A8; EngineArgs.quantization)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each prompt on each side")
     p.add_argument("--warmup-passes", type=int, default=1,
                    help="untimed passes over each workload first (like vllm bench latency's warm-up iterations): "

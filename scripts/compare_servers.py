@@ -15,6 +15,8 @@ process group; always stopped, also on errors and Ctrl-C):
                 worktree): a before/after row from one run.
   jaxpaged-int8  jaxpaged with `--quantization int8` (weight-only int8, a scale per column and
                 32 rows, quantised at start-up from the same float32 weights).
+  jaxpaged-w8a8  jaxpaged with `--quantization w8a8` (those int8 weights, each dot's x quantised
+                per row and 32 values too: llama.cpp's Q8_0 arithmetic).
   transformers  `transformers serve --continuous-batching` (when the installed transformers has
                 it) on a float32 safetensors folder dequantised once from the same GGUF (cached
                 under --work-dir).
@@ -81,7 +83,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "scripts" / "benchmark_serving.py"
 ROOFLINE = REPO / "scripts" / "roofline.py"
 MODEL = "smollm2-135m-instruct"
-PEERS = ("jaxpaged-before", "jaxpaged", "jaxpaged-int8", "transformers", "llamacpp")
+PEERS = ("jaxpaged-before", "jaxpaged", "jaxpaged-int8", "jaxpaged-w8a8", "transformers", "llamacpp")
 DEFAULT_PEERS = ("jaxpaged", "transformers", "llamacpp")
 NOTES: dict[str, str] = {}
 
@@ -268,8 +270,16 @@ def llamacpp_spec(args, port: int) -> ServerSpec:
                                 f"{slots} slots x {args.llamacpp_slot_ctx} ctx, {threads} threads)")
 
 
+def jaxpaged_w8a8_spec(args, port: int) -> ServerSpec:
+    spec = jaxpaged_spec(args, port, f"{args.jaxpaged_args} --quantization w8a8")
+    return dataclasses.replace(spec, name="jaxpaged-w8a8", precision="int8 weight dots (a float32 scale per "
+                               "column and 32 rows) from the float32 dequantised Q4_1, x quantised per row and 32 "
+                               "values: integer dots")
+
+
 SPEC_BUILDERS: dict[str, Callable[[argparse.Namespace, int], ServerSpec]] = {
     "jaxpaged": jaxpaged_spec, "jaxpaged-before": jaxpaged_before_spec, "jaxpaged-int8": jaxpaged_int8_spec,
+    "jaxpaged-w8a8": jaxpaged_w8a8_spec,
     "transformers": transformers_spec,
     "llamacpp": llamacpp_spec}
 

@@ -33,7 +33,7 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--weight-layout", default="auto")
-    ap.add_argument("--quantization", choices=["int8"], default=None)
+    ap.add_argument("--quantization", choices=["int8", "w8a8"], default=None)
     ap.add_argument("--async-scheduling", action="store_true",
                     help="the engine's default async scheduling (no per-step table)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")

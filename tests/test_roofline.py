@@ -72,6 +72,8 @@ def test_compare_servers_ratios_divide_by_the_chosen_peer():
     args = compare.parse_args(["--peers", "jaxpaged-int8", "--ratio-base", "jaxpaged-int8"])
     spec = compare.jaxpaged_int8_spec(args, 18000)
     assert spec.name == "jaxpaged-int8" and spec.command[-2:] == ["--quantization", "int8"]
+    spec = compare.SPEC_BUILDERS["jaxpaged-w8a8"](args, 18000)
+    assert spec.name == "jaxpaged-w8a8" and spec.command[-2:] == ["--quantization", "w8a8"]
 
 
 def test_compare_servers_sends_every_sampling_cut_so_no_server_default_applies():
