@@ -200,6 +200,13 @@ def jaxpaged_int8_spec(args, port: int) -> ServerSpec:
                                "column and 32 rows) from the float32 dequantised Q4_1; float32 compute")
 
 
+def jaxpaged_w8a8_spec(args, port: int) -> ServerSpec:
+    spec = jaxpaged_spec(args, port, f"{args.jaxpaged_args} --quantization w8a8")
+    return dataclasses.replace(spec, name="jaxpaged-w8a8", precision="int8 weight dots (a float32 scale per "
+                               "column and 32 rows) from the float32 dequantised Q4_1, x quantised per row and 32 "
+                               "values: integer dots")
+
+
 def commit_of(tree: Path) -> str:
     """The checkout's short HEAD commit ("" outside git)."""
     return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -268,13 +275,6 @@ def llamacpp_spec(args, port: int) -> ServerSpec:
     return ServerSpec("llamacpp", cmd, port, "smollm2", ready_paths=("/health",),
                       precision=f"{args.llamacpp_precision} (llama-server {version[0] if version else '?'}, "
                                 f"{slots} slots x {args.llamacpp_slot_ctx} ctx, {threads} threads)")
-
-
-def jaxpaged_w8a8_spec(args, port: int) -> ServerSpec:
-    spec = jaxpaged_spec(args, port, f"{args.jaxpaged_args} --quantization w8a8")
-    return dataclasses.replace(spec, name="jaxpaged-w8a8", precision="int8 weight dots (a float32 scale per "
-                               "column and 32 rows) from the float32 dequantised Q4_1, x quantised per row and 32 "
-                               "values: integer dots")
 
 
 SPEC_BUILDERS: dict[str, Callable[[argparse.Namespace, int], ServerSpec]] = {
