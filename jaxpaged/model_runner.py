@@ -536,8 +536,9 @@ def uses_native_matmul(backend: str) -> bool:
 # Quantisation of the weight dots (vLLM's `quantization` argument), both with the weights as int8 and a float32 scale
 # per output column and run of 32 rows (pallas_kernels/cpu_matmul.py: quantize_int8), on the native CPU matmul:
 # "int8": weight-only, every product float32 (matmul_cpu); "w8a8": each dot's x quantised too, per row and run of 32
-# values, integer dots times both scales (matmul_w8a8; llama.cpp's Q8_0 dots): ~1.7-2.1x faster for 4+ rows where
-# AVX-512 VNNI runs them, else as fast as int8 (the same results), at some quality (docs/benchmarks.md, "W8A8")
+# values, integer dots times both scales (matmul_w8a8; llama.cpp's Q8_0 dots): ~1.7-2.1x int8's speed from 8 rows
+# where AVX-512 VNNI runs them; elsewhere the same results ~10-20% slower than int8; at some quality
+# (docs/benchmarks.md, "W8A8")
 QUANTIZATIONS = ("int8", "w8a8")
 INT8_DOTS = {"int8": cpu_matmul.matmul_cpu, "w8a8": cpu_matmul.matmul_w8a8}  # each's product over the int8 blocks
 

@@ -123,9 +123,9 @@ def reference_int8(x, q, scale):
 
 
 def quantize_rows_int8(x, group_size: int):
-  """x [M, K] float32 as `matmul_w8a8` quantises it: per row and run of
-  group_size values (the weights' runs; the last may be shorter), d = the run's max |x| / 127 (as x * (1 / 127)
-  in float32), q = round(x * (1 / d)) to nearest even (0 where d = 0) -> (q [M, K] int8, d [M, ceil(K / G)])."""
+  """x [M, K] float32 as `matmul_w8a8` quantises it: per row and run of group_size values (the weights' runs;
+  the last may be shorter), d = the run's max |x| / 127 (as max * (1 / 127) in float32), q = round(x * (1 / d))
+  to nearest even (0 where d = 0) -> (q [M, K] int8, d [M, ceil(K / G)])."""
   x = jnp.asarray(x, jnp.float32)
   m, k = x.shape
   runs = -(-k // group_size)
@@ -154,7 +154,7 @@ def reference_w8a8(x, q, scale):
 def vnni(extra_flags: tuple[str, ...] = ()) -> bool:
   """Whether the call built with `extra_flags` runs W8A8 products (`matmul_w8a8`) of 2+ rows on AVX-512 VNNI
   integer dots; elsewhere its float tiles compute the same integer sums (exact in float32), so the results are
-  equal to the bit, only slower."""
+  equal to the bit, only slower (there slower than weight-only int8 too)."""
   lib = ctypes.cdll.LoadLibrary(str(build_library(SOURCE, extra_flags=extra_flags)))
   return bool(lib.JaxpagedCpuMatmulVnni())
 
