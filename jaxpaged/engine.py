@@ -57,7 +57,8 @@ from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from jaxpaged.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxpaged.spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig, max_drafts_for
+from jaxpaged.spec_decode import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
+                                  max_drafts_for)
 from jaxpaged.structured_outputs import GrammarMatcher, StructuredOutputManager
 from jaxpaged.structured_outputs import available as structured_outputs_available  # noqa: I001
 from jaxpaged.validation import validate_request
@@ -294,6 +295,8 @@ class LLMEngine:
         spec = args.speculative_config
         self.proposer = None if spec is None else NgramProposer(spec)  # speculative decoding (n-gram)
         self.spec_decoding_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
+        self.draft_policy = None if spec is None or not spec.adaptive_draft_length else \
+            DraftLengthPolicy(spec.num_speculative_tokens)  # which drafts pay for their rows
         self._rng = np.random.default_rng(args.seed)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
@@ -576,6 +579,7 @@ class LLMEngine:
         tokens are lost), as AsyncLLM does."""
         if self.async_scheduling:
             return self._step_async()
+        start = time.perf_counter()
         failed = self._admit_grammar_ready() if self._awaiting_grammar else []
         if self.proposer is not None:
             self._propose_drafts()
@@ -600,7 +604,11 @@ class LLMEngine:
         if self.spec_decoding_stats is not None:
             self._observe_drafts(out.scheduled_requests, result)
         self.scheduler.update_from_output(out, sampled, stops)
-        return failed + self._outputs(touched)
+        outputs = failed + self._outputs(touched)
+        if self.draft_policy is not None and all(e.num_tokens == 1 + len(e.spec_token_ids)
+                                                 for e in out.scheduled_requests):
+            self.draft_policy.observe_step(out.num_scheduled_tokens, time.perf_counter() - start)
+        return outputs
 
     # ---- the overlapped step (async scheduling) ---------------------------
 
@@ -719,19 +727,25 @@ class LLMEngine:
         more requests are enqueued than speculative_config.disable_by_batch_size)."""
         limit = self.args.speculative_config.disable_by_batch_size
         disabled = limit is not None and self.scheduler.num_running + self.scheduler.num_waiting > limit
-        for request in self.scheduler.decoding_requests():
+        decoding = self.scheduler.decoding_requests()
+        for request in decoding:
             room = max_drafts_for(request.num_tokens, request.num_output_tokens, request.max_tokens,
                                   request.max_model_len)
             if room < 1 or disabled or self._child_to_parent[request.request_id][1].matcher is not None:
                 request.spec_token_ids = []
                 continue
             request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+        if self.draft_policy is not None:
+            self.draft_policy.trim(decoding)
 
     def _observe_drafts(self, entries: Sequence[ScheduledRequest], result: ModelRunnerOutput) -> None:
         for entry in entries:
             num_accepted = result.num_accepted_drafts.get(entry.request_id)
             if num_accepted is not None:
                 self.spec_decoding_stats.observe(len(entry.spec_token_ids), num_accepted)
+                if self.draft_policy is not None:
+                    self.draft_policy.observe_verification(self._child_to_parent[entry.request_id][1].request,
+                                                           len(entry.spec_token_ids), num_accepted)
 
     def _emit(self, child: _Child, result: ModelRunnerOutput,
               rows: Sequence[int]) -> tuple[list[int], StopVerdict | None]:

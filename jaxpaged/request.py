@@ -87,6 +87,10 @@ class Request:
     # Speculative decoding: draft tokens to verify after the last token in the next step (set by the engine's
     # proposer, consumed by Scheduler.schedule; see jaxpaged/spec_decode.py). Never part of all_token_ids.
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # ... and its recent verifications, decayed (the adaptive draft length's estimate of its first draft's
+    # acceptance, see spec_decode.DraftLengthPolicy): those whose first draft was accepted, and rejected
+    spec_first_accepted: float = 0.0
+    spec_first_rejected: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -26,10 +26,19 @@ How a step speculates (vLLM v1's design, with an n-gram proposer):
    only full pages of real (accepted) tokens are hashed into the prefix cache.
 
 Not drafted: requests with structured outputs (their grammar would have to vet each draft).
+
+Adaptive draft length (`DraftLengthPolicy`, on unless adaptive_draft_length=False): between 1 and 2, the
+engine keeps of each request's drafts only as many as pay for their rows. A verification row is nearly free
+where a step is bound by reading the weights (a GPU at small batch, float32 on a CPU), not where it is bound
+by arithmetic (int8 weights on a CPU: 8 rows cost ~2x one); and a draft pays only as often as it is accepted.
+The policy measures what a step of n rows takes on this machine and estimates each request's acceptance from
+its recent verifications, and keeps the drafts that maximise the expected tokens a second. Which drafts a
+step verifies never changes the tokens emitted (3.), only how many steps they take.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
@@ -53,6 +62,9 @@ class SpeculativeConfig:
     # every step, so speculation resumes as the batch drains. None: always draft (beside requests without
     # drafts, only into rows that cost them nothing: Scheduler._draft_room).
     disable_by_batch_size: int | None = None
+    # jaxpaged's own key: verify only the drafts expected to pay for their rows (DraftLengthPolicy); False:
+    # every draft the proposer finds, up to num_speculative_tokens (vLLM's behaviour)
+    adaptive_draft_length: bool = True
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -60,6 +72,9 @@ class SpeculativeConfig:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 2)  # vLLM's bound
+        if not isinstance(self.adaptive_draft_length, bool):
+            raise ValueError(f"speculative_config.adaptive_draft_length={self.adaptive_draft_length!r}: "
+                             "must be true or false")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = _DEFAULT_PROMPT_LOOKUP
@@ -141,6 +156,129 @@ def max_drafts_for(num_tokens: int, num_output_tokens: int, max_tokens: int | No
     if max_tokens is not None:
         room = min(room, max_tokens - num_output_tokens - 1)
     return max(0, room)
+
+
+class DraftLengthPolicy:
+    """Adaptive draft length: which of the proposed drafts a step verifies, for the most tokens a second.
+
+    Model: a step feeding n rows takes t(n) seconds: the median of this engine's last STEP_SAMPLES steps
+    of only decodes that fed n rows (the first such step not counted: it may have compiled or touched
+    memory for the first time; one slow step, a pause, does not move a median), made non-decreasing in n
+    (weighted pool-adjacent-violators: a row never makes a step cheaper, so one noisy size does not steer
+    the plan); n not timed yet: interpolated between the nearest timed, or, past the largest, as cheap as
+    it, so a larger step is tried. A request's first draft is accepted with probability p, its own rate;
+    draft j > 1, given the ones before it were, with probability c_j, the engine's rate at that position
+    (a copied span goes on: on text that copies, c_j is well above p). So its j-th draft adds
+    p c_2 ... c_j expected tokens. For B decoding requests the step keeps the m drafts of largest gain
+    (each request's first ones) that maximise (B + their gains) / t(B + m); m = 0 where no draft pays.
+    Unless that beats verifying every draft by MARGIN, every draft is verified: where rows cost little (a
+    GPU, float32 on a CPU) the estimates' noise would otherwise cut drafts that pay.
+
+    p per request: its verifications whose first draft was accepted over all its verifications, both
+    decayed by DECAY each verification so p follows the text (a copied span, then new words), with
+    PRIOR_WEIGHT pseudo-verifications at the engine's c_1. A request that proposes but verifies nothing
+    decays too, back toward c_1, so it tries again. c_j: accepted over verified at position j, over the
+    engine's recent verifications (POSITION_DECAY each), with 2 pseudo-drafts at c_{j-1} (c_1: at 1 / 2):
+    a position rarely verified (where rows cost arithmetic, past the first few) is taken to be as likely
+    as the one before it (acceptance given a run of accepted drafts rises with the run), not as 1 / 2.
+    """
+
+    DECAY = 0.7  # weight of a request's older verifications, per verification
+    PRIOR_WEIGHT = 1.0  # pseudo-verifications at the engine-wide first-draft rate
+    POSITION_DECAY = 0.995  # weight of the engine's older verifications in c_j, per verification
+    STEP_SAMPLES = 5  # step times kept per row count; t(n) is their median
+    MARGIN = 0.03  # the least gain in expected tokens a second for which drafts are left out
+
+    def __init__(self, num_speculative_tokens: int):
+        self.step_times: dict[int, collections.deque] = {}  # n rows -> the last decode-only steps' seconds
+        self._medians: dict[int, float] = {}  # n rows -> the median of step_times[n] (sizes timed)
+        self.verified = np.zeros(num_speculative_tokens)  # f64[k]: draft j fed after accepted ones (decayed)
+        self.accepted = np.zeros(num_speculative_tokens)  # f64[k]: ... and accepted
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A step that fed only decodes (and their drafts), num_rows in all, took `seconds` end to end."""
+        times = self.step_times.get(num_rows)
+        if times is None:  # the first of its size: not timed
+            self.step_times[num_rows] = collections.deque(maxlen=self.STEP_SAMPLES)
+            return
+        times.append(seconds)
+        ordered = sorted(times)
+        half = len(ordered) // 2
+        self._medians[num_rows] = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+
+    def step_seconds(self) -> dict[int, float]:
+        """t(n) as measured: the median step time by row count (sizes timed so far)."""
+        return dict(sorted(self._medians.items()))
+
+    def step_cost(self) -> tuple[list[int], np.ndarray]:
+        """The row counts timed and t(n) there made non-decreasing: pool adjacent violators, each size
+        weighted by its samples."""
+        measured = self.step_seconds()
+        blocks: list[list[float]] = []  # [mean, weight, sizes pooled]
+        for n, seconds in measured.items():
+            blocks.append([seconds, len(self.step_times[n]), 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (a, wa, na), (b, wb, nb) = blocks.pop(-2), blocks.pop()
+                blocks.append([(a * wa + b * wb) / (wa + wb), wa + wb, na + nb])
+        return list(measured), np.repeat([b[0] for b in blocks], [b[2] for b in blocks])
+
+    def observe_verification(self, request, num_drafts: int, num_accepted: int) -> None:
+        """`request` verified num_drafts drafts; the leading num_accepted were accepted."""
+        first = int(num_accepted > 0)
+        request.spec_first_accepted = self.DECAY * request.spec_first_accepted + first
+        request.spec_first_rejected = self.DECAY * request.spec_first_rejected + 1 - first
+        self.verified *= self.POSITION_DECAY
+        self.accepted *= self.POSITION_DECAY
+        self.verified[:min(num_accepted + 1, num_drafts)] += 1
+        self.accepted[:num_accepted] += 1
+
+    def position_rates(self) -> np.ndarray:
+        """c: f64[k], c[j] = P(draft j + 1 accepted | the drafts before it were), engine-wide."""
+        rates, before = np.empty_like(self.verified), 0.5
+        for j, (accepted, verified) in enumerate(zip(self.accepted, self.verified)):
+            rates[j] = before = (accepted + 2 * before) / (verified + 2)
+        return rates
+
+    def first_draft_rate(self, request, rates: np.ndarray | None = None) -> float:
+        """p: the estimated probability that the request's next first draft is accepted (rates: position_rates())."""
+        seen = request.spec_first_accepted + request.spec_first_rejected
+        prior = (self.position_rates() if rates is None else rates)[0]
+        return (request.spec_first_accepted + self.PRIOR_WEIGHT * prior) / (seen + self.PRIOR_WEIGHT)
+
+    def gains(self, request, num_drafts: int, rates: np.ndarray | None = None) -> np.ndarray:
+        """f64[num_drafts]: the expected tokens each of the request's drafts adds (p, p c_2, p c_2 c_3, ...)."""
+        rates = self.position_rates() if rates is None else rates
+        return np.cumprod([self.first_draft_rate(request, rates), *rates[1:num_drafts]])
+
+    def trim(self, requests: Sequence) -> None:
+        """Cut each decoding request's `spec_token_ids` (the proposer's drafts) to the plan's length."""
+        drafting = [r for r in requests if r.spec_token_ids]
+        if not drafting:
+            return
+        rates = self.position_rates()
+        keep = self.plan(len(requests), [self.gains(r, len(r.spec_token_ids), rates) for r in drafting])
+        for request, count in zip(drafting, keep):
+            if count == 0:  # proposed, nothing verified: forget a little, so it tries again
+                request.spec_first_accepted *= self.DECAY
+                request.spec_first_rejected *= self.DECAY
+            del request.spec_token_ids[count:]
+
+    def plan(self, num_requests: int, gains: Sequence[np.ndarray]) -> list[int]:
+        """Drafts to keep of each request's proposal (its drafts' expected tokens, falling) in a step of
+        num_requests decodes."""
+        rows, cost = self.step_cost()
+        if not gains or not rows:  # nothing timed yet: verify them all
+            return [len(g) for g in gains]
+        owner = np.repeat(np.arange(len(gains)), [len(g) for g in gains])  # i64[D]
+        gain = np.concatenate(gains)  # f64[D]
+        order = np.argsort(-gain, kind="stable")  # each request's drafts stay in order (their gains fall)
+        tokens = num_requests + np.concatenate([[0.0], np.cumsum(gain[order])])  # f64[D+1]: with m drafts
+        seconds = np.interp(num_requests + np.arange(len(order) + 1), rows, cost)
+        rate = tokens / seconds  # f64[D+1]: expected tokens a second with m drafts
+        m = int(np.argmax(rate))  # the first best: ties keep fewer rows
+        if rate[m] < (1 + self.MARGIN) * rate[-1]:
+            m = len(order)
+        return np.bincount(owner[order[:m]], minlength=len(gains)).tolist()
 
 
 @dataclasses.dataclass

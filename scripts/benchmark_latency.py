@@ -26,6 +26,10 @@ time to first token, time per output token after it (mean, and the largest of on
 latency; and the batch's output tok/s).
 --disable-by-batch-size M passes vLLM's `disable_by_batch_size` (no drafts while more than M
 requests are enqueued) to the speculating engines.
+--draft-length fixed|adaptive|both: the speculating engine verifies every draft the proposer finds
+(fixed, vLLM's behaviour), or only those expected to pay for their rows (adaptive, the engine's
+default: spec_decode.DraftLengthPolicy), or both engines run beside the plain one, interleaved, so
+the two are compared in the same run (the plain engine's tokens are the ratios' base for each).
 
 Per workload: output tok/s of each side, their ratio, mean latency, the acceptance rate (accepted /
 drafted tokens) and mean tokens per verification step; the two sides' outputs must be identical
@@ -176,6 +180,8 @@ def parse_args(argv=None):
                    help="also run N requests at once, half grounded-more, half open, with and without speculation")
     p.add_argument("--disable-by-batch-size", type=int, default=None, metavar="M",
                    help="speculative_config's disable_by_batch_size: no drafts while more than M requests are enqueued")
+    p.add_argument("--draft-length", default="adaptive", choices=("adaptive", "fixed", "both"),
+                   help="speculative_config's adaptive_draft_length (adaptive: on), or both side by side")
     p.add_argument("--json", action="store_true", help="print one JSON object per workload as well")
     p.add_argument("--show", action="store_true", help="print each output's text")
     args = p.parse_args(argv)
@@ -192,33 +198,44 @@ def parse_args(argv=None):
         p.error("nothing to run: give --workloads, --mixed-batch or both")
     if args.mixed_batch == 1 or args.mixed_batch < 0:
         p.error(f"--mixed-batch {args.mixed_batch}: a batch needs at least 2 requests (0: no mixed batch)")
+    args.spec_sides = ("adaptive", "fixed") if args.draft_length == "both" else (args.draft_length,)
     try:
-        args.speculative_config = spec_config(args)
+        args.speculative_configs = {side: spec_config(args, side == "adaptive") for side in args.spec_sides}
     except ValueError as err:
         p.error(str(err))
+    args.speculative_config = args.speculative_configs[args.spec_sides[0]]
     return args
 
 
-def spec_config(args):
+def spec_config(args, adaptive: bool = True):
     from jaxpaged.spec_decode import SpeculativeConfig
 
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+            "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min,
+            "adaptive_draft_length": adaptive}
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
     return SpeculativeConfig.from_dict(spec)  # a bad value: ValueError, before any model loads
 
 
-def make_engines(args, loaded, max_num_seqs: int = 4):
-    """A plain and a speculating engine over the same loaded weights (float32)."""
+def make_engines(args, loaded, max_num_seqs: int = 4) -> dict:
+    """{"plain": engine, then one speculating engine per --draft-length side} over the same loaded weights."""
     from jaxpaged.engine import EngineArgs, LLMEngine
 
     base = EngineArgs(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=512, kv_cache_memory=(32 << 20) * max_num_seqs,
                       quantization=args.quantization)
-    plain = LLMEngine(base, loaded=loaded)
-    speculative = LLMEngine(dataclasses.replace(base, speculative_config=args.speculative_config), loaded=loaded)
-    return plain, speculative
+    engines = {"plain": LLMEngine(base, loaded=loaded)}
+    for side, config in args.speculative_configs.items():
+        engines[side] = LLMEngine(dataclasses.replace(base, speculative_config=config), loaded=loaded)
+    return engines
+
+
+def turns(engines: dict, i: int) -> list:
+    """The (side, engine) pairs in run i's order: each side first in turn."""
+    sides = list(engines.items())
+    shift = i % len(sides)
+    return sides[shift:] + sides[:shift]
 
 
 def run_one(engine, prompt_ids, max_tokens) -> tuple[float, list[int]]:
@@ -239,38 +256,44 @@ def spec_counters(engine) -> tuple[int, int, int]:
     return s["spec_decode_num_drafts"], s["spec_decode_num_draft_tokens"], s["spec_decode_num_accepted_tokens"]
 
 
-def run_workload(name, prompts, tokenizer, plain, speculative, args) -> dict:
+def run_workload(name, prompts, tokenizer, engines, args) -> list[dict]:
+    """Each prompt alone on every engine in turn; one result per speculating side, against the plain one."""
     ids = chat_ids(tokenizer, prompts)
-    times = {"plain": 0.0, "spec": 0.0}
-    produced = {"plain": 0, "spec": 0}
-    latencies = {"plain": [], "spec": []}
-    identical = True
+    times, produced = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
+    latencies = {side: [] for side in engines}
+    identical = dict.fromkeys(engines, True)
     for _ in range(args.warmup_passes):  # untimed: each step shape's first run costs extra, on either side
         for prompt in ids:
-            for engine in (plain, speculative):
+            for engine in engines.values():
                 run_one(engine, prompt, args.max_tokens)
-    before = spec_counters(speculative)
-    sides = (("plain", plain), ("spec", speculative))
+    before = {side: spec_counters(engines[side]) for side in args.spec_sides}
     for i, prompt in enumerate(ids):
         for repeat in range(args.repeats):
             outputs = {}
-            for side, engine in sides if (i + repeat) % 2 == 0 else sides[::-1]:  # each side first in turn
+            for side, engine in turns(engines, i + repeat):
                 seconds, outputs[side] = run_one(engine, prompt, args.max_tokens)
                 times[side] += seconds
                 produced[side] += len(outputs[side])
                 latencies[side].append(seconds)
-            identical &= outputs["plain"] == outputs["spec"]
+            for side in args.spec_sides:
+                identical[side] &= outputs["plain"] == outputs[side]
             if args.show:
-                print(f"--- {name}: {tokenizer.decode(outputs['spec'])!r}", flush=True)
-    drafts, drafted, accepted = (b - a for a, b in zip(before, spec_counters(speculative)))
+                print(f"--- {name}: {tokenizer.decode(outputs['plain'])!r}", flush=True)
     tok_s = {side: produced[side] / times[side] for side in times}
-    return {"workload": name, "prompts": len(ids), "repeats": args.repeats, "output_tokens": produced["plain"],
-            "plain_tok_s": tok_s["plain"], "spec_tok_s": tok_s["spec"], "ratio": tok_s["spec"] / tok_s["plain"],
+    results = []
+    for side in args.spec_sides:
+        drafts, drafted, accepted = (b - a for a, b in zip(before[side], spec_counters(engines[side])))
+        results.append({
+            "workload": name, "draft_length": side, "prompts": len(ids), "repeats": args.repeats,
+            "output_tokens": produced["plain"], "plain_tok_s": tok_s["plain"], "spec_tok_s": tok_s[side],
+            "ratio": tok_s[side] / tok_s["plain"],
             "plain_mean_latency_s": sum(latencies["plain"]) / len(latencies["plain"]),
-            "spec_mean_latency_s": sum(latencies["spec"]) / len(latencies["spec"]),
+            "spec_mean_latency_s": sum(latencies[side]) / len(latencies[side]),
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_per_draft": accepted / drafts if drafts else 0.0,
-            "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted, "outputs_identical": identical}
+            "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "outputs_identical": identical[side]})
+    return results
 
 
 def chat_ids(tokenizer, prompts) -> list[list[int]]:
@@ -310,25 +333,26 @@ def run_mixed(args, loaded) -> dict:
     grounded = chat_ids(loaded.tokenizer, [GROUNDED_MORE[i % len(GROUNDED_MORE)] for i in range(n - n // 2)])
     open_ = chat_ids(loaded.tokenizer, [OPEN[i % len(OPEN)] for i in range(n // 2)])
     requests = [("grounded", p) for p in grounded] + [("open", p) for p in open_]
-    plain, speculative = make_engines(args, loaded, max_num_seqs=n)
-    sides = (("plain", plain), ("spec", speculative))
-    for _, engine in sides:  # untimed: first runs of the batch's step shapes
+    engines = make_engines(args, loaded, max_num_seqs=n)
+    for engine in engines.values():  # untimed: first runs of the batch's step shapes
         run_batch(engine, requests, args.max_tokens)
-    before = spec_counters(speculative)
-    rows = {side: {"wall": 0.0, "tokens": 0, "requests": []} for side, _ in sides}
+    before = {side: spec_counters(engines[side]) for side in args.spec_sides}
+    rows = {side: {"wall": 0.0, "tokens": 0, "requests": []} for side in engines}
     identical = True
     for repeat in range(args.repeats):
         outputs = {}
-        for side, engine in sides if repeat % 2 == 0 else sides[::-1]:
+        for side, engine in turns(engines, repeat):
             wall, per_request = run_batch(engine, requests, args.max_tokens)
             rows[side]["wall"] += wall
             rows[side]["tokens"] += sum(len(r[4]) for r in per_request.values())
             rows[side]["requests"] += per_request.values()
             outputs[side] = {rid: r[4] for rid, r in per_request.items()}
-        identical &= outputs["plain"] == outputs["spec"]
-    drafts, drafted, accepted = (b - a for a, b in zip(before, spec_counters(speculative)))
-    result = {"mixed_batch": n, "repeats": args.repeats, "outputs_identical": identical,
-              "acceptance_rate": accepted / drafted if drafted else 0.0, "drafts": drafts}
+        identical &= all(outputs["plain"] == outputs[side] for side in args.spec_sides)
+    result = {"mixed_batch": n, "repeats": args.repeats, "outputs_identical": identical}
+    for side in args.spec_sides:
+        drafts, drafted, accepted = (b - a for a, b in zip(before[side], spec_counters(engines[side])))
+        result[f"{side}_acceptance_rate"] = accepted / drafted if drafted else 0.0
+        result[f"{side}_drafts"] = drafts
     for side, row in rows.items():
         result[f"{side}_tok_s"] = row["tokens"] / row["wall"]
         for cls in ("grounded", "open"):
@@ -344,40 +368,48 @@ def print_mixed(r: dict, args) -> None:
     n = r["mixed_batch"]
     metrics = (("ttft_ms", "TTFT ms", 1), ("tpot_ms", "TPOT ms", 1), ("tpot_max_ms", "max TPOT", 1),
                ("latency_s", "lat s", 3))
+    acceptance = ", ".join(f"{side} {r[f'{side}_acceptance_rate']:.2f}" for side in args.spec_sides)
     print(f"\nmixed batch: {n} requests at once ({n - n // 2} grounded-more, {n // 2} open), greedy, max_tokens "
-          f"{args.max_tokens}, {r['repeats']} run(s) a side; acceptance {r['acceptance_rate']:.2f}, outputs "
+          f"{args.max_tokens}, {r['repeats']} run(s) a side; acceptance {acceptance}; outputs "
           f"identical: {r['outputs_identical']}")
-    print(f"{'':<11}{'':>8}  {'grounded':^40}  {'open':^40}")
-    print(f"{'side':<11}{'tok/s':>8}  " + "  ".join("".join(f"{label:>10}" for _, label, _ in metrics)
+    print(f"{'':<15}{'':>8}  {'grounded':^40}  {'open':^40}")
+    print(f"{'side':<15}{'tok/s':>8}  " + "  ".join("".join(f"{label:>10}" for _, label, _ in metrics)
                                                      for _ in range(2)))
-    for side in ("plain", "spec"):
-        print(f"{side:<11}{r[f'{side}_tok_s']:>8.1f}  " + "  ".join(
+    for side in ("plain", *args.spec_sides):
+        print(f"{side:<15}{r[f'{side}_tok_s']:>8.1f}  " + "  ".join(
             "".join(f"{r[f'{side}_{c}_{m}']:>10.{digits}f}" for m, _, digits in metrics) for c in ("grounded", "open")))
-    print(f"{'spec/plain':<11}{r['spec_tok_s'] / r['plain_tok_s']:>7.2f}x  " + "  ".join(
-        "".join(f"{r[f'spec_{c}_{m}'] / r[f'plain_{c}_{m}']:>9.2f}x" for m, _, _ in metrics)
-        for c in ("grounded", "open")))
+    for side in args.spec_sides:
+        print(f"{side + '/plain':<15}{r[f'{side}_tok_s'] / r['plain_tok_s']:>7.2f}x  " + "  ".join(
+            "".join(f"{r[f'{side}_{c}_{m}'] / r[f'plain_{c}_{m}']:>9.2f}x" for m, _, _ in metrics)
+            for c in ("grounded", "open")))
 
 
 def run_batch_one(args, loaded) -> list[dict]:
-    """The batch-1 workloads (--workloads) on a plain and a speculating engine; prints their table."""
+    """The batch-1 workloads (--workloads) on a plain and the speculating engines; prints their table."""
     start = time.perf_counter()
     tokenizer = loaded.tokenizer
-    plain, speculative = make_engines(args, loaded)
+    engines = make_engines(args, loaded)
     print(f"engines ready in {time.perf_counter() - start:.0f} s; speculative_config "
-          f"{speculative.args.speculative_config}", flush=True)
+          f"{engines[args.spec_sides[0]].args.speculative_config}", flush=True)
     warm = tokenizer("Hello, how are you?")["input_ids"]
-    for engine in (plain, speculative):  # first-request effects out of the timed runs
+    for engine in engines.values():  # first-request effects out of the timed runs
         run_one(engine, warm, 8)
-    results = [run_workload(name, args.prompts[name], tokenizer, plain, speculative, args)
-               for name in args.workload_names]
+    results = [r for name in args.workload_names
+               for r in run_workload(name, args.prompts[name], tokenizer, engines, args)]
     print(f"\nbatch 1, greedy, max_tokens {args.max_tokens}, k = {args.num_speculative_tokens}, "
           f"prompt_lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}")
-    print(f"{'workload':<14}{'tokens':>8}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}"
+    print(f"{'workload':<14}{'drafts':>9}{'tokens':>8}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}"
           f"{'plain lat s':>13}{'spec lat s':>12}{'accept':>8}{'tok/draft':>11}{'same':>6}")
     for r in results:
-        print(f"{r['workload']:<14}{r['output_tokens']:>8}{r['plain_tok_s']:>13.1f}{r['spec_tok_s']:>12.1f}"
-              f"{r['ratio']:>7.2f}x{r['plain_mean_latency_s']:>13.2f}{r['spec_mean_latency_s']:>12.2f}"
-              f"{r['acceptance_rate']:>8.2f}{r['mean_accepted_per_draft']:>11.2f}{str(r['outputs_identical']):>6}")
+        print(f"{r['workload']:<14}{r['draft_length']:>9}{r['output_tokens']:>8}{r['plain_tok_s']:>13.1f}"
+              f"{r['spec_tok_s']:>12.1f}{r['ratio']:>7.2f}x{r['plain_mean_latency_s']:>13.2f}"
+              f"{r['spec_mean_latency_s']:>12.2f}{r['acceptance_rate']:>8.2f}{r['mean_accepted_per_draft']:>11.2f}"
+              f"{str(r['outputs_identical']):>6}")
+    for side in args.spec_sides:
+        policy = engines[side].draft_policy
+        if policy is not None:  # what the adaptive engine measured: a decode step's ms by rows fed
+            print(f"{side}: step ms by rows fed (batch 1): " + ", ".join(
+                f"{n}: {1e3 * t:.1f}" for n, t in policy.step_seconds().items()))
     return results
 
 

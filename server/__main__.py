@@ -100,7 +100,8 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
                    f"{CPU_ASYNC_MAX_TOKENS} on CPU, where the host's work shares the step's cores)")
     e.add_argument("--speculative-config", type=speculative_config_arg, default=None, help="speculative decoding, "
                    'as JSON (vLLM\'s): {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                   '"prompt_lookup_min": 2} drafts up to 4 tokens a step from the request\'s own prompt and output')
+                   '"prompt_lookup_min": 2} drafts up to 4 tokens a step from the request\'s own prompt and output '
+                   '(and verifies those expected to pay for their rows; "adaptive_draft_length": false: all of them)')
 
 
 def _add_multihost_flags(d: argparse._ArgumentGroup) -> None:

@@ -77,3 +77,16 @@ def test_mixed_batch_arguments(bench, capsys):
         with pytest.raises(SystemExit) as exit_info:
             bench.parse_args(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_draft_length_sides(bench):
+    default = bench.parse_args([])
+    assert default.spec_sides == ("adaptive",) and default.speculative_config.adaptive_draft_length
+    both = bench.parse_args(["--draft-length", "both", "--num-speculative-tokens", "3"])
+    assert both.spec_sides == ("adaptive", "fixed")
+    assert [c.adaptive_draft_length for c in both.speculative_configs.values()] == [True, False]
+    assert {c.num_speculative_tokens for c in both.speculative_configs.values()} == {3}
+    fixed = bench.parse_args(["--draft-length", "fixed"])
+    assert fixed.spec_sides == ("fixed",) and not fixed.speculative_config.adaptive_draft_length
+    assert [side for side, _ in bench.turns({"plain": 0, "adaptive": 1, "fixed": 2}, 4)] == \
+        ["adaptive", "fixed", "plain"]  # run 4 of 3 sides starts with the second

@@ -31,7 +31,9 @@ from tests.test_spec_decode import OracleProposer, repetitive_prompts, run_all, 
 from tests.test_weight_layout import SMALL, entry, runner_config, small_params  # noqa: F401  (a fixture)
 from jaxpaged.models.llama import WeightLayout
 
-SPEC3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# every proposed draft verified (no adaptive draft length, whose cuts follow this machine's step times)
+SPEC3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "adaptive_draft_length": False}
 
 
 @pytest.fixture(autouse=True)

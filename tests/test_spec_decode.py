@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +22,16 @@ from jaxpaged.generate import greedy_generate
 from jaxpaged.models.llama import forward
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig, max_drafts_for
+from jaxpaged.request import Request
+from jaxpaged.spec_decode import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
+                                  max_drafts_for)
 from tests.test_engine import count_traces, mixed_prompts
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Every proposed draft verified, so a test decides where verification accepts and rejects; the adaptive draft
+# length (the default, whose cuts follow this machine's step times) has its own tests (ADAPTIVE).
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+        "adaptive_draft_length": False}
+ADAPTIVE = {**SPEC, "adaptive_draft_length": True}
 BASE = EngineArgs(model="unused", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=200,
                   compilation_cache_dir=None)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -41,6 +48,7 @@ def test_config_defaults_and_conversion():
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (3, 3)
     assert SpeculativeConfig.from_dict('{"num_speculative_tokens": 3, "prompt_lookup_min": 2}').prompt_lookup_max == 2
     assert c.disable_by_batch_size is None  # vLLM's default: always draft
+    assert SpeculativeConfig(num_speculative_tokens=2).adaptive_draft_length and not c.adaptive_draft_length
     assert SpeculativeConfig.from_dict({**SPEC, "disable_by_batch_size": 2}).disable_by_batch_size == 2
     args = dataclasses.replace(BASE, speculative_config=SPEC)
     assert args.speculative_config == c and dataclasses.replace(args).speculative_config == c
@@ -59,6 +67,7 @@ def test_config_defaults_and_conversion():
     ({"num_speculative_tokens": 2, "model": "x"}, "unknown keys"),
     ({"num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size=1"),
     ({"num_speculative_tokens": 2, "disable_by_batch_size": 4.0}, "disable_by_batch_size"),
+    ({"num_speculative_tokens": 2, "adaptive_draft_length": 1}, "adaptive_draft_length=1: must be true or false"),
     ("{not json", "not valid JSON"),
     ("[1, 2]", "JSON object"),
 ])
@@ -127,6 +136,106 @@ def test_max_drafts_bounds_and_stats():
                             "spec_decode_num_accepted_tokens": 2,
                             "spec_decode_num_accepted_tokens_per_pos": (1, 1, 0)}
     assert s.acceptance_rate == 0.4
+
+
+# ---- the adaptive draft length ------------------------------------------------------------
+
+
+def policy_with(step_ms: dict[int, float], k: int = 7) -> DraftLengthPolicy:
+    policy = DraftLengthPolicy(k)
+    for rows, ms in step_ms.items():
+        policy.observe_step(rows, 1.0)  # the first step of a size is not timed
+        policy.observe_step(rows, ms / 1e3)
+    return policy
+
+
+def geometric(alpha: float, count: int) -> np.ndarray:
+    return alpha ** np.arange(1, count + 1)  # each draft accepted with probability alpha given the ones before
+
+
+def test_plan_keeps_the_drafts_that_pay_for_their_rows():
+    flat = policy_with({1: 10.0, 8: 10.5})  # rows nearly free (weights' read bound): every draft pays
+    assert flat.plan(1, [geometric(0.8, 7)]) == [7] and flat.plan(1, [geometric(0.3, 3)]) == [3]
+    # 6 of 7 drafts would be 0.3% faster (the 7th adds 0.5^7 = 0.008 tokens): within MARGIN, all stay
+    assert flat.plan(1, [geometric(0.5, 7)]) == [7]
+    assert flat.plan(1, [geometric(0.02, 7)]) == [1]  # 1.02 / 10.07 ms beats 1.0204 / 10.5 ms by 4%
+    costly = policy_with({1: 10.0, 2: 11.0, 4: 13.0, 8: 20.0})  # rows cost arithmetic (int8 on a CPU)
+    # alpha 0.3: 1 draft gives 1.3 / 11 ms, 2 give 1.39 / 12 ms, none 1 / 10 ms
+    assert costly.plan(1, [geometric(0.3, 7)]) == [1]
+    assert costly.plan(1, [geometric(0.7, 7)]) == [3]  # 2.533 / 13 ms beats 2.773 / 14.75 ms, 3.192 / 20 ms
+    assert costly.plan(1, [geometric(0.95, 7)]) == [7]
+    assert costly.plan(1, [geometric(0.9, 7)]) == [7]  # 6: 5.217 / 18.25 ms, only 0.4% > 5.695 / 20 ms
+    assert costly.plan(1, [geometric(0.9, 2)]) == [2]  # the proposer found 2
+    assert costly.plan(1, [geometric(0.05, 7)]) == [0]  # 1.05 / 11 ms < 1 / 10 ms
+    # two decodes: the likelier request's drafts first, the other's none (base 2 rows; 6 rows 12 ms, 7: 14)
+    two = policy_with({2: 10.0, 4: 10.5, 6: 12.0, 10: 20.0})
+    assert two.plan(2, [geometric(0.9, 4), geometric(0.2, 4)]) == [4, 0]
+    assert two.plan(2, [geometric(0.2, 4), geometric(0.9, 4)]) == [0, 4]
+    assert DraftLengthPolicy(7).plan(1, [geometric(0.1, 5), np.zeros(2)]) == [5, 2]  # nothing measured: all
+    assert costly.plan(3, []) == []
+    once = policy_with({1: 10.0})  # a size larger than any measured costs what the largest did: tried once
+    assert once.plan(1, [geometric(0.2, 7)]) == [7]
+
+
+def test_step_times_are_medians_and_never_fall_with_rows():
+    policy = DraftLengthPolicy(7)
+    policy.observe_step(4, 5.0)  # the first 4-row step (it may have compiled): not timed
+    assert policy.step_seconds() == {} and policy.plan(4, [geometric(0.01, 3)]) == [3]
+    for seconds in (0.010, 0.011, 2.0, 0.012):  # one pause among them
+        policy.observe_step(4, seconds)
+    assert policy.step_seconds() == {4: pytest.approx(0.0115)}
+    for seconds in range(10):  # only the last STEP_SAMPLES count
+        policy.observe_step(4, 0.02)
+    assert policy.step_seconds() == {4: 0.02}
+    # 5 rows timed once at 8 ms, 4 rows twice (median 11): pooled, weighted 2 : 1; 6 rows above stays
+    policy = policy_with({1: 6.0, 4: 10.0, 5: 8.0, 6: 12.0})
+    policy.observe_step(4, 0.012)
+    rows, seconds = policy.step_cost()
+    assert rows == [1, 4, 5, 6] and 1e3 * seconds == pytest.approx([6.0, 10.0, 10.0, 12.0])
+    # so a noisy cheap 5 does not make the plan stop at 5 drafts when 8 rows cost about the same
+    noisy = policy_with({1: 21.1, 2: 23.2, 3: 23.2, 4: 25.7, 5: 23.0, 6: 23.3, 7: 23.7, 8: 24.1})
+    assert noisy.plan(1, [np.array([0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1])]) == [7]
+
+
+def test_acceptance_follows_recent_verifications_and_the_engines_rates_by_position():
+    policy = DraftLengthPolicy(4)
+    request = Request("r", [1, 2, 3])
+    assert policy.first_draft_rate(request) == 0.5 and policy.position_rates().tolist() == [0.5] * 4
+    policy.observe_verification(request, 4, 4)
+    assert (request.spec_first_accepted, request.spec_first_rejected) == (1, 0)
+    # c_1 = (1 + 1) / (1 + 2); each next: (1 + 2 c_before) / (1 + 2)
+    assert policy.position_rates() == pytest.approx([2 / 3, 7 / 9, 23 / 27, 73 / 81])
+    assert policy.first_draft_rate(request) == pytest.approx((1 + 2 / 3) / 2)
+    policy.observe_verification(request, 3, 1)  # position 1 accepted, 2 rejected, 3 not verified
+    d = DraftLengthPolicy.POSITION_DECAY
+    assert policy.verified.tolist() == pytest.approx([d + 1, d + 1, d, d])
+    assert policy.accepted.tolist() == pytest.approx([d + 1, d, d, d])
+    assert (request.spec_first_accepted, request.spec_first_rejected) == (pytest.approx(1.7), 0)
+    c1 = (d + 2) / (d + 3)
+    c2 = (d + 2 * c1) / (d + 3)
+    c3 = (d + 2 * c2) / (d + 2)
+    assert policy.position_rates() == pytest.approx([c1, c2, c3, (d + 2 * c3) / (d + 2)])
+    policy.observe_verification(request, 2, 0)
+    assert (request.spec_first_accepted, request.spec_first_rejected) == (pytest.approx(1.19), 1)
+    p = (1.19 + policy.position_rates()[0]) / 3.19
+    assert policy.first_draft_rate(request) == pytest.approx(p)
+    assert policy.gains(request, 3) == pytest.approx(p * np.cumprod([1, *policy.position_rates()[1:3]]))
+    never = DraftLengthPolicy(3)  # positions never verified take the rate of the one before
+    for _ in range(50):
+        never.observe_verification(Request("x", [1]), 1, 1)
+    assert never.position_rates()[0] > 0.95 and never.position_rates()[2] == pytest.approx(never.position_rates()[0])
+
+
+def test_trim_cuts_drafts_and_a_request_that_verifies_none_forgets_a_little():
+    policy = policy_with({1: 10.0, 2: 11.0, 4: 13.0, 8: 20.0}, k=3)
+    for _ in range(20):  # the engine's drafts so far: all accepted (c_2, c_3 ~ 0.95)
+        policy.observe_verification(Request("old", [1]), 3, 3)
+    sure, unsure, idle = Request("a", [1]), Request("b", [1]), Request("c", [1])
+    sure.spec_first_accepted, unsure.spec_first_rejected = 30.0, 30.0
+    sure.spec_token_ids, unsure.spec_token_ids = [5, 6, 7], [8, 9]
+    policy.trim([sure, unsure, idle])  # 3 decodes: 3 rows measured at 12 ms by interpolation
+    assert (sure.spec_token_ids, unsure.spec_token_ids, idle.spec_token_ids) == ([5, 6, 7], [], [])
+    assert unsure.spec_first_rejected == pytest.approx(21.0) and sure.spec_first_accepted == 30
 
 
 # ---- the engine ---------------------------------------------------------------------------
@@ -443,6 +552,37 @@ def test_aborts_and_preemption_keep_pages_exact(tiny):
     assert accepted(engine)[0] > 0
     for rid, out in done.items():
         assert out.outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, prompts[int(rid)], 40)
+
+
+def slow_steps(engine: LLMEngine, seconds: float, seconds_a_row: float) -> tuple[list[int], list[int]]:
+    """Make each step take `seconds` plus seconds_a_row per row fed longer (rows nearly free: a GPU or float32
+    on a CPU; rows costly: int8 on a CPU). Returns the lists each proposal's and each step's draft counts go to."""
+    execute, propose, proposed, fed = engine.runner.execute_model, engine.proposer.propose, [], []
+
+    def slow(out, *rest):
+        fed.append(sum(len(e.spec_token_ids) for e in out.scheduled_requests))
+        time.sleep(seconds + seconds_a_row * out.num_scheduled_tokens)
+        return execute(out, *rest)
+
+    engine.runner.execute_model = slow
+    engine.proposer.propose = lambda *a, **kw: proposed.append(len(drafts := propose(*a, **kw))) or drafts
+    return proposed, fed
+
+
+@pytest.mark.parametrize("seconds, seconds_a_row, verified", [(0.02, 0.0, (0.75, 1.0)), (0.0, 0.008, (0.0, 0.6))])
+def test_adaptive_draft_length_verifies_the_drafts_that_pay_for_their_rows(tiny, seconds, seconds_a_row, verified):
+    """Batch 1. Where a row adds little to a step, the adaptive engine verifies most drafts it proposes; where
+    each adds 8 ms to a ~2 ms step, few (acceptance here is ~0.6: 4 drafts would give 2.3 tokens for ~4x the
+    time; each row count is tried a few times first). Either way it emits the plain greedy tokens, and every
+    page comes back."""
+    engine = make_engine(tiny, speculative_config=ADAPTIVE)
+    proposed, fed = slow_steps(engine, seconds, seconds_a_row)
+    for prompt in repetitive_prompts(6, seed=81):
+        done = run_all(engine, [prompt])
+        assert done["0"].outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, prompt, 24)
+    assert engine.draft_policy.step_seconds() and sum(proposed) > 50
+    low, high = verified
+    assert low * sum(proposed) <= sum(fed) <= high * sum(proposed), (sum(fed), sum(proposed))
 
 
 def test_no_compilation_after_warmup_with_speculation(tiny):
