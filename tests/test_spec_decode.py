@@ -173,7 +173,7 @@ def test_plan_keeps_the_drafts_that_pay_for_their_rows():
     assert two.plan(2, [geometric(0.2, 4), geometric(0.9, 4)]) == [0, 4]
     assert DraftLengthPolicy(7).plan(1, [geometric(0.1, 5), np.zeros(2)]) == [5, 2]  # nothing measured: all
     assert costly.plan(3, []) == []
-    once = policy_with({1: 10.0})  # a size larger than any measured costs what the largest did: tried once
+    once = policy_with({1: 10.0})  # a size larger than any timed costs what the largest did: it gets tried
     assert once.plan(1, [geometric(0.2, 7)]) == [7]
 
 
@@ -184,7 +184,7 @@ def test_step_times_are_medians_and_never_fall_with_rows():
     for seconds in (0.010, 0.011, 2.0, 0.012):  # one pause among them
         policy.observe_step(4, seconds)
     assert policy.step_seconds() == {4: pytest.approx(0.0115)}
-    for seconds in range(10):  # only the last STEP_SAMPLES count
+    for _ in range(10):  # only the last STEP_SAMPLES count
         policy.observe_step(4, 0.02)
     assert policy.step_seconds() == {4: 0.02}
     # 5 rows timed once at 8 ms, 4 rows twice (median 11): pooled, weighted 2 : 1; 6 rows above stays
