@@ -4,8 +4,8 @@
     python scripts/benchmark_latency.py --num-speculative-tokens 4 --max-tokens 64
 
 Two engines over the same weights (float32, loaded once): one plain, one with
-speculative_config={"method": "ngram", ...}. Each prompt is run alone (batch 1), greedy, end to end
-(add_request to the finished output), on both engines in turn (each side first for every other
+speculative_config={"method": "ngram", ...}. Each prompt is run alone (batch 1), greedy unless
+--temperature says otherwise, end to end (add_request to the finished output), on both engines in turn (each side first for every other
 prompt), so load on a shared machine and whatever one run leaves in the caches hit both sides
 alike, after an untimed pass over the workload on both (--warmup-passes). Workloads of
 SmolLM2-135M-Instruct chat prompts:
@@ -31,9 +31,14 @@ requests are enqueued) to the speculating engines.
 default: spec_decode.DraftLengthPolicy), or both engines run beside the plain one, interleaved, so
 the two are compared in the same run (the plain engine's tokens are the ratios' base for each).
 
+--temperature T samples instead (OpenAI's default for a request that names none is 1.0), each request
+seeded (--seed S: prompt i's request gets seed S + i on every side): speculation keys each position's
+sample as decoding without it would, so seeded outputs are identical too, and the acceptance rate shows
+what sampling costs the drafts.
+
 Per workload: output tok/s of each side, their ratio, mean latency, the acceptance rate (accepted /
 drafted tokens) and mean tokens per verification step; the two sides' outputs must be identical
-(greedy decoding is exact under speculation), and the script says so.
+(greedy and seeded decoding are exact under speculation), and the script says so.
 """
 
 from __future__ import annotations
@@ -165,6 +170,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: seeded sampling")
+    p.add_argument("--seed", type=int, default=0, help="with --temperature: prompt i's requests get seed S + i")
     p.add_argument("--quantization", default=None, choices=("int8", "w8a8"),
                    help="both engines' weight dots as int8 (weight-only, or W8A8; EngineArgs.quantization)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each prompt on each side")
@@ -196,6 +203,8 @@ def parse_args(argv=None):
         p.error(f"unknown workloads {unknown}; known: {sorted(args.prompts)}")
     if not args.workload_names and not args.mixed_batch:
         p.error("nothing to run: give --workloads, --mixed-batch or both")
+    if args.temperature < 0 or args.seed < 0:
+        p.error(f"--temperature {args.temperature} / --seed {args.seed}: both must be >= 0")
     if args.mixed_batch == 1 or args.mixed_batch < 0:
         p.error(f"--mixed-batch {args.mixed_batch}: a batch needs at least 2 requests (0: no mixed batch)")
     args.spec_sides = ("adaptive", "fixed") if args.draft_length == "both" else (args.draft_length,)
@@ -238,10 +247,20 @@ def turns(engines: dict, i: int) -> list:
     return sides[shift:] + sides[:shift]
 
 
-def run_one(engine, prompt_ids, max_tokens) -> tuple[float, list[int]]:
+def sampling(args, i: int, kind: str = "FINAL_ONLY", max_tokens: int | None = None):
+    """Request i's SamplingParams: greedy, or --temperature seeded with --seed + i (the same on every side)."""
     from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.FINAL_ONLY)
+    seed = None if args.temperature == 0 else args.seed + i
+    return SamplingParams(temperature=args.temperature, seed=seed, max_tokens=max_tokens or args.max_tokens,
+                          output_kind=RequestOutputKind[kind])
+
+
+def sampling_label(args) -> str:
+    return "greedy" if args.temperature == 0 else f"temperature {args.temperature:g} (seeds {args.seed} + i)"
+
+
+def run_one(engine, prompt_ids, params) -> tuple[float, list[int]]:
     start = time.perf_counter()
     engine.add_request("r", {"prompt_token_ids": prompt_ids}, params)
     out = None
@@ -263,15 +282,15 @@ def run_workload(name, prompts, tokenizer, engines, args) -> list[dict]:
     latencies = {side: [] for side in engines}
     identical = dict.fromkeys(engines, True)
     for _ in range(args.warmup_passes):  # untimed: each step shape's first run costs extra, on either side
-        for prompt in ids:
+        for i, prompt in enumerate(ids):
             for engine in engines.values():
-                run_one(engine, prompt, args.max_tokens)
+                run_one(engine, prompt, sampling(args, i))
     before = {side: spec_counters(engines[side]) for side in args.spec_sides}
     for i, prompt in enumerate(ids):
         for repeat in range(args.repeats):
             outputs = {}
             for side, engine in turns(engines, i + repeat):
-                seconds, outputs[side] = run_one(engine, prompt, args.max_tokens)
+                seconds, outputs[side] = run_one(engine, prompt, sampling(args, i))
                 times[side] += seconds
                 produced[side] += len(outputs[side])
                 latencies[side].append(seconds)
@@ -302,15 +321,13 @@ def chat_ids(tokenizer, prompts) -> list[list[int]]:
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
-def run_batch(engine, requests, max_tokens) -> tuple[float, dict]:
-    """All `requests` ((class, prompt ids) each) added at once, greedy, stepped to the end: the wall time and,
-    per request, (class, time to first token, time per output token after it, latency, token ids)."""
-    from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
+def run_batch(engine, requests, args) -> tuple[float, dict]:
+    """All `requests` ((class, prompt ids) each) added at once (request i sampled as `sampling(args, i)`), stepped
+    to the end: the wall time and, per request, (class, time to first token, time per output token after it,
+    latency, token ids)."""
     start = time.perf_counter()
     for i, (_, prompt) in enumerate(requests):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, sampling(args, i, "DELTA"))
     first, last, tokens = {}, {}, {str(i): [] for i in range(len(requests))}
     while engine.has_unfinished_requests():
         outputs = engine.step()
@@ -335,14 +352,14 @@ def run_mixed(args, loaded) -> dict:
     requests = [("grounded", p) for p in grounded] + [("open", p) for p in open_]
     engines = make_engines(args, loaded, max_num_seqs=n)
     for engine in engines.values():  # untimed: first runs of the batch's step shapes
-        run_batch(engine, requests, args.max_tokens)
+        run_batch(engine, requests, args)
     before = {side: spec_counters(engines[side]) for side in args.spec_sides}
     rows = {side: {"wall": 0.0, "tokens": 0, "requests": []} for side in engines}
     identical = True
     for repeat in range(args.repeats):
         outputs = {}
         for side, engine in turns(engines, repeat):
-            wall, per_request = run_batch(engine, requests, args.max_tokens)
+            wall, per_request = run_batch(engine, requests, args)
             rows[side]["wall"] += wall
             rows[side]["tokens"] += sum(len(r[4]) for r in per_request.values())
             rows[side]["requests"] += per_request.values()
@@ -369,7 +386,7 @@ def print_mixed(r: dict, args) -> None:
     metrics = (("ttft_ms", "TTFT ms", 1), ("tpot_ms", "TPOT ms", 1), ("tpot_max_ms", "max TPOT", 1),
                ("latency_s", "lat s", 3))
     acceptance = ", ".join(f"{side} {r[f'{side}_acceptance_rate']:.2f}" for side in args.spec_sides)
-    print(f"\nmixed batch: {n} requests at once ({n - n // 2} grounded-more, {n // 2} open), greedy, max_tokens "
+    print(f"\nmixed batch: {n} requests at once ({n - n // 2} grounded-more, {n // 2} open), {sampling_label(args)}, max_tokens "
           f"{args.max_tokens}, {r['repeats']} run(s) a side; acceptance {acceptance}; outputs "
           f"identical: {r['outputs_identical']}")
     print(f"{'':<15}{'':>8}  {'grounded':^40}  {'open':^40}")
@@ -393,10 +410,10 @@ def run_batch_one(args, loaded) -> list[dict]:
           f"{engines[args.spec_sides[0]].args.speculative_config}", flush=True)
     warm = tokenizer("Hello, how are you?")["input_ids"]
     for engine in engines.values():  # first-request effects out of the timed runs
-        run_one(engine, warm, 8)
+        run_one(engine, warm, sampling(args, 0, max_tokens=8))
     results = [r for name in args.workload_names
                for r in run_workload(name, args.prompts[name], tokenizer, engines, args)]
-    print(f"\nbatch 1, greedy, max_tokens {args.max_tokens}, k = {args.num_speculative_tokens}, "
+    print(f"\nbatch 1, {sampling_label(args)}, max_tokens {args.max_tokens}, k = {args.num_speculative_tokens}, "
           f"prompt_lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}")
     print(f"{'workload':<14}{'drafts':>9}{'tokens':>8}{'plain tok/s':>13}{'spec tok/s':>12}{'ratio':>8}"
           f"{'plain lat s':>13}{'spec lat s':>12}{'accept':>8}{'tok/draft':>11}{'same':>6}")

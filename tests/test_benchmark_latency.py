@@ -90,3 +90,18 @@ def test_draft_length_sides(bench):
     assert fixed.spec_sides == ("fixed",) and not fixed.speculative_config.adaptive_draft_length
     assert [side for side, _ in bench.turns({"plain": 0, "adaptive": 1, "fixed": 2}, 4)] == \
         ["adaptive", "fixed", "plain"]  # run 4 of 3 sides starts with the second
+
+
+def test_sampled_runs_seed_each_prompt_alike_on_every_side(bench, capsys):
+    greedy = bench.parse_args([])
+    assert bench.sampling(greedy, 3).temperature == 0.0 and bench.sampling(greedy, 3).seed is None
+    assert bench.sampling_label(greedy) == "greedy"
+    sampled = bench.parse_args(["--temperature", "0.7", "--seed", "10", "--max-tokens", "32"])
+    params = bench.sampling(sampled, 3)
+    assert (params.temperature, params.seed, params.max_tokens) == (0.7, 13, 32)
+    assert bench.sampling(sampled, 3, "DELTA", max_tokens=8).max_tokens == 8
+    assert bench.sampling_label(sampled) == "temperature 0.7 (seeds 10 + i)"
+    for argv in (["--temperature", "-1"], ["--seed", "-2"]):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.parse_args(argv)
+        assert exit_info.value.code == 2 and "both must be >= 0" in capsys.readouterr().err

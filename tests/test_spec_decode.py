@@ -402,6 +402,41 @@ def test_seeded_sampling_is_identical_and_batch_independent_with_speculation(pla
         assert after[0] - before[0] == (after[1] - before[1] if wrong_at is None else after[0] - before[0]) > 0
 
 
+SMOL_PROMPTS = [  # chat prompts whose answers copy from them, and open ones with little to copy
+    "Copy the following paragraph exactly, word for word:\n\nPhotosynthesis is the process by which green "
+    "plants use sunlight, water and carbon dioxide to make glucose and oxygen.",
+    "Fix the spelling mistakes in this text and write out the corrected text:\n\nThe quick brown fox jumpd "
+    "over the lazy dog. The dog was not amused, and it barkd loudly at the fox.",
+    "Rename the function `add` to `add_numbers` in this Python code. Output the full code.\n\n"
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
+    "Rewrite this list as a numbered list:\n\n- two cups of flour\n- one teaspoon of baking soda\n- two eggs",
+    "What is the capital of France?",
+    "Write a short story about a robot who learns to paint.",
+    "Give me three tips for sleeping better.",
+    "Why is the sky blue?",
+]
+
+
+def test_smollm2_mixed_batch_with_speculation_equals_without(smollm2):
+    """The real model and vocabulary: eight chats at once, copy-heavy and open, greedy and seeded (top-p),
+    speculating with every draft verified and with the adaptive draft length: token for token the plain
+    engine's outputs, drafts both accepted and rejected, every page back."""
+    tok = smollm2.tokenizer
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for text in SMOL_PROMPTS]
+    params = [SamplingParams(temperature=0.0, max_tokens=32) if i % 3 else
+              SamplingParams(temperature=0.7, top_p=0.95, seed=i, max_tokens=32) for i in range(len(prompts))]
+    base = dataclasses.replace(BASE, max_model_len=256, max_num_seqs=8, num_pages=120)
+    expected = tokens(run_all(LLMEngine(base, loaded=smollm2), prompts, params))
+    for config in (SPEC, ADAPTIVE):
+        engine = LLMEngine(dataclasses.replace(base, speculative_config={**config, "num_speculative_tokens": 5}),
+                           loaded=smollm2)
+        assert tokens(run_all(engine, prompts, params)) == expected, config
+        num_accepted, num_drafted = accepted(engine)
+        assert 0 < num_accepted < num_drafted, config
+
+
 def test_sampling_distribution_is_the_models(tiny):
     """Chi-square: the tokens emitted at a verified draft position (first draft, and second after an accepted
     first) follow the model's distribution there, not the draft's."""
