@@ -1,17 +1,21 @@
 // Ragged paged attention on the CPU: an XLA FFI custom call (see cpu_attention.py).
 //
-// Each (sequence, KV head) is one work item, shared between the calling thread
-// and XLA's intra-op thread pool (cpu_pool.h). An item's queries
-// (q_len of them, the G heads of its group each) read their keys page by page
-// straight from the pool: scores for the whole span, one max, one exp pass,
-// then V accumulated row by row. Every K/V byte a query needs is read once,
-// with no gathered copy (the XLA path copies each block before its dots).
+// Work items are shared between the calling thread and XLA's intra-op thread
+// pool (cpu_pool.h). A decode's item is one (sequence, KV head): its query's
+// G heads read their keys page by page straight from the pool: scores for the
+// whole span, one max, one exp pass, then V accumulated row by row. Every K/V
+// byte a query needs is read once, with no gathered copy (the XLA path copies
+// each block before its dots). With AVX-512, a sequence of several query
+// tokens (a prefill chunk, a verification of drafts) is cut into tiles of up
+// to 16 rows (tokens x the group's heads), one item each: a tile reads each
+// key's row once for all its rows, its rows in the lanes of one vector
+// (attend_tile_avx512), and the tiles share the threads however few the
+// sequences and KV heads are.
 //
 // Shapes (f32): q [T, Hq, D]; k_pages, v_pages [L?, KVH, N, ps, D];
 // kv_lens [S]; page_table [S, P]; cu_q_lens [S+1]; scalars num_seqs, layer,
 // window (<= 0: none) -> out [T, Hq, D]; tokens past cu_q_lens[num_seqs] get
-// zeros. Each (sequence, KV head) reads its pages once per query token; a
-// prefill chunk's queries re-read them from cache, not memory.
+// zeros. A prefill chunk's tiles re-read the keys from cache, not memory.
 
 #include <immintrin.h>
 
@@ -173,6 +177,106 @@ void attend_query_avx512(const Problem& pr, int64_t s, int64_t h, int64_t token,
     for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + j * DC + 16 * c, acc[c]);
   }
 }
+
+// exp(x) for x <= 0 in 16 lanes, fast_exp's polynomial (x below -87 gives ~1.6e-38, as fast_exp does).
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                        _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), f);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int64_t kTileRows = 16;  // a tile's query rows (tokens x heads of the group): one vector's lanes
+
+// A tile: nq consecutive query tokens of sequence s (token0.., positions pos0..) with the G heads of KV head h,
+// nq * G <= 16 rows, one row per vector lane. The scores are kept transposed, st [span, 16]: key kk's scores
+// for all rows come from D broadcast-FMAs over a transposed copy of the rows' queries, qt [D, 16], 8 keys at
+// a time, each key's row of K read once for all the tile's rows (no horizontal sums); the softmax runs
+// across keys with the rows in lanes (causal and window masks per lane); then out = P @ V by groups of 6
+// rows and 4 vectors of D, normalised at the end.
+template <int DC>
+void attend_tile_avx512(const Problem& pr, int64_t s, int64_t h, int64_t token0, int64_t pos0, int64_t nq,
+                        std::vector<float>& st) {
+  thread_local std::vector<const float*> rows;
+  constexpr int DV = DC / 16, CV = DV < 4 ? DV : 4, RG = 6;
+  const int64_t g = pr.hq / pr.kvh, live = nq * g, last = pos0 + nq - 1;
+  const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos0 - pr.window + 1) : 0;
+  const int64_t span = last + 1 - lo, padded = (span + 7) / 8 * 8;
+  rows.resize(static_cast<size_t>(2 * padded));
+  const float** krows = rows.data();
+  const float** vrows = krows + padded;
+  const int32_t* row = pr.page_table + s * pr.p;
+  for_each_key(pr.k, pr, h, row, lo, last, DC, [&](int64_t kk, const float* kr) { krows[kk - lo] = kr; });
+  for (int64_t i = span; i < padded; ++i) krows[i] = krows[span - 1];
+  alignas(64) float qt[DC * kTileRows] = {};  // padding lanes: zero queries, finite scores, never stored
+  alignas(64) int32_t row_pos[kTileRows];
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    const int64_t t = r < live ? r / g : nq - 1;
+    row_pos[r] = static_cast<int32_t>(pos0 + t);
+    if (r >= live) continue;
+    const float* qr = pr.q + ((token0 + t) * pr.hq + h * g + r % g) * DC;
+    for (int d = 0; d < DC; ++d) qt[d * kTileRows + r] = qr[d] * pr.scale;
+  }
+  const __m512i pos = _mm512_load_si512(row_pos);
+  const __m512i first = pr.window > 0 ? _mm512_sub_epi32(pos, _mm512_set1_epi32(pr.window - 1))
+                                      : _mm512_set1_epi32(0);  // each row's first key in its window
+  st.resize(static_cast<size_t>((padded + 1) * kTileRows));  // + 1: P @ V's last group reads a row past
+  const __m512 masked = _mm512_set1_ps(-INFINITY);
+  __m512 m = masked;
+  for (int64_t b = 0; b < padded; b += 8) {
+    __m512 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm512_setzero_ps();
+    for (int d = 0; d < DC; ++d) {
+      const __m512 qd = _mm512_load_ps(qt + d * kTileRows);
+      for (int u = 0; u < 8; ++u) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(krows[b + u][d]), qd, acc[u]);
+    }
+    for (int u = 0; u < 8 && b + u < span; ++u) {
+      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(lo + b + u));
+      const __mmask16 ok = _mm512_cmple_epi32_mask(key, pos) & _mm512_cmpge_epi32_mask(key, first);
+      const __m512 sc = _mm512_mask_blend_ps(ok, masked, acc[u]);
+      m = _mm512_max_ps(m, sc);
+      _mm512_storeu_ps(st.data() + (b + u) * kTileRows, sc);
+    }
+  }
+  __m512 l = _mm512_setzero_ps();
+  for (int64_t i = 0; i < span; ++i) {
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(st.data() + i * kTileRows), m));
+    l = _mm512_add_ps(l, e);
+    _mm512_storeu_ps(st.data() + i * kTileRows, e);
+  }
+  alignas(64) float inv[kTileRows];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+  for_each_key(pr.v, pr, h, row, lo, last, DC, [&](int64_t kk, const float* vr) { vrows[kk - lo] = vr; });
+  for (int64_t r0 = 0; r0 < live; r0 += RG) {
+    for (int c0 = 0; c0 < DV; c0 += CV) {
+      __m512 acc[RG][CV];
+      for (int r = 0; r < RG; ++r)
+        for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < span; ++i) {
+        const float* vr = vrows[i] + 16 * c0;
+        const float* p = st.data() + i * kTileRows + r0;  // lanes r0.. < 16: r0 + RG - 1 <= 17 reads the next key's
+        __m512 vv[CV];                                     // first lanes (or st's tail): padding, never stored
+        for (int c = 0; c < CV; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+        for (int r = 0; r < RG; ++r) {
+          const __m512 w = _mm512_set1_ps(p[r]);
+          for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+        }
+      }
+      for (int64_t r = 0; r < RG && r0 + r < live; ++r) {
+        const int64_t rr = r0 + r;
+        float* out = pr.out + ((token0 + rr / g) * pr.hq + h * g + rr % g) * DC + 16 * c0;
+        const __m512 scale = _mm512_set1_ps(inv[rr]);
+        for (int c = 0; c < CV; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[r][c], scale));
+      }
+    }
+  }
+}
 #endif
 
 // One query token's G heads against KV head h, keys lo..pos: scores [G, span]
@@ -216,11 +320,65 @@ void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_
   std::memcpy(pr.out + (token * pr.hq + h * g) * D, acc, sizeof(float) * g * D);
 }
 
-void attend_item(const Problem& pr, int64_t s, int64_t h, std::vector<float>& scores) {
+// Fewer rows than this: one query token after another. Session 32, Zen 4 (2 cores), 30 layers, the tile path
+// against per-query tokens: 9 / 3 heads, D = 64, 8 tokens at context 500: 3.2 vs 5.3 ms, 2,048 tokens of
+// prefill 0.94 vs 2.20 s; Llama-3-8B's 32 / 8 heads, D = 128, one token (4 rows) 10.3 vs 7.6 ms, two (8
+// rows) 11.6 vs 11.0; Gemma 3's 4 / 1, D = 256, one token 1.72 vs 1.27, two 2.07 vs 2.34.
+constexpr int64_t kMinTileRows = 8;
+
+// A work item: query tokens begin .. begin + count - 1 (offsets in sequence s) against KV head h, as one tile
+// (attend_tile_avx512) or one query token after another (attend_query).
+struct Item {
+  int32_t s, h, begin, count;
+  bool tile;
+};
+
+// Whether sequence s's q_len queries run as tiles here (AVX-512, head dims of whole vectors, at least
+// kMinTileRows rows in a tile), and how many tokens a tile takes.
+inline int64_t tile_tokens(const Problem& pr, int64_t q_len) {
+#ifdef __AVX512F__
+  const int64_t g = pr.hq / pr.kvh, most = kTileRows / g;
+  if ((pr.d == 64 || pr.d == 128 || pr.d == 256) && most >= 1 && std::min(q_len, most) * g >= kMinTileRows)
+    return most;
+#endif
+  return 0;
+}
+
+// The items of sequences 0 .. num_seqs - 1: per KV head, the tiles of a sequence's queries cut into near-equal
+// runs of at most tile_tokens tokens, or all its queries as one item.
+std::vector<Item> work_items(const Problem& pr, int64_t num_seqs) {
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = pr.cu[s + 1] - pr.cu[s];
+    if (q_len < 1) continue;
+    const bool malformed = pr.cu[s] < 0 || pr.cu[s + 1] > pr.t;  // one item each, which attend_item skips
+    const int64_t most = malformed ? 0 : tile_tokens(pr, q_len);
+    const int64_t tiles = most > 0 ? (q_len + most - 1) / most : 1;
+    for (int64_t h = 0; h < pr.kvh; ++h)
+      for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t begin = q_len * i / tiles, end = q_len * (i + 1) / tiles;
+        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(begin),
+                         static_cast<int32_t>(end - begin), most > 0});
+      }
+  }
+  return items;
+}
+
+void attend_item(const Problem& pr, const Item& item, std::vector<float>& scores) {
+  const int64_t s = item.s, h = item.h;
   const int64_t begin = pr.cu[s], q_len = pr.cu[s + 1] - begin;
   if (begin < 0 || begin + q_len > pr.t) return;  // malformed: leave zeros
-  const int64_t kv_len = pr.kv_lens[s];
-  for (int64_t i = 0; i < q_len; ++i) {
+  const int64_t kv_len = pr.kv_lens[s], pos0 = kv_len - q_len + item.begin, last = pos0 + item.count - 1;
+#ifdef __AVX512F__
+  if (item.tile && pos0 >= 0 && last / pr.ps < pr.p) {
+    switch (pr.d) {
+      case 64: return attend_tile_avx512<64>(pr, s, h, begin + item.begin, pos0, item.count, scores);
+      case 128: return attend_tile_avx512<128>(pr, s, h, begin + item.begin, pos0, item.count, scores);
+      case 256: return attend_tile_avx512<256>(pr, s, h, begin + item.begin, pos0, item.count, scores);
+    }
+  }
+#endif
+  for (int64_t i = item.begin; i < item.begin + item.count; ++i) {
     const int64_t pos = kv_len - q_len + i;
     if (pos < 0 || pos / pr.ps >= pr.p) continue;  // malformed: leave zeros
     switch (pr.d) {
@@ -271,17 +429,11 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const int64_t num_slots = kv_lens.dimensions()[0];
   const int64_t num_seqs = std::clamp<int64_t>(num_seqs_buf.typed_data()[0], 0, num_slots);
 
-  // Work items: the (sequence, KV head) pairs of the sequences this call attends.
-  auto items = std::make_shared<std::vector<int64_t>>();
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t q_len = pr.cu[s + 1] - pr.cu[s];
-    if (q_len < 1) continue;
-    for (int64_t h = 0; h < pr.kvh; ++h) items->push_back(s * pr.kvh + h);
-  }
+  // Work items: per sequence this call attends and KV head, its queries' tiles or all its queries.
+  auto items = std::make_shared<const std::vector<Item>>(work_items(pr, num_seqs));
   jaxpaged::run_items(pool, static_cast<int64_t>(items->size()), [pr, items](int64_t i) {
     thread_local std::vector<float> scores;
-    const int64_t item = (*items)[i];
-    attend_item(pr, item / pr.kvh, item % pr.kvh, scores);
+    attend_item(pr, (*items)[i], scores);
   });
   return ffi::Error::Success();
 }

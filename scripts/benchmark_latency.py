@@ -5,16 +5,19 @@
 
 Two engines over the same weights (float32, loaded once): one plain, one with
 speculative_config={"method": "ngram", ...}. Each prompt is run alone (batch 1), greedy unless
---temperature says otherwise, end to end (add_request to the finished output), on both engines in turn (each side first for every other
-prompt), so load on a shared machine and whatever one run leaves in the caches hit both sides
-alike, after an untimed pass over the workload on both (--warmup-passes). Workloads of
-SmolLM2-135M-Instruct chat prompts:
+--temperature says otherwise, end to end (add_request to the finished output), on both engines in
+turn (each side first for every other prompt), so load on a shared machine and whatever one run
+leaves in the caches hit both sides alike, after an untimed pass over the workload on both
+(--warmup-passes). Workloads of SmolLM2-135M-Instruct chat prompts:
 
   grounded       answers that copy spans of the prompt: rewrite, fix, extract, edit code
   open           nothing to copy: open questions and stories
   grounded-more  20 more of the first kind (formats, code edits, extraction, a template, a poem;
                  written in session 18, after k and the lookup bounds were tuned on `grounded`): a
                  wider check than 6 prompts (not run by default: ~3 min more)
+  grounded-long  6 more with longer sources (164-364 prompt tokens: a 45-line Python file to edit, a
+                 story to correct or rewrite, notes to tabulate, quotes from a document; written in
+                 session 32; not run by default; try --max-tokens 256)
 
 --prompts-file PATH adds a workload of your own: a JSON list of prompt strings, named by the
 file's stem (`--prompts-file my_edits.json --workloads my_edits`).
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import time
@@ -134,7 +138,84 @@ GROUNDED_MORE = [
     "but time stands still;\nthe lamps are lit along the lane,\nand soon the snow will come again.",
 ]
 
-WORKLOADS = {"grounded": GROUNDED, "open": OPEN, "grounded-more": GROUNDED_MORE}
+_INVENTORY = '''import json
+import os
+
+
+class Inventory:
+    """A small store inventory kept in a JSON file."""
+
+    def __init__(self, path):
+        self.path = path
+        self.items = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.items = json.load(f)
+
+    def add(self, name, count):
+        self.items[name] = self.items.get(name, 0) + count
+        self.save()
+
+    def remove(self, name, count):
+        if self.items.get(name, 0) < count:
+            raise ValueError(f"not enough {name}")
+        self.items[name] -= count
+        if self.items[name] == 0:
+            del self.items[name]
+        self.save()
+
+    def total(self):
+        return sum(self.items.values())
+
+    def save(self):
+        with open(self.path, "w") as f:
+            json.dump(self.items, f, indent=2)
+
+
+def main():
+    inventory = Inventory("inventory.json")
+    inventory.add("apples", 10)
+    inventory.add("pears", 4)
+    inventory.remove("apples", 3)
+    print(inventory.total())
+
+
+if __name__ == "__main__":
+    main()
+'''
+_LIGHTHOUSE = (
+    "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its keeper, a "
+    "quiet man named Thomas, climbed the hundred and twelve steps to light the lamp. Ships passing in the dark "
+    "relied on its beam to find their way around the rocks. One winter, a great storm broke the glass at the top "
+    "of the tower, and Thomas had to repair it with his own hands while the wind howled around him. The villagers "
+    "brought him food and blankets, and the children drew pictures of the lighthouse to hang in his kitchen. When "
+    "Thomas finally retired, the village held a festival in his honour, and a young woman named Clara became the "
+    "new keeper. She learned every step of the tower and every sound of the sea, just as Thomas had taught her.")
+_WEEK = "\n".join(f"- {day}: {task}" for day, task in [
+    ("Monday", "meeting with the design team about the new website layout at 10 am"),
+    ("Tuesday", "send the quarterly report to the finance department before noon"),
+    ("Wednesday", "call the supplier about the delayed shipment of office chairs"),
+    ("Thursday", "review the pull requests for the payment service and merge the approved ones"),
+    ("Friday", "team lunch at the Italian restaurant on the corner of Main Street"),
+    ("Saturday", "visit the farmers market and buy vegetables for the week"),
+    ("Sunday", "call grandmother and plan the trip to the mountains in August")])
+_TYPOS = {"lighthouse": "lighthuose", "keeper": "keper", "night": "nihgt", "storm": "strom", "villagers": "vilagers"}
+
+GROUNDED_LONG = [  # session 32: longer sources (164-364 prompt tokens), answers that copy most of them
+    "Rename the class `Inventory` to `StoreInventory` everywhere in this Python code. Output the full code.\n\n"
+    f"```python\n{_INVENTORY}```",
+    "Add a method `count(self, name)` that returns how many of an item are in stock to this Python code. Output "
+    f"the full code.\n\n```python\n{_INVENTORY}```",
+    "Fix the spelling mistakes in this story and write out the corrected story:\n\n"
+    + functools.reduce(lambda text, typo: text.replace(*typo), _TYPOS.items(), _LIGHTHOUSE),
+    f"Rewrite this story in the present tense, keeping everything else the same:\n\n{_LIGHTHOUSE}",
+    "Turn these notes into a markdown table with two columns, Day and Task, keeping the text of each task "
+    f"exactly:\n\n{_WEEK}",
+    f"Here is a document:\n\n{_LIGHTHOUSE}\n\n{_WEEK}\n\nQuote, word for word, the sentence of the document that "
+    "says what happened one winter, and then the task planned for Thursday.",
+]
+
+WORKLOADS = {"grounded": GROUNDED, "open": OPEN, "grounded-more": GROUNDED_MORE, "grounded-long": GROUNDED_LONG}
 
 
 def read_prompts(path: str) -> list[str]:
@@ -386,8 +467,8 @@ def print_mixed(r: dict, args) -> None:
     metrics = (("ttft_ms", "TTFT ms", 1), ("tpot_ms", "TPOT ms", 1), ("tpot_max_ms", "max TPOT", 1),
                ("latency_s", "lat s", 3))
     acceptance = ", ".join(f"{side} {r[f'{side}_acceptance_rate']:.2f}" for side in args.spec_sides)
-    print(f"\nmixed batch: {n} requests at once ({n - n // 2} grounded-more, {n // 2} open), {sampling_label(args)}, max_tokens "
-          f"{args.max_tokens}, {r['repeats']} run(s) a side; acceptance {acceptance}; outputs "
+    print(f"\nmixed batch: {n} requests at once ({n - n // 2} grounded-more, {n // 2} open), {sampling_label(args)}, "
+          f"max_tokens {args.max_tokens}, {r['repeats']} run(s) a side; acceptance {acceptance}; outputs "
           f"identical: {r['outputs_identical']}")
     print(f"{'':<15}{'':>8}  {'grounded':^40}  {'open':^40}")
     print(f"{'side':<15}{'tok/s':>8}  " + "  ".join("".join(f"{label:>10}" for _, label, _ in metrics)

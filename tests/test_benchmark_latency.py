@@ -23,8 +23,8 @@ def test_built_in_workloads(bench):
     args = bench.parse_args([])
     assert args.workloads == "grounded,open"
     assert {name: len(prompts) for name, prompts in args.prompts.items()} == \
-        {"grounded": 6, "open": 6, "grounded-more": 20}
-    assert len(set(bench.GROUNDED + bench.GROUNDED_MORE)) == 26  # no prompt counted twice
+        {"grounded": 6, "open": 6, "grounded-more": 20, "grounded-long": 6}
+    assert len(set(bench.GROUNDED + bench.GROUNDED_MORE + bench.GROUNDED_LONG)) == 32  # no prompt counted twice
 
 
 def test_a_prompts_file_is_a_workload_named_by_its_stem(bench, tmp_path):

@@ -115,3 +115,21 @@ def test_a_bad_step_input_gives_wrong_rows_not_a_crash():
 def test_the_kernel_cache_folder_follows_xdg_cache_home(monkeypatch, tmp_path):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   assert cpu_build.default_kernel_cache_dir() == tmp_path / "jaxpaged" / "cpu_kernels"
+
+
+@pytest.mark.parametrize("group, d", [(1, 64), (2, 128), (3, 64), (4, 256), (5, 64), (7, 64), (8, 128), (16, 64)])
+@pytest.mark.parametrize("window", [None, 7, 40])
+def test_query_tiles_match_the_reference(group, d, window):
+  """Several query tokens a sequence run in tiles of up to 16 rows (tokens x the group's heads; from 8 rows,
+  AVX-512): one token (a group of 16: a tile), 2 and 5 tokens, 37 (tiles of near-equal size) and 100 tokens,
+  decodes beside them; windows that cut into a tile's keys for some of its rows only."""
+  assert cpu_attention.load_cpu_attention()
+  rng = np.random.default_rng(group * 1000 + d + (window or 0))
+  q_lens, kv_lens = [1, 2, 5, 37, 100, 1], [40, 2, 60, 37, 130, 9]
+  q, k, v, kv, table, cu, ns = _batch(rng, q_lens, kv_lens, kvh=2, group=group, d=d, layers=2)
+  w = None if window is None else jnp.int32(window)
+  want = ragged_paged_attention_reference(q, k, v, kv, table, cu, ns, sm_scale=d ** -0.5, layer=jnp.int32(1),
+                                          sliding_window=w)
+  got = cpu_attention.ragged_paged_attention_cpu(q, k, v, kv, table, cu, ns, sm_scale=d ** -0.5, layer=1,
+                                                 sliding_window=window)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
