@@ -5,11 +5,11 @@
 // G heads read their keys page by page straight from the pool: scores for the
 // whole span, one max, one exp pass, then V accumulated row by row. Every K/V
 // byte a query needs is read once, with no gathered copy (the XLA path copies
-// each block before its dots). With AVX-512, a sequence of several query
-// tokens (a prefill chunk, a verification of drafts) is cut into tiles of up
-// to 16 rows (tokens x the group's heads), one item each: a tile reads each
-// key's row once for all its rows, its rows in the lanes of one vector
-// (attend_tile_avx512), and the tiles share the threads however few the
+// each block before its dots). With AVX-512 or AVX2, a sequence of several
+// query tokens (a prefill chunk, a verification of drafts) is cut into tiles
+// of up to 16 or 8 rows (tokens x the group's heads), one item each: a tile
+// reads each key's row once for all its rows, its rows in the lanes of one
+// vector (attend_tile), and the tiles share the threads however few the
 // sequences and KV heads are.
 //
 // Shapes (f32): q [T, Hq, D]; k_pages, v_pages [L?, KVH, N, ps, D];
@@ -178,33 +178,110 @@ void attend_query_avx512(const Problem& pr, int64_t s, int64_t h, int64_t token,
   }
 }
 
-// exp(x) for x <= 0 in 16 lanes, fast_exp's polynomial (x below -87 gives ~1.6e-38, as fast_exp does).
-inline __m512 fast_exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                        _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), f);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
+#endif
+
+// Query tiles: the vector ops attend_tile needs, for the widths it is built for (JAXPAGED_QUERY_TILES).
+//   AVX-512: 16 rows a tile, P @ V by groups of 6 rows x up to 4 vectors (24 of 32 registers accumulate).
+//   AVX2 + FMA: 8 rows a tile, groups of 2 rows x up to 4 vectors (8 of 16 registers).
+#if defined(__AVX512F__)
+#define JAXPAGED_QUERY_TILES 1
+struct TileOps {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int kLanes = 16, kRowGroup = 6;
+  // Fewer rows than this: one query token after another. Session 32, Zen 4 (2 cores), 30 layers, the tile
+  // path against per-query tokens: 9 / 3 heads, D = 64, 8 tokens at context 500: 3.2 vs 5.3 ms, 2,048 tokens
+  // of prefill 0.94 vs 2.20 s; Llama-3-8B's 32 / 8 heads, D = 128, one token (4 rows) 10.3 vs 7.6 ms, two (8
+  // rows) 11.6 vs 11.0; Gemma 3's 4 / 1, D = 256, one token 1.72 vs 1.27, two 2.07 vs 2.34.
+  static constexpr int64_t kMinRows = 8;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F floor(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static F pow2(F p, F n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+  static I iload(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static I iset1(int32_t x) { return _mm512_set1_epi32(x); }
+  static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  // x where first <= key <= pos (lane by lane), else -inf.
+  static F keep(F x, I key, I pos, I first) {
+    const __mmask16 ok = _mm512_cmple_epi32_mask(key, pos) & _mm512_cmpge_epi32_mask(key, first);
+    return _mm512_mask_blend_ps(ok, _mm512_set1_ps(-INFINITY), x);
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define JAXPAGED_QUERY_TILES 1
+struct TileOps {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int kLanes = 8, kRowGroup = 2;
+  // Session 33, this Zen 4 running the AVX2 build (2 cores, 30 layers): one token of a group of 4 (4 rows) as a
+  // tile against per query: Llama-3-8B's 32 / 8 heads, D = 128, 7.71 vs 6.48 ms; Gemma 3's 4 / 1, D = 256,
+  // 2.92 vs 2.77; from 5 rows tiles won (Qwen-like 14 / 2, one token, 7 rows: 0.82 vs 1.06 ms).
+  static constexpr int64_t kMinRows = 5;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F floor(F x) { return _mm256_floor_ps(x); }
+  static F pow2(F p, F n) {  // p * 2^n, n >= -126 (the exponent bits built directly, as fast_exp does)
+    const I bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  }
+  static I iload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I iset1(int32_t x) { return _mm256_set1_epi32(x); }
+  static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static F keep(F x, I key, I pos, I first) {
+    const I out = _mm256_or_si256(_mm256_cmpgt_epi32(key, pos), _mm256_cmpgt_epi32(first, key));
+    return _mm256_blendv_ps(x, _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(out));
+  }
+};
+#endif
+
+#ifdef JAXPAGED_QUERY_TILES
+constexpr int64_t kTileRows = TileOps::kLanes;  // a tile's query rows (tokens x heads of the group): its lanes
+
+// exp(x) for x <= 0, lane by lane: fast_exp's polynomial (x below -87 gives ~1.6e-38, as fast_exp does).
+inline TileOps::F exp_lanes(TileOps::F x) {
+  using O = TileOps;
+  using F = O::F;
+  x = O::max(x, O::set1(-87.0f));
+  const F n = O::floor(O::fma(x, O::set1(1.44269504088896341f), O::set1(0.5f)));
+  F f = O::fnma(n, O::set1(0.693145751953125f), x);
+  f = O::fnma(n, O::set1(1.42860682030941723e-6f), f);
+  F p = O::set1(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = O::fma(p, f, O::set1(c));
+  return O::pow2(p, n);
 }
 
-constexpr int64_t kTileRows = 16;  // a tile's query rows (tokens x heads of the group): one vector's lanes
-
 // A tile: nq consecutive query tokens of sequence s (token0.., positions pos0..) with the G heads of KV head h,
-// nq * G <= 16 rows, one row per vector lane. The scores are kept transposed, st [span, 16]: key kk's scores
-// for all rows come from D broadcast-FMAs over a transposed copy of the rows' queries, qt [D, 16], 8 keys at
-// a time, each key's row of K read once for all the tile's rows (no horizontal sums); the softmax runs
-// across keys with the rows in lanes (causal and window masks per lane); then out = P @ V by groups of 6
-// rows and 4 vectors of D, normalised at the end.
+// nq * G <= kTileRows rows, one row per vector lane. The scores are kept transposed, st [span, kTileRows]: key
+// kk's scores for all rows come from D broadcast-FMAs over a transposed copy of the rows' queries,
+// qt [D, kTileRows], 8 keys at a time, each key's row of K read once for all the tile's rows (no horizontal
+// sums); the softmax runs across keys with the rows in lanes (causal and window masks per lane); then
+// out = P @ V by groups of kRowGroup rows and up to 4 vectors of D, normalised at the end.
 template <int DC>
-void attend_tile_avx512(const Problem& pr, int64_t s, int64_t h, int64_t token0, int64_t pos0, int64_t nq,
-                        std::vector<float>& st) {
+void attend_tile(const Problem& pr, int64_t s, int64_t h, int64_t token0, int64_t pos0, int64_t nq,
+                 std::vector<float>& st) {
+  using O = TileOps;
+  using F = O::F;
+  using I = O::I;
   thread_local std::vector<const float*> rows;
-  constexpr int DV = DC / 16, CV = DV < 4 ? DV : 4, RG = 6;
+  constexpr int L = O::kLanes, DV = DC / L, CV = DV < 4 ? DV : 4, RG = O::kRowGroup;
   const int64_t g = pr.hq / pr.kvh, live = nq * g, last = pos0 + nq - 1;
   const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos0 - pr.window + 1) : 0;
   const int64_t span = last + 1 - lo, padded = (span + 7) / 8 * 8;
@@ -223,56 +300,53 @@ void attend_tile_avx512(const Problem& pr, int64_t s, int64_t h, int64_t token0,
     const float* qr = pr.q + ((token0 + t) * pr.hq + h * g + r % g) * DC;
     for (int d = 0; d < DC; ++d) qt[d * kTileRows + r] = qr[d] * pr.scale;
   }
-  const __m512i pos = _mm512_load_si512(row_pos);
-  const __m512i first = pr.window > 0 ? _mm512_sub_epi32(pos, _mm512_set1_epi32(pr.window - 1))
-                                      : _mm512_set1_epi32(0);  // each row's first key in its window
-  st.resize(static_cast<size_t>((padded + 1) * kTileRows));  // + 1: P @ V's last group reads a row past
-  const __m512 masked = _mm512_set1_ps(-INFINITY);
-  __m512 m = masked;
+  const I pos = O::iload(row_pos);
+  const I first = pr.window > 0 ? O::isub(pos, O::iset1(pr.window - 1)) : O::iset1(0);  // rows' first keys
+  // + RG: P @ V's last group reads up to RG - 1 lanes past a key's row (the next row's, or this tail)
+  st.resize(static_cast<size_t>(padded * kTileRows + RG));
+  F m = O::set1(-INFINITY);
   for (int64_t b = 0; b < padded; b += 8) {
-    __m512 acc[8];
-    for (int u = 0; u < 8; ++u) acc[u] = _mm512_setzero_ps();
+    F acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = O::zero();
     for (int d = 0; d < DC; ++d) {
-      const __m512 qd = _mm512_load_ps(qt + d * kTileRows);
-      for (int u = 0; u < 8; ++u) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(krows[b + u][d]), qd, acc[u]);
+      const F qd = O::load(qt + d * kTileRows);
+      for (int u = 0; u < 8; ++u) acc[u] = O::fma(O::set1(krows[b + u][d]), qd, acc[u]);
     }
     for (int u = 0; u < 8 && b + u < span; ++u) {
-      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(lo + b + u));
-      const __mmask16 ok = _mm512_cmple_epi32_mask(key, pos) & _mm512_cmpge_epi32_mask(key, first);
-      const __m512 sc = _mm512_mask_blend_ps(ok, masked, acc[u]);
-      m = _mm512_max_ps(m, sc);
-      _mm512_storeu_ps(st.data() + (b + u) * kTileRows, sc);
+      const F sc = O::keep(acc[u], O::iset1(static_cast<int32_t>(lo + b + u)), pos, first);
+      m = O::max(m, sc);
+      O::store(st.data() + (b + u) * kTileRows, sc);
     }
   }
-  __m512 l = _mm512_setzero_ps();
+  F l = O::zero();
   for (int64_t i = 0; i < span; ++i) {
-    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(st.data() + i * kTileRows), m));
-    l = _mm512_add_ps(l, e);
-    _mm512_storeu_ps(st.data() + i * kTileRows, e);
+    const F e = exp_lanes(O::sub(O::load(st.data() + i * kTileRows), m));
+    l = O::add(l, e);
+    O::store(st.data() + i * kTileRows, e);
   }
   alignas(64) float inv[kTileRows];
-  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+  O::store(inv, O::div(O::set1(1.0f), l));
   for_each_key(pr.v, pr, h, row, lo, last, DC, [&](int64_t kk, const float* vr) { vrows[kk - lo] = vr; });
   for (int64_t r0 = 0; r0 < live; r0 += RG) {
     for (int c0 = 0; c0 < DV; c0 += CV) {
-      __m512 acc[RG][CV];
+      F acc[RG][CV];
       for (int r = 0; r < RG; ++r)
-        for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < CV; ++c) acc[r][c] = O::zero();
       for (int64_t i = 0; i < span; ++i) {
-        const float* vr = vrows[i] + 16 * c0;
-        const float* p = st.data() + i * kTileRows + r0;  // lanes r0.. < 16: r0 + RG - 1 <= 17 reads the next key's
-        __m512 vv[CV];                                     // first lanes (or st's tail): padding, never stored
-        for (int c = 0; c < CV; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+        const float* vr = vrows[i] + L * c0;
+        const float* p = st.data() + i * kTileRows + r0;  // lanes past kTileRows: padding, never stored
+        F vv[CV];
+        for (int c = 0; c < CV; ++c) vv[c] = O::load(vr + L * c);
         for (int r = 0; r < RG; ++r) {
-          const __m512 w = _mm512_set1_ps(p[r]);
-          for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+          const F w = O::set1(p[r]);
+          for (int c = 0; c < CV; ++c) acc[r][c] = O::fma(w, vv[c], acc[r][c]);
         }
       }
       for (int64_t r = 0; r < RG && r0 + r < live; ++r) {
         const int64_t rr = r0 + r;
-        float* out = pr.out + ((token0 + rr / g) * pr.hq + h * g + rr % g) * DC + 16 * c0;
-        const __m512 scale = _mm512_set1_ps(inv[rr]);
-        for (int c = 0; c < CV; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[r][c], scale));
+        float* out = pr.out + ((token0 + rr / g) * pr.hq + h * g + rr % g) * DC + L * c0;
+        const F scale = O::set1(inv[rr]);
+        for (int c = 0; c < CV; ++c) O::store(out + L * c, O::mul(acc[r][c], scale));
       }
     }
   }
@@ -320,25 +394,19 @@ void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_
   std::memcpy(pr.out + (token * pr.hq + h * g) * D, acc, sizeof(float) * g * D);
 }
 
-// Fewer rows than this: one query token after another. Session 32, Zen 4 (2 cores), 30 layers, the tile path
-// against per-query tokens: 9 / 3 heads, D = 64, 8 tokens at context 500: 3.2 vs 5.3 ms, 2,048 tokens of
-// prefill 0.94 vs 2.20 s; Llama-3-8B's 32 / 8 heads, D = 128, one token (4 rows) 10.3 vs 7.6 ms, two (8
-// rows) 11.6 vs 11.0; Gemma 3's 4 / 1, D = 256, one token 1.72 vs 1.27, two 2.07 vs 2.34.
-constexpr int64_t kMinTileRows = 8;
-
 // A work item: query tokens begin .. begin + count - 1 (offsets in sequence s) against KV head h, as one tile
-// (attend_tile_avx512) or one query token after another (attend_query).
+// (attend_tile) or one query token after another (attend_query).
 struct Item {
   int32_t s, h, begin, count;
   bool tile;
 };
 
-// Whether sequence s's q_len queries run as tiles here (AVX-512, head dims of whole vectors, at least
-// kMinTileRows rows in a tile), and how many tokens a tile takes.
+// Whether sequence s's q_len queries run as tiles here (AVX-512 or AVX2, head dims of whole vectors, at
+// least TileOps::kMinRows rows in a tile), and how many tokens a tile takes.
 inline int64_t tile_tokens(const Problem& pr, int64_t q_len) {
-#ifdef __AVX512F__
+#ifdef JAXPAGED_QUERY_TILES
   const int64_t g = pr.hq / pr.kvh, most = kTileRows / g;
-  if ((pr.d == 64 || pr.d == 128 || pr.d == 256) && most >= 1 && std::min(q_len, most) * g >= kMinTileRows)
+  if ((pr.d == 64 || pr.d == 128 || pr.d == 256) && most >= 1 && std::min(q_len, most) * g >= TileOps::kMinRows)
     return most;
 #endif
   return 0;
@@ -369,12 +437,12 @@ void attend_item(const Problem& pr, const Item& item, std::vector<float>& scores
   const int64_t begin = pr.cu[s], q_len = pr.cu[s + 1] - begin;
   if (begin < 0 || begin + q_len > pr.t) return;  // malformed: leave zeros
   const int64_t kv_len = pr.kv_lens[s], pos0 = kv_len - q_len + item.begin, last = pos0 + item.count - 1;
-#ifdef __AVX512F__
+#ifdef JAXPAGED_QUERY_TILES
   if (item.tile && pos0 >= 0 && last / pr.ps < pr.p) {
     switch (pr.d) {
-      case 64: return attend_tile_avx512<64>(pr, s, h, begin + item.begin, pos0, item.count, scores);
-      case 128: return attend_tile_avx512<128>(pr, s, h, begin + item.begin, pos0, item.count, scores);
-      case 256: return attend_tile_avx512<256>(pr, s, h, begin + item.begin, pos0, item.count, scores);
+      case 64: return attend_tile<64>(pr, s, h, begin + item.begin, pos0, item.count, scores);
+      case 128: return attend_tile<128>(pr, s, h, begin + item.begin, pos0, item.count, scores);
+      case 256: return attend_tile<256>(pr, s, h, begin + item.begin, pos0, item.count, scores);
     }
   }
 #endif

@@ -5,12 +5,12 @@ its two dots, because XLA:CPU fuses no gather into a library dot: each K/V
 byte is read, written and read again. This call reads the pool in place:
 per (sequence, KV head), one pass over the keys for the scores, one over V,
 split across XLA's intra-op threads. Decodes are bound by reading the pool;
-a prefill chunk's queries find their keys in cache. With AVX-512, a
+a prefill chunk's queries find their keys in cache. With AVX-512 (AVX2), a
 sequence's several query tokens (prefill chunks, draft verifications) run in
-tiles of up to 16 rows (tokens x heads of a KV head's group), each key read
-once for all of a tile's rows, the tiles spread over the threads: 2,048
-tokens of SmolLM2 prefill 2.3x faster, 8 tokens at context 500 1.65x
-(session 32; cpu_attention.cc, kMinTileRows).
+tiles of up to 16 (8) rows (tokens x heads of a KV head's group), each key
+read once for all of a tile's rows, the tiles spread over the threads: with
+AVX-512, 2,048 tokens of SmolLM2 prefill 2.3x faster, 8 tokens at context 500
+1.65x (cpu_attention.cc, TileOps::kMinRows; docs/benchmarks.md).
 
 The C++ source is compiled on first use and registered with XLA once per
 process (cpu_build.py). Without a compiler `load_cpu_attention` returns

@@ -6,6 +6,8 @@ test_ragged_paged_attention.py (backend "cpu")."""
 from __future__ import annotations
 
 import functools
+import platform
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -117,19 +119,41 @@ def test_the_kernel_cache_folder_follows_xdg_cache_home(monkeypatch, tmp_path):
   assert cpu_build.default_kernel_cache_dir() == tmp_path / "jaxpaged" / "cpu_kernels"
 
 
+# cpu_attention.cc's query tiles per vector unit: the flags (after -march=native) that select each, and the CPU
+# flag it needs to run. A machine runs the widest it has by default; the others are built here.
+WIDTHS = [
+    ("avx512", ("-mavx512f",), "avx512f"),  # tiles of 16 rows
+    ("avx2", ("-mno-avx512f",), "avx2"),  # tiles of 8 rows
+    ("generic", ("-mno-avx512f", "-mno-avx2", "-mno-fma"), None),  # no tiles: one query token after another
+]
+
+
+@functools.cache
+def _width_target(name: str, flags: tuple[str, ...]) -> str:
+  target = f"jaxpaged_cpu_attention_{name}"
+  assert cpu_build.load_target(cpu_attention.SOURCE, "JaxpagedCpuAttention", target, flags)
+  return target
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 flags select the widths")
+@pytest.mark.parametrize("name, flags, needs", WIDTHS, ids=[w[0] for w in WIDTHS])
 @pytest.mark.parametrize("group, d", [(1, 64), (2, 128), (3, 64), (4, 256), (5, 64), (7, 64), (8, 128), (16, 64)])
 @pytest.mark.parametrize("window", [None, 7, 40])
-def test_query_tiles_match_the_reference(group, d, window):
-  """Several query tokens a sequence run in tiles of up to 16 rows (tokens x the group's heads; from 8 rows,
-  AVX-512): one token (a group of 16: a tile), 2 and 5 tokens, 37 (tiles of near-equal size) and 100 tokens,
-  decodes beside them; windows that cut into a tile's keys for some of its rows only."""
-  assert cpu_attention.load_cpu_attention()
+def test_query_tiles_match_the_reference(name, flags, needs, group, d, window):
+  """Several query tokens of a sequence run in tiles of up to 16 (AVX-512) or 8 (AVX2) rows (tokens x the group's
+  heads; from TileOps::kMinRows rows): one token (a group of 16: a tile), 2 and 5 tokens, 37 (tiles of
+  near-equal size) and 100 tokens, decodes beside them; windows that cut into a tile's keys for some of its rows
+  only. Each width is built on any x86 machine and run where the CPU has its unit."""
+  cpu_build.build_library(cpu_attention.SOURCE, extra_flags=flags)  # a compile error fails here
+  if needs is not None and needs not in Path("/proc/cpuinfo").read_text().split():
+    pytest.skip(f"built, not run: this CPU lacks {needs}")
+  target = _width_target(name, flags)
   rng = np.random.default_rng(group * 1000 + d + (window or 0))
   q_lens, kv_lens = [1, 2, 5, 37, 100, 1], [40, 2, 60, 37, 130, 9]
   q, k, v, kv, table, cu, ns = _batch(rng, q_lens, kv_lens, kvh=2, group=group, d=d, layers=2)
   w = None if window is None else jnp.int32(window)
   want = ragged_paged_attention_reference(q, k, v, kv, table, cu, ns, sm_scale=d ** -0.5, layer=jnp.int32(1),
                                           sliding_window=w)
-  got = cpu_attention.ragged_paged_attention_cpu(q, k, v, kv, table, cu, ns, sm_scale=d ** -0.5, layer=1,
-                                                 sliding_window=window)
+  got = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+      q, k, v, kv, table, cu, ns, jnp.int32(1), jnp.int32(window or 0), sm_scale=np.float32(d ** -0.5))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
