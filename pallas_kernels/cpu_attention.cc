@@ -35,19 +35,18 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// exp(x) for x <= 0 (scores minus their max), vectorisable: 2^n * p(f).
-// Relative error ~2e-7 (degree-6 polynomial on [-ln2/2, ln2/2]).
+// exp(x) for x <= 0 (scores minus their max), vectorisable: 2^n * p(f), n = round(x / ln 2), f = x - n ln 2
+// (ln 2 in two parts), p of degree 6 (its coefficients, highest first). Relative error ~2e-7 on
+// [-ln2/2, ln2/2]. exp_lanes computes the same in vector lanes.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.42860682030941723e-6f;
+constexpr float kExpPoly[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
 inline float fast_exp(float x) {
   x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float f = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-  float p = 1.0f / 720;
-  p = p * f + 1.0f / 120;
-  p = p * f + 1.0f / 24;
-  p = p * f + 1.0f / 6;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
+  const float n = std::floor(x * kLog2e + 0.5f);
+  const float f = x - n * kLn2Hi - n * kLn2Lo;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 7; ++i) p = p * f + kExpPoly[i];
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -255,16 +254,16 @@ struct TileOps {
 #ifdef JAXPAGED_QUERY_TILES
 constexpr int64_t kTileRows = TileOps::kLanes;  // a tile's query rows (tokens x heads of the group): its lanes
 
-// exp(x) for x <= 0, lane by lane: fast_exp's polynomial (x below -87 gives ~1.6e-38, as fast_exp does).
+// exp(x) for x <= 0, lane by lane: fast_exp's steps and constants (x below -87 gives ~1.6e-38, as there).
 inline TileOps::F exp_lanes(TileOps::F x) {
   using O = TileOps;
   using F = O::F;
   x = O::max(x, O::set1(-87.0f));
-  const F n = O::floor(O::fma(x, O::set1(1.44269504088896341f), O::set1(0.5f)));
-  F f = O::fnma(n, O::set1(0.693145751953125f), x);
-  f = O::fnma(n, O::set1(1.42860682030941723e-6f), f);
-  F p = O::set1(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = O::fma(p, f, O::set1(c));
+  const F n = O::floor(O::fma(x, O::set1(kLog2e), O::set1(0.5f)));
+  F f = O::fnma(n, O::set1(kLn2Hi), x);
+  f = O::fnma(n, O::set1(kLn2Lo), f);
+  F p = O::set1(kExpPoly[0]);
+  for (int i = 1; i < 7; ++i) p = O::fma(p, f, O::set1(kExpPoly[i]));
   return O::pow2(p, n);
 }
 
