@@ -484,18 +484,22 @@ class LLMEngine:
             concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _grammar_bitmask(self, entries: Sequence[ScheduledRequest]) -> np.ndarray | None:
-        """i32[len(entries), W]: the allowed tokens of each constrained row (others all ones); None if none."""
-        rows = []
+        """i32[len(entries) + D, W]: the allowed tokens of each constrained row (others all ones); None if none.
+        Rows (ModelRunner.execute_model's layout): each entry's last fed token, then the D draft positions of
+        the entries that fed drafts, in step order (position j samples the token after the first j drafts)."""
+        rows, draft_row = [], len(entries)
         for i, entry in enumerate(entries):
             # .get: with async scheduling the step may hold a request that finished since it was scheduled
             pair = self._child_to_parent.get(entry.request_id) if entry.samples else None
             matcher = pair[1].matcher if pair is not None else None
-            if matcher is not None:
-                rows.append((matcher, i))
+            d = len(entry.spec_token_ids)
+            if matcher is not None:  # the mask after its first j drafts: row draft_row + j, the last one's: row i
+                rows.append((matcher, entry.spec_token_ids, [*range(draft_row, draft_row + d), i]))
+            draft_row += d
         if not rows:
             return None
-        bitmask = np.full((len(entries), self.structured_outputs.mask_width), -1, np.int32)
-        self.structured_outputs.fill_bitmask(rows, bitmask)
+        bitmask = np.full((draft_row, self.structured_outputs.mask_width), -1, np.int32)
+        self.structured_outputs.fill_bitmask_with_drafts(rows, bitmask)
         return bitmask[:, :self.structured_outputs.sampler_width]
 
     @staticmethod
@@ -723,20 +727,33 @@ class LLMEngine:
             request.num_output_placeholders = 0
 
     def _propose_drafts(self) -> None:
-        """Speculative decoding: n-gram drafts for every decoding request (none under a grammar, none while
-        more requests are enqueued than speculative_config.disable_by_batch_size)."""
+        """Speculative decoding: n-gram drafts for every decoding request (under a grammar, only the leading
+        drafts it allows; none while more requests are enqueued than speculative_config.disable_by_batch_size)."""
         limit = self.args.speculative_config.disable_by_batch_size
         disabled = limit is not None and self.scheduler.num_running + self.scheduler.num_waiting > limit
         decoding = self.scheduler.decoding_requests()
         for request in decoding:
             room = max_drafts_for(request.num_tokens, request.num_output_tokens, request.max_tokens,
                                   request.max_model_len)
-            if room < 1 or disabled or self._child_to_parent[request.request_id][1].matcher is not None:
+            if room < 1 or disabled:
                 request.spec_token_ids = []
                 continue
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+            matcher = self._child_to_parent[request.request_id][1].matcher
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room) if matcher is None else \
+                self._grammar_drafts(request, matcher, room)
         if self.draft_policy is not None:
             self.draft_policy.trim(decoding)
+
+    def _grammar_drafts(self, request: Request, matcher: GrammarMatcher, room: int) -> list[int]:
+        """A constrained request's drafts: the tokens its grammar forces next (a schema's keys and punctuation,
+        which the prompt rarely holds), then the n-gram drafts after them, cut to the leading ones the grammar
+        allows (a draft it forbids is never accepted: not worth its row)."""
+        room = min(room, self.args.speculative_config.num_speculative_tokens)
+        drafts = matcher.forced_tokens()[:room]
+        if len(drafts) < room:
+            drafts += self.proposer.propose(request.all_token_ids + drafts, room - len(drafts))
+        del drafts[matcher.valid_prefix(drafts):]
+        return drafts
 
     def _observe_drafts(self, entries: Sequence[ScheduledRequest], result: ModelRunnerOutput) -> None:
         for entry in entries:

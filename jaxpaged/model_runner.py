@@ -475,15 +475,33 @@ def accept_drafts(sampled: jax.Array, sample_rows: jax.Array, draft_ids: jax.Arr
     return jnp.sum(jnp.cumprod(match, axis=1), axis=1)
 
 
-def _pad_bitmask(bitmask: np.ndarray | None, S: int, num_entries: int) -> np.ndarray | None:
-    """The engine's i32[num_entries, W] grammar bitmask as the sampler's i32[S, W] (padding rows allow all)."""
+def _pad_bitmask(bitmask: np.ndarray | None, S: int, num_rows: int) -> np.ndarray | None:
+    """The first num_rows rows of a grammar bitmask as the sampler's i32[S, W] (padding rows allow all)."""
     if bitmask is None:
         return None
-    if bitmask.ndim != 2 or bitmask.shape[0] != num_entries:
-        raise ValueError(f"grammar_bitmask has shape {bitmask.shape}; expected ({num_entries}, W)")
     padded = np.full((S, bitmask.shape[1]), -1, np.int32)
-    padded[:num_entries] = bitmask
+    padded[:num_rows] = bitmask[:num_rows]
     return padded
+
+
+def _check_bitmask(bitmask: np.ndarray | None, entries: Sequence[ScheduledRequest]) -> np.ndarray | None:
+    """The engine's grammar bitmask, checked: i32[len(entries) + D, W], D the step's drafts (execute_model)."""
+    rows = len(entries) + sum(len(e.spec_token_ids) for e in entries)
+    if bitmask is not None and (bitmask.ndim != 2 or bitmask.shape[0] != rows):
+        raise ValueError(f"grammar_bitmask has shape {bitmask.shape}; expected ({rows}, W): a row per entry, "
+                         "then one per draft")
+    return bitmask
+
+
+def _draft_bitmask(layout: DraftRows, bitmask: np.ndarray | None) -> np.ndarray | None:
+    """i32[M * k, W]: the grammar bitmask of unpacked draft rows (the engine's last D rows hold the drafts'
+    masks, in step order), padding rows allowing all; None without a bitmask."""
+    if bitmask is None:
+        return None
+    rows = np.concatenate([layout.sample_rows[m, :d] for m, d in enumerate(layout.num_drafts)])
+    out = np.full((len(layout.rows), bitmask.shape[1]), -1, np.int32)
+    out[rows] = bitmask[len(bitmask) - len(rows):]
+    return out
 
 
 def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
@@ -1065,9 +1083,11 @@ class ModelRunner:
                       grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
         """One step: pack, forward, (fault hook), sample the rows that sample; host-side results.
 
-        grammar_bitmask: i32[len(entries), W] allowed tokens per scheduled request (structured outputs,
-        llguidance's layout, W = ceil(V / 32)), None when no request is constrained, or a callable
-        returning either, called once the forward is dispatched (the host fills it while the device runs).
+        grammar_bitmask: i32[len(entries) + D, W] allowed tokens per scheduled request, then per draft position
+        of the D drafts fed (structured outputs, llguidance's layout, W = ceil(V / 32); a request's draft
+        position j, in step order: the token after its first j drafts), None when no request is constrained,
+        or a callable returning either, called once the forward is dispatched (the host fills it while the
+        device runs).
         Entries whose params ask for prompt_logprobs also get the log-probabilities of the prompt
         tokens this chunk predicts, from the same forward's hidden states (`prompt_logprobs_step`)."""
         entries = scheduler_output.scheduled_requests
@@ -1083,9 +1103,10 @@ class ModelRunner:
             grammar_bitmask = grammar_bitmask()
         if self.fault_injector is not None:
             logits = self.fault_injector(entries, logits)
+        grammar_bitmask = _check_bitmask(grammar_bitmask, entries)
         batch, top = self._sampling_batch(entries, step, layout, grammar_bitmask)
         sampled = sample_jit(logits, batch, num_top_logprobs=top)
-        drafts = None if layout is None else self._verify_drafts(layout, sampled, hidden, top)
+        drafts = None if layout is None else self._verify_drafts(layout, sampled, hidden, top, grammar_bitmask)
         prompt = self._prompt_logprobs(entries, step, hidden)
         return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt,
                                               None if drafts is None else drafts.to_host())
@@ -1096,6 +1117,7 @@ class ModelRunner:
         Only the rare sampler fallbacks, top log-probs, unpacked drafts and prompt log-probs run other programs."""
         if callable(grammar_bitmask):
             grammar_bitmask = grammar_bitmask()
+        grammar_bitmask = _check_bitmask(grammar_bitmask, entries)
         batch, top = self._sampling_batch(entries, step, layout, grammar_bitmask)
         fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout))
         sampled = sampler.finish_in_step(fused.sample, batch, top)()
@@ -1105,17 +1127,18 @@ class ModelRunner:
                 accept_drafts(sampled.token_ids, layout.sample_rows, layout.draft_ids)
             drafts = VerifiedDrafts(layout, sampled, accepted)
         elif layout is not None:
-            drafts = self._verify_drafts(layout, sampled, hidden, top)
+            drafts = self._verify_drafts(layout, sampled, hidden, top, grammar_bitmask)
         prompt = self._prompt_logprobs(entries, step, hidden)
         return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt,
                                               None if drafts is None else drafts.to_host())
 
     def _sampling_batch(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
                         grammar_bitmask: np.ndarray | None) -> tuple[SamplingBatch, int]:
-        """The step's sampler rows (the entries', then packed draft rows) and its num_top_logprobs."""
+        """The step's sampler rows (the entries', then packed draft rows) and its num_top_logprobs. The grammar
+        bitmask (`_check_bitmask`'s) has its rows in that order: packed drafts follow the entries in step order."""
         S, V = len(step.logits_indices), self.model_config.vocab_size
         rows = [sampling_row(e) for e in entries] + list(layout.rows if layout is not None and layout.packed else ())
-        batch = make_sampling_batch(rows, S, V, token_bitmask=_pad_bitmask(grammar_bitmask, S, len(entries)))
+        batch = make_sampling_batch(rows, S, V, token_bitmask=_pad_bitmask(grammar_bitmask, S, len(rows)))
         return batch, num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
 
     def _step_sampling(self, batch: SamplingBatch, step: StepInput, *, layout: DraftRows | None = None,
@@ -1174,13 +1197,14 @@ class ModelRunner:
         return DraftRows(packed, tuple(e.request_id for _, e in spec), tuple(len(e.spec_token_ids) for _, e in spec),
                          sample_rows, draft_ids, np.asarray(token_index, np.int32), tuple(rows))
 
-    def _verify_drafts(self, layout: DraftRows, sampled: SamplerOutput, hidden: jax.Array,
-                       top: int) -> VerifiedDrafts:
+    def _verify_drafts(self, layout: DraftRows, sampled: SamplerOutput, hidden: jax.Array, top: int,
+                       grammar_bitmask: np.ndarray | None = None) -> VerifiedDrafts:
         """Sample the draft rows (already done when packed with the entries' rows) and count the accepted
         drafts of each slot, on device."""
         if not layout.packed:
             logits = draft_logits(self.model_config, self.params, hidden, layout.token_index)  # f32[M * k, V]
-            batch = make_sampling_batch(list(layout.rows), len(layout.rows), logits.shape[1])
+            batch = make_sampling_batch(list(layout.rows), len(layout.rows), logits.shape[1],
+                                        token_bitmask=_draft_bitmask(layout, grammar_bitmask))
             sampled = sample_jit(logits, batch, num_top_logprobs=top)
         return VerifiedDrafts(layout, sampled, accept_drafts(sampled.token_ids, layout.sample_rows, layout.draft_ids))
 
@@ -1244,7 +1268,7 @@ class ModelRunner:
                 grammar_bitmask = grammar_bitmask()
             if self.fault_injector is not None:
                 logits = self.fault_injector(entries, logits)
-            batch, top = self._sampling_batch(entries, pending.step, None, grammar_bitmask)
+            batch, top = self._sampling_batch(entries, pending.step, None, _check_bitmask(grammar_bitmask, entries))
             pending.finish_sample = sample_deferred(logits, batch, num_top_logprobs=top)
         spans = prompt_logprob_spans(entries)
         if spans:

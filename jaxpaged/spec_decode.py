@@ -25,7 +25,10 @@ How a step speculates (vLLM v1's design, with an n-gram proposer):
    num_computed_tokens counts the accepted ones only, pages past it go back to the pool, and
    only full pages of real (accepted) tokens are hashed into the prefix cache.
 
-Not drafted: requests with structured outputs (their grammar would have to vet each draft).
+Structured outputs (vLLM's way, with llguidance): a constrained request's drafts are cut to the leading ones
+its grammar allows (a forbidden draft could never be accepted), and each position j it samples gets the mask
+after the first j drafts (`StructuredOutputManager.fill_bitmask_with_drafts`): the mask decoding without
+speculation would use there, so 3. still holds.
 
 Adaptive draft length (`DraftLengthPolicy`, on unless adaptive_draft_length=False): between 1 and 2, the
 engine keeps of each request's drafts only as many as pay for their rows. A verification row is nearly free

@@ -4,6 +4,8 @@
     CompiledGrammar --matcher()--> GrammarMatcher (one per sequence, engine thread)
     each step: GrammarMatcher rows -> fill_bitmask -> i32[S, W] token bitmask -> the sampler
                sampled token -> GrammarMatcher.accept -> terminated? (finish_reason "stop")
+    speculative decoding: the forced tokens, then n-gram drafts, cut to GrammarMatcher.valid_prefix; fill_bitmask_with_drafts
+               writes the mask of every position a verification samples (after 0..d drafts)
 
 The token bitmask is llguidance's layout: W = ceil(V / 32) int32 words per row, bit
 j of word w allows token 32 * w + j. A row with every bit set (-1) is unconstrained.
@@ -116,6 +118,15 @@ class GrammarMatcher:
         """Advance by a sampled token; False if the grammar does not allow it (the matcher is then failed)."""
         return bool(self._matcher.consume_token(int(token_id)))
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens: the canonical tokens of the
+        bytes it forces, e.g. a schema's next key), [] if none; the matcher does not move."""
+        return list(self._matcher.compute_ff_tokens())
+
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of token_ids (drafts) the grammar allows in a row from here; the matcher does not move."""
+        return int(self._matcher.validate_tokens([int(t) for t in token_ids])) if len(token_ids) else 0
+
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete: no token but EOS may follow (the sequence stops here)."""
@@ -208,6 +219,26 @@ class StructuredOutputManager:
         if rows:
             llguidance.numpy.fill_next_token_bitmask_par(
                 self._executor, [(m.ll_matcher, int(i)) for m, i in rows], bitmask)
+
+    def fill_bitmask_with_drafts(self, rows: Sequence[tuple[GrammarMatcher, Sequence[int], Sequence[int]]],
+                                 bitmask: np.ndarray) -> None:
+        """Speculative decoding: for each (matcher, drafts, targets), the mask after its first j drafts into
+        row targets[j] of bitmask i32[S, W], j = 0..d (targets: d + 1 rows; d = 0: fill_bitmask's row). The drafts must be the grammar's
+        (`GrammarMatcher.valid_prefix`); each matcher is advanced through them and rolled back (llguidance)."""
+        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != self.mask_width:
+            raise ValueError(f"bitmask must be int32 [S, {self.mask_width}], got {bitmask.dtype} {bitmask.shape}")
+        if any(len(targets) != len(drafts) + 1 for _, drafts, targets in rows):
+            raise ValueError("fill_bitmask_with_drafts needs d + 1 target rows for d drafts")
+        self.fill_bitmask([(m, targets[0]) for m, drafts, targets in rows if not len(drafts)], bitmask)
+        rows = [row for row in rows if len(row[1])]
+        if not rows:
+            return
+        firsts = np.cumsum([0] + [len(targets) for _, _, targets in rows])  # each matcher's first scratch row
+        scratch = np.full((int(firsts[-1]), self.mask_width), -1, np.int32)  # llguidance writes d + 1 in a row
+        llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(
+            self._executor, [(m.ll_matcher, int(first), [int(t) for t in drafts])
+                             for (m, drafts, _), first in zip(rows, firsts)], scratch)
+        bitmask[np.concatenate([np.asarray(targets, np.int64) for _, _, targets in rows])] = scratch
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

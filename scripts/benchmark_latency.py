@@ -18,6 +18,10 @@ leaves in the caches hit both sides alike, after an untimed pass over the worklo
   grounded-long  6 more with longer sources (164-364 prompt tokens: a 45-line Python file to edit, a
                  story to correct or rewrite, notes to tabulate, quotes from a document; written in
                  session 32; not run by default; try --max-tokens 256)
+  extract-json   6 extractions (a listing, an invoice, a biography, meeting notes, an address, a recipe),
+                 each answer constrained to its JSON schema (structured outputs, llguidance) on every
+                 side: drafts the grammar forbids are cut, each verified position gets its own mask
+                 (written in session 34; not run by default)
 
 --prompts-file PATH adds a workload of your own: a JSON list of prompt strings, named by the
 file's stem (`--prompts-file my_edits.json --workloads my_edits`).
@@ -215,7 +219,49 @@ GROUNDED_LONG = [  # session 32: longer sources (164-364 prompt tokens), answers
     "says what happened one winter, and then the task planned for Thursday.",
 ]
 
-WORKLOADS = {"grounded": GROUNDED, "open": OPEN, "grounded-more": GROUNDED_MORE, "grounded-long": GROUNDED_LONG}
+
+def _object(**properties) -> dict:
+    """A JSON schema: an object with exactly these properties, all required."""
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+_STR, _NUM, _INT = {"type": "string"}, {"type": "number"}, {"type": "integer"}
+_STRS = {"type": "array", "items": _STR}
+EXTRACT_JSON = [  # session 34: (prompt, JSON schema), the answer constrained to the schema; its strings copy the text
+    ("Extract the product details from this listing as JSON.\n\nListing: The Contoso UltraQuiet 3000 is a "
+     "bladeless desk fan with three speed settings, a built-in night light and a remote control. It costs $89.99 "
+     "and ships from Seattle, Washington within two business days.",
+     _object(name=_STR, features=_STRS, price_usd=_NUM, ships_from=_STR, delivery=_STR)),
+    ("Read this invoice and return its fields as JSON.\n\nInvoice number INV-2024-0117, issued on 12 March 2024 "
+     "by Northwind Traders, 42 Harbour Street, Bristol, to Fabrikam Ltd. Items: 12 boxes of printer paper at 4.50 "
+     "each; 3 toner cartridges at 38.00 each. Payment is due within 30 days of the invoice date.",
+     _object(invoice_number=_STR, date=_STR, seller=_STR, seller_address=_STR, buyer=_STR,
+             items={"type": "array", "items": _object(description=_STR, quantity=_INT, unit_price=_NUM)},
+             payment_terms=_STR)),
+    ("Extract the facts about this person as JSON.\n\nMarie Curie was born on 7 November 1867 in Warsaw, Poland. "
+     "She was a physicist and chemist who conducted pioneering research on radioactivity. She was the first woman "
+     "to win a Nobel Prize and the only person to win Nobel Prizes in two scientific fields.",
+     _object(name=_STR, date_of_birth=_STR, place_of_birth=_STR, occupations=_STRS, research=_STR,
+             achievements=_STRS)),
+    ("Turn these meeting notes into a JSON list of action items, each with its owner and the task in the words "
+     "of the notes.\n\nNotes: Priya will send the updated budget spreadsheet to the finance team by Friday. Tom "
+     "needs to book the large conference room for the quarterly review on the 14th. Lena will draft the press "
+     "release about the new office in Lisbon and share it with the marketing team.",
+     _object(action_items={"type": "array", "items": _object(owner=_STR, task=_STR)})),
+    ("Extract the shipping address from this message as JSON.\n\nHello, please send the replacement part to "
+     "Dr. Alan Grant, Paleontology Department, Montana State University, 600 West Kagy Boulevard, Bozeman, MT "
+     "59717, United States. Thank you!",
+     _object(name=_STR, organization=_STR, street=_STR, city=_STR, state=_STR, postal_code=_STR, country=_STR)),
+    ("Convert this recipe into JSON with its title, its ingredients and its steps, keeping the wording.\n\n"
+     "Pancakes. Ingredients: 200 grams of flour, 2 eggs, 300 millilitres of milk, a pinch of salt. Steps: Whisk "
+     "the flour, eggs and milk into a smooth batter. Add the salt. Fry ladlefuls of batter in a hot buttered pan "
+     "until golden on both sides.",
+     _object(title=_STR, ingredients=_STRS, steps=_STRS)),
+]
+
+WORKLOADS = {"grounded": GROUNDED, "open": OPEN, "grounded-more": GROUNDED_MORE, "grounded-long": GROUNDED_LONG,
+             "extract-json": [prompt for prompt, _ in EXTRACT_JSON]}
+SCHEMAS = {"extract-json": [schema for _, schema in EXTRACT_JSON]}  # a workload's JSON schema per prompt
 
 
 def read_prompts(path: str) -> list[str]:
@@ -328,13 +374,15 @@ def turns(engines: dict, i: int) -> list:
     return sides[shift:] + sides[:shift]
 
 
-def sampling(args, i: int, kind: str = "FINAL_ONLY", max_tokens: int | None = None):
-    """Request i's SamplingParams: greedy, or --temperature seeded with --seed + i (the same on every side)."""
-    from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+def sampling(args, i: int, kind: str = "FINAL_ONLY", max_tokens: int | None = None, schema: dict | None = None):
+    """Request i's SamplingParams: greedy, or --temperature seeded with --seed + i (the same on every side);
+    its output constrained to `schema` (a JSON schema) if given."""
+    from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     seed = None if args.temperature == 0 else args.seed + i
     return SamplingParams(temperature=args.temperature, seed=seed, max_tokens=max_tokens or args.max_tokens,
-                          output_kind=RequestOutputKind[kind])
+                          output_kind=RequestOutputKind[kind],
+                          structured_outputs=None if schema is None else StructuredOutputsParams(json=schema))
 
 
 def sampling_label(args) -> str:
@@ -359,19 +407,20 @@ def spec_counters(engine) -> tuple[int, int, int]:
 def run_workload(name, prompts, tokenizer, engines, args) -> list[dict]:
     """Each prompt alone on every engine in turn; one result per speculating side, against the plain one."""
     ids = chat_ids(tokenizer, prompts)
+    schemas = SCHEMAS.get(name, [None] * len(ids))
     times, produced = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
     latencies = {side: [] for side in engines}
     identical = dict.fromkeys(engines, True)
     for _ in range(args.warmup_passes):  # untimed: each step shape's first run costs extra, on either side
         for i, prompt in enumerate(ids):
             for engine in engines.values():
-                run_one(engine, prompt, sampling(args, i))
+                run_one(engine, prompt, sampling(args, i, schema=schemas[i]))
     before = {side: spec_counters(engines[side]) for side in args.spec_sides}
     for i, prompt in enumerate(ids):
         for repeat in range(args.repeats):
             outputs = {}
             for side, engine in turns(engines, i + repeat):
-                seconds, outputs[side] = run_one(engine, prompt, sampling(args, i))
+                seconds, outputs[side] = run_one(engine, prompt, sampling(args, i, schema=schemas[i]))
                 times[side] += seconds
                 produced[side] += len(outputs[side])
                 latencies[side].append(seconds)

@@ -23,8 +23,21 @@ def test_built_in_workloads(bench):
     args = bench.parse_args([])
     assert args.workloads == "grounded,open"
     assert {name: len(prompts) for name, prompts in args.prompts.items()} == \
-        {"grounded": 6, "open": 6, "grounded-more": 20, "grounded-long": 6}
+        {"grounded": 6, "open": 6, "grounded-more": 20, "grounded-long": 6, "extract-json": 6}
     assert len(set(bench.GROUNDED + bench.GROUNDED_MORE + bench.GROUNDED_LONG)) == 32  # no prompt counted twice
+
+
+def test_extract_json_requests_carry_their_schema(bench):
+    """Each extract-json prompt's requests are constrained to its own schema (a valid one) on every side."""
+    jsonschema = pytest.importorskip("jsonschema")
+    args = bench.parse_args(["--workloads", "extract-json"])
+    schemas = bench.SCHEMAS["extract-json"]
+    assert len(schemas) == len(args.prompts["extract-json"]) and len({json.dumps(s) for s in schemas}) == 6
+    for i, schema in enumerate(schemas):
+        jsonschema.Draft202012Validator.check_schema(schema)
+        params = bench.sampling(args, i, schema=schema)
+        assert params.structured_outputs.json == schema and params.temperature == 0
+    assert bench.sampling(args, 0).structured_outputs is None
 
 
 def test_a_prompts_file_is_a_workload_named_by_its_stem(bench, tmp_path):

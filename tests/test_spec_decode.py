@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 
 import jax
@@ -417,16 +418,29 @@ SMOL_PROMPTS = [  # chat prompts whose answers copy from them, and open ones wit
 ]
 
 
+SMOL_EXTRACTION = (  # answered under a JSON schema: a BPE vocabulary's forced tokens and multi-token masks
+    "Extract the product details from this listing as JSON.\n\nListing: The Contoso UltraQuiet 3000 is a bladeless "
+    "desk fan with three speed settings and a remote control. It costs $89.99 and ships from Seattle, Washington.",
+    {"type": "object", "properties": {"name": {"type": "string"}, "features": {"type": "array", "items": {
+        "type": "string"}}, "price_usd": {"type": "number"}, "ships_from": {"type": "string"}},
+     "required": ["name", "features", "price_usd", "ships_from"], "additionalProperties": False})
+
+
 def test_smollm2_mixed_batch_with_speculation_equals_without(smollm2):
-    """The real model and vocabulary: eight chats at once, copy-heavy and open, greedy and seeded (top-p),
-    speculating with every draft verified and with the adaptive draft length: token for token the plain
-    engine's outputs, drafts both accepted and rejected, every page back."""
+    """The real model and vocabulary: ten chats at once, copy-heavy and open, greedy and seeded (top-p), two
+    of them extractions under a JSON schema, speculating with every draft verified and with the adaptive draft
+    length: token for token the plain engine's outputs, drafts both accepted and rejected, every page back."""
+    pytest.importorskip("llguidance")
+    from jaxpaged.sampling_params import StructuredOutputsParams
+
     tok = smollm2.tokenizer
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-               for text in SMOL_PROMPTS]
+               for text in SMOL_PROMPTS + [SMOL_EXTRACTION[0]] * 2]
     params = [SamplingParams(temperature=0.0, max_tokens=32) if i % 3 else
               SamplingParams(temperature=0.7, top_p=0.95, seed=i, max_tokens=32) for i in range(len(prompts))]
+    schema = StructuredOutputsParams(json=SMOL_EXTRACTION[1])
+    params[-2:] = [dataclasses.replace(p, structured_outputs=schema, max_tokens=48) for p in params[-2:]]
     base = dataclasses.replace(BASE, max_model_len=256, max_num_seqs=8, num_pages=120)
     expected = tokens(run_all(LLMEngine(base, loaded=smollm2), prompts, params))
     for config in (SPEC, ADAPTIVE):
@@ -670,9 +684,13 @@ def test_metrics_expose_the_spec_decode_counters(spec):
     assert "spec_decode" not in text
 
 
-def test_structured_output_requests_are_not_drafted(spec):
-    """A constrained request's drafts would skip its grammar's mask: it decodes without drafts, the others
-    in its batch speculate (beside it, into the padding of the step's bucket: 3 decodes, T = 4)."""
+def test_structured_outputs_with_speculation_are_those_without(plain, spec):
+    """A constrained request drafts the tokens its grammar forces, then n-gram drafts, only what its grammar
+    allows, and each position a verification samples gets the mask after the drafts before it: JSON-schema and
+    regex requests (greedy and seeded) beside unconstrained ones emit the plain engine's tokens, with the
+    proposer's drafts, with the forced tokens alone (accepted), and with an oracle's (the plain outputs: all
+    accepted; then wrong from the second on: cut where the grammar forbids them, else rejected), their drafts
+    sampled both in the step's own logits rows and in `draft_logits`'; every page back."""
     jsonschema = pytest.importorskip("jsonschema")
     pytest.importorskip("llguidance")
     import json
@@ -680,21 +698,58 @@ def test_structured_output_requests_are_not_drafted(spec):
     from jaxpaged.sampling_params import StructuredOutputsParams
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]},
-                                                        "minItems": 1, "maxItems": 3}},
+                                               "tags": {"type": "array", "items": {"enum": ["ab", "ba"]},
+                                                        "minItems": 1, "maxItems": 4}},
               "required": ["name", "tags"], "additionalProperties": False}
-    constrained = SamplingParams(temperature=0.0, max_tokens=60,
-                                 structured_outputs=StructuredOutputsParams(json=schema))
-    drafted = set()
-    execute = spec.runner.execute_model
-    spec.runner.execute_model = lambda out, *rest: drafted.update(
-        e.request_id for e in out.scheduled_requests if e.spec_token_ids) or execute(out, *rest)
+    so = [StructuredOutputsParams(json=schema), StructuredOutputsParams(regex="(ab|ba|abc)+ [0-9]{1,3}!")]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so[0]),
+              SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=60, structured_outputs=so[0]),
+              SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so[1]),
+              SamplingParams(temperature=1.0, seed=8, max_tokens=40, structured_outputs=so[1]), GREEDY,
+              SamplingParams(temperature=0.8, seed=9, max_tokens=24, ignore_eos=True)]
+    prompts = repetitive_prompts(len(params), seed=61)
+    expected = tokens(run_all(plain, prompts, params))
+    runner, execute, layout_drafts = spec.runner, spec.runner.execute_model, spec.runner._layout_drafts
+    drafted, layouts, verify_buckets_before = collections.Counter(), set(), runner._verify_buckets
+
+    def spy(out, *rest):
+        for e in out.scheduled_requests:
+            matcher = spec._child_to_parent[e.request_id][1].matcher
+            if e.spec_token_ids and matcher is not None:
+                assert matcher.valid_prefix(e.spec_token_ids) == len(e.spec_token_ids)
+                drafted[e.request_id] += 1
+        return execute(out, *rest)
+
+    def layout_spy(entries, step):
+        layout = layout_drafts(entries, step)
+        if any(e.spec_token_ids and e.sampling_params.structured_outputs for e in entries):
+            layouts.add(layout.packed)
+        return layout
+
+    runner.execute_model, runner._layout_drafts = spy, layout_spy
     try:
-        done = run_all(spec, repetitive_prompts(3, seed=61), [constrained, GREEDY, GREEDY])
+        assert tokens(run_all(spec, prompts, params)) == expected
+        assert {"0", "2"} <= set(drafted), drafted  # JSON and regex requests drafted
+        spec.proposer = type("Never", (), {"propose": lambda self, ids, max_drafts=None: []})()
+        before = accepted(spec)  # the constrained requests' drafts now only the tokens their grammar forces
+        assert tokens(run_all(spec, prompts[:4], params[:4])) == {str(i): expected[str(i)] for i in range(4)}
+        assert accepted(spec)[0] - before[0] > 10  # a schema's keys and punctuation: drafts the model accepts
+        outputs = [expected[str(i)][0] for i in range(len(prompts))]
+        # without verify buckets, drafts that do not fit in the step's S logits rows go to draft_logits
+        for verify_buckets, wrong_at in itertools.product((runner._verify_buckets, frozenset()), (None, 1)):
+            runner._verify_buckets = verify_buckets
+            spec.proposer = OracleProposer(prompts, outputs, wrong_at=wrong_at)
+            before = accepted(spec)
+            assert tokens(run_all(spec, prompts, params)) == expected, (verify_buckets, wrong_at)
+            after = accepted(spec)
+            assert after[0] - before[0] == (after[1] - before[1] if wrong_at is None else after[0] - before[0]) > 0
     finally:
-        del spec.runner.execute_model
-    jsonschema.validate(json.loads(done["0"].outputs[0].text), schema)
-    assert drafted and drafted <= {"1", "2"}
+        spec.proposer = NgramProposer(spec.args.speculative_config)
+        del runner.execute_model, runner._layout_drafts
+        runner._verify_buckets = verify_buckets_before
+    assert layouts == {True, False}, layouts
+    for i in (0, 1):
+        jsonschema.validate(json.loads(plain_text := spec.tokenizer.decode(expected[str(i)][0])), schema), plain_text
 
 
 def test_server_flag_parses_and_a_bad_config_is_a_cli_error(capsys):

@@ -119,6 +119,37 @@ def test_json_matcher_allows_eos_only_when_complete(manager):
     assert matcher.is_terminated
 
 
+def test_masks_with_drafts_are_those_after_each_draft(manager):
+    """Speculative decoding: valid_prefix counts the leading drafts the grammar allows; the mask of each
+    position a verification samples (after 0..d drafts) lands in its target row, equal to the mask the
+    matcher gives after consuming those drafts one by one; the matcher does not move."""
+    tok = tiny_tokenizer()
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    compiled = manager.compile_blocking(StructuredOutputsParams(json=PERSON))
+    matcher, other = manager.matcher(compiled), manager.matcher(compiled)
+    for t in ids('{"name": "ab'):
+        assert matcher.accept(t) and other.accept(t)
+    drafts = ids('c", "age": 4')
+    assert matcher.valid_prefix(drafts) == len(drafts) and matcher.valid_prefix([]) == 0
+    assert matcher.valid_prefix(ids('c", "x')) == 5 and matcher.valid_prefix(ids('"}')) == 1
+    bitmask = np.zeros((len(drafts) + 4, bitmask_width(V)), np.int32)
+    targets = [5, 0, 7, 2, 8, 9, 10, 11, 12, 13, 14, 15, 3][:len(drafts) + 1]
+    manager.fill_bitmask_with_drafts([(matcher, drafts, targets), (other, [], [1])], bitmask)
+    got = unpack_bitmask(bitmask, V)
+    for j, target in enumerate(targets):
+        expected = np.full((1, bitmask_width(V)), 0, np.int32)
+        manager.fill_bitmask([(other, 0)], expected)
+        assert (got[target] == unpack_bitmask(expected, V)[0]).all(), j
+        if j == 0:
+            assert (got[1] == got[target]).all()  # the draftless row: its plain mask
+        if j < len(drafts):
+            assert other.accept(drafts[j])
+    assert not got[4].any() and not got[6].any()  # rows not targeted: untouched
+    assert matcher.accept(drafts[0])  # it had not moved: "c" could not follow the drafts' "4"
+    with pytest.raises(ValueError, match="d \\+ 1 target rows"):
+        manager.fill_bitmask_with_drafts([(other, drafts, [0])], bitmask)
+
+
 # ---- the sampler's bitmask step -------------------------------------------------------
 
 
