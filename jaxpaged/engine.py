@@ -727,12 +727,13 @@ class LLMEngine:
             request.num_output_placeholders = 0
 
     def _propose_drafts(self) -> None:
-        """Speculative decoding: n-gram drafts for every decoding request (under a grammar, only the leading
-        drafts it allows; none while more requests are enqueued than speculative_config.disable_by_batch_size)."""
+        """Speculative decoding: n-gram drafts for every decoding request (under a grammar, `_grammar_drafts`;
+        none while more requests are enqueued than speculative_config.disable_by_batch_size)."""
         limit = self.args.speculative_config.disable_by_batch_size
         disabled = limit is not None and self.scheduler.num_running + self.scheduler.num_waiting > limit
         decoding = self.scheduler.decoding_requests()
         for request in decoding:
+            request.spec_num_forced = 0
             room = max_drafts_for(request.num_tokens, request.num_output_tokens, request.max_tokens,
                                   request.max_model_len)
             if room < 1 or disabled:
@@ -750,9 +751,11 @@ class LLMEngine:
         allows (a draft it forbids is never accepted: not worth its row)."""
         room = min(room, self.args.speculative_config.num_speculative_tokens)
         drafts = matcher.forced_tokens()[:room]
-        if len(drafts) < room:
-            drafts += self.proposer.propose(request.all_token_ids + drafts, room - len(drafts))
+        forced = len(drafts)
+        if forced < room:
+            drafts += self.proposer.propose(request.all_token_ids + drafts, room - forced)
         del drafts[matcher.valid_prefix(drafts):]
+        request.spec_num_forced = min(forced, len(drafts))
         return drafts
 
     def _observe_drafts(self, entries: Sequence[ScheduledRequest], result: ModelRunnerOutput) -> None:
@@ -761,8 +764,9 @@ class LLMEngine:
             if num_accepted is not None:
                 self.spec_decoding_stats.observe(len(entry.spec_token_ids), num_accepted)
                 if self.draft_policy is not None:
-                    self.draft_policy.observe_verification(self._child_to_parent[entry.request_id][1].request,
-                                                           len(entry.spec_token_ids), num_accepted)
+                    request = self._child_to_parent[entry.request_id][1].request
+                    self.draft_policy.observe_verification(request, len(entry.spec_token_ids), num_accepted,
+                                                           min(request.spec_num_forced, len(entry.spec_token_ids)))
 
     def _emit(self, child: _Child, result: ModelRunnerOutput,
               rows: Sequence[int]) -> tuple[list[int], StopVerdict | None]:

@@ -87,6 +87,9 @@ class Request:
     # Speculative decoding: draft tokens to verify after the last token in the next step (set by the engine's
     # proposer, consumed by Scheduler.schedule; see jaxpaged/spec_decode.py). Never part of all_token_ids.
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # ... of which the leading ones its grammar forces (structured outputs): not guesses, so the adaptive draft
+    # length keeps them and does not learn acceptance from them
+    spec_num_forced: int = 0
     # ... and its recent verifications, decayed (the adaptive draft length's estimate of its first draft's
     # acceptance, see spec_decode.DraftLengthPolicy): those whose first draft was accepted, and rejected
     spec_first_accepted: float = 0.0

@@ -25,10 +25,11 @@ How a step speculates (vLLM v1's design, with an n-gram proposer):
    num_computed_tokens counts the accepted ones only, pages past it go back to the pool, and
    only full pages of real (accepted) tokens are hashed into the prefix cache.
 
-Structured outputs (vLLM's way, with llguidance): a constrained request's drafts are cut to the leading ones
-its grammar allows (a forbidden draft could never be accepted), and each position j it samples gets the mask
-after the first j drafts (`StructuredOutputManager.fill_bitmask_with_drafts`): the mask decoding without
-speculation would use there, so 3. still holds.
+Structured outputs (vLLM's way, with llguidance): a constrained request's drafts are the tokens its grammar
+forces next (a schema's keys and punctuation), then the n-gram drafts after them, cut to the leading ones the
+grammar allows (a forbidden draft could never be accepted), and each position j it samples gets the mask after
+the first j drafts (`StructuredOutputManager.fill_bitmask_with_drafts`): the mask decoding without speculation
+would use there, so 3. still holds.
 
 Adaptive draft length (`DraftLengthPolicy`, on unless adaptive_draft_length=False): between 1 and 2, the
 engine keeps of each request's drafts only as many as pay for their rows. A verification row is nearly free
@@ -225,8 +226,14 @@ class DraftLengthPolicy:
                 blocks.append([(a * wa + b * wb) / (wa + wb), wa + wb, na + nb])
         return list(measured), np.repeat([b[0] for b in blocks], [b[2] for b in blocks])
 
-    def observe_verification(self, request, num_drafts: int, num_accepted: int) -> None:
-        """`request` verified num_drafts drafts; the leading num_accepted were accepted."""
+    def observe_verification(self, request, num_drafts: int, num_accepted: int, num_forced: int = 0) -> None:
+        """`request` verified num_drafts drafts; the leading num_accepted were accepted. The leading num_forced
+        were forced by its grammar: what follows them counts as a verification of its own, if all were accepted
+        (a forced draft is nearly always accepted: counted, it would inflate every estimate)."""
+        if num_forced:
+            if num_accepted < num_forced or num_drafts == num_forced:
+                return
+            num_drafts, num_accepted = num_drafts - num_forced, num_accepted - num_forced
         first = int(num_accepted > 0)
         request.spec_first_accepted = self.DECAY * request.spec_first_accepted + first
         request.spec_first_rejected = self.DECAY * request.spec_first_rejected + 1 - first
@@ -254,17 +261,20 @@ class DraftLengthPolicy:
         return np.cumprod([self.first_draft_rate(request, rates), *rates[1:num_drafts]])
 
     def trim(self, requests: Sequence) -> None:
-        """Cut each decoding request's `spec_token_ids` (the proposer's drafts) to the plan's length."""
-        drafting = [r for r in requests if r.spec_token_ids]
+        """Cut each decoding request's `spec_token_ids` (the proposer's drafts) to the plan's length; drafts a
+        grammar forces (`spec_num_forced`, a token a row) are kept, the plan's rows counting them."""
+        drafting = [r for r in requests if len(r.spec_token_ids) > r.spec_num_forced]
         if not drafting:
             return
         rates = self.position_rates()
-        keep = self.plan(len(requests), [self.gains(r, len(r.spec_token_ids), rates) for r in drafting])
+        forced = sum(min(r.spec_num_forced, len(r.spec_token_ids)) for r in requests)
+        keep = self.plan(len(requests) + forced,
+                         [self.gains(r, len(r.spec_token_ids) - r.spec_num_forced, rates) for r in drafting])
         for request, count in zip(drafting, keep):
             if count == 0:  # proposed, nothing verified: forget a little, so it tries again
                 request.spec_first_accepted *= self.DECAY
                 request.spec_first_rejected *= self.DECAY
-            del request.spec_token_ids[count:]
+            del request.spec_token_ids[request.spec_num_forced + count:]
 
     def plan(self, num_requests: int, gains: Sequence[np.ndarray]) -> list[int]:
         """Drafts to keep of each request's proposal (its drafts' expected tokens, falling) in a step of

@@ -4,8 +4,8 @@
     CompiledGrammar --matcher()--> GrammarMatcher (one per sequence, engine thread)
     each step: GrammarMatcher rows -> fill_bitmask -> i32[S, W] token bitmask -> the sampler
                sampled token -> GrammarMatcher.accept -> terminated? (finish_reason "stop")
-    speculative decoding: the forced tokens, then n-gram drafts, cut to GrammarMatcher.valid_prefix; fill_bitmask_with_drafts
-               writes the mask of every position a verification samples (after 0..d drafts)
+    speculative decoding: drafts (forced_tokens, then n-gram ones) cut to valid_prefix ->
+               fill_bitmask_with_drafts: the mask of every position a verification samples
 
 The token bitmask is llguidance's layout: W = ceil(V / 32) int32 words per row, bit
 j of word w allows token 32 * w + j. A row with every bit set (-1) is unconstrained.

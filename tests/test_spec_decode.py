@@ -239,6 +239,30 @@ def test_trim_cuts_drafts_and_a_request_that_verifies_none_forgets_a_little():
     assert unsure.spec_first_rejected == pytest.approx(21.0) and sure.spec_first_accepted == 30
 
 
+def test_drafts_a_grammar_forces_are_kept_and_teach_nothing():
+    """A constrained request's leading drafts that its grammar forces: never trimmed (a token a row, counted in
+    the plan's rows), and its verifications count only the drafts after them, once those were all accepted."""
+    policy = policy_with({1: 10.0, 2: 11.0, 4: 13.0, 8: 20.0}, k=6)
+    request = Request("j", [1])
+    request.spec_first_rejected = 30.0  # its n-gram drafts: never accepted so far
+    request.spec_token_ids, request.spec_num_forced = [5, 6, 7, 8, 9], 3
+    policy.trim([request])
+    assert request.spec_token_ids == [5, 6, 7]  # the forced 3 stay, the 2 guesses after them go
+    only_forced = Request("f", [1])
+    only_forced.spec_token_ids, only_forced.spec_num_forced = [5, 6], 2
+    policy.trim([only_forced])
+    assert only_forced.spec_token_ids == [5, 6]
+    # 3 forced, 5 drafts: 4 accepted = the forced 3 and the first guess -> a verification of 2, 1 accepted
+    fresh = policy_with({1: 10.0}, k=6)
+    fresh.observe_verification(request, 5, 4, num_forced=3)
+    assert fresh.verified.tolist() == [1, 1, 0, 0, 0, 0] and fresh.accepted.tolist() == [1, 0, 0, 0, 0, 0]
+    before = (fresh.verified.copy(), request.spec_first_accepted, request.spec_first_rejected)
+    fresh.observe_verification(request, 5, 2, num_forced=3)  # a forced draft rejected: the guesses unverified
+    fresh.observe_verification(request, 3, 3, num_forced=3)  # only forced drafts: nothing to learn
+    assert (fresh.verified.tolist(), request.spec_first_accepted, request.spec_first_rejected) == \
+        (before[0].tolist(), *before[1:])
+
+
 # ---- the engine ---------------------------------------------------------------------------
 
 
