@@ -203,6 +203,26 @@ def test_speculative_decoding(tiny, batch, monkeypatch):
     assert stats["on"] == stats["off"]
 
 
+@pytest.mark.parametrize("batch", ["packed", "unpacked"])
+def test_speculative_decoding_with_structured_outputs(tiny, batch):
+    """Constrained requests speculating (the grammar's forced tokens and n-gram drafts, a mask per verified
+    position) with the sampler in the step program: drafts in its padding rows (one request at a time) or in
+    draft_logits (a batch); tokens, text, finish and logprobs those of the unfused engine without speculation."""
+    pytest.importorskip("llguidance")
+    from tests.test_async_scheduling import constrained_params
+    params = [dataclasses.replace(p, n=1) if batch == "packed" else p for p in constrained_params()]  # 1 sequence
+    requests = {f"r{i}": ([1, 2, 3, 4, 5, i], p) for i, p in enumerate(params)}
+    groups = [{rid: r} for rid, r in requests.items()] if batch == "packed" else [requests]
+    small = dict(max_num_seqs=8, max_num_batched_tokens=32, max_num_partial_prefills=8)
+    reference = run(make_engine(tiny, "off", **small), requests)
+    engine = make_engine(tiny, "on", speculative_config=SPEC3, **small)
+    with count_dispatches(engine.runner) as counts:
+        results = {rid: out for group in groups for rid, out in run(engine, group).items()}
+    assert_same(results, reference, requests)
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0 and counts["fused_step"] > 0
+    assert (counts["draft_logits"] == 0) is (batch == "packed")
+
+
 def test_smollm2_fused_equals_unfused(smollm2):
     """The real vocabulary (49,152 ids: the candidate pass decides random rows): greedy, seeded top-p 0.95,
     top-k with logprobs, n > 1 and a stop string, synchronous and overlapped."""
