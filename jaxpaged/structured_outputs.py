@@ -223,8 +223,9 @@ class StructuredOutputManager:
     def fill_bitmask_with_drafts(self, rows: Sequence[tuple[GrammarMatcher, Sequence[int], Sequence[int]]],
                                  bitmask: np.ndarray) -> None:
         """Speculative decoding: for each (matcher, drafts, targets), the mask after its first j drafts into
-        row targets[j] of bitmask i32[S, W], j = 0..d (targets: d + 1 rows; d = 0: fill_bitmask's row). The drafts must be the grammar's
-        (`GrammarMatcher.valid_prefix`); each matcher is advanced through them and rolled back (llguidance)."""
+        row targets[j] of bitmask i32[S, W], j = 0..d (targets: d + 1 rows; d = 0: fill_bitmask's row). The
+        drafts must be the grammar's (`GrammarMatcher.valid_prefix`); each matcher is advanced through them and
+        rolled back (llguidance)."""
         if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != self.mask_width:
             raise ValueError(f"bitmask must be int32 [S, {self.mask_width}], got {bitmask.dtype} {bitmask.shape}")
         if any(len(targets) != len(drafts) + 1 for _, drafts, targets in rows):

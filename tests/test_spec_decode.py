@@ -627,6 +627,39 @@ def test_aborts_and_preemption_keep_pages_exact(tiny):
         assert out.outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, prompts[int(rid)], 40)
 
 
+def test_constrained_requests_with_preemption_and_aborts_keep_pages_exact(tiny, plain):
+    """Requests under a JSON schema speculating (forced and n-gram drafts) in a pool too small for the batch,
+    two aborted midway: preemption happens, every page comes back, drafts were accepted, and the requests
+    that finish emit the plain engine's tokens (a preempted one recomputes; its grammar state is its output's)."""
+    pytest.importorskip("llguidance")
+    from jaxpaged.sampling_params import StructuredOutputsParams
+    from tests.test_structured_outputs import PERSON
+
+    engine = make_engine(tiny, num_pages=12, max_num_seqs=8)
+    constrained = SamplingParams(temperature=0.0, max_tokens=60,
+                                 structured_outputs=StructuredOutputsParams(json=PERSON))
+    params = [constrained, dataclasses.replace(GREEDY, max_tokens=40)] * 4
+    prompts = repetitive_prompts(8, seed=43)
+    expected = tokens(run_all(plain, prompts, params))
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+    requests, done = {}, {}  # each Request once scheduled (a constrained one waits for its grammar first)
+    for step in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        if step == 8:
+            engine.abort_request(["2", "5"])
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        requests.update((r.request_id, r) for r in engine.scheduler.running)
+        engine.scheduler.check_invariants()
+    pool = engine.scheduler.pool
+    assert pool.num_free_pages == pool.num_usable_pages
+    assert any(requests[str(i)].num_preemptions for i in (0, 4, 6))  # a constrained request that finishes
+    assert accepted(engine)[0] > 0
+    assert {rid: [list(o.token_ids) for o in out.outputs] for rid, out in done.items() if rid not in ("2", "5")} \
+        == {rid: out for rid, out in expected.items() if rid not in ("2", "5")}
+
+
 def slow_steps(engine: LLMEngine, seconds: float, seconds_a_row: float) -> tuple[list[int], list[int]]:
     """Make each step take `seconds` plus seconds_a_row per row fed longer (rows nearly free: a GPU or float32
     on a CPU; rows costly: int8 on a CPU). Returns the lists each proposal's and each step's draft counts go to."""
