@@ -120,15 +120,18 @@ def test_json_matcher_allows_eos_only_when_complete(manager):
 
 
 def test_masks_with_drafts_are_those_after_each_draft(manager):
-    """Speculative decoding: valid_prefix counts the leading drafts the grammar allows; the mask of each
-    position a verification samples (after 0..d drafts) lands in its target row, equal to the mask the
-    matcher gives after consuming those drafts one by one; the matcher does not move."""
+    """Speculative decoding: forced_tokens are what the grammar forces next; valid_prefix counts the leading
+    drafts the grammar allows; the mask of each position a verification samples (after 0..d drafts) lands in
+    its target row, equal to the mask the matcher gives after consuming those drafts one by one; the matcher
+    does not move."""
     tok = tiny_tokenizer()
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     compiled = manager.compile_blocking(StructuredOutputsParams(json=PERSON))
     matcher, other = manager.matcher(compiled), manager.matcher(compiled)
+    assert tok.decode(matcher.forced_tokens()) == '{"name": "'  # the schema's first key: forced
     for t in ids('{"name": "ab'):
         assert matcher.accept(t) and other.accept(t)
+    assert matcher.forced_tokens() == []  # inside a string: nothing forced, and asking moved nothing
     drafts = ids('c", "age": 4')
     assert matcher.valid_prefix(drafts) == len(drafts) and matcher.valid_prefix([]) == 0
     assert matcher.valid_prefix(ids('c", "x')) == 5 and matcher.valid_prefix(ids('"}')) == 1
