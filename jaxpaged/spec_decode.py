@@ -267,8 +267,7 @@ class DraftLengthPolicy:
         if not drafting:
             return
         rates = self.position_rates()
-        forced = sum(min(r.spec_num_forced, len(r.spec_token_ids)) for r in requests)
-        keep = self.plan(len(requests) + forced,
+        keep = self.plan(len(requests) + sum(r.spec_num_forced for r in requests),
                          [self.gains(r, len(r.spec_token_ids) - r.spec_num_forced, rates) for r in drafting])
         for request, count in zip(drafting, keep):
             if count == 0:  # proposed, nothing verified: forget a little, so it tries again

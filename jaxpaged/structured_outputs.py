@@ -226,10 +226,9 @@ class StructuredOutputManager:
         row targets[j] of bitmask i32[S, W], j = 0..d (targets: d + 1 rows; d = 0: fill_bitmask's row). The
         drafts must be the grammar's (`GrammarMatcher.valid_prefix`); each matcher is advanced through them and
         rolled back (llguidance)."""
-        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != self.mask_width:
-            raise ValueError(f"bitmask must be int32 [S, {self.mask_width}], got {bitmask.dtype} {bitmask.shape}")
         if any(len(targets) != len(drafts) + 1 for _, drafts, targets in rows):
             raise ValueError("fill_bitmask_with_drafts needs d + 1 target rows for d drafts")
+        # the rows without drafts; fill_bitmask checks the bitmask's shape, even when there are none
         self.fill_bitmask([(m, targets[0]) for m, drafts, targets in rows if not len(drafts)], bitmask)
         rows = [row for row in rows if len(row[1])]
         if not rows:
