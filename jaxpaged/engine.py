@@ -22,7 +22,16 @@ outputs equal the synchronous loop's token for token (a row's key counts the tok
 in flight). Only steps of at most `async_scheduling_max_tokens` tokens stay in flight
 (on CPU a few: the host shares the step's cores); a larger one is handled before the
 next is scheduled. Falls back to the synchronous loop: multi-process runs (followers
-take each step's tokens from the host), speculative decoding (True with it: a ValueError).
+take each step's tokens from the host).
+
+Speculative decoding with async scheduling: drafts follow a request's last token, which
+is in flight, so a step that verifies drafts runs synchronously (scheduled after the
+step in flight is handled, handled before the next is scheduled), and the others stay
+overlapped. With a step in flight the engine guesses, from the tokens it knows, whether
+drafts would follow the token in flight (`_drafts_likely`: the n-gram proposal after it,
+or a grammar forcing more than it; with the adaptive policy, only drafts it would keep);
+only then does it wait for that step and propose. So a request with nothing to copy
+decodes overlapped, as without speculation, and copying stretches are verified.
 
 A request with n > 1 becomes n child requests (`<id>#<i>`, seeds seed + i) that
 share the prompt's pages through prefix caching, aggregated back into one
@@ -78,6 +87,10 @@ CPU_ASYNC_MAX_TOKENS = 8
 # step up to it (SchedulerConfig.memory_bound_tokens; an estimate from the roofline, not yet measured). On CPU
 # every row adds compute: 0.
 GPU_MEMORY_BOUND_TOKENS = 128
+# Speculation with async scheduling: after drafts proposed for a token in flight found no room in the step (a
+# mixed batch's padding, the partial-prefill slots), the engine overlaps 2, 4, ... up to this many steps of the
+# same batch before it waits for a token in flight to propose again (each wait costs the step's host time).
+NO_ROOM_MAX_WAIT = 32
 
 
 def default_compilation_cache_dir() -> str:
@@ -137,7 +150,7 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = None
 
     # vLLM v1's async scheduling: dispatch step N+1 before step N's tokens reach the host (module docstring);
-    # None: on unless speculative decoding is on (docs/benchmarks.md, "Async scheduling (issue 15)")
+    # None: on (one process; with speculative decoding, steps that verify drafts run synchronously)
     async_scheduling: bool | None = None
     # Which steps async scheduling keeps in flight: those feeding at most this many tokens; a larger step is
     # handled before the next one is scheduled (the synchronous order). None: every step with a GPU; on CPU,
@@ -155,10 +168,6 @@ class EngineArgs:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))  # frozen: set once
         if self.speculative_config is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
             raise ValueError("speculative_config is not supported with tensor parallelism or several processes yet")
-        if self.async_scheduling and self.speculative_config is not None:
-            raise ValueError("async_scheduling=True cannot be combined with speculative_config: verifying drafts "
-                             "needs each step's accepted tokens on the host before the next step is scheduled; "
-                             "leave async_scheduling unset (or False) with speculative decoding")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
@@ -219,6 +228,7 @@ class _InFlightStep:
     scheduler_output: SchedulerOutput
     pending: PendingStep
     requests: dict[str, Request | None]  # each entry's Request when scheduled (ids are reusable after an abort)
+    dispatched_at: float  # time.perf_counter() when its forward was dispatched
 
 
 @dataclasses.dataclass
@@ -259,9 +269,7 @@ class LLMEngine:
         phases = {"load": time.perf_counter() - start}  # seconds per start-up phase, for the ready line
         self.runner_config = self._runner_config()
         # async scheduling runs on one process (followers take each step's tokens from the host)
-        requested = args.async_scheduling
-        if requested is None:
-            requested = args.speculative_config is None
+        requested = args.async_scheduling is not False
         self.async_scheduling = requested and args.num_processes == 1
         if requested and not self.async_scheduling:
             logger.info("async scheduling: off with num_processes=%d (the synchronous loop runs)", args.num_processes)
@@ -269,6 +277,10 @@ class LLMEngine:
         if self.async_max_tokens is None and jax.default_backend() == "cpu":
             self.async_max_tokens = CPU_ASYNC_MAX_TOKENS
         self._in_flight: _InFlightStep | None = None  # async scheduling: the step dispatched, not yet handled
+        self._last_handled = 0.0  # time.perf_counter() when the last step's outputs were handled
+        # speculation with async scheduling: after drafts found no room in a step, the batch (_batch_key) then, the
+        # steps left that do not wait to propose again while it stays the same, and the no-room steps in a row
+        self._no_room_batch, self._no_room_wait, self._no_room_streak = None, 0, 0
         self._deferred_error: BaseException | None = None  # async: a dispatch failure, raised by the next step()
         self.scheduler = Scheduler(SchedulerConfig(
             async_scheduling=self.async_scheduling,
@@ -592,6 +604,11 @@ class LLMEngine:
             if not failed:
                 self._wait_for_grammars()
             return failed
+        return self._run_sync(out, failed, start)
+
+    def _run_sync(self, out: SchedulerOutput, outputs: list[RequestOutput], start: float) -> list[RequestOutput]:
+        """Run a scheduled step and handle its outputs; return `outputs` (those this call made before) and its
+        own. start: when the step's host work began (the draft policy's clock)."""
         now = time.time()
         for entry in out.scheduled_requests:
             parent, _ = self._child_to_parent[entry.request_id]
@@ -608,11 +625,17 @@ class LLMEngine:
         if self.spec_decoding_stats is not None:
             self._observe_drafts(out.scheduled_requests, result)
         self.scheduler.update_from_output(out, sampled, stops)
-        outputs = failed + self._outputs(touched)
+        outputs = outputs + self._outputs(touched)
+        self._observe_step(out, start)
+        return outputs
+
+    def _observe_step(self, out: SchedulerOutput, start: float) -> None:
+        """A step's outputs are handled: the adaptive draft policy times it (from `start`) if it fed only decodes
+        and their drafts."""
+        self._last_handled = time.perf_counter()
         if self.draft_policy is not None and all(e.num_tokens == 1 + len(e.spec_token_ids)
                                                  for e in out.scheduled_requests):
-            self.draft_policy.observe_step(out.num_scheduled_tokens, time.perf_counter() - start)
-        return outputs
+            self.draft_policy.observe_step(out.num_scheduled_tokens, self._last_handled - start)
 
     # ---- the overlapped step (async scheduling) ---------------------------
 
@@ -623,12 +646,31 @@ class LLMEngine:
         on the device from N's sampled tokens) -> N's tokens to the host, stop checks, detokenize, outputs
         -> dispatch N+1's sampler (after N's tokens are appended: penalties and grammar masks see them).
         A step feeding more than `async_max_tokens` tokens is then handled at once (its outputs join N's).
-        A failure dispatching N+1 is raised by the next call, after N's outputs are returned."""
+        A failure dispatching N+1 is raised by the next call, after N's outputs are returned.
+        Speculative decoding: when drafts are likely (`_drafts_likely`), N is handled first and drafts are
+        proposed; a step that verifies drafts then runs synchronously (`_run_sync`)."""
         self._raise_deferred_error()
+        start = time.perf_counter()
         failed = self._admit_grammar_ready() if self._awaiting_grammar else []
         previous, self._in_flight = self._in_flight, None
         try:
+            if self.proposer is not None:
+                if previous is None or self._drafts_likely():
+                    if previous is not None:  # drafts follow the token in flight: wait for it
+                        failed, previous, start = failed + self._handle_in_flight(previous), None, time.perf_counter()
+                    self._propose_drafts()
+                else:  # no drafts this step (one proposed earlier for a request not scheduled since is dropped)
+                    for request in self.scheduler.running:
+                        request.spec_token_ids = []
+            proposed = self.proposer is not None and any(r.spec_token_ids for r in self.scheduler.running)
+            batch = self._batch_key() if proposed else None
             out = self.scheduler.schedule()
+            if any(e.spec_token_ids for e in out.scheduled_requests):  # verified before the next is scheduled
+                self._no_room_streak = 0
+                return self._run_sync(out, failed, start)
+            if proposed:  # drafts found no room (the partial-prefill slots, the bucket's padding): wait for a token
+                self._no_room_streak += 1  # in flight again only after 2, 4, ... steps, or once the batch changes
+                self._no_room_batch, self._no_room_wait = batch, min(2 ** self._no_room_streak, NO_ROOM_MAX_WAIT)
             if out.is_empty and previous is None:
                 if not failed:
                     self._wait_for_grammars()
@@ -657,7 +699,7 @@ class LLMEngine:
         except Exception as err:
             self._deferred_error = err
             return None
-        return _InFlightStep(out, pending, requests)
+        return _InFlightStep(out, pending, requests, time.perf_counter())
 
     def _dispatch_sampler_async(self, flight: _InFlightStep) -> bool:
         """Dispatch the step's sampler; False (the error deferred to the next step()) if that fails."""
@@ -699,7 +741,9 @@ class LLMEngine:
         out = flight.scheduler_output
         entries = tuple(e for e in out.scheduled_requests if e.request_id in live)
         self.scheduler.update_from_output(dataclasses.replace(out, scheduled_requests=entries), sampled, stops)
-        return self._outputs(touched)
+        outputs = self._outputs(touched)
+        self._observe_step(out, max(flight.dispatched_at, self._last_handled))  # overlapped: the time between steps
+        return outputs
 
     def _outputs(self, touched: dict[str, tuple[_Parent, set[int]]]) -> list[RequestOutput]:
         """The outputs of the parents whose children got tokens this step (their token times recorded)."""
@@ -744,6 +788,43 @@ class LLMEngine:
                 self._grammar_drafts(request, matcher, room)
         if self.draft_policy is not None:
             self.draft_policy.trim(decoding)
+
+    def _drafts_likely(self) -> bool:
+        """Async scheduling, a step in flight: whether drafts would likely follow a request's token in flight,
+        guessed from the tokens known (the n-gram proposal after that token; under a grammar, also the tokens
+        it forces after it), those the adaptive policy would keep. Then that step is waited for, not overlapped."""
+        limit = self.args.speculative_config.disable_by_batch_size
+        if limit is not None and self.scheduler.num_running + self.scheduler.num_waiting > limit:
+            return False
+        if self._no_room_wait and self._no_room_batch == self._batch_key():
+            self._no_room_wait -= 1
+            return False
+        in_flight = [r for r in self.scheduler.running
+                     if r.num_output_placeholders == 1 and r.num_computed_tokens == r.num_tokens]
+        guesses = []  # (request, its guessed drafts after the token in flight)
+        for request in in_flight:
+            room = max_drafts_for(request.num_tokens + 1, request.num_output_tokens + 1, request.max_tokens,
+                                  request.max_model_len)
+            if room < 1:
+                continue
+            matcher = self._child_to_parent[request.request_id][1].matcher
+            if matcher is not None and len(matcher.forced_tokens()) > 1:
+                return True  # forced drafts are always verified
+            drafts = self.proposer.propose(request.all_token_ids, room, skip=1)
+            if drafts:
+                guesses.append((request, drafts))
+        if not guesses or self.draft_policy is None:
+            return bool(guesses)
+        rates = self.draft_policy.position_rates()
+        keep = self.draft_policy.plan(len(in_flight), [self.draft_policy.gains(r, len(d), rates) for r, d in guesses])
+        return any(keep)
+
+    def _batch_key(self) -> tuple[frozenset[str], int, int]:
+        """What decides whether a step has room for drafts: the requests running, those of them decoding, those
+        waiting."""
+        running = self.scheduler.running
+        decoding = sum(r.num_tokens - r.num_computed_tokens <= 1 for r in running)
+        return frozenset(r.request_id for r in running), decoding, self.scheduler.num_waiting
 
     def _grammar_drafts(self, request: Request, matcher: GrammarMatcher, room: int) -> list[int]:
         """A constrained request's drafts: the tokens its grammar forces next (a schema's keys and punctuation,

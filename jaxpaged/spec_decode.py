@@ -120,8 +120,10 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
 
-    def propose(self, token_ids: Sequence[int] | np.ndarray, max_drafts: int | None = None) -> list[int]:
+    def propose(self, token_ids: Sequence[int] | np.ndarray, max_drafts: int | None = None, skip: int = 0) -> list[int]:
         """Up to min(num_speculative_tokens, max_drafts) draft tokens to follow `token_ids`, or [].
+        skip: the drafts to follow `skip` more tokens, not known yet (async scheduling's token in flight), taken
+        to be the match's next ones: the drafts then start `skip` tokens further on.
 
         The longest suffix of n tokens (prompt_lookup_min <= n <= prompt_lookup_max) that also occurs
         earlier wins; among its earlier occurrences, the earliest (as vLLM's proposer); the drafts are
@@ -150,7 +152,7 @@ class NgramProposer:
         if good.size == 0:
             return []
         best = good[length[good] == length[good].max()][0]  # the longest match, earliest among equals
-        end = int(ends[best])
+        end = int(ends[best]) + skip
         return tokens[end + 1:end + 1 + k].tolist()
 
 

@@ -2,6 +2,7 @@
 
     python scripts/bench_engine_gpu.py            # on the GPU machine (part of scripts/gpu_check.sh)
     python scripts/bench_engine_gpu.py --smoke    # tiny shapes, any device: checks the script runs
+    python scripts/bench_engine_gpu.py --spec-only  # issue 17's rows alone (random weights, two small engines)
 
 A profile of the step, for issue 15's targets (batch-1 decode at >= 80% of the weight-read roofline,
 >= 6,000 / 12,000 output tok/s at 64 / 256 concurrent, host time not hidden by the device < 5% of a
@@ -19,15 +20,21 @@ step at 256). Prints, each line as soon as it is measured:
   - dispatches per step: the device programs (executables) a batch-1 decode step launches; with the
     fused sampler (the GPU default) the forward and the sampler are one program;
   - issue 17, n-gram speculative decoding at batch 1 (k = 3, prompt lookup 2..4): output tok/s with
-    speculation on and off and their ratio, the acceptance rate beside it, for two workloads. Random
-    weights predict nothing, so: "open" is a random prompt (drafts, when the proposer finds any, are
-    real and rejected: the cost of speculating for nothing); "grounded" is a prompt holding a first
-    greedy run's output, P + O + P (O: the greedy continuation of P), so the proposer finds the
-    continuation in the prompt as far as the model repeats itself after the second P (the acceptance
-    rate says how far). Off: the bench's engine (its default loop); on: an engine with
-    speculative_config over the same weights (the synchronous loop speculation takes); and a mixed batch,
-    2 grounded + 2 open requests at once: each one's decode tok/s on / off (are those with nothing to copy
-    slowed by the others' verifications?);
+    speculation on and off and their ratio, the acceptance rate beside it, per workload. Random weights copy
+    nothing, so these rows run them with every layer's attention output projection (wo) zeroed: the residual
+    stream then depends on the current token only (a bigram model: its greedy continuation from a token is
+    the same whatever came before), while each step still computes attention and reads the KV cache at full
+    cost. With O the greedy output after a random prompt P, the continuation of P + ... + P is O again:
+    "grounded" is P + O' + P, O' = O with every 8th token replaced by another (drafts copied from the prompt
+    are wrong there, so acceptance is well below 100%, as in real edits and rewrites); "grounded-exact" is
+    P + O + P (everything to copy: the ceiling); "open" is a random prompt (nothing to copy: drafts, when the
+    proposer finds any, are rejected, the cost of speculating for nothing). Off and on are two small engines
+    (max_num_seqs 4, 64 tokens a step, the same KV pool size, the same weights) that differ only in
+    speculative_config (both the default loop, async scheduling; on runs the steps that verify drafts
+    synchronously), so they compile the same step buckets (on, unfused, adds its verify shapes) and their
+    greedy tokens compare token for token ("same tokens"). Then a mixed batch, 2 grounded + 2 open requests
+    at once: each one's decode tok/s on / off (are those with nothing to copy slowed by the others'
+    verifications?), and the programs per step of a speculative decode. --spec-only builds just the weights and these two engines and prints these rows;
   - the batch-1 forward in other builds of the step: XLA command buffers off / XLA's default set
     (the launch overhead the runner's "full" command buffers save) and the stacked layer scan the
     engine ran before issue 15 (alone and with dynamic-slice fusion).
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -54,7 +62,7 @@ from bench_kernels import copy_bandwidth  # noqa: E402  (one definition for both
 from jaxpaged import hlo_stats  # noqa: E402
 from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
 from jaxpaged.model_runner import command_buffer_options, count_dispatches, paged_forward  # noqa: E402
-from jaxpaged.models.llama import LlamaConfig, init_params  # noqa: E402
+from jaxpaged.models.llama import LlamaConfig, WeightLayout, init_params  # noqa: E402
 from jaxpaged.models.loader import LoadedModel  # noqa: E402
 from jaxpaged.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
@@ -84,20 +92,27 @@ class Report:
                 f.write(json.dumps({"name": name, **data}) + "\n")
 
 
-def build_engine(config: LlamaConfig, args) -> LLMEngine:
-    """The engine on random bf16 weights, converted to the step's layout here (the source deleted as it
-    goes), so the device never holds two copies while the KV pool is sized."""
+def random_model(config: LlamaConfig) -> LoadedModel:
+    """Random bf16 weights, converted to the step's layout here (the source deleted as it goes), so the
+    device never holds two copies while the KV pool is sized."""
     layout = resolve_weight_layout("auto", True, jax.default_backend())
     params = to_weight_layout(config, init_params(config, jax.random.PRNGKey(0), jnp.bfloat16), layout,
                               consume=True)
-    loaded = LoadedModel(config=config, params=params, tokenizer=None, generation_config=GenerationConfig(),
-                         source=Path("random-llama3-8b-shape"), dtype=np.dtype(jnp.bfloat16), load_seconds=0.0)
-    del params
-    engine_args = EngineArgs(model="random", max_model_len=args.prompt_len + args.output_len + 16,
-                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
-                             fuse_sampler=args.fuse_sampler)
-    return LLMEngine(engine_args, loaded=loaded)
+    return LoadedModel(config=config, params=params, tokenizer=None, generation_config=GenerationConfig(),
+                       source=Path("random-llama3-8b-shape"), dtype=np.dtype(jnp.bfloat16), load_seconds=0.0)
+
+
+def engine_args(args, **overrides) -> EngineArgs:
+    """The bench's EngineArgs (from the command line), with `overrides` (EngineArgs fields) on top."""
+    return EngineArgs(**{**dict(model="random", max_model_len=args.prompt_len + args.output_len + 16,
+                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                gpu_memory_utilization=args.gpu_memory_utilization,
+                                kv_cache_memory=args.kv_cache_memory, fuse_sampler=args.fuse_sampler), **overrides})
+
+
+def build_engine(config: LlamaConfig, args) -> LLMEngine:
+    """The bench engine on random bf16 weights (`random_model`)."""
+    return LLMEngine(engine_args(args), loaded=random_model(config))
 
 
 def record_steps(engine: LLMEngine) -> list:
@@ -290,14 +305,45 @@ def forward_variants(engine: LLMEngine, report: Report, context: int, iters: int
 # issue 17's batch-1 setting: k = 3, so 1 + 3 tokens fit the S = 4 logits rows of the fused GPU step (the CPU
 # benchmark, scripts/benchmark_latency.py, uses k = 7: its unfused verify buckets take T logits rows)
 SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+COPYING = "random weights, every wo = 0: a bigram model, it copies"  # the spec rows' model, in a few words
 
 
-def spec_engine(engine: LLMEngine, smoke: bool) -> LLMEngine:
-    """An engine with n-gram speculation over the bench engine's weights (already in the step's layout: no
-    copy), sized for batch 1 (few step shapes to compile; a small KV pool beside the bench engine's)."""
-    args = dataclasses.replace(engine.args, max_num_seqs=4, max_num_batched_tokens=64,
-                               kv_cache_memory=(64 << 20) if smoke else (1 << 30), speculative_config=SPEC_CONFIG)
-    return LLMEngine(args, loaded=engine.model)
+def copying_model(loaded: LoadedModel) -> LoadedModel:
+    """`loaded` with every layer's attention output projection wo [H, D, E] zero (fresh zeros; the other arrays
+    shared, no copy). The residual stream then depends on the current token only: a bigram model, whose greedy
+    continuation from a token is the same whatever came before (so after P + O + P it is O), while each step
+    still computes attention and reads the KV cache at full cost (same shapes, same programs). bf16 weights
+    are plain arrays in any layout (only float32 on CPU is packed)."""
+    layers = loaded.params["layers"]
+    if isinstance(layers, (list, tuple)):  # per-layer: L dicts of {name: [...]}
+        layers = [dict(layer, wo=jnp.zeros_like(layer["wo"])) for layer in layers]
+    else:  # stacked: {name: [L, ...]}
+        layers = dict(layers, wo=jnp.zeros_like(layers["wo"]))
+    return dataclasses.replace(loaded, params=dict(loaded.params, layers=layers),
+                               source=Path(f"{loaded.source}-wo-zero"))
+
+
+def spec_sizes(args) -> tuple[int, int]:
+    """(half, n): the spec rows' P and O lengths (prompts up to 2 * half + n tokens, n out); at least 16 out, so
+    the smoke run's acceptance counts say something."""
+    return max(4, args.prompt_len // 2), max(16, args.output_len // 2)
+
+
+def spec_engine(loaded: LoadedModel, args, speculative: bool) -> LLMEngine:
+    """A batch-1 sized engine over `loaded` (already in the step's layout: no copy): few step shapes to compile,
+    a small KV pool beside the bench engine's. With and without n-gram speculation, all else the same: both
+    compile the same step buckets (with the sampler unfused, on adds its verify shapes), so their greedy tokens
+    compare token for token."""
+    half, n = spec_sizes(args)
+    small = engine_args(args, max_model_len=2 * half + 2 * n + 16, max_num_seqs=4, max_num_batched_tokens=64,
+                        kv_cache_memory=(64 << 20) if args.smoke else (1 << 30),
+                        speculative_config=SPEC_CONFIG if speculative else None)
+    return LLMEngine(small, loaded=loaded)
+
+
+def edited(tokens: list[int], rng, vocab: int, every: int = 8) -> list[int]:
+    """tokens with every `every`-th one (positions every - 1, 2 * every - 1, ...) replaced by another token."""
+    return [(t + int(rng.integers(1, vocab))) % vocab if i % every == every - 1 else t for i, t in enumerate(tokens)]
 
 
 def timed_decode(engine: LLMEngine, prompt: list[int], max_tokens: int, dispatches=None) -> tuple[float, list[int]]:
@@ -317,41 +363,62 @@ def timed_decode(engine: LLMEngine, prompt: list[int], max_tokens: int, dispatch
     return (len(ids) - first[1]) / max(time.perf_counter() - first[0], 1e-9), ids
 
 
-def speculative_decoding(engine: LLMEngine, report: Report, args, vocab: int, rounds: int = 2) -> None:
-    """Issue 17's GPU rows: batch-1 output tok/s with n-gram speculation on / off, "grounded" and "open"
-    (module docstring), best of `rounds` interleaved runs a side, the acceptance rate beside the ratio."""
-    half, n = max(4, args.prompt_len // 2), max(4, args.output_len // 2)
+def speculative_decoding(loaded: LoadedModel, report: Report, args, vocab: int) -> None:
+    """Issue 17's GPU rows (module docstring) on `loaded`'s weights with wo zeroed (`copying_model`): two small
+    engines, speculation off and on (`spec_engine`), built here and freed when done."""
+    copying = copying_model(loaded)
+    engines = {}
+    for side in ("off", "on"):
+        start = time.perf_counter()
+        engines[side] = spec_engine(copying, args, speculative=side == "on")
+        report.row("spec engine", f"{time.perf_counter() - start:.1f} s",
+                   f"speculation {side}: built and warmed up (max_num_seqs 4, 64 tokens a step"
+                   f"{f'; {SPEC_CONFIG}' if side == 'on' else ''}; {COPYING})",
+                   side=side, seconds=time.perf_counter() - start)
+    spec_rows(engines["off"], engines["on"], report, args, vocab)
+    del engines, copying
+    gc.collect()  # the engines' KV pools and the zeroed wo go back before what follows
+
+
+def spec_rows(off: LLMEngine, on: LLMEngine, report: Report, args, vocab: int, rounds: int = 2) -> None:
+    """Batch-1 output tok/s with n-gram speculation on / off per workload, best of `rounds` interleaved runs a
+    side, the acceptance rate beside the ratio; the mixed batch; a spec decode's dispatches per step."""
+    half, n = spec_sizes(args)
     rng = np.random.default_rng(17)
     p = rng.integers(0, vocab, half).tolist()
-    _, o = timed_decode(engine, p, n)  # the first run: o, the greedy continuation of p
-    workloads = {"grounded": (p + o + p, "prompt = P + O + P, O the greedy output of a first run from P"),
-                 "open": (rng.integers(0, vocab, 2 * half + n).tolist(), "a random prompt: nothing to copy")}
-    start = time.perf_counter()
-    spec = spec_engine(engine, args.smoke)
-    report.row("spec engine", f"{time.perf_counter() - start:.1f} s", f"built and warmed up ({SPEC_CONFIG})",
-               seconds=time.perf_counter() - start)
-    timed_decode(spec, p[:8], 4)  # first calls of its programs
-    for name, (prompt, what) in workloads.items():
-        best, same, before = {"off": 0.0, "on": 0.0}, True, spec.stats()
+    _, o = timed_decode(off, p, n)  # the first run: o, the greedy continuation of p (so of p + ... + p)
+    o_edited = edited(o, rng, vocab)
+    workloads = {  # name: (prompt, the continuation a bigram model gives (None: unknown), what)
+        "grounded": (p + o_edited + p, o, "prompt = P + O' + P, O the greedy output after P, O' = O with every 8th "
+                     "token replaced (drafts copied from the prompt are wrong there, as in an edit)"),
+        "grounded-exact": (p + o + p, o, "prompt = P + O + P: the whole continuation is in the prompt (the ceiling)"),
+        "open": (rng.integers(0, vocab, 2 * half + n).tolist(), None, "a random prompt: nothing to copy")}
+    timed_decode(on, p[:8], 4)  # first calls of its programs
+    for name, (prompt, expected, what) in workloads.items():
+        best, same, copied, before = {"off": 0.0, "on": 0.0}, True, True, on.stats()
         for _ in range(rounds):
-            off, ids_off = timed_decode(engine, prompt, n)
-            on, ids_on = timed_decode(spec, prompt, n)
-            best = {"off": max(best["off"], off), "on": max(best["on"], on)}
+            off_tok_s, ids_off = timed_decode(off, prompt, n)
+            on_tok_s, ids_on = timed_decode(on, prompt, n)
+            best = {"off": max(best["off"], off_tok_s), "on": max(best["on"], on_tok_s)}
             same &= ids_on == ids_off
-        after = spec.stats()
+            copied &= expected is None or ids_off == expected  # the model did continue with O (bf16 ties aside)
+        after = on.stats()
         drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
         accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
         rate, ratio = accepted / max(drafted, 1), best["on"] / best["off"]
+        emitted = "" if expected is None else f"; off emitted O: {'yes' if copied else 'NO'}"
         report.row("spec decode", f"{ratio:.2f}x", f"{name}: on {best['on']:.1f} / off {best['off']:.1f} tok/s, "
                    f"acceptance {rate:.0%} ({accepted}/{drafted} draft tokens); same tokens: "
-                   f"{'yes' if same else 'NO'}; workload: {what}; {len(prompt)} in, {n} out, best of {rounds}",
+                   f"{'yes' if same else 'NO'}{emitted}; workload: {what}; {len(prompt)} in, {n} out, best of "
+                   f"{rounds}; {COPYING}",
                    workload=name, ratio=ratio, on_tok_s=best["on"], off_tok_s=best["off"], acceptance=rate,
-                   draft_tokens=drafted, accepted_tokens=accepted, same=same)
+                   draft_tokens=drafted, accepted_tokens=accepted, same=same,
+                   emitted_o=None if expected is None else copied)
     other_open = rng.integers(0, vocab, 2 * half + n).tolist()  # a second random prompt: nothing to copy either
-    mixed_batch(engine, spec, report, [workloads["grounded"][0]] * 2 + [workloads["open"][0], other_open], n)
+    mixed_batch(off, on, report, [workloads["grounded"][0]] * 2 + [workloads["open"][0], other_open], n)
     dispatches = []
-    timed_decode(spec, workloads["grounded"][0], n, dispatches)
-    report_dispatches(report, "b=1 spec decode (grounded)", spec, dispatches)
+    timed_decode(on, workloads["grounded"][0], n, dispatches)
+    report_dispatches(report, "b=1 spec decode (grounded)", on, dispatches)
 
 
 def timed_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[list[int]]]:
@@ -372,21 +439,21 @@ def timed_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) ->
     return [(len(ids[r]) - first[r][1]) / max(last[r] - first[r][0], 1e-9) for r in rids], [ids[r] for r in rids]
 
 
-def mixed_batch(engine: LLMEngine, spec: LLMEngine, report: Report, prompts: list[list[int]], n: int) -> None:
-    """Issue 17's "in a mixed batch, requests without drafts are not slowed": 2 copying and 2 non-copying requests
-    at once, each request's decode tok/s with speculation on / off (best of 2 a side)."""
+def mixed_batch(off: LLMEngine, on: LLMEngine, report: Report, prompts: list[list[int]], n: int) -> None:
+    """Issue 17's "in a mixed batch, requests without drafts are not slowed": 2 copying ("grounded") and 2
+    non-copying ("open") requests at once, each request's decode tok/s with speculation on / off (best of 2 a side)."""
     best = {"off": [0.0] * len(prompts), "on": [0.0] * len(prompts)}
     same = True
     for _ in range(2):
-        off, ids_off = timed_batch(engine, prompts, n)
-        on, ids_on = timed_batch(spec, prompts, n)
-        best = {"off": list(map(max, best["off"], off)), "on": list(map(max, best["on"], on))}
+        off_tok_s, ids_off = timed_batch(off, prompts, n)
+        on_tok_s, ids_on = timed_batch(on, prompts, n)
+        best = {"off": list(map(max, best["off"], off_tok_s)), "on": list(map(max, best["on"], on_tok_s))}
         same &= ids_on == ids_off
-    ratios = [on / off for on, off in zip(best["on"], best["off"])]
+    ratios = [a / b for a, b in zip(best["on"], best["off"])]
     report.row("spec mixed batch", f"{min(ratios[2:]):.2f}x", f"the slower non-copying request's decode tok/s on / off "
-               f"(>= 1 = not slowed); copying: {ratios[0]:.2f}x, {ratios[1]:.2f}x; non-copying: {ratios[2]:.2f}x, "
-               f"{ratios[3]:.2f}x; same tokens: {'yes' if same else 'NO'}; 4 requests at once, {n} out, best of 2",
-               ratios=ratios, same=same)
+               f"(>= 1 = not slowed); copying (grounded): {ratios[0]:.2f}x, {ratios[1]:.2f}x; non-copying (open): "
+               f"{ratios[2]:.2f}x, {ratios[3]:.2f}x; same tokens: {'yes' if same else 'NO'}; 4 requests at once, "
+               f"{n} out, best of 2; {COPYING}", ratios=ratios, same=same)
 
 
 def warm_cache_warmup(engine: LLMEngine) -> float:
@@ -397,6 +464,23 @@ def warm_cache_warmup(engine: LLMEngine) -> float:
     start = time.perf_counter()
     engine.runner.warmup(engine.async_scheduling)
     return time.perf_counter() - start
+
+
+SPEC_HEADER = ("\n== issue 17: n-gram speculation at batch 1, two small engines (off / on) over the random weights "
+               "with every attention output projection zeroed (a bigram model: it copies)")
+
+
+def spec_only(config: LlamaConfig, report: Report, args) -> int:
+    """--spec-only: the random weights, then issue 17's rows alone (no bench engine, profile or variants)."""
+    start = time.perf_counter()
+    loaded = random_model(config)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
+    report.row("random weights", f"{time.perf_counter() - start:.1f} s", f"{weight_bytes / 2**30:.2f} GiB, "
+               f"layout {WeightLayout.of(loaded.params)}", seconds=time.perf_counter() - start,
+               weight_bytes=weight_bytes)
+    print(SPEC_HEADER)
+    speculative_decoding(loaded, report, args, config.vocab_size)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -413,6 +497,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="append one JSON object per measurement here")
     parser.add_argument("--skip-variants", action="store_true")
     parser.add_argument("--skip-spec", action="store_true", help="leave out issue 17's speculative decoding rows")
+    parser.add_argument("--spec-only", action="store_true",
+                        help="only issue 17's rows: random weights and the two small engines, nothing else")
     parser.add_argument("--fuse-sampler", default="auto", choices=["auto", "on", "off"],
                         help="the engine's fuse_sampler (auto: on with a GPU)")
     args = parser.parse_args(argv)
@@ -424,6 +510,8 @@ def main(argv=None) -> int:
         args.kv_cache_memory, args.concurrency = args.kv_cache_memory or (64 << 20), "4,16"
     report = Report(args.json)
     print(f"device: {jax.devices()[0]} | jax {jax.__version__}")
+    if args.spec_only:
+        return spec_only(config, report, args)
     bandwidth = copy_bandwidth(1 << (24 if args.smoke else 30), rounds=5, inner=20)
     start = time.perf_counter()
     engine = build_engine(config, args)
@@ -457,7 +545,8 @@ def main(argv=None) -> int:
     report.row("warm-up, warm", f"{warm:.1f} s", f"{len(rc.buckets)} step shapes and the sampler from the "
                "persistent compilation cache", warm_warmup_s=warm)
     if not args.skip_spec:
-        speculative_decoding(engine, report, args, config.vocab_size)
+        print(SPEC_HEADER)
+        speculative_decoding(engine.model, report, args, config.vocab_size)
     if not args.skip_variants:
         forward_variants(engine, report, args.prompt_len, 5 if args.smoke else 30)
     return 0

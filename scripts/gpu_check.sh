@@ -6,7 +6,8 @@
 #      (batch 1, 64, 256: forward ms, weight-read ms, % of roofline, host ms not
 #      hidden, compiled-HLO counts; dispatches per step with the fused sampler;
 #      command-buffer and layer-scan variants) and issue 17's batch-1 n-gram
-#      speculative decoding ratios (grounded, open),
+#      speculative decoding ratios (grounded, grounded-exact, open: random
+#      weights with zeroed attention output projections, so the model copies),
 #   2. the layer-scan probe (scripts/bench_layer_scan.py, T = 1): does the scan
 #      over stacked weights copy each layer's weights?
 #   3. kernel tests compiled for the GPU (pytest --kernel-mode=gpu), then the
@@ -20,20 +21,22 @@
 # UNMEASURED line each (batch-1 decode >= 80% of the weight-read roofline;
 # >= 6,000 / 12,000 output tok/s at 64 / 256 concurrent; host time not hidden
 # by the device < 5% of a step at 256), and issue 17's (speculation on / off at
-# batch 1: grounded >= 1.8x, open >= 0.95x). Logs, JSON rows and the probe's HLO go
-# to $OUT when it is set.
+# batch 1: grounded >= 1.8x, open >= 0.95x; grounded-exact shown as the ceiling).
+# Logs, JSON rows and the probe's HLO go to $OUT when it is set.
 # Usage: bash scripts/gpu_check.sh [--budget SECONDS]   (on the GPU machine;
 #          the whole run ends within the budget, default 530: under the
 #          9 minutes a device call may take)
 #        bash scripts/gpu_check.sh --smoke   (any machine: tiny sizes, kernels
 #        in interpret mode; scripts/check_gpu_image_cpu.sh runs it in CI)
+#        bash scripts/gpu_check.sh --spec-only   (issue 17 alone: just
+#        bench_engine_gpu.py --spec-only, 86 s on the H200 on 2026-12-04, then the summary)
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
-SMOKE=() MODE=gpu SCALE=1 SWEEP=1 ENGINE=1 BUDGET=530
-usage="usage: gpu_check.sh [--smoke] [--budget SECONDS] [--skip-sweep] [--skip-engine]"
+SMOKE=() MODE=gpu SCALE=1 SWEEP=1 ENGINE=1 BUDGET=530 SPEC_ONLY=0
+usage="usage: gpu_check.sh [--smoke] [--budget SECONDS] [--skip-sweep] [--skip-engine] [--spec-only]"
 while [ $# -gt 0 ]; do
   case $1 in
     # Interpret mode on a CPU: each limit x8. On a 2-core Zen 3 (session 21) the kernel tests ran past
@@ -42,10 +45,13 @@ while [ $# -gt 0 ]; do
     --budget) BUDGET=${2:?$usage}; shift ;;
     --skip-sweep) SWEEP=0 ;;
     --skip-engine) ENGINE=0 ;;
+    --spec-only) SPEC_ONLY=1 ;;  # issue 17's rows only: one section, then the summary
     *) echo "$usage" >&2; exit 2 ;;
   esac
   shift
 done
+SPEC_ONLY_ARG=()
+[ $SPEC_ONLY -eq 1 ] && SPEC_ONLY_ARG=(--spec-only)
 DIR="${OUT:-$(mktemp -d)}"
 mkdir -p "$DIR"
 LOG="$DIR/gpu_check.log"
@@ -110,10 +116,10 @@ PYEOF
   grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -n 2
   sed -n '/== layer scan probe/,/^== /p' "$LOG" | grep -E "^ +[0-9]+ " | cut -c1-120
   sed -n '/== engine on device/,/^== /p' "$LOG" | sed '1!{/^== /d}' | head -n 7
-  [ -s "$DIR/engine.jsonl" ] && "$PY" - "$DIR/engine.jsonl" "${SMOKE[@]}" <<'PYEOF'
+  [ -s "$DIR/engine.jsonl" ] && "$PY" - "$DIR/engine.jsonl" "${SMOKE[@]}" "${SPEC_ONLY_ARG[@]}" <<'PYEOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-smoke = "--smoke" in sys.argv[2:]
+smoke, spec_only = "--smoke" in sys.argv[2:], "--spec-only" in sys.argv[2:]
 def find(name, **match):
   for r in rows:
     if r["name"] == name and all(r.get(k) == v for k, v in match.items()):
@@ -126,25 +132,34 @@ def verdict(label, value, target, higher=True, unit=""):
   shown = f"{value:.2f}" if unit == "x" else f"{value:,.1f}"
   print(f"{'PASS' if ok else 'MISS':10s} {label}: {shown}{unit} "
         f"({'>=' if higher else '<'} {target:,}{unit})")
-print("issue 15 targets" + (" (smoke: tiny model on this machine, not the target)" if smoke else "") + ":")
-b1 = find("batch-1 decode")
-verdict("batch-1 decode, % of the weight-read roofline", b1 and b1["roofline_pct"], 80, unit="%")
-big = [(64, 6000), (256, 12000)] if not smoke else [(4, 6000), (16, 12000)]
-for n, target in big:
-  r = find(f"{n} concurrent")
-  verdict(f"{n} concurrent, output tok/s", r and r["out_tok_s"], target)
-p = find(f"profile b={big[-1][0]}")
-verdict(f"host not hidden at {big[-1][0]} concurrent, % of a step", p and p.get("unhidden_host_pct"), 5,
-        higher=False, unit="%")
-print("issue 17 targets (batch 1, n-gram speculation on / off, output tok/s; random weights: see the "
-      "workloads below)" + (" (smoke)" if smoke else "") + ":")
+if not spec_only:  # issue 15's rows (--spec-only measures none)
+  print("issue 15 targets" + (" (smoke: tiny model on this machine, not the target)" if smoke else "") + ":")
+  b1 = find("batch-1 decode")
+  verdict("batch-1 decode, % of the weight-read roofline", b1 and b1["roofline_pct"], 80, unit="%")
+  big = [(64, 6000), (256, 12000)] if not smoke else [(4, 6000), (16, 12000)]
+  for n, target in big:
+    r = find(f"{n} concurrent")
+    verdict(f"{n} concurrent, output tok/s", r and r["out_tok_s"], target)
+  p = find(f"profile b={big[-1][0]}")
+  verdict(f"host not hidden at {big[-1][0]} concurrent, % of a step", p and p.get("unhidden_host_pct"), 5,
+          higher=False, unit="%")
+print("issue 17 targets (batch 1, n-gram speculation on / off, output tok/s; random weights with every attention "
+      "output projection zeroed, a bigram model that copies; grounded: P + O' + P, every 8th token of O' wrong; "
+      "open: a random prompt)" + (" (smoke)" if smoke else "") + ":")
+def spec_figures(workload, r):
+  print(f"  {workload}: on {r['on_tok_s']:.1f} / off {r['off_tok_s']:.1f} tok/s, acceptance "
+        f"{r['acceptance']:.0%} ({r['accepted_tokens']}/{r['draft_tokens']} draft tokens), same tokens: "
+        f"{'yes' if r['same'] else 'NO'}" + ("" if r.get("emitted_o") is None else
+                                               f", off emitted O: {'yes' if r['emitted_o'] else 'NO'}"))
 for workload, target in (("grounded", 1.8), ("open", 0.95)):
   r = find("spec decode", workload=workload)
   verdict(f"{workload} ratio, speculation on / off", r and r["ratio"], target, unit="x")
   if r:
-    print(f"  {workload}: on {r['on_tok_s']:.1f} / off {r['off_tok_s']:.1f} tok/s, acceptance "
-          f"{r['acceptance']:.0%} ({r['accepted_tokens']}/{r['draft_tokens']} draft tokens), same tokens: "
-          f"{'yes' if r['same'] else 'NO'}")
+    spec_figures(workload, r)
+r = find("spec decode", workload="grounded-exact")  # P + O + P, everything to copy: no target, the ceiling
+if r:
+  print(f"{'CEILING':10s} grounded-exact ratio (P + O + P, all copyable; no verdict): {r['ratio']:.2f}x")
+  spec_figures("grounded-exact", r)
 r = find("spec mixed batch")  # "in a mixed batch, requests without drafts are not slowed" (5% for noise)
 verdict("mixed batch (2 copying + 2 not), slower non-copying request on / off", r and min(r["ratios"][2:]), 0.95,
         unit="x")
@@ -171,6 +186,10 @@ PYEOF
 
 main() {
   local status=0
+  if [ $SPEC_ONLY -eq 1 ]; then
+    spec_only
+    return
+  fi
   echo "== environment ($(date -u +%FT%TZ))"
   command -v nvidia-smi >/dev/null && nvidia-smi -L
   "$PY" - <<'PYEOF'
@@ -187,7 +206,7 @@ PYEOF
   # Issue 15's engine profile first: its targets are what a GPU session is for.
   if [ $ENGINE -eq 1 ]; then
     : >"$DIR/engine.jsonl"
-    section "engine end to end" 300 "$PY" scripts/bench_engine_gpu.py \
+    section "engine end to end" 360 "$PY" scripts/bench_engine_gpu.py \
       "${SMOKE[@]}" --json "$DIR/engine.jsonl" || status=1
   fi
   section "layer scan probe" 40 "$PY" scripts/bench_layer_scan.py "${SMOKE[@]}" \
@@ -216,6 +235,18 @@ PYEOF
     echo "== tiling sweep skipped: ${left}s left of the ${BUDGET}s budget"
   fi
 
+  summary
+  echo "== gpu_check done: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
+  return $status
+}
+
+spec_only() {  # --spec-only: issue 17's rows (bench_engine_gpu.py --spec-only) and the summary
+  local status=0
+  echo "== environment ($(date -u +%FT%TZ))"
+  command -v nvidia-smi >/dev/null && nvidia-smi -L
+  : >"$DIR/engine.jsonl"
+  section "engine, issue 17 only" 240 "$PY" scripts/bench_engine_gpu.py \
+    "${SMOKE[@]}" --spec-only --json "$DIR/engine.jsonl" || status=1
   summary
   echo "== gpu_check done: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
   return $status

@@ -358,18 +358,17 @@ def test_smollm2_overlapped_equals_synchronous(smollm2):
 def test_async_scheduling_must_be_a_bool_or_auto(tiny):
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(model="unused", async_scheduling="yes")
-    with pytest.raises(ValueError, match="speculative_config"):
-        EngineArgs(model="unused", async_scheduling=True,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert EngineArgs(model="unused", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert EngineArgs(model="unused", async_scheduling=True,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="async_scheduling_max_tokens"):
         EngineArgs(model="unused", async_scheduling_max_tokens=0)
     auto = LLMEngine(dataclasses.replace(BASE, async_scheduling=None, async_scheduling_max_tokens=None), loaded=tiny)
     assert auto.async_scheduling is True
     assert auto.async_max_tokens == (None if jax.default_backend() == "gpu" else CPU_ASYNC_MAX_TOKENS)
-    spec = LLMEngine(dataclasses.replace(BASE, async_scheduling=None, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3}), loaded=tiny)
-    assert spec.async_scheduling is False
+    for requested, expected in ((None, True), (False, False)):  # speculation: steps verifying drafts synchronous
+        spec = LLMEngine(dataclasses.replace(BASE, async_scheduling=requested, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 3}), loaded=tiny)
+        assert spec.async_scheduling is expected
 
 
 def test_cli_flag_reaches_the_engine_args():

@@ -89,9 +89,9 @@ def test_speculation_is_refused_with_tensor_parallelism():
 # ---- proposer -----------------------------------------------------------------------------
 
 
-def propose(tokens, k=3, lo=2, hi=3, max_drafts=None):
+def propose(tokens, k=3, lo=2, hi=3, max_drafts=None, skip=0):
     config = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi)
-    return NgramProposer(config).propose(tokens, max_drafts)
+    return NgramProposer(config).propose(tokens, max_drafts, skip=skip)
 
 
 def reference_propose(tokens, k, lo, hi, max_drafts=None):
@@ -117,6 +117,9 @@ def test_proposer_examples():
     assert propose([1, 2, 3, 4, 1, 2], max_drafts=1) == [3] and propose([1, 2, 3, 4, 1, 2], max_drafts=0) == []
     assert propose([7, 7, 7, 7], k=5, lo=1, hi=3) == [7]  # drafts run to the end of what is known
     assert propose([7], lo=1) == [] and propose([], lo=1) == []
+    # skip: the drafts after the match's next token (async scheduling's guess past the token in flight)
+    assert propose([1, 2, 3, 4, 1, 2], skip=1) == [4, 1, 2] and propose([1, 2, 3, 4, 1, 2], skip=3) == [2]
+    assert propose([1, 2, 3, 1, 2], skip=1) == [1, 2] and propose([1, 2, 1, 2], skip=2) == []
 
 
 @settings(max_examples=300, deadline=None)
@@ -327,12 +330,12 @@ class OracleProposer:
         self.runs = [(list(p), list(o)) for p, o in zip(prompts, outputs)]
         self.k, self.wrong_at = k, wrong_at
 
-    def propose(self, token_ids, max_drafts=None):
+    def propose(self, token_ids, max_drafts=None, skip=0):
         token_ids = list(token_ids)
         for prompt, output in self.runs:
             done = token_ids[len(prompt):]
             if token_ids[:len(prompt)] == prompt and output[:len(done)] == done:
-                drafts = output[len(done):len(done) + min(self.k, max_drafts)]
+                drafts = output[len(done) + skip:len(done) + skip + min(self.k, max_drafts)]
                 if self.wrong_at is not None and len(drafts) > self.wrong_at:
                     drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % 256
                 return drafts
@@ -484,7 +487,9 @@ def test_sampling_distribution_is_the_models(tiny):
     probs = functools_cache(lambda ids: np.asarray(jax.nn.softmax(logits_of(jnp.asarray(ids))), np.float64))
 
     class Forced:  # drafts the model's two most likely tokens, one after the other
-        def propose(self, token_ids, max_drafts=None):
+        def propose(self, token_ids, max_drafts=None, skip=0):
+            for _ in range(skip):  # async scheduling's guess: after the most likely next token
+                token_ids = (*token_ids, int(np.argmax(probs(tuple(token_ids)))))
             first = int(np.argmax(probs(tuple(token_ids))))
             return [first, int(np.argmax(probs(tuple(token_ids) + (first,))))][:max_drafts]
 
@@ -600,7 +605,8 @@ def test_prompt_logprobs_are_those_without_speculation(plain, spec):
 def test_drafts_stay_within_max_model_len(tiny):
     engine = make_engine(tiny, max_model_len=64, num_pages=40)
     prompt = ([5, 6, 7, 8] * 16)[:60]
-    engine.proposer = type("Always", (), {"propose": lambda self, ids, max_drafts=None: [5, 6, 7, 8][:max_drafts]})()
+    always = {"propose": lambda self, ids, max_drafts=None, skip=0: [5, 6, 7, 8][:max_drafts]}
+    engine.proposer = type("Always", (), always)()
     done = run_all(engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None))
     out = done["0"].outputs[0]
     assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 64
@@ -660,18 +666,33 @@ def test_constrained_requests_with_preemption_and_aborts_keep_pages_exact(tiny, 
         == {rid: out for rid, out in expected.items() if rid not in ("2", "5")}
 
 
+def before_each_step(engine: LLMEngine, fn) -> None:
+    """Call fn(scheduler_output, overlapped) before each step runs: synchronous (`execute_model`, where drafts
+    are verified; overlapped False) or overlapped (async scheduling's `dispatch`; True)."""
+    runner = engine.runner
+    execute, dispatch = runner.execute_model, runner.dispatch
+    runner.execute_model = lambda out, *rest: fn(out, False) or execute(out, *rest)
+    runner.dispatch = lambda out, *rest: fn(out, True) or dispatch(out, *rest)
+
+
 def slow_steps(engine: LLMEngine, seconds: float, seconds_a_row: float) -> tuple[list[int], list[int]]:
     """Make each step take `seconds` plus seconds_a_row per row fed longer (rows nearly free: a GPU or float32
-    on a CPU; rows costly: int8 on a CPU). Returns the lists each proposal's and each step's draft counts go to."""
-    execute, propose, proposed, fed = engine.runner.execute_model, engine.proposer.propose, [], []
+    on a CPU; rows costly: int8 on a CPU). Returns the lists each proposal's and each step's draft counts go to
+    (async scheduling's guesses of drafts after a token in flight are not proposals)."""
+    propose, proposed, fed = engine.proposer.propose, [], []
 
-    def slow(out, *rest):
+    def slow(out, overlapped):
         fed.append(sum(len(e.spec_token_ids) for e in out.scheduled_requests))
         time.sleep(seconds + seconds_a_row * out.num_scheduled_tokens)
-        return execute(out, *rest)
 
-    engine.runner.execute_model = slow
-    engine.proposer.propose = lambda *a, **kw: proposed.append(len(drafts := propose(*a, **kw))) or drafts
+    def counted(*args, skip=0, **kw):
+        drafts = propose(*args, skip=skip, **kw)
+        if not skip:
+            proposed.append(len(drafts))
+        return drafts
+
+    before_each_step(engine, slow)
+    engine.proposer.propose = counted
     return proposed, fed
 
 
@@ -680,8 +701,9 @@ def test_adaptive_draft_length_verifies_the_drafts_that_pay_for_their_rows(tiny,
     """Batch 1. Where a row adds little to a step, the adaptive engine verifies most drafts it proposes; where
     each adds 8 ms to a ~2 ms step, few (acceptance here is ~0.6: 4 drafts would give 2.3 tokens for ~4x the
     time; each row count is tried a few times first). Either way it emits the plain greedy tokens, and every
-    page comes back."""
-    engine = make_engine(tiny, speculative_config=ADAPTIVE)
+    page comes back. The synchronous loop: every step's cost is the one slept (with async scheduling, below,
+    steps without drafts overlap the host's work)."""
+    engine = make_engine(tiny, speculative_config=ADAPTIVE, async_scheduling=False)
     proposed, fed = slow_steps(engine, seconds, seconds_a_row)
     for prompt in repetitive_prompts(6, seed=81):
         done = run_all(engine, [prompt])
@@ -689,6 +711,62 @@ def test_adaptive_draft_length_verifies_the_drafts_that_pay_for_their_rows(tiny,
     assert engine.draft_policy.step_seconds() and sum(proposed) > 50
     low, high = verified
     assert low * sum(proposed) <= sum(fed) <= high * sum(proposed), (sum(fed), sum(proposed))
+
+
+def test_async_scheduling_waits_for_a_step_only_to_verify_drafts(tiny):
+    """Speculation under async scheduling (the default): a step that verifies drafts runs synchronously (its
+    tokens on the host before the next is scheduled); every other step is overlapped. Nothing proposed: every
+    step overlapped. An oracle's drafts for every request (all accepted, or wrong from the second): its decode
+    steps synchronous. For half the requests: on CPU no room for drafts beside decodes without (the scheduler's
+    rule), so every step overlapped, and the engine stops waiting for tokens in flight to propose drafts that
+    find no room (until the batch changes). Outputs: the plain greedy ones."""
+    prompts = mixed_prompts(2, seed=91) + repetitive_prompts(2, seed=91)  # all 4 fit the partial-prefill slots
+    expected = [greedy_generate(tiny.config, tiny.params, p, GREEDY.max_tokens) for p in prompts]
+    engine = make_engine(tiny)
+    assert engine.async_scheduling
+    steps, proposals = [], []  # (overlapped, drafts fed) per step; a 1 per proposal round
+    before_each_step(engine, lambda out, overlapped: steps.append(
+        (overlapped, sum(len(e.spec_token_ids) for e in out.scheduled_requests))))
+    propose_drafts = engine._propose_drafts
+    engine._propose_drafts = lambda: proposals.append(1) or propose_drafts()
+    never = type("Never", (), {"propose": lambda self, ids, max_drafts=None, skip=0: []})()
+    for proposer, num_accepted in ((never, None), (OracleProposer(prompts, expected), "all"),
+                                   (OracleProposer(prompts, expected, wrong_at=1), "some"),
+                                   (OracleProposer(prompts[::2], expected[::2]), None)):
+        engine.proposer, before = proposer, accepted(engine)
+        steps.clear(), proposals.clear()
+        done = run_all(engine, prompts)
+        assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == expected
+        synchronous = [drafts for overlapped, drafts in steps if not overlapped]
+        assert all(synchronous) and all(drafts == 0 for overlapped, drafts in steps if overlapped)
+        accepted_now, drafted_now = np.subtract(accepted(engine), before)
+        if num_accepted is None:
+            assert not synchronous and accepted_now == drafted_now == 0, steps
+        else:
+            assert len(synchronous) >= 4 and len(steps) - len(synchronous) >= 1, steps
+            assert accepted_now == drafted_now if num_accepted == "all" else 0 < accepted_now < drafted_now
+    assert 2 <= len(proposals) <= 8 < len(steps)  # the half oracle's: not one a step
+
+
+@pytest.mark.parametrize("seconds, seconds_a_row", [(0.02, 0.0), (0.0, 0.008)])
+def test_async_scheduling_waits_for_drafts_that_pay(tiny, seconds, seconds_a_row):
+    """Async scheduling with the adaptive draft length, batch 1 on copying prompts: where a row adds little to a
+    step (a synchronous step of a few rows costs about an overlapped one), most drafts proposed are verified;
+    where each row adds 8 ms, most decode steps stay overlapped (the policy would cut the drafts guessed, so the
+    engine does not wait for the token in flight to propose them). The plain greedy tokens either way."""
+    engine = make_engine(tiny, speculative_config=ADAPTIVE)
+    kinds = collections.Counter()  # decode steps: overlapped or synchronous
+    proposed, fed = slow_steps(engine, seconds, seconds_a_row)
+    before_each_step(engine, lambda out, overlapped: kinds.update(
+        ["overlapped" if overlapped else "synchronous"] * all(e.num_tokens == 1 + len(e.spec_token_ids)
+                                                              for e in out.scheduled_requests)))
+    for prompt in repetitive_prompts(6, seed=81):
+        done = run_all(engine, [prompt])
+        assert done["0"].outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, prompt, 24)
+    if seconds_a_row:
+        assert kinds["overlapped"] > 2 * kinds["synchronous"], kinds
+    else:
+        assert sum(proposed) > 30 and sum(fed) >= 0.6 * sum(proposed), (sum(fed), sum(proposed), kinds)
 
 
 def test_no_compilation_after_warmup_with_speculation(tiny):
@@ -711,10 +789,8 @@ def test_no_drafts_while_more_requests_are_enqueued_than_disable_by_batch_size(t
     prompts = repetitive_prompts(4, seed=71)
     lengths = (6, 10, 30, 40)
     seen = []  # per step: (requests enqueued, whether it fed drafts)
-    execute = engine.runner.execute_model
-    engine.runner.execute_model = lambda out, *rest: seen.append(
-        (engine.scheduler.num_running + engine.scheduler.num_waiting,
-         any(e.spec_token_ids for e in out.scheduled_requests))) or execute(out, *rest)
+    before_each_step(engine, lambda out, _: seen.append((engine.scheduler.num_running + engine.scheduler.num_waiting,
+                                                       any(e.spec_token_ids for e in out.scheduled_requests))))
     done = run_all(engine, prompts, [dataclasses.replace(GREEDY, max_tokens=n) for n in lengths])
     assert [n for n, drafted in seen if drafted] and all(n <= 2 for n, drafted in seen if drafted)
     assert sum(n > 2 for n, _ in seen) >= 6  # the first steps: 4, then 3 requests
@@ -787,7 +863,7 @@ def test_structured_outputs_with_speculation_are_those_without(plain, spec):
     try:
         assert tokens(run_all(spec, prompts, params)) == expected
         assert {"0", "2"} <= set(drafted), drafted  # JSON and regex requests drafted
-        spec.proposer = type("Never", (), {"propose": lambda self, ids, max_drafts=None: []})()
+        spec.proposer = type("Never", (), {"propose": lambda self, ids, max_drafts=None, skip=0: []})()
         before = accepted(spec)  # the constrained requests' drafts now only the tokens their grammar forces
         assert tokens(run_all(spec, prompts[:4], params[:4])) == {str(i): expected[str(i)] for i in range(4)}
         assert accepted(spec)[0] - before[0] > 10  # a schema's keys and punctuation: drafts the model accepts
