@@ -816,7 +816,8 @@ class LLMEngine:
         if not guesses or self.draft_policy is None:
             return bool(guesses)
         rates = self.draft_policy.position_rates()
-        keep = self.draft_policy.plan(len(in_flight), [self.draft_policy.gains(r, len(d), rates) for r, d in guesses])
+        keep = self.draft_policy.plan(len(in_flight), [self.draft_policy.gains(r, len(d), rates) for r, d in guesses],
+                                      without_drafts=len(in_flight) - len(guesses))
         return any(keep)
 
     def _batch_key(self) -> tuple[frozenset[str], int, int]:

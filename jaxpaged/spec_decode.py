@@ -194,6 +194,7 @@ class DraftLengthPolicy:
     POSITION_DECAY = 0.995  # weight of the engine's older verifications in c_j, per verification
     STEP_SAMPLES = 5  # step times kept per row count; t(n) is their median
     MARGIN = 0.03  # the least gain in expected tokens a second for which drafts are left out
+    SLOWDOWN = 0.05  # what drafts may add to a step that carries a decode without drafts
 
     def __init__(self, num_speculative_tokens: int):
         self.step_times: dict[int, collections.deque] = {}  # n rows -> the last decode-only steps' seconds
@@ -270,16 +271,19 @@ class DraftLengthPolicy:
             return
         rates = self.position_rates()
         keep = self.plan(len(requests) + sum(r.spec_num_forced for r in requests),
-                         [self.gains(r, len(r.spec_token_ids) - r.spec_num_forced, rates) for r in drafting])
+                         [self.gains(r, len(r.spec_token_ids) - r.spec_num_forced, rates) for r in drafting],
+                         without_drafts=sum(not r.spec_token_ids for r in requests))
         for request, count in zip(drafting, keep):
             if count == 0:  # proposed, nothing verified: forget a little, so it tries again
                 request.spec_first_accepted *= self.DECAY
                 request.spec_first_rejected *= self.DECAY
             del request.spec_token_ids[request.spec_num_forced + count:]
 
-    def plan(self, num_requests: int, gains: Sequence[np.ndarray]) -> list[int]:
+    def plan(self, num_requests: int, gains: Sequence[np.ndarray], without_drafts: int = 0) -> list[int]:
         """Drafts to keep of each request's proposal (its drafts' expected tokens, falling) in a step of
-        num_requests decodes."""
+        num_requests decodes, `without_drafts` of which have none: those must not be slowed (issue 17), so then
+        the step keeps only drafts that cost it at most SLOWDOWN more than none (under async scheduling a
+        verification's synchronous step costs a GPU's whole host time: there none)."""
         rows, cost = self.step_cost()
         if not gains or not rows:  # nothing timed yet: verify them all
             return [len(g) for g in gains]
@@ -292,6 +296,8 @@ class DraftLengthPolicy:
         m = int(np.argmax(rate))  # the first best: ties keep fewer rows
         if rate[m] < (1 + self.MARGIN) * rate[-1]:
             m = len(order)
+        if without_drafts:  # seconds never falls with rows: the allowed sizes are a prefix
+            m = min(m, int(np.sum(seconds <= (1 + self.SLOWDOWN) * seconds[0])) - 1)
         return np.bincount(owner[order[:m]], minlength=len(gains)).tolist()
 
 
