@@ -792,7 +792,8 @@ class LLMEngine:
     def _drafts_likely(self) -> bool:
         """Async scheduling, a step in flight: whether drafts would likely follow a request's token in flight,
         guessed from the tokens known (the n-gram proposal after that token; under a grammar, also the tokens
-        it forces after it), those the adaptive policy would keep. Then that step is waited for, not overlapped."""
+        it forces after it), those the adaptive policy would keep. Then that step is waited for, not overlapped.
+        While drafts recently found no room in this batch, False (counting down `_no_room_wait`)."""
         limit = self.args.speculative_config.disable_by_batch_size
         if limit is not None and self.scheduler.num_running + self.scheduler.num_waiting > limit:
             return False

@@ -93,8 +93,8 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=EngineArgs.async_scheduling, help="keep one step in flight: schedule and dispatch the "
-                   "next step before this one's tokens reach the host (vLLM's async scheduling); default: on "
-                   "unless --speculative-config is given")
+                   "next step before this one's tokens reach the host (vLLM's async scheduling); default: on (with "
+                   "--speculative-config, steps that verify drafts run synchronously)")
     e.add_argument("--async-scheduling-max-tokens", type=int, default=None, help="async scheduling keeps only "
                    "steps feeding at most this many tokens in flight (default: every step with a GPU, "
                    f"{CPU_ASYNC_MAX_TOKENS} on CPU, where the host's work shares the step's cores)")
