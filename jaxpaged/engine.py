@@ -654,15 +654,16 @@ class LLMEngine:
         failed = self._admit_grammar_ready() if self._awaiting_grammar else []
         previous, self._in_flight = self._in_flight, None
         try:
+            proposed = False
             if self.proposer is not None:
                 if previous is None or self._drafts_likely():
                     if previous is not None:  # drafts follow the token in flight: wait for it
                         failed, previous, start = failed + self._handle_in_flight(previous), None, time.perf_counter()
                     self._propose_drafts()
+                    proposed = any(r.spec_token_ids for r in self.scheduler.running)
                 else:  # no drafts this step (one proposed earlier for a request not scheduled since is dropped)
                     for request in self.scheduler.running:
                         request.spec_token_ids = []
-            proposed = self.proposer is not None and any(r.spec_token_ids for r in self.scheduler.running)
             batch = self._batch_key() if proposed else None
             out = self.scheduler.schedule()
             if any(e.spec_token_ids for e in out.scheduled_requests):  # verified before the next is scheduled
@@ -773,8 +774,7 @@ class LLMEngine:
     def _propose_drafts(self) -> None:
         """Speculative decoding: n-gram drafts for every decoding request (under a grammar, `_grammar_drafts`;
         none while more requests are enqueued than speculative_config.disable_by_batch_size)."""
-        limit = self.args.speculative_config.disable_by_batch_size
-        disabled = limit is not None and self.scheduler.num_running + self.scheduler.num_waiting > limit
+        disabled = self._drafting_disabled()
         decoding = self.scheduler.decoding_requests()
         for request in decoding:
             request.spec_num_forced = 0
@@ -789,13 +789,17 @@ class LLMEngine:
         if self.draft_policy is not None:
             self.draft_policy.trim(decoding)
 
+    def _drafting_disabled(self) -> bool:
+        """speculative_config.disable_by_batch_size: more requests enqueued than it allows draft nothing."""
+        limit = self.args.speculative_config.disable_by_batch_size
+        return limit is not None and self.scheduler.num_running + self.scheduler.num_waiting > limit
+
     def _drafts_likely(self) -> bool:
         """Async scheduling, a step in flight: whether drafts would likely follow a request's token in flight,
         guessed from the tokens known (the n-gram proposal after that token; under a grammar, also the tokens
         it forces after it), those the adaptive policy would keep. Then that step is waited for, not overlapped.
         While drafts recently found no room in this batch, False (counting down `_no_room_wait`)."""
-        limit = self.args.speculative_config.disable_by_batch_size
-        if limit is not None and self.scheduler.num_running + self.scheduler.num_waiting > limit:
+        if self._drafting_disabled():
             return False
         if self._no_room_wait and self._no_room_batch == self._batch_key():
             self._no_room_wait -= 1

@@ -317,7 +317,7 @@ MUTATIONS: tuple[Mutation, ...] = (
        "token_bitmask=_draft_bitmask(layout, grammar_bitmask))", "token_bitmask=None)",
        SPEC + "test_structured_outputs_with_speculation_are_those_without"),
     _m("spec-disable-by-batch-size-ignored", "engine: speculative decoding", "jaxpaged/engine.py",
-       "disabled = limit is not None and", "disabled = False and",
+       "return limit is not None and self.scheduler.num_running", "return False and self.scheduler.num_running",
        SPEC + "test_no_drafts_while_more_requests_are_enqueued_than_disable_by_batch_size"),
     _m("spec-async-always-waits", "engine: speculative decoding", "jaxpaged/engine.py",
        "if previous is None or self._drafts_likely():", "if True:",

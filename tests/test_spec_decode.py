@@ -818,10 +818,14 @@ def test_no_compilation_after_warmup_with_speculation(tiny):
 
 def test_no_drafts_while_more_requests_are_enqueued_than_disable_by_batch_size(tiny):
     """vLLM's disable_by_batch_size, checked every step: 4 requests of different lengths draft nothing while
-    more than 2 are enqueued, then speculate as the batch drains; the outputs are the plain greedy ones."""
+    more than 2 are enqueued, then speculate as the batch drains; the outputs are the plain greedy ones. Every
+    request has drafts (an oracle's, all right), so a step of 4 decodes would have room for them: only the
+    limit keeps them out."""
     engine = make_engine(tiny, speculative_config={**SPEC, "disable_by_batch_size": 2})
     prompts = repetitive_prompts(4, seed=71)
     lengths = (6, 10, 30, 40)
+    expected = [greedy_generate(tiny.config, tiny.params, p, n) for p, n in zip(prompts, lengths)]
+    engine.proposer = OracleProposer(prompts, expected)
     seen = []  # per step: (requests enqueued, whether it fed drafts)
     before_each_step(engine, lambda out, _: seen.append((engine.scheduler.num_running + engine.scheduler.num_waiting,
                                                        any(e.spec_token_ids for e in out.scheduled_requests))))
@@ -829,8 +833,7 @@ def test_no_drafts_while_more_requests_are_enqueued_than_disable_by_batch_size(t
     assert [n for n, drafted in seen if drafted] and all(n <= 2 for n, drafted in seen if drafted)
     assert sum(n > 2 for n, _ in seen) >= 6  # the first steps: 4, then 3 requests
     for rid, out in done.items():
-        assert out.outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, prompts[int(rid)],
-                                                           lengths[int(rid)])
+        assert out.outputs[0].token_ids == expected[int(rid)]
 
 
 def test_metrics_expose_the_spec_decode_counters(spec):
