@@ -25,13 +25,20 @@ next is scheduled. Falls back to the synchronous loop: multi-process runs (follo
 take each step's tokens from the host).
 
 Speculative decoding with async scheduling: drafts follow a request's last token, which
-is in flight, so a step that verifies drafts runs synchronously (scheduled after the
-step in flight is handled, handled before the next is scheduled), and the others stay
-overlapped. With a step in flight the engine guesses, from the tokens it knows, whether
-drafts would follow the token in flight (`_drafts_likely`: the n-gram proposal after it,
-or a grammar forcing more than it; with the adaptive policy, only drafts it would keep);
-only then does it wait for that step and propose. So a request with nothing to copy
-decodes overlapped, as without speculation, and copying stretches are verified.
+is in flight. Greedy requests without penalties, min_tokens bans or a grammar
+(`_verifies_overlapped`) verify overlapped too: with step N in flight (a verification of d
+drafts, or a decode), step N+1 is scheduled as if all d were accepted (the scheduler's
+`num_draft_placeholders`), its drafts proposed on a guess of N's outcome
+(`NgramProposer.propose_past`: the same lookup's continuation decides which drafts N
+accepts), and the device moves N+1's token and positions to N's real outcome
+(`model_runner.fill_in_flight`); when N's tokens reach the host its rejected drafts are
+rolled back. A wrong guess costs only N+1's draft rows (almost all rejected: such blind
+drafts do not teach the adaptive policy). Other requests (a seeded row's key, penalty
+counts, grammar masks and min_tokens bans follow the tokens in flight): a step that
+verifies their drafts runs synchronously (scheduled after the step in flight is handled,
+handled before the next is scheduled), and the others stay overlapped; with a step in
+flight the engine guesses whether drafts would follow the token in flight
+(`_drafts_likely`), and only then waits for that step and proposes.
 
 A request with n > 1 becomes n child requests (`<id>#<i>`, seeds seed + i) that
 share the prompt's pages through prefix caching, aggregated back into one
@@ -64,6 +71,7 @@ from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.request import Request, RequestStatus, StopVerdict
+from jaxpaged.sampler import GREEDY_TEMPERATURE_EPS
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxpaged.spec_decode import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
@@ -647,16 +655,21 @@ class LLMEngine:
         -> dispatch N+1's sampler (after N's tokens are appended: penalties and grammar masks see them).
         A step feeding more than `async_max_tokens` tokens is then handled at once (its outputs join N's).
         A failure dispatching N+1 is raised by the next call, after N's outputs are returned.
-        Speculative decoding: when drafts are likely (`_drafts_likely`), N is handled first and drafts are
-        proposed; a step that verifies drafts then runs synchronously (`_run_sync`)."""
+        Speculative decoding: when every request in flight verifies overlapped (`_verifies_overlapped`), drafts
+        are proposed past N's outcome, guessed (`_propose_past_in_flight`), and N+1 is dispatched as any other
+        step. Otherwise, when drafts are likely (`_drafts_likely`), N is handled first and drafts are proposed;
+        a step that verifies drafts some request cannot verify overlapped then runs synchronously (`_run_sync`)."""
         self._raise_deferred_error()
         start = time.perf_counter()
         failed = self._admit_grammar_ready() if self._awaiting_grammar else []
         previous, self._in_flight = self._in_flight, None
         try:
-            proposed = False
+            proposed = overlapped = False
             if self.proposer is not None:
-                if previous is None or self._drafts_likely():
+                if previous is not None and all(self._verifies_overlapped(r) for r in self._in_flight_decodes()):
+                    self._propose_past_in_flight(previous.scheduler_output)  # nothing waits
+                    overlapped = True
+                elif previous is None or self._drafts_likely():
                     if previous is not None:  # drafts follow the token in flight: wait for it
                         failed, previous, start = failed + self._handle_in_flight(previous), None, time.perf_counter()
                     self._propose_drafts()
@@ -666,11 +679,14 @@ class LLMEngine:
                         request.spec_token_ids = []
             batch = self._batch_key() if proposed else None
             out = self.scheduler.schedule()
-            if any(e.spec_token_ids for e in out.scheduled_requests):  # verified before the next is scheduled
+            drafted = [e.request_id for e in out.scheduled_requests if e.spec_token_ids]
+            if drafted:
                 self._no_room_streak = 0
-                return self._run_sync(out, failed, start)
-            if proposed:  # drafts found no room (the partial-prefill slots, the bucket's padding): wait for a token
-                self._no_room_streak += 1  # in flight again only after 2, 4, ... steps, or once the batch changes
+                if not all(self._verifies_overlapped(self.scheduler.get_request(rid)) for rid in drafted):
+                    return self._run_sync(out, failed, start)  # verified before the next is scheduled
+            elif proposed and not overlapped:  # drafts found no room (the partial-prefill slots, a bucket's padding):
+                self._no_room_streak += 1  # wait for a token in flight again only after 2, 4, ... steps, or once the
+                # batch changes
                 self._no_room_batch, self._no_room_wait = batch, min(2 ** self._no_room_streak, NO_ROOM_MAX_WAIT)
             if out.is_empty and previous is None:
                 if not failed:
@@ -731,16 +747,22 @@ class LLMEngine:
         for rid, chunk in result.prompt_logprobs.items():
             if rid in live:
                 self._record_prompt_logprobs(*self._child_to_parent[rid], chunk)
-        stops, touched, sampled = {}, {}, {}
-        for rid, row in result.req_id_to_index.items():
+        stops, touched, sampled, blind = {}, {}, {}, set()
+        for rid in result.req_ids:
             if rid not in live:
                 continue
             parent, child = self._child_to_parent[rid]
-            stops[rid] = self._stop_verdict(child, result, row)
-            sampled[rid] = [int(result.sampled_token_ids[row])]
+            sampled[rid], stops[rid] = self._emit(child, result, result.token_rows(rid))
             touched.setdefault(parent.request_id, (parent, set()))[1].add(child.index)
+            request = child.request  # the next step's drafts (in flight) were proposed on a guess of these tokens
+            if request.spec_blind:
+                blind.add(rid)
+            request.spec_blind = request.spec_guess is not None and tuple(sampled[rid]) != request.spec_guess
+            request.spec_guess = None
         out = flight.scheduler_output
         entries = tuple(e for e in out.scheduled_requests if e.request_id in live)
+        if self.spec_decoding_stats is not None:
+            self._observe_drafts(entries, result, blind)
         self.scheduler.update_from_output(dataclasses.replace(out, scheduled_requests=entries), sampled, stops)
         outputs = self._outputs(touched)
         self._observe_step(out, max(flight.dispatched_at, self._last_handled))  # overlapped: the time between steps
@@ -777,7 +799,7 @@ class LLMEngine:
         disabled = self._drafting_disabled()
         decoding = self.scheduler.decoding_requests()
         for request in decoding:
-            request.spec_num_forced = 0
+            request.spec_num_forced, request.spec_guess, request.spec_blind = 0, None, False  # nothing in flight
             room = max_drafts_for(request.num_tokens, request.num_output_tokens, request.max_tokens,
                                   request.max_model_len)
             if room < 1 or disabled:
@@ -789,13 +811,59 @@ class LLMEngine:
         if self.draft_policy is not None:
             self.draft_policy.trim(decoding)
 
+    def _verifies_overlapped(self, request: Request) -> bool:
+        """Whether the request's verification steps may overlap the next step (async scheduling): its next
+        step's tokens then depend on the outcome only through what the device moves (`fill_in_flight`: the
+        token fed, the positions). Greedy rows without penalties, min_tokens bans or a grammar: their sampler
+        reads nothing else of the tokens in flight (a seeded row's key, penalty counts, a grammar mask and
+        min_tokens bans would)."""
+        params = request.sampling_params
+        return params.temperature < GREEDY_TEMPERATURE_EPS and params.repetition_penalty == 1.0 and \
+            not params.presence_penalty and not params.frequency_penalty and \
+            request.num_output_tokens >= params.min_tokens and \
+            self._child_to_parent[request.request_id][1].matcher is None
+
+    def _in_flight_decodes(self) -> list[Request]:
+        """Running requests whose next token (and drafts' outcome) is in flight: one step, fed their last token."""
+        return [r for r in self.scheduler.running if r.num_output_placeholders == 1 and
+                r.num_computed_tokens == r.num_tokens + r.num_draft_placeholders]
+
+    def _propose_past_in_flight(self, in_flight: SchedulerOutput) -> None:
+        """Speculative decoding with a step in flight whose requests all verify overlapped
+        (`_verifies_overlapped`): drafts for every decoding request that may have them, those in flight
+        guessing that step's outcome (`NgramProposer.propose_past`, its guess kept to check when the outcome
+        arrives; room as if all its drafts were accepted), the others from their tokens; the adaptive policy
+        trims them. Nothing waits for the device."""
+        disabled = self._drafting_disabled()
+        fed = {e.request_id: e.spec_token_ids for e in in_flight.scheduled_requests}
+        decoding, waiting_for = [], {id(r) for r in self._in_flight_decodes()}
+        for request in self.scheduler.running:
+            request.spec_token_ids, request.spec_num_forced, request.spec_guess = [], 0, None
+            known = not request.num_output_placeholders and request.num_tokens - request.num_computed_tokens == 1
+            if id(request) not in waiting_for and not known:
+                continue  # prefilling, or two steps in flight
+            decoding.append(request)
+            ahead = 0 if known else request.num_draft_placeholders + 1  # in flight, if all its drafts are accepted
+            room = max_drafts_for(request.num_tokens + ahead, request.num_output_tokens + ahead, request.max_tokens,
+                                  request.max_model_len)
+            if disabled or room < 1 or not self._verifies_overlapped(request):
+                continue
+            if known:
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+                continue
+            drafts, guess = self.proposer.propose_past(request.all_token_ids, fed.get(request.request_id, ()), room)
+            request.spec_token_ids, request.spec_guess = drafts, (guess or None) if drafts else None
+        if self.draft_policy is not None:
+            self.draft_policy.trim(decoding)
+
     def _drafting_disabled(self) -> bool:
         """speculative_config.disable_by_batch_size: more requests enqueued than it allows draft nothing."""
         limit = self.args.speculative_config.disable_by_batch_size
         return limit is not None and self.scheduler.num_running + self.scheduler.num_waiting > limit
 
     def _drafts_likely(self) -> bool:
-        """Async scheduling, a step in flight: whether drafts would likely follow a request's token in flight,
+        """Async scheduling, a step in flight, some request in it not verifying overlapped (`_verifies_overlapped`):
+        whether drafts would likely follow a request's token in flight,
         guessed from the tokens known (the n-gram proposal after that token; under a grammar, also the tokens
         it forces after it), those the adaptive policy would keep. Then that step is waited for, not overlapped.
         While drafts recently found no room in this batch, False (counting down `_no_room_wait`)."""
@@ -845,12 +913,15 @@ class LLMEngine:
         request.spec_num_forced = min(forced, len(drafts))
         return drafts
 
-    def _observe_drafts(self, entries: Sequence[ScheduledRequest], result: ModelRunnerOutput) -> None:
+    def _observe_drafts(self, entries: Sequence[ScheduledRequest], result: ModelRunnerOutput,
+                        blind: set[str] = frozenset()) -> None:
+        """Count the step's verifications (metrics); the adaptive policy learns from those not `blind` (drafted
+        on a wrong guess of the step before: `_handle_in_flight`)."""
         for entry in entries:
             num_accepted = result.num_accepted_drafts.get(entry.request_id)
             if num_accepted is not None:
                 self.spec_decoding_stats.observe(len(entry.spec_token_ids), num_accepted)
-                if self.draft_policy is not None:
+                if self.draft_policy is not None and entry.request_id not in blind:
                     request = self._child_to_parent[entry.request_id][1].request
                     self.draft_policy.observe_verification(request, len(entry.spec_token_ids), num_accepted,
                                                            min(request.spec_num_forced, len(entry.spec_token_ids)))

@@ -13,7 +13,11 @@ from the previous step's sampled tokens ON THE DEVICE (`pad_sampled_tokens`, the
 `merge_sampled_tokens`'s gather; no host round trip) and dispatches the forward; `dispatch_sample(pending)`
 dispatches the sampler once the host has handled the previous step's outputs (so
 penalties and grammar masks see its tokens); `pending.result()` brings the sampled
-tokens to the host. Same programs, same results as `execute_model`.
+tokens to the host. Same programs, same results as `execute_model`. Speculative decoding: a dispatched
+step may verify drafts, and the next one be packed before their outcome is known, as if all were accepted:
+`PendingStep.carry` gives, per row, the token fed next (the sample at the first rejected draft, or the
+bonus token) and the drafts rejected, by which `fill_in_flight` moves that request's positions, slots and
+KV length back on the device.
 
 The fused sampler (`RunnerConfig.fuse_sampler`; on with a GPU by default): one jitted program per step,
 `fused_step`, gathers the placeholder tokens, runs the forward, samples every row (sampler.sample_in_step:
@@ -367,6 +371,9 @@ class PendingStep:
     sampled: SamplerOutput | None = None  # finish_sample's result, once called (`sampler_output`)
     prompt_spans: dict | None = None  # prompt_logprob_spans(entries) when some entry asks
     prompt_arrays: tuple | None = None  # prompt_logprobs_step's device outputs over the spans
+    layout: DraftRows | None = None  # speculative decoding: where the step verifies its drafts
+    drafts: VerifiedDrafts | None = None  # their verification, on device (set once the sampler's output is)
+    carried: tuple[jax.Array, jax.Array] | None = None  # `carry`'s result, once called
 
     @functools.cached_property
     def rows(self) -> dict[str, int]:
@@ -379,6 +386,11 @@ class PendingStep:
             if self.finish_sample is None:
                 raise RuntimeError("the step's sampler was never dispatched (ModelRunner.dispatch_sample)")
             self.sampled, self.finish_sample = self.finish_sample(), None
+            if self.layout is not None and self.drafts is None:  # packed drafts: counted on the final tokens
+                accepted = self.fused.num_accepted if self.fused is not None and \
+                    self.sampled.token_ids is self.fused.sample.out.token_ids else \
+                    accept_drafts(self.sampled.token_ids, self.layout.sample_rows, self.layout.draft_ids)
+                self.drafts = VerifiedDrafts(self.layout, self.sampled, accepted)
         return self.sampled
 
     def result(self) -> ModelRunnerOutput:
@@ -389,7 +401,26 @@ class PendingStep:
             out = jax.device_get(self.prompt_arrays)
             prompt = {rid: PromptLogprobs(first, *(a[offset:offset + count] for a in out))
                       for rid, (offset, first, count, _) in self.prompt_spans.items()}
-        return ModelRunnerOutput.from_sampler(self.entries, jax.device_get(sampled), prompt)
+        drafts = None if self.drafts is None else self.drafts.to_host()
+        return ModelRunnerOutput.from_sampler(self.entries, jax.device_get(sampled), prompt, drafts)
+
+    def carry(self, size: int) -> tuple[jax.Array, jax.Array | None]:
+        """(i32[size], i32[size] or None): what the next step, dispatched before this one's tokens reach the
+        host, takes from this one per sampler row: the token it feeds (`next_tokens`; for a row that verified
+        drafts, the token sampled at its first rejected draft, or the bonus token) and the drafts rejected
+        (None when no row verified any), by which that row's positions were counted too far."""
+        if self.drafts is None and self.layout is None:
+            return self.next_tokens(size), None
+        if self.carried is None:
+            sampled, drafts = self.sampler_output(), self.drafts
+            entry_rows = np.full(len(drafts.layout.sample_rows), size, np.int32)  # i32[M]; padding slots: dropped
+            index = {e.request_id: i for i, e in enumerate(self.entries)}
+            entry_rows[:len(drafts.layout.request_ids)] = [index[rid] for rid in drafts.layout.request_ids]
+            num_drafts = np.zeros(len(entry_rows), np.int32)
+            num_drafts[:len(drafts.layout.num_drafts)] = drafts.layout.num_drafts
+            self.carried = carry_tokens(sampled.token_ids, drafts.sampled.token_ids, size, entry_rows,
+                                        drafts.layout.sample_rows, drafts.num_accepted, num_drafts)
+        return self.carried
 
     def next_tokens(self, size: int) -> jax.Array:
         """i32[size]: the step's sampled tokens, zero-padded (the next fused step's previous_tokens): the
@@ -406,6 +437,69 @@ def merge_sampled_tokens(token_ids: jax.Array, sampled: jax.Array, sources: jax.
     sampled i32[R] being the previous step's sampled tokens (a gather on the device; `dispatch` pads them to
     the largest S bucket, `pad_sampled_tokens`, so one program serves each T)."""
     return jnp.where(sources >= 0, sampled[jnp.maximum(sources, 0)], token_ids)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def carry_tokens(token_ids: jax.Array, draft_token_ids: jax.Array, size: int, entry_rows: jax.Array,
+                 sample_rows: jax.Array, num_accepted: jax.Array, num_drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`PendingStep.carry` on the device. token_ids i32[N]: a step's sampled tokens, row r entry r's;
+    draft_token_ids i32[N']: the tokens its draft rows sampled (token_ids itself when packed); per slot m of
+    M: entry_rows i32[M] (size: a padding slot), sample_rows i32[M, k] (into draft_token_ids), num_accepted
+    (i32[>= M]: the fused step counts S slots) and num_drafts i32[M]. Returns (tokens i32[size]: token_ids zero-padded, each slot's entry row replaced by the
+    sample at its first rejected draft (the bonus token's row kept when all were accepted); rejected i32[size]:
+    each slot's entry row d - a, 0 elsewhere)."""
+    k, num_accepted = sample_rows.shape[1], num_accepted[:sample_rows.shape[0]]  # the fused step's has S >= M
+    at = jnp.take_along_axis(sample_rows, jnp.minimum(num_accepted, k - 1)[:, None], axis=1)[:, 0]  # i32[M]
+    main = token_ids[jnp.minimum(entry_rows, token_ids.shape[0] - 1)]  # i32[M]
+    token = jnp.where(num_accepted < num_drafts, draft_token_ids[at], main)
+    n = min(size, token_ids.shape[0])
+    tokens = jnp.zeros((size,), jnp.int32).at[:n].set(token_ids[:n]).at[entry_rows].set(token, mode="drop")
+    rejected = jnp.zeros((size,), jnp.int32).at[entry_rows].set(num_drafts - num_accepted, mode="drop")
+    return tokens, rejected
+
+
+def fill_in_flight(step: StepInput, tokens: jax.Array, rejected: jax.Array, sources: jax.Array,
+                   shifts: jax.Array, page_size: int) -> StepInput:
+    """The step with what the previous step (still in flight when it was packed) decided, on the device:
+    each placeholder token (sources i32[T] >= 0) becomes tokens[sources]; each token of a sequence that follows
+    a verification in flight (shifts i32[T] >= 0: that sequence's row there) moves back by rejected[shifts]
+    positions (the host packed it as if every draft were accepted): positions, slots (from the page table)
+    and the sequence's kv_lens. tokens, rejected: i32[R] (`PendingStep.carry`)."""
+    token_ids, positions, slots, kv_lens = _fill_in_flight(step.token_ids, step.positions, step.slot_mapping,
+                                                           step.page_table, step.kv_lens, step.cu_q_lens, tokens,
+                                                           rejected, sources, shifts, page_size)
+    return dataclasses.replace(step, token_ids=token_ids, positions=positions, slot_mapping=slots, kv_lens=kv_lens)
+
+
+def _fill_in_flight(token_ids, positions, slot_mapping, page_table, kv_lens, cu_q_lens, tokens, rejected, sources,
+                    shifts, page_size: int):
+    """`fill_in_flight` on the StepInput fields it changes (T tokens, S sequences, P pages a sequence)."""
+    token_ids = jnp.where(sources >= 0, tokens[jnp.maximum(sources, 0)], token_ids)  # i32[T]
+    shift = jnp.where(shifts >= 0, rejected[jnp.maximum(shifts, 0)], 0)  # i32[T]
+    positions = positions - shift
+    T, S = token_ids.shape[0], kv_lens.shape[0]
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, jnp.arange(T), side="right") - 1, 0, S - 1)  # i32[T]
+    pages = page_table[seq, jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)]  # i32[T]
+    slots = jnp.where(shifts >= 0, pages * page_size + positions % page_size, slot_mapping)
+    first, fed = cu_q_lens[:-1], cu_q_lens[1:] > cu_q_lens[:-1]  # i32[S], bool[S]
+    kv_lens = kv_lens - jnp.where(fed, shift[jnp.clip(first, 0, T - 1)], 0)
+    return token_ids, positions, slots, kv_lens
+
+
+fill_in_flight_jit = jax.jit(_fill_in_flight, static_argnums=(10,))  # the unfused runner's (the fused step inlines it)
+
+
+def _shift_rows(entries: Sequence[ScheduledRequest], step: StepInput, previous: PendingStep | None) -> np.ndarray | None:
+    """i32[T]: for every token of an entry whose request verified drafts in `previous` (so its positions assume
+    them all accepted), that request's sampler row in `previous`; -1 elsewhere. None when there are none."""
+    if previous is None or previous.layout is None:
+        return None
+    verified = set(previous.layout.request_ids)
+    shifts = np.full(len(step.token_ids), -1, np.int32)
+    for i, entry in enumerate(entries):
+        if entry.request_id in verified and entry.placeholder:
+            shifts[step.cu_q_lens[i]:step.cu_q_lens[i + 1]] = previous.rows[entry.request_id]
+    return shifts if (shifts >= 0).any() else None
 
 
 def _placeholder_sources(entries: Sequence[ScheduledRequest], step: StepInput,
@@ -855,6 +949,8 @@ class StepSampling:
     batch: SamplingBatch  # S rows, every optional array present (sampler.with_neutral_arrays)
     previous_tokens: jax.Array  # i32[R]: the previous step's sampled tokens (async scheduling), zero-padded
     sources: np.ndarray  # i32[T]: the row of previous_tokens each placeholder position takes, else -1
+    previous_rejected: jax.Array  # i32[R]: the previous step's rejected drafts per row (`PendingStep.carry`)
+    shifts: np.ndarray  # i32[T]: the row of previous_rejected each position moves back by, else -1 (fill_in_flight)
     draft_rows: np.ndarray  # i32[S, k]: speculative decoding (packed drafts): slot m's draft rows (else 0)
     draft_ids: np.ndarray  # i32[S, k]: slot m's drafts, -1 for none (never accepted)
 
@@ -871,13 +967,15 @@ class FusedStep:
 
 def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, params: Params, kv: KVPool,
                step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array, KVPool]:
-    """One step in one program: placeholder tokens gathered from the previous step's (async scheduling),
+    """One step in one program: placeholder tokens gathered from the previous step's (async scheduling; positions
+    moved back by its rejected drafts: `fill_in_flight`),
     `paged_forward`, the sampler's common part (`sampler.sample_in_step`: bitmask, bias, penalties, argmax,
     or the candidate pass when `random` (static: some row samples at random), the sampled ids' raw
     log-probs) and the acceptance of packed drafts. Returns the FusedStep, the hidden states [T, E] and
     the updated pool (donated)."""
-    token_ids = merge_sampled_tokens(step.token_ids, sampling.previous_tokens, sampling.sources)  # i32[T]
-    step = dataclasses.replace(step, token_ids=token_ids)
+    step = fill_in_flight(step, sampling.previous_tokens, sampling.previous_rejected, sampling.sources,
+                          sampling.shifts, kv.k.shape[3])
+    token_ids = step.token_ids  # i32[T]
     logits, hidden, kv = paged_forward(config, attention, params, kv, step)  # f32[S, V], [T, E]
     last = step.logits_indices  # i32[S]
     # a row fed the previous step's token as a placeholder: the host's penalty counts do not hold it yet
@@ -1142,7 +1240,8 @@ class ModelRunner:
         return batch, num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
 
     def _step_sampling(self, batch: SamplingBatch, step: StepInput, *, layout: DraftRows | None = None,
-                       sources: np.ndarray | None = None, previous: jax.Array | None = None) -> StepSampling:
+                       sources: np.ndarray | None = None, previous: jax.Array | None = None,
+                       rejected: jax.Array | None = None, shifts: np.ndarray | None = None) -> StepSampling:
         """A fused step's sampler inputs (StepSampling) from its host batch; absent parts neutral."""
         S, k, V = batch.num_rows, self.config.num_speculative_tokens, self.model_config.vocab_size
         draft_rows, draft_ids = np.zeros((S, k), np.int32), np.full((S, k), -1, np.int32)
@@ -1151,10 +1250,14 @@ class ModelRunner:
             draft_rows[:n], draft_ids[:n] = layout.sample_rows[:n], layout.draft_ids[:n]
         if sources is None:
             sources = np.full(len(step.token_ids), -1, np.int32)
-        if previous is None:
-            previous = self._no_previous if self.fuse_sampler else jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)
+        no_previous = self._no_previous if self.fuse_sampler else jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)
+        previous = no_previous if previous is None else previous
+        rejected = no_previous if rejected is None else rejected
+        if shifts is None:
+            shifts = np.full(len(step.token_ids), -1, np.int32)
         neutral = self._neutral.get(S) or sampler.neutral_arrays(S, V)  # made here only for `lower_fused`
-        return StepSampling(sampler.with_neutral_arrays(batch, neutral), previous, sources, draft_rows, draft_ids)
+        return StepSampling(sampler.with_neutral_arrays(batch, neutral), previous, sources, rejected, shifts,
+                            draft_rows, draft_ids)
 
     def _run_fused(self, step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array]:
         """(FusedStep, hidden [T, E]) from the fused program `warmup` compiled for the step's shape and batch
@@ -1232,33 +1335,43 @@ class ModelRunner:
                                "multi-process runs take the synchronous loop")
         entries = scheduler_output.scheduled_requests
         step = self.prepare(entries)
+        layout = self._layout_drafts(entries, step) if any(e.spec_token_ids for e in entries) else None
         sources = _placeholder_sources(entries, step, previous) if any(e.placeholder for e in entries) else None
+        shifts = None if sources is None else _shift_rows(entries, step, previous)
+        carried = (None, None) if sources is None else previous.carry(self.config.seq_buckets[-1])
         if self.fuse_sampler:
-            return self._dispatch_fused(entries, step, previous, sources)
-        if sources is not None:  # previous' tokens padded to the largest S: one gather program per T bucket
-            step = dataclasses.replace(step, token_ids=merge_sampled_tokens(
-                step.token_ids, previous.next_tokens(self.config.seq_buckets[-1]), sources))
-        logits, hidden = self._forward(step)  # f32[S, V], [T, E]; dispatched
-        return PendingStep(entries, step, logits, hidden)
+            return self._dispatch_fused(entries, step, layout, sources, carried, shifts)
+        if shifts is not None:  # positions moved back too: one program per (T, S, P) bucket
+            filled = fill_in_flight_jit(step.token_ids, step.positions, step.slot_mapping, step.page_table,
+                                        step.kv_lens, step.cu_q_lens, *carried, sources, shifts, self.config.page_size)
+            step = dataclasses.replace(step, **dict(zip(("token_ids", "positions", "slot_mapping", "kv_lens"), filled)))
+        elif sources is not None:  # previous' tokens padded to the largest S: one gather program per T bucket
+            step = dataclasses.replace(step, token_ids=merge_sampled_tokens(step.token_ids, carried[0], sources))
+        logits, hidden = self._forward(step)  # f32[S, V] (L rows), [T, E]; dispatched
+        return PendingStep(entries, step, logits, hidden, layout=layout)
 
-    def _dispatch_fused(self, entries: Sequence[ScheduledRequest], step: StepInput, previous: PendingStep | None,
-                        sources: np.ndarray | None) -> PendingStep:
+    def _dispatch_fused(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
+                        sources: np.ndarray | None, carried: tuple, shifts: np.ndarray | None) -> PendingStep:
         """`dispatch` as one program, its sampler rows known now (penalties count the token in flight on the
         device). A step with a constrained row (its grammar mask needs the previous step's token on the host)
         or a fault injector runs the program's forward only; `dispatch_sample` then samples separately."""
-        tokens = None if sources is None else previous.next_tokens(self.config.seq_buckets[-1])
+        tokens, rejected = carried
         if self.fault_injector is not None or any(
                 e.samples and e.sampling_params.structured_outputs is not None for e in entries):
-            logits, hidden = self._forward(step, sources, tokens)
-            return PendingStep(entries, step, logits, hidden)
-        batch, top = self._sampling_batch(entries, step, None, None)
-        fused, hidden = self._run_fused(step, self._step_sampling(batch, step, sources=sources, previous=tokens))
-        return PendingStep(entries, step, None, hidden, fused=fused, batch=batch, num_top_logprobs=top)
+            logits, hidden = self._forward(step, sources, tokens, rejected, shifts)
+            return PendingStep(entries, step, logits, hidden, layout=layout)
+        batch, top = self._sampling_batch(entries, step, layout, None)
+        fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout, sources=sources,
+                                                                  previous=tokens, rejected=rejected, shifts=shifts))
+        pending = PendingStep(entries, step, None, hidden, fused=fused, batch=batch, num_top_logprobs=top, layout=layout)
+        if layout is not None and not layout.packed:
+            pending.drafts = self._verify_drafts(layout, None, hidden, top)
+        return pending
 
     def dispatch_sample(self, pending: PendingStep, grammar_bitmask: GrammarBitmask | None = None) -> None:
         """Dispatch the sampler (and prompt log-probs) of a dispatched step: execute_model's second half.
         A fused step sampled in its own program: only its fallbacks are left (run by `pending.result`)."""
-        entries = pending.entries
+        entries, layout = pending.entries, pending.layout
         if pending.fused is not None:
             pending.finish_sample = sampler.finish_in_step(pending.fused.sample, pending.batch,
                                                            pending.num_top_logprobs)
@@ -1268,8 +1381,11 @@ class ModelRunner:
                 grammar_bitmask = grammar_bitmask()
             if self.fault_injector is not None:
                 logits = self.fault_injector(entries, logits)
-            batch, top = self._sampling_batch(entries, pending.step, None, _check_bitmask(grammar_bitmask, entries))
+            grammar_bitmask = _check_bitmask(grammar_bitmask, entries)
+            batch, top = self._sampling_batch(entries, pending.step, layout, grammar_bitmask)
             pending.finish_sample = sample_deferred(logits, batch, num_top_logprobs=top)
+            if layout is not None and not layout.packed:  # the draft rows' own pass, from the hidden states
+                pending.drafts = self._verify_drafts(layout, None, pending.hidden, top, grammar_bitmask)
         spans = prompt_logprob_spans(entries)
         if spans:
             pending.prompt_spans = spans
@@ -1284,15 +1400,15 @@ class ModelRunner:
         """
         return self._forward(step)[0]
 
-    def _forward(self, step: StepInput, sources: np.ndarray | None = None,
-                 previous: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def _forward(self, step: StepInput, sources: np.ndarray | None = None, previous: jax.Array | None = None,
+                 rejected: jax.Array | None = None, shifts: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
         """execute's (logits f32[S, V], hidden [T, E]) on device. With the fused sampler: the fused program
         (one per shape; its sampler on greedy padding rows, nearly free), placeholders filled from
         `previous` (i32[R]) at `sources` (i32[T]) as in `fused_step`."""
         if self.fuse_sampler:
             batch = make_sampling_batch([], len(step.logits_indices), self.model_config.vocab_size)
-            fused, hidden = self._run_fused(step, self._step_sampling(batch, step, sources=sources,
-                                                                      previous=previous))
+            fused, hidden = self._run_fused(step, self._step_sampling(batch, step, sources=sources, previous=previous,
+                                                                      rejected=rejected, shifts=shifts))
             return fused.sample.logits, hidden
         if self.multi_process:
             parallel.broadcast_step(step, empty_step)
@@ -1484,6 +1600,28 @@ class ModelRunner:
             lowered += [merge_sampled_tokens.lower(np.zeros(t, np.int32), jnp.zeros(R, jnp.int32),
                                                    np.full(t, -1, np.int32))
                         for t in sorted({t for t, _, _ in self.config.buckets})]
+        return lowered + self.lower_verification_in_flight()
+
+    def lower_verification_in_flight(self) -> list[jax.stages.Lowered]:
+        """Speculative decoding under async scheduling: `carry_tokens` for each (rows sampled, draft rows, M) a
+        verification step has, and, unless the step program does it itself (the fused sampler),
+        `fill_in_flight_jit` at every (T, S, P) bucket (none when speculation is off)."""
+        k, R = self.config.num_speculative_tokens, self.config.seq_buckets[-1]
+        if not k:
+            return []
+        i32 = functools.partial(np.zeros, dtype=np.int32)
+        packed = {t for t, _, _ in self._verify_buckets} | set(self.config.seq_buckets)
+        slots = self.config.draft_seq_buckets
+        # (rows sampled, draft rows, M, acceptance counts): packed (the fused step counts its S rows' slots), or not
+        shapes = {(n, n, m, a) for n in packed for m in slots for a in ({m, n} if self.fuse_sampler else {m})} | \
+            {(s, m * k, m, m) for s in self.config.seq_buckets for m in slots}
+        lowered = [carry_tokens.lower(jnp.zeros(n, jnp.int32), jnp.zeros(d, jnp.int32), R, i32(m), i32((m, k)),
+                                      jnp.zeros(a, jnp.int32), i32(m)) for n, d, m, a in sorted(shapes)]
+        if not self.fuse_sampler:
+            zeros, none = jnp.zeros(R, jnp.int32), functools.partial(np.full, fill_value=-1, dtype=np.int32)
+            lowered += [fill_in_flight_jit.lower(i32(t), i32(t), i32(t), i32((s, p)), i32(s), i32(s + 1), zeros,
+                                                 zeros, none(t), none(t), self.config.page_size)
+                        for t, s, p in self.config.buckets]
         return lowered
 
 

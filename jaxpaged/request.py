@@ -13,6 +13,7 @@ With async scheduling (vLLM v1's) a request also has `num_output_placeholders`:
 tokens sampled by steps already dispatched whose values have not reached the
 host yet. They count as computed (the next step feeds them from the device) but
 are not in `output_token_ids` until `Scheduler.update_from_output` appends them.
+Drafts fed by such a step count too (`num_draft_placeholders`), as if all accepted.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class Request:
     num_preemptions: int = 0
     # async scheduling: tokens sampled by dispatched steps, not yet appended (see the module docstring)
     num_output_placeholders: int = 0
+    # ... and the drafts fed by dispatched steps whose verification has not reached the host yet: counted as
+    # computed as if all accepted (the next step's positions are moved back on the device by those rejected)
+    num_draft_placeholders: int = 0
     # The finish record: `status` (finish_reason derives from it) and this, the stop token id or stop string.
     stop_reason: int | str | None = None
     # Speculative decoding: draft tokens to verify after the last token in the next step (set by the engine's
@@ -94,6 +98,11 @@ class Request:
     # acceptance, see spec_decode.DraftLengthPolicy): those whose first draft was accepted, and rejected
     spec_first_accepted: float = 0.0
     spec_first_rejected: float = 0.0
+    # Async scheduling: the tokens the step in flight was guessed to emit when the next step's drafts were
+    # proposed (NgramProposer.propose_past), and whether the step after the one handled last drafted on a wrong
+    # guess (blind drafts, which say nothing of this request's acceptance: the policy skips them)
+    spec_guess: tuple[int, ...] | None = None
+    spec_blind: bool = False
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -63,6 +63,12 @@ placeholder. So that nothing runs past its end or needs a token it cannot know:
     queue behind it waits too), since its recompute feeds every token it has.
 A request that stops (or is aborted) at step N has been scheduled at N+1: one
 wasted slot, whose page is released with the others, once, when it finishes.
+With speculative decoding a step in flight may verify drafts: they count as
+`num_draft_placeholders` (computed, and known-or-placeholder tokens, as if all
+accepted), so the next step feeds the placeholder at the position after them (the
+runner moves it back on the device by those rejected) and may carry drafts of its
+own (`_with_drafts`); `update_from_output` then rolls back the rejected ones from
+num_computed_tokens, whatever was scheduled since.
 """
 
 from __future__ import annotations
@@ -330,7 +336,7 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 if victim is request:
                     return budget
-            is_decode = num_new == 1 and request.num_tokens - request.num_computed_tokens == 1
+            is_decode = num_new == 1 and _num_known_and_placeholder_tokens(request) - request.num_computed_tokens == 1
             if request.spec_token_ids and is_decode:
                 drafting.append((len(scheduled), request, tuple(request.spec_token_ids)))
             scheduled.append(self._advance(request, num_new))
@@ -372,11 +378,14 @@ class Scheduler:
 
     def _with_drafts(self, entry: ScheduledRequest, request: Request, drafts: tuple[int, ...]) -> ScheduledRequest:
         """The decode entry with the drafts fed after its token (their pages already allocated); they count
-        as computed until `update_from_output` rolls the rejected ones back."""
-        if entry.placeholder or not entry.samples or entry.num_tokens != 1:
-            raise RuntimeError(f"request {request.request_id!r}: drafts go after a decode of one known token only")
-        num_output = request.num_output_tokens
+        as computed until `update_from_output` rolls the rejected ones back. Async scheduling: that token may be
+        a placeholder (the previous step's, drafts of which may be in flight too: the device then moves this
+        entry's positions back by those rejected, `model_runner.fill_in_flight`)."""
+        if (entry.placeholder and not self.config.async_scheduling) or not entry.samples or entry.num_tokens != 1:
+            raise RuntimeError(f"request {request.request_id!r}: drafts go after a decode of one token only")
+        num_output = entry.num_output_tokens
         request.num_computed_tokens += len(drafts)
+        request.num_draft_placeholders += len(drafts)
         return dataclasses.replace(
             entry, token_ids=entry.token_ids + drafts, page_ids=tuple(request.page_ids), spec_token_ids=drafts,
             spec_banned_token_ids=tuple(request.banned_token_ids_at(num_output + j + 1) for j in range(len(drafts))))
@@ -424,7 +433,8 @@ class Scheduler:
             sampling_params=request.sampling_params,
             num_prompt_tokens=request.num_prompt_tokens,
             seed=request.seed,
-            num_output_tokens=request.num_output_tokens + request.num_output_placeholders,
+            num_output_tokens=request.num_output_tokens + request.num_output_placeholders +
+            request.num_draft_placeholders,
             banned_token_ids=request.banned_token_ids,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
@@ -475,6 +485,7 @@ class Scheduler:
                 continue
             if request.num_output_placeholders:  # async scheduling: the token in flight has arrived
                 request.num_output_placeholders -= 1
+            request.num_draft_placeholders -= len(entry.spec_token_ids)
             token_ids = sampled_token_ids.get(entry.request_id)
             if not token_ids:
                 raise ValueError(f"no sampled token for request {entry.request_id!r}, whose chunk samples")
@@ -483,7 +494,7 @@ class Scheduler:
                                  f"{len(entry.spec_token_ids)} drafts")
             self._append_tokens(request, token_ids, entry.request_id in stops, stops.get(entry.request_id))
             if not request.is_finished:
-                if entry.spec_token_ids:
+                if entry.spec_token_ids and request.status is RequestStatus.RUNNING:  # (not preempted since)
                     self._roll_back_rejected(request, entry, len(token_ids))
                 continue
             self._release(request)
@@ -506,9 +517,10 @@ class Scheduler:
 
     def _roll_back_rejected(self, request: Request, entry: ScheduledRequest, num_emitted: int) -> None:
         """After a verification step: the KV of the last token and of the num_emitted - 1 accepted drafts is
-        valid, the rest was written for rejected drafts. Count only the valid part as computed, return the
-        pages past it to the pool, and hash the pages it filled."""
-        request.num_computed_tokens = entry.start_position + num_emitted
+        valid, the rest was written for rejected drafts. Count only the valid part as computed (and, async
+        scheduling, the next step's tokens, scheduled as if every draft were accepted: the device moved them
+        back), return the pages past it to the pool, and hash the pages it filled."""
+        request.num_computed_tokens -= 1 + len(entry.spec_token_ids) - num_emitted
         self.pool.truncate(request, request.num_computed_tokens)
         self.pool.cache_full_pages(request)
 
@@ -520,7 +532,7 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         refs = collections.Counter()
         for request in self._requests.values():
-            assert request.num_output_placeholders >= 0, request.request_id
+            assert request.num_output_placeholders >= 0 and request.num_draft_placeholders >= 0, request.request_id
             assert self.config.async_scheduling or not request.num_output_placeholders, request.request_id
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, request.request_id
@@ -543,8 +555,9 @@ def _num_partial_prefills(scheduled: list) -> int:
 
 
 def _num_known_and_placeholder_tokens(request: Request) -> int:
-    """Tokens the request has, counting those sampled by dispatched steps (async scheduling) not yet appended."""
-    return request.num_tokens + request.num_output_placeholders
+    """Tokens the request has, counting those sampled by dispatched steps (async scheduling) not yet appended,
+    and their drafts as if accepted."""
+    return request.num_tokens + request.num_output_placeholders + request.num_draft_placeholders
 
 
 def _ends_in_flight(request: Request) -> bool:

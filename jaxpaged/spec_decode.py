@@ -25,6 +25,14 @@ How a step speculates (vLLM v1's design, with an n-gram proposer):
    num_computed_tokens counts the accepted ones only, pages past it go back to the pool, and
    only full pages of real (accepted) tokens are hashed into the prefix cache.
 
+Under async scheduling (the engine's default) the request's last token is usually still in flight when the
+next step is scheduled. Greedy requests (no penalties, min_tokens bans or grammar) verify overlapped: the
+drafts follow a guess of the step in flight (`NgramProposer.propose_past`: the lookup's continuation decides
+how many of its drafts it accepts and which token it emits), the scheduler counts that step's drafts as
+accepted, and the device moves the next step back by those rejected (model_runner.fill_in_flight). A wrong
+guess only wastes the next step's draft rows; 3. holds for any drafts. Other requests wait for the token in
+flight when drafts are likely, and their verification steps run synchronously.
+
 Structured outputs (vLLM's way, with llguidance): a constrained request's drafts are the tokens its grammar
 forces next (a schema's keys and punctuation), then the n-gram drafts after them, cut to the leading ones the
 grammar allows (a forbidden draft could never be accepted), and each position j it samples gets the mask after
@@ -134,9 +142,14 @@ class NgramProposer:
         """
         c = self.config
         k = c.num_speculative_tokens if max_drafts is None else min(c.num_speculative_tokens, max_drafts)
+        return self.continuation(token_ids, skip + k)[skip:] if k >= 1 else []
+
+    def continuation(self, token_ids: Sequence[int] | np.ndarray, n: int) -> list[int]:
+        """Up to n tokens after the match `propose` picks (not capped at num_speculative_tokens), or []."""
+        c = self.config
         tokens = np.asarray(token_ids, dtype=np.int64)
         last = len(tokens) - 1
-        if k < 1 or last < c.prompt_lookup_min:
+        if n < 1 or last < c.prompt_lookup_min:
             return []
         ends = np.flatnonzero(tokens[:last] == tokens[last])  # i64[C]: candidate match ends e < last
         length = np.ones(len(ends), np.int64)  # i64[C]: suffix tokens matched so far at each end
@@ -152,8 +165,29 @@ class NgramProposer:
         if good.size == 0:
             return []
         best = good[length[good] == length[good].max()][0]  # the longest match, earliest among equals
-        end = int(ends[best]) + skip
-        return tokens[end + 1:end + 1 + k].tolist()
+        end = int(ends[best])
+        return tokens[end + 1:end + 1 + n].tolist()
+
+    def propose_past(self, token_ids: Sequence[int] | np.ndarray, in_flight: Sequence[int],
+                     max_drafts: int) -> tuple[list[int], tuple[int, ...]]:
+        """(drafts, guess) for the step after one still in flight that feeds the last of `token_ids` and verifies
+        the drafts `in_flight` (async scheduling). That step's outcome is guessed from the same lookup: with c the
+        continuation of token_ids, it accepts the leading drafts equal to c's, a of them, then emits c[a]; so
+        guess = c[:a + 1] (() when c is too short to say) and the drafts are c's next
+        min(num_speculative_tokens, max_drafts) tokens. A wrong guess costs only their rows: every draft is
+        verified."""
+        k = min(self.config.num_speculative_tokens, max_drafts)
+        return drafts_past(self.continuation(token_ids, len(in_flight) + 1 + k) if k >= 1 else [], in_flight, k)
+
+
+def drafts_past(continuation: Sequence[int], in_flight: Sequence[int], k: int) -> tuple[list[int], tuple[int, ...]]:
+    """`NgramProposer.propose_past` given the guessed continuation c of the known tokens: a = the leading drafts
+    in flight equal to c's; (c[a + 1:a + 1 + k], c[:a + 1]), or ([], ()) when c has no token a (or k < 1)."""
+    accepted = next((j for j, (d, t) in enumerate(zip(in_flight, continuation)) if d != t),
+                    min(len(in_flight), len(continuation)))
+    if k < 1 or len(continuation) <= accepted:
+        return [], ()
+    return list(continuation[accepted + 1:accepted + 1 + k]), tuple(continuation[:accepted + 1])
 
 
 def max_drafts_for(num_tokens: int, num_output_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
@@ -258,20 +292,27 @@ class DraftLengthPolicy:
         prior = (self.position_rates() if rates is None else rates)[0]
         return (request.spec_first_accepted + self.PRIOR_WEIGHT * prior) / (seen + self.PRIOR_WEIGHT)
 
-    def gains(self, request, num_drafts: int, rates: np.ndarray | None = None) -> np.ndarray:
-        """f64[num_drafts]: the expected tokens each of the request's drafts adds (p, p c_2, p c_2 c_3, ...)."""
+    def gains(self, request, num_drafts: int, rates: np.ndarray | None = None, ahead: int = 0) -> np.ndarray:
+        """f64[num_drafts]: the expected tokens each of the request's drafts adds (p, p c_2, p c_2 c_3, ...).
+        ahead: the drafts follow that many guessed tokens (async scheduling: the outcome of the step in flight,
+        `Request.spec_guess`), which the lookup copied as it copies drafts: they weigh as the chain after them
+        (p c_2 ... c_{ahead + 1}, ...; positions past k at c_k), worth nothing when the guess is wrong."""
         rates = self.position_rates() if rates is None else rates
-        return np.cumprod([self.first_draft_rate(request, rates), *rates[1:num_drafts]])
+        chain = [self.first_draft_rate(request, rates), *rates[1:ahead + num_drafts]]
+        chain += [rates[-1]] * (ahead + num_drafts - len(chain))
+        return np.cumprod(chain)[ahead:]
 
     def trim(self, requests: Sequence) -> None:
         """Cut each decoding request's `spec_token_ids` (the proposer's drafts) to the plan's length; drafts a
-        grammar forces (`spec_num_forced`, a token a row) are kept, the plan's rows counting them."""
+        grammar forces (`spec_num_forced`, a token a row) are kept, the plan's rows counting them; drafts that
+        follow a guess (`spec_guess`) weigh as the chain after it (`gains`)."""
         drafting = [r for r in requests if len(r.spec_token_ids) > r.spec_num_forced]
         if not drafting:
             return
         rates = self.position_rates()
         keep = self.plan(len(requests) + sum(r.spec_num_forced for r in requests),
-                         [self.gains(r, len(r.spec_token_ids) - r.spec_num_forced, rates) for r in drafting],
+                         [self.gains(r, len(r.spec_token_ids) - r.spec_num_forced, rates, len(r.spec_guess or ()))
+                          for r in drafting],
                          without_drafts=sum(not r.spec_token_ids for r in requests))
         for request, count in zip(drafting, keep):
             if count == 0:  # proposed, nothing verified: forget a little, so it tries again

@@ -30,9 +30,11 @@ step at 256). Prints, each line as soon as it is measured:
     P + O + P (everything to copy: the ceiling); "open" is a random prompt (nothing to copy: drafts, when the
     proposer finds any, are rejected, the cost of speculating for nothing). Off and on are two small engines
     (max_num_seqs 4, 64 tokens a step, the same KV pool size, the same weights) that differ only in
-    speculative_config (both the default loop, async scheduling; on runs the steps that verify drafts
-    synchronously), so they compile the same step buckets (on, unfused, adds its verify shapes) and their
-    greedy tokens compare token for token ("same tokens"). Then a mixed batch, 2 grounded + 2 open requests
+    speculative_config (both the default loop, async scheduling; on overlaps its greedy verification steps with the
+    next step, as any other), so they compile the same step buckets (on, unfused, adds its verify shapes) and their
+    greedy tokens compare token for token ("same tokens"). A third, "sync", is on with its verification steps run
+    synchronously (the engine of session 35, the baseline of the overlap: `verify_synchronously`); its ratio is
+    printed beside on's. Then a mixed batch, 2 grounded + 2 open requests
     at once: each one's decode tok/s on / off (are those with nothing to copy slowed by the others'
     verifications?), and the programs per step of a speculative decode. --spec-only builds just the weights and these two engines and prints these rows;
   - the batch-1 forward in other builds of the step: XLA command buffers off / XLA's default set
@@ -364,25 +366,36 @@ def timed_decode(engine: LLMEngine, prompt: list[int], max_tokens: int, dispatch
 
 
 def speculative_decoding(loaded: LoadedModel, report: Report, args, vocab: int) -> None:
-    """Issue 17's GPU rows (module docstring) on `loaded`'s weights with wo zeroed (`copying_model`): two small
-    engines, speculation off and on (`spec_engine`), built here and freed when done."""
+    """Issue 17's GPU rows (module docstring) on `loaded`'s weights with wo zeroed (`copying_model`): three small
+    engines, speculation off, on, and on with its verification steps run synchronously (`spec_engine`;
+    `verify_synchronously`), built here and freed when done."""
     copying = copying_model(loaded)
     engines = {}
-    for side in ("off", "on"):
+    for side in ("off", "on", "sync"):
         start = time.perf_counter()
-        engines[side] = spec_engine(copying, args, speculative=side == "on")
+        engines[side] = spec_engine(copying, args, speculative=side != "off")
+        if side == "sync":
+            verify_synchronously(engines[side])
         report.row("spec engine", f"{time.perf_counter() - start:.1f} s",
                    f"speculation {side}: built and warmed up (max_num_seqs 4, 64 tokens a step"
-                   f"{f'; {SPEC_CONFIG}' if side == 'on' else ''}; {COPYING})",
+                   f"{f'; {SPEC_CONFIG}' if side != 'off' else ''}; {COPYING})",
                    side=side, seconds=time.perf_counter() - start)
-    spec_rows(engines["off"], engines["on"], report, args, vocab)
+    spec_rows(engines["off"], engines["on"], report, args, vocab, sync=engines["sync"])
     del engines, copying
     gc.collect()  # the engines' KV pools and the zeroed wo go back before what follows
 
 
-def spec_rows(off: LLMEngine, on: LLMEngine, report: Report, args, vocab: int, rounds: int = 2) -> None:
+def verify_synchronously(engine: LLMEngine) -> None:
+    """Bench instrumentation: the engine as it was before its greedy verification steps overlapped the next step
+    (session 35: every step that verifies drafts runs synchronously), the baseline of the "sync" column."""
+    engine._verifies_overlapped = lambda request: False
+
+
+def spec_rows(off: LLMEngine, on: LLMEngine, report: Report, args, vocab: int, rounds: int = 2,
+              sync: LLMEngine | None = None) -> None:
     """Batch-1 output tok/s with n-gram speculation on / off per workload, best of `rounds` interleaved runs a
-    side, the acceptance rate beside the ratio; the mixed batch; a spec decode's dispatches per step."""
+    side, the acceptance rate beside the ratio (and, given `sync`, that engine's ratio: verification steps run
+    synchronously); the mixed batch; a spec decode's dispatches per step."""
     half, n = spec_sizes(args)
     rng = np.random.default_rng(17)
     p = rng.integers(0, vocab, half).tolist()
@@ -393,29 +406,37 @@ def spec_rows(off: LLMEngine, on: LLMEngine, report: Report, args, vocab: int, r
                      "token replaced (drafts copied from the prompt are wrong there, as in an edit)"),
         "grounded-exact": (p + o + p, o, "prompt = P + O + P: the whole continuation is in the prompt (the ceiling)"),
         "open": (rng.integers(0, vocab, 2 * half + n).tolist(), None, "a random prompt: nothing to copy")}
-    timed_decode(on, p[:8], 4)  # first calls of its programs
+    sides = {"off": off, "on": on, **({"sync": sync} if sync is not None else {})}
+    for engine in sides.values():
+        timed_decode(engine, p[:8], 4)  # first calls of its programs
     for name, (prompt, expected, what) in workloads.items():
-        best, same, copied, before = {"off": 0.0, "on": 0.0}, True, True, on.stats()
+        best, same, copied, before = dict.fromkeys(sides, 0.0), True, True, on.stats()
         for _ in range(rounds):
-            off_tok_s, ids_off = timed_decode(off, prompt, n)
-            on_tok_s, ids_on = timed_decode(on, prompt, n)
-            best = {"off": max(best["off"], off_tok_s), "on": max(best["on"], on_tok_s)}
-            same &= ids_on == ids_off
-            copied &= expected is None or ids_off == expected  # the model did continue with O (bf16 ties aside)
+            ids = {}
+            for side, engine in sides.items():
+                tok_s, ids[side] = timed_decode(engine, prompt, n)
+                best[side] = max(best[side], tok_s)
+            same &= all(x == ids["off"] for x in ids.values())
+            copied &= expected is None or ids["off"] == expected  # the model did continue with O (bf16 ties aside)
         after = on.stats()
         drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
         accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
         rate, ratio = accepted / max(drafted, 1), best["on"] / best["off"]
         emitted = "" if expected is None else f"; off emitted O: {'yes' if copied else 'NO'}"
-        report.row("spec decode", f"{ratio:.2f}x", f"{name}: on {best['on']:.1f} / off {best['off']:.1f} tok/s, "
+        synced = {} if sync is None else {"sync_tok_s": best["sync"], "sync_ratio": best["sync"] / best["off"]}
+        was = "" if sync is None else f" (verifying synchronously: {synced['sync_ratio']:.2f}x)"
+        report.row("spec decode", f"{ratio:.2f}x{was}", f"{name}: on {best['on']:.1f} / off {best['off']:.1f} tok/s, "
                    f"acceptance {rate:.0%} ({accepted}/{drafted} draft tokens); same tokens: "
                    f"{'yes' if same else 'NO'}{emitted}; workload: {what}; {len(prompt)} in, {n} out, best of "
                    f"{rounds}; {COPYING}",
                    workload=name, ratio=ratio, on_tok_s=best["on"], off_tok_s=best["off"], acceptance=rate,
                    draft_tokens=drafted, accepted_tokens=accepted, same=same,
-                   emitted_o=None if expected is None else copied)
+                   emitted_o=None if expected is None else copied, **synced)
     other_open = rng.integers(0, vocab, 2 * half + n).tolist()  # a second random prompt: nothing to copy either
-    mixed_batch(off, on, report, [workloads["grounded"][0]] * 2 + [workloads["open"][0], other_open], n)
+    mixed = [workloads["grounded"][0]] * 2 + [workloads["open"][0], other_open]
+    mixed_batch(off, on, report, mixed, n)
+    if sync is not None:
+        mixed_batch(off, sync, report, mixed, n, label="spec mixed batch, verifying synchronously")
     dispatches = []
     timed_decode(on, workloads["grounded"][0], n, dispatches)
     report_dispatches(report, "b=1 spec decode (grounded)", on, dispatches)
@@ -439,7 +460,8 @@ def timed_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) ->
     return [(len(ids[r]) - first[r][1]) / max(last[r] - first[r][0], 1e-9) for r in rids], [ids[r] for r in rids]
 
 
-def mixed_batch(off: LLMEngine, on: LLMEngine, report: Report, prompts: list[list[int]], n: int) -> None:
+def mixed_batch(off: LLMEngine, on: LLMEngine, report: Report, prompts: list[list[int]], n: int,
+                label: str = "spec mixed batch") -> None:
     """Issue 17's "in a mixed batch, requests without drafts are not slowed": 2 copying ("grounded") and 2
     non-copying ("open") requests at once, each request's decode tok/s with speculation on / off (best of 2 a side)."""
     best = {"off": [0.0] * len(prompts), "on": [0.0] * len(prompts)}
@@ -450,7 +472,7 @@ def mixed_batch(off: LLMEngine, on: LLMEngine, report: Report, prompts: list[lis
         best = {"off": list(map(max, best["off"], off_tok_s)), "on": list(map(max, best["on"], on_tok_s))}
         same &= ids_on == ids_off
     ratios = [a / b for a, b in zip(best["on"], best["off"])]
-    report.row("spec mixed batch", f"{min(ratios[2:]):.2f}x", f"the slower non-copying request's decode tok/s on / off "
+    report.row(label, f"{min(ratios[2:]):.2f}x", f"the slower non-copying request's decode tok/s on / off "
                f"(>= 1 = not slowed); copying (grounded): {ratios[0]:.2f}x, {ratios[1]:.2f}x; non-copying (open): "
                f"{ratios[2]:.2f}x, {ratios[3]:.2f}x; same tokens: {'yes' if same else 'NO'}; 4 requests at once, "
                f"{n} out, best of 2; {COPYING}", ratios=ratios, same=same)

@@ -375,3 +375,38 @@ def test_build_native_kernels_starts_the_kernels_the_step_will_ask_for_in_that_o
     build_native_kernels("auto")
     build_native_kernels("xla")
     assert asked == [["cpu_matmul.cc", "cpu_attention.cc", "cpu_rope.cc", "cpu_sampler.cc"], ["cpu_sampler.cc"]]
+
+
+def test_carry_tokens_takes_each_verifications_first_rejection_or_bonus():
+    """A step of 3 entries (rows 0-2) whose entries 0 and 2 verified 3 and 2 drafts, packed in rows 3-5 and 6-7:
+    entry 0 accepted 1 (its next token: row 4's sample, 2 rejected), entry 2 all (its bonus row 2, none)."""
+    from jaxpaged.model_runner import carry_tokens
+    sampled = jnp.array([10, 11, 12, 13, 14, 15, 16, 17, 0, 0], jnp.int32)  # i32[N]: entries', then draft rows
+    entry_rows = np.array([0, 2, 8, 8], np.int32)  # M = 4 slots; 8 = size: padding
+    sample_rows = np.array([[3, 4, 5], [6, 7, 0], [0, 0, 0], [0, 0, 0]], np.int32)
+    tokens, rejected = carry_tokens(sampled, sampled, 8, entry_rows, sample_rows,
+                                    jnp.array([1, 2, 0, 0, 9, 9], jnp.int32), np.array([3, 2, 0, 0], np.int32))
+    assert tokens.tolist() == [14, 11, 12, 13, 14, 15, 16, 17] and rejected.tolist() == [2, 0, 0, 0, 0, 0, 0, 0]
+
+
+def test_fill_in_flight_moves_a_sequence_back_by_its_rejected_drafts():
+    """Two sequences packed on the host: a decode (tokens 0-1 of a 2-token chunk, untouched) and one fed after a
+    verification in flight as if its 3 drafts were accepted: a placeholder and 2 drafts at positions 11-13.
+    2 were rejected: positions 9-11, slots through its page table (page size 4), kv_lens 14 -> 12, and the
+    placeholder takes the carried token."""
+    from jaxpaged.model_runner import StepInput, fill_in_flight
+    step = StepInput(token_ids=np.array([5, 6, -1, 7, 8, 0, 0, 0], np.int32),
+                     positions=np.array([3, 4, 11, 12, 13, 0, 0, 0], np.int32),
+                     slot_mapping=np.array([7, 8, 31, 36, 37, 0, 0, 0], np.int32),
+                     page_table=np.array([[1, 2, 0, 0], [6, 5, 7, 9], [0, 0, 0, 0]], np.int32),
+                     kv_lens=np.array([5, 14, 0], np.int32), cu_q_lens=np.array([0, 2, 5, 5], np.int32),
+                     num_seqs=np.int32(2), logits_indices=np.array([1, 4, 0], np.int32))
+    tokens, rejected = jnp.array([40, 41, 0, 0], jnp.int32), jnp.array([0, 2, 0, 0], jnp.int32)
+    sources, shifts = np.array([-1, -1, 1, -1, -1, -1, -1, -1], np.int32), np.array([-1, -1, 1, 1, 1, -1, -1, -1], np.int32)
+    filled = jax.jit(fill_in_flight, static_argnums=(5,))(step, tokens, rejected, sources, shifts, 4)
+    assert filled.token_ids.tolist() == [5, 6, 41, 7, 8, 0, 0, 0]
+    assert filled.positions.tolist() == [3, 4, 9, 10, 11, 0, 0, 0]
+    assert filled.slot_mapping.tolist() == [7, 8, 29, 30, 31, 0, 0, 0]  # page 7 (positions 8-11): 28 + offset
+    assert filled.kv_lens.tolist() == [5, 12, 0]
+    nothing = jax.jit(fill_in_flight, static_argnums=(5,))(step, tokens, rejected, sources, np.full(8, -1, np.int32), 4)
+    assert nothing.positions.tolist() == step.positions.tolist() and nothing.kv_lens.tolist() == [5, 14, 0]

@@ -372,3 +372,65 @@ def test_random_workloads_with_drafts_finish_with_reference_outputs(workload):
     event(f"accepted drafts: {min(num_accepted, 5)}+")
     event(f"preemptions: {min(sched.num_preemptions, 2)}+")
     assert sched.pool.num_free_pages == cfg.num_pages - 1
+
+
+def test_a_step_after_a_verification_in_flight_is_rolled_back_when_its_outcome_arrives():
+    """Async scheduling: step 2 is scheduled while step 1's verification is in flight, as if its 4 drafts were
+    all accepted (its token a placeholder, at position 11; its own drafts after it). Step 1 then accepts 1:
+    num_computed_tokens drops by the 3 rejected (step 2's tokens are moved back on the device) and the pages past
+    step 2's real end go back; step 2's outcome then rolls back its own rejected draft. Exact page ids."""
+    sched = Scheduler(config(num_pages=16, page_size=4, max_num_partial_prefills=2, async_scheduling=True))
+    r = prefilled_async(sched, [1, 2, 3, 4, 5, 6])
+    r.spec_token_ids = [7, 8, 9, 10]
+    first = sched.schedule()
+    assert first.scheduled_requests[0].token_ids == (100, 7, 8, 9, 10) and r.num_computed_tokens == 11
+    assert (r.num_output_placeholders, r.num_draft_placeholders) == (1, 4)
+    r.spec_token_ids = [11, 12]  # proposed on the guess that step 1 emits 7, 8, 9, 10 and then 11
+    second = sched.schedule()
+    (entry,) = second.scheduled_requests
+    assert entry.placeholder and entry.token_ids == (-1, 11, 12) and entry.start_position == 11
+    assert entry.spec_token_ids == (11, 12) and entry.num_output_tokens == 6  # output #6 if all were accepted
+    assert r.page_ids == [1, 2, 3, 4] and r.num_computed_tokens == 14
+    assert (r.num_output_placeholders, r.num_draft_placeholders) == (2, 6)
+    sched.update_from_output(first, {"a": [7, 42]})  # 7 accepted, 8 rejected: 42; step 2 fed 42 at 8, 11 at 9 ...
+    sched.check_invariants()
+    assert r.output_token_ids == [100, 7, 42] and r.num_computed_tokens == 11  # 8 + step 2's 3
+    assert r.page_ids == [1, 2, 3] and sched.pool.free_page_ids()[-1] == 4
+    assert (r.num_output_placeholders, r.num_draft_placeholders) == (1, 2)
+    sched.update_from_output(second, {"a": [11, 5]})  # 11 accepted, 12 rejected
+    sched.check_invariants()
+    assert r.output_token_ids == [100, 7, 42, 11, 5] and r.num_computed_tokens == 10  # 100 .. 11 computed
+    assert r.page_ids == [1, 2, 3] and (r.num_output_placeholders, r.num_draft_placeholders) == (0, 0)
+    assert sched.pool.page_hash(2) is not None and sched.pool.page_hash(3) is None  # 5..8 full of real tokens
+
+
+def test_a_request_preempted_with_a_verification_in_flight_waits_for_it_then_recomputes():
+    """Async scheduling: the step after a verification in flight needs a page the pool has not got (drafts
+    never preempt anyone, a token does): the request preempts itself, and is readmitted only once that
+    verification's tokens have arrived (nothing is rolled back then: it holds no pages)."""
+    sched = Scheduler(config(num_pages=4, page_size=4, max_num_partial_prefills=2, async_scheduling=True))
+    r = prefilled_async(sched, [1, 2, 3, 4, 5, 6], max_tokens=6)  # admitted: 12 tokens fit the 3 pages
+    r.spec_token_ids = [7, 8, 9, 10, 11]
+    first = sched.schedule()
+    assert r.page_ids == [1, 2, 3] and r.num_computed_tokens == 12
+    r.spec_token_ids = [9, 10]
+    second = sched.schedule()  # its placeholder at position 12 needs a 4th page
+    assert second.preempted_request_ids == ("a",) and not second.scheduled_requests
+    assert r.page_ids == [] and r.num_computed_tokens == 0 and sched.pool.num_free_pages == 3
+    assert not sched.schedule().scheduled_requests  # waits for its tokens in flight
+    sched.update_from_output(first, {"a": [7, 8, 13]})  # 2 accepted: appended, nothing rolled back
+    sched.check_invariants()
+    assert r.output_token_ids == [100, 7, 8, 13] and r.num_computed_tokens == 0
+    assert (r.num_output_placeholders, r.num_draft_placeholders) == (0, 0)
+    (entry,) = sched.schedule().scheduled_requests  # its recompute: every token it has (page 1 from the cache)
+    assert (entry.start_position, entry.token_ids) == (4, (5, 6, 100, 7, 8, 13)) and entry.samples
+    assert r.page_ids == [1, 3, 2]  # page 1 from the cache, then 3 and 2 in the order the preemption freed them
+
+
+def prefilled_async(sched: Scheduler, prompt, max_tokens=20) -> Request:
+    request = make("a", prompt, ignore_eos=True, max_tokens=max_tokens)
+    sched.add_request(request)
+    out = sched.schedule()
+    sched.update_from_output(out, {"a": [100]})
+    assert request.num_output_placeholders == 0 and request.num_computed_tokens == 6
+    return request
