@@ -26,7 +26,7 @@ take each step's tokens from the host).
 
 Speculative decoding with async scheduling: drafts follow a request's last token, which
 is in flight. Greedy requests without penalties, min_tokens bans or a grammar
-(`_verifies_overlapped`) verify overlapped too: with step N in flight (a verification of d
+(`_verifies_overlapped`; `EngineArgs.overlap_verification`, on with a GPU) verify overlapped too: with step N in flight (a verification of d
 drafts, or a decode), step N+1 is scheduled as if all d were accepted (the scheduler's
 `num_draft_placeholders`), its drafts proposed on a guess of N's outcome
 (`NgramProposer.propose_past`: the same lookup's continuation decides which drafts N
@@ -164,10 +164,17 @@ class EngineArgs:
     # handled before the next one is scheduled (the synchronous order). None: every step with a GPU; on CPU,
     # where the host's work shares the cores with the step's matmuls, CPU_ASYNC_MAX_TOKENS
     async_scheduling_max_tokens: int | None = None
+    # Speculative decoding under async scheduling: greedy requests' verification steps overlap the next step
+    # (module docstring). None: on with a GPU, where a synchronous step exposes the host's whole work (H200: a
+    # verification step 7.3 ms against 4.4 ms overlapped); off on CPU, where the host time is a few % of a step
+    # and drafts proposed on a wrong guess of the step in flight cost rows (docs/benchmarks.md, "Session 36")
+    overlap_verification: bool | None = None
 
     def __post_init__(self):
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None (auto)")
+        if self.overlap_verification is not None and not isinstance(self.overlap_verification, bool):
+            raise ValueError(f"overlap_verification={self.overlap_verification!r} must be a bool or None (auto)")
         spec = self.speculative_config
         if spec is not None and not isinstance(spec, SpeculativeConfig):
             if not isinstance(spec, (dict, str)):
@@ -284,6 +291,8 @@ class LLMEngine:
         self.async_max_tokens = args.async_scheduling_max_tokens  # the steps kept in flight (None: all)
         if self.async_max_tokens is None and jax.default_backend() == "cpu":
             self.async_max_tokens = CPU_ASYNC_MAX_TOKENS
+        self.overlap_verification = (jax.default_backend() == "gpu" if args.overlap_verification is None
+                                     else args.overlap_verification)
         self._in_flight: _InFlightStep | None = None  # async scheduling: the step dispatched, not yet handled
         self._last_handled = 0.0  # time.perf_counter() when the last step's outputs were handled
         # speculation with async scheduling: after drafts found no room in a step, the batch (_batch_key) then, the
@@ -812,13 +821,14 @@ class LLMEngine:
             self.draft_policy.trim(decoding)
 
     def _verifies_overlapped(self, request: Request) -> bool:
-        """Whether the request's verification steps may overlap the next step (async scheduling): its next
-        step's tokens then depend on the outcome only through what the device moves (`fill_in_flight`: the
-        token fed, the positions). Greedy rows without penalties, min_tokens bans or a grammar: their sampler
-        reads nothing else of the tokens in flight (a seeded row's key, penalty counts, a grammar mask and
-        min_tokens bans would)."""
+        """Whether the request's verification steps may overlap the next step (async scheduling, with
+        EngineArgs.overlap_verification): its next step's tokens then depend on the outcome only through what the
+        device moves (`fill_in_flight`: the token fed, the positions). Greedy rows without penalties, min_tokens
+        bans or a grammar: their sampler reads nothing else of the tokens in flight (a seeded row's key, penalty
+        counts, a grammar mask and min_tokens bans would)."""
         params = request.sampling_params
-        return params.temperature < GREEDY_TEMPERATURE_EPS and params.repetition_penalty == 1.0 and \
+        return self.overlap_verification and params.temperature < GREEDY_TEMPERATURE_EPS and \
+            params.repetition_penalty == 1.0 and \
             not params.presence_penalty and not params.frequency_penalty and \
             request.num_output_tokens >= params.min_tokens and \
             self._child_to_parent[request.request_id][1].matcher is None

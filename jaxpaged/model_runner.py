@@ -445,9 +445,9 @@ def carry_tokens(token_ids: jax.Array, draft_token_ids: jax.Array, size: int, en
     """`PendingStep.carry` on the device. token_ids i32[N]: a step's sampled tokens, row r entry r's;
     draft_token_ids i32[N']: the tokens its draft rows sampled (token_ids itself when packed); per slot m of
     M: entry_rows i32[M] (size: a padding slot), sample_rows i32[M, k] (into draft_token_ids), num_accepted
-    (i32[>= M]: the fused step counts S slots) and num_drafts i32[M]. Returns (tokens i32[size]: token_ids zero-padded, each slot's entry row replaced by the
-    sample at its first rejected draft (the bonus token's row kept when all were accepted); rejected i32[size]:
-    each slot's entry row d - a, 0 elsewhere)."""
+    (i32[>= M]: the fused step counts S slots) and num_drafts i32[M]. Returns (tokens i32[size]: token_ids
+    zero-padded, each slot's entry row replaced by the sample at its first rejected draft (the bonus token's row
+    kept when all were accepted); rejected i32[size]: each slot's entry row d - a, 0 elsewhere)."""
     k, num_accepted = sample_rows.shape[1], num_accepted[:sample_rows.shape[0]]  # the fused step's has S >= M
     at = jnp.take_along_axis(sample_rows, jnp.minimum(num_accepted, k - 1)[:, None], axis=1)[:, 0]  # i32[M]
     main = token_ids[jnp.minimum(entry_rows, token_ids.shape[0] - 1)]  # i32[M]
@@ -489,7 +489,8 @@ def _fill_in_flight(token_ids, positions, slot_mapping, page_table, kv_lens, cu_
 fill_in_flight_jit = jax.jit(_fill_in_flight, static_argnums=(10,))  # the unfused runner's (the fused step inlines it)
 
 
-def _shift_rows(entries: Sequence[ScheduledRequest], step: StepInput, previous: PendingStep | None) -> np.ndarray | None:
+def _shift_rows(entries: Sequence[ScheduledRequest], step: StepInput,
+                previous: PendingStep | None) -> np.ndarray | None:
     """i32[T]: for every token of an entry whose request verified drafts in `previous` (so its positions assume
     them all accepted), that request's sampler row in `previous`; -1 elsewhere. None when there are none."""
     if previous is None or previous.layout is None:
@@ -1363,7 +1364,8 @@ class ModelRunner:
         batch, top = self._sampling_batch(entries, step, layout, None)
         fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout, sources=sources,
                                                                   previous=tokens, rejected=rejected, shifts=shifts))
-        pending = PendingStep(entries, step, None, hidden, fused=fused, batch=batch, num_top_logprobs=top, layout=layout)
+        pending = PendingStep(entries, step, None, hidden, fused=fused, batch=batch, num_top_logprobs=top,
+                              layout=layout)
         if layout is not None and not layout.packed:
             pending.drafts = self._verify_drafts(layout, None, hidden, top)
         return pending

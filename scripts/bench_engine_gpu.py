@@ -2,7 +2,8 @@
 
     python scripts/bench_engine_gpu.py            # on the GPU machine (part of scripts/gpu_check.sh)
     python scripts/bench_engine_gpu.py --smoke    # tiny shapes, any device: checks the script runs
-    python scripts/bench_engine_gpu.py --spec-only  # issue 17's rows alone (random weights, two small engines)
+    python scripts/bench_engine_gpu.py --spec-only  # issue 17's rows alone (random weights, three small engines)
+    python scripts/bench_engine_gpu.py --host-bound --spec-rounds 7  # those rows on a CPU, a host-bound model
 
 A profile of the step, for issue 15's targets (batch-1 decode at >= 80% of the weight-read roofline,
 >= 6,000 / 12,000 output tok/s at 64 / 256 concurrent, host time not hidden by the device < 5% of a
@@ -33,7 +34,7 @@ step at 256). Prints, each line as soon as it is measured:
     speculative_config (both the default loop, async scheduling; on overlaps its greedy verification steps with the
     next step, as any other), so they compile the same step buckets (on, unfused, adds its verify shapes) and their
     greedy tokens compare token for token ("same tokens"). A third, "sync", is on with its verification steps run
-    synchronously (the engine of session 35, the baseline of the overlap: `verify_synchronously`); its ratio is
+    synchronously (overlap_verification=False: session 35's engine, the overlap's baseline); its ratio is
     printed beside on's. Then a mixed batch, 2 grounded + 2 open requests
     at once: each one's decode tok/s on / off (are those with nothing to copy slowed by the others'
     verifications?), and the programs per step of a speculative decode. --spec-only builds just the weights and these two engines and prints these rows;
@@ -77,6 +78,11 @@ LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         rope_theta=500000.0, max_position_embeddings=8192)
 SMOKE = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
+# --host-bound: issue 17's rows on any device (a CPU) with steps of ~1 ms, 32 layers of width 64: the host's share
+# of a step is large there, as on a GPU (a proxy for overlapping verification steps; the forward of a few rows
+# costs more than one row's here, unlike the memory-bound 8B step)
+HOST_BOUND = dataclasses.replace(SMOKE, vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=32,
+                                 head_dim=16, max_position_embeddings=2048)
 # Lets a cuBLAS gemm read a layer's weights in place from the stacked params a layer scan slices.
 DSF = {"xla_gpu_enable_dynamic_slice_fusion": True}
 
@@ -331,15 +337,15 @@ def spec_sizes(args) -> tuple[int, int]:
     return max(4, args.prompt_len // 2), max(16, args.output_len // 2)
 
 
-def spec_engine(loaded: LoadedModel, args, speculative: bool) -> LLMEngine:
+def spec_engine(loaded: LoadedModel, args, speculative: bool, overlap: bool = True) -> LLMEngine:
     """A batch-1 sized engine over `loaded` (already in the step's layout: no copy): few step shapes to compile,
     a small KV pool beside the bench engine's. With and without n-gram speculation, all else the same: both
     compile the same step buckets (with the sampler unfused, on adds its verify shapes), so their greedy tokens
     compare token for token."""
     half, n = spec_sizes(args)
     small = engine_args(args, max_model_len=2 * half + 2 * n + 16, max_num_seqs=4, max_num_batched_tokens=64,
-                        kv_cache_memory=(64 << 20) if args.smoke else (1 << 30),
-                        speculative_config=SPEC_CONFIG if speculative else None)
+                        kv_cache_memory=(64 << 20) if args.smoke or args.host_bound else (1 << 30),
+                        speculative_config=SPEC_CONFIG if speculative else None, overlap_verification=overlap)
     return LLMEngine(small, loaded=loaded)
 
 
@@ -368,27 +374,19 @@ def timed_decode(engine: LLMEngine, prompt: list[int], max_tokens: int, dispatch
 def speculative_decoding(loaded: LoadedModel, report: Report, args, vocab: int) -> None:
     """Issue 17's GPU rows (module docstring) on `loaded`'s weights with wo zeroed (`copying_model`): three small
     engines, speculation off, on, and on with its verification steps run synchronously (`spec_engine`;
-    `verify_synchronously`), built here and freed when done."""
+    overlap_verification False), built here and freed when done."""
     copying = copying_model(loaded)
     engines = {}
     for side in ("off", "on", "sync"):
         start = time.perf_counter()
-        engines[side] = spec_engine(copying, args, speculative=side != "off")
-        if side == "sync":
-            verify_synchronously(engines[side])
+        engines[side] = spec_engine(copying, args, speculative=side != "off", overlap=side == "on")
         report.row("spec engine", f"{time.perf_counter() - start:.1f} s",
                    f"speculation {side}: built and warmed up (max_num_seqs 4, 64 tokens a step"
                    f"{f'; {SPEC_CONFIG}' if side != 'off' else ''}; {COPYING})",
                    side=side, seconds=time.perf_counter() - start)
-    spec_rows(engines["off"], engines["on"], report, args, vocab, sync=engines["sync"])
+    spec_rows(engines["off"], engines["on"], report, args, vocab, rounds=args.spec_rounds, sync=engines["sync"])
     del engines, copying
     gc.collect()  # the engines' KV pools and the zeroed wo go back before what follows
-
-
-def verify_synchronously(engine: LLMEngine) -> None:
-    """Bench instrumentation: the engine as it was before its greedy verification steps overlapped the next step
-    (session 35: every step that verifies drafts runs synchronously), the baseline of the "sync" column."""
-    engine._verifies_overlapped = lambda request: False
 
 
 def spec_rows(off: LLMEngine, on: LLMEngine, report: Report, args, vocab: int, rounds: int = 2,
@@ -521,18 +519,21 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-spec", action="store_true", help="leave out issue 17's speculative decoding rows")
     parser.add_argument("--spec-only", action="store_true",
                         help="only issue 17's rows: random weights and the two small engines, nothing else")
+    parser.add_argument("--host-bound", action="store_true",
+                        help="issue 17's rows alone on any device, a 32-layer model of width 64 (HOST_BOUND)")
+    parser.add_argument("--spec-rounds", type=int, default=2, help="issue 17's rows: best of this many runs a side")
     parser.add_argument("--fuse-sampler", default="auto", choices=["auto", "on", "off"],
                         help="the engine's fuse_sampler (auto: on with a GPU)")
     args = parser.parse_args(argv)
-    if not args.smoke and jax.default_backend() != "gpu":
-        parser.error(f"needs a GPU (backend is {jax.default_backend()!r}); use --smoke elsewhere")
-    config = SMOKE if args.smoke else LLAMA3_8B
+    if not (args.smoke or args.host_bound) and jax.default_backend() != "gpu":
+        parser.error(f"needs a GPU (backend is {jax.default_backend()!r}); use --smoke or --host-bound elsewhere")
+    config = SMOKE if args.smoke else HOST_BOUND if args.host_bound else LLAMA3_8B
     if args.smoke:
         args.prompt_len, args.output_len, args.max_num_seqs, args.max_num_batched_tokens = 16, 8, 16, 64
         args.kv_cache_memory, args.concurrency = args.kv_cache_memory or (64 << 20), "4,16"
     report = Report(args.json)
     print(f"device: {jax.devices()[0]} | jax {jax.__version__}")
-    if args.spec_only:
+    if args.spec_only or args.host_bound:
         return spec_only(config, report, args)
     bandwidth = copy_bandwidth(1 << (24 if args.smoke else 30), rounds=5, inner=20)
     start = time.perf_counter()

@@ -151,6 +151,8 @@ def spec_figures(workload, r):
         f"{r['acceptance']:.0%} ({r['accepted_tokens']}/{r['draft_tokens']} draft tokens), same tokens: "
         f"{'yes' if r['same'] else 'NO'}" + ("" if r.get("emitted_o") is None else
                                                f", off emitted O: {'yes' if r['emitted_o'] else 'NO'}"))
+  if r.get("sync_ratio") is not None:  # the same engine with its verification steps synchronous (session 35's)
+    print(f"  {workload}, verifying synchronously: {r['sync_ratio']:.2f}x ({r['sync_tok_s']:.1f} tok/s)")
 for workload, target in (("grounded", 1.8), ("open", 0.95)):
   r = find("spec decode", workload=workload)
   verdict(f"{workload} ratio, speculation on / off", r and r["ratio"], target, unit="x")
@@ -166,6 +168,9 @@ verdict("mixed batch (2 copying + 2 not), slower non-copying request on / off", 
 if r:
   print(f"  copying requests on / off: {r['ratios'][0]:.2f}x, {r['ratios'][1]:.2f}x; same tokens: "
         f"{'yes' if r['same'] else 'NO'}")
+r = find("spec mixed batch, verifying synchronously")
+if r:
+  print(f"  verifying synchronously: non-copying {min(r['ratios'][2:]):.2f}x, copying {r['ratios'][0]:.2f}x")
 for r in rows:
   if r["name"] == "dispatches/step":
     print(f"  dispatches/step {r['label']}: {r['dispatches_per_step']:.2f} (fused sampler: {r['fused']}) "

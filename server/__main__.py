@@ -93,8 +93,12 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=EngineArgs.async_scheduling, help="keep one step in flight: schedule and dispatch the "
-                   "next step before this one's tokens reach the host (vLLM's async scheduling); default: on (with "
-                   "--speculative-config, steps that verify drafts run synchronously)")
+                   "next step before this one's tokens reach the host (vLLM's async scheduling); default: on")
+    e.add_argument("--overlap-verification", action=argparse.BooleanOptionalAction,
+                   default=EngineArgs.overlap_verification, help="with --speculative-config and async scheduling: "
+                   "greedy requests' verification steps overlap the next step too (its drafts proposed on a guess "
+                   "of their outcome); otherwise a step that verifies drafts runs synchronously (default: on with "
+                   "a GPU, off on CPU)")
     e.add_argument("--async-scheduling-max-tokens", type=int, default=None, help="async scheduling keeps only "
                    "steps feeding at most this many tokens in flight (default: every step with a GPU, "
                    f"{CPU_ASYNC_MAX_TOKENS} on CPU, where the host's work shares the step's cores)")
@@ -168,7 +172,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=ns.tensor_parallel_size, chat_template=chat_template_arg(ns.chat_template),
         generation_config=ns.generation_config, distributed_coordinator=ns.distributed_coordinator,
         num_processes=ns.num_processes, process_id=ns.process_id, speculative_config=ns.speculative_config,
-        async_scheduling=ns.async_scheduling, async_scheduling_max_tokens=ns.async_scheduling_max_tokens)
+        async_scheduling=ns.async_scheduling, async_scheduling_max_tokens=ns.async_scheduling_max_tokens,
+        overlap_verification=ns.overlap_verification)
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:

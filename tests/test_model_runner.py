@@ -402,7 +402,8 @@ def test_fill_in_flight_moves_a_sequence_back_by_its_rejected_drafts():
                      kv_lens=np.array([5, 14, 0], np.int32), cu_q_lens=np.array([0, 2, 5, 5], np.int32),
                      num_seqs=np.int32(2), logits_indices=np.array([1, 4, 0], np.int32))
     tokens, rejected = jnp.array([40, 41, 0, 0], jnp.int32), jnp.array([0, 2, 0, 0], jnp.int32)
-    sources, shifts = np.array([-1, -1, 1, -1, -1, -1, -1, -1], np.int32), np.array([-1, -1, 1, 1, 1, -1, -1, -1], np.int32)
+    sources = np.array([-1, -1, 1, -1, -1, -1, -1, -1], np.int32)  # the placeholder takes row 1's token
+    shifts = np.array([-1, -1, 1, 1, 1, -1, -1, -1], np.int32)  # its sequence moves back by row 1's rejected
     filled = jax.jit(fill_in_flight, static_argnums=(5,))(step, tokens, rejected, sources, shifts, 4)
     assert filled.token_ids.tolist() == [5, 6, 41, 7, 8, 0, 0, 0]
     assert filled.positions.tolist() == [3, 4, 9, 10, 11, 0, 0, 0]

@@ -36,7 +36,7 @@ ADAPTIVE = {**SPEC, "adaptive_draft_length": True}
 BASE = EngineArgs(model="unused", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=200,
                   compilation_cache_dir=None)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-OVERLAP = dict(async_scheduling_max_tokens=1024)  # async scheduling keeps every step in flight (CPU default: <= 8 tokens)
+OVERLAP = dict(async_scheduling_max_tokens=1024)  # every step stays in flight (CPU default: steps of <= 8 tokens)
 
 
 # ---- config -------------------------------------------------------------------------------
@@ -314,7 +314,9 @@ def spec(tiny):
 
 
 def make_engine(loaded, **overrides) -> LLMEngine:
-    return LLMEngine(dataclasses.replace(BASE, **{"speculative_config": SPEC, **overrides}), loaded=loaded)
+    """A speculating engine; greedy verification steps overlapped as on a GPU (CPU's default: synchronous)."""
+    overrides = {"speculative_config": SPEC, "overlap_verification": True, **overrides}
+    return LLMEngine(dataclasses.replace(BASE, **overrides), loaded=loaded)
 
 
 def run_all(engine: LLMEngine, prompts, params=GREEDY, check=True) -> dict[str, object]:
@@ -755,7 +757,7 @@ def test_adaptive_draft_length_verifies_the_drafts_that_pay_for_their_rows(tiny,
 SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
 
 
-@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "greedy, not overlapped"])
 def test_async_scheduling_overlaps_verifications_it_can(tiny, plain, kind):
     """Speculation under async scheduling (the default). Greedy requests: every step is overlapped, those that
     verify drafts too: the next step is dispatched before their outcome is on the host, its drafts proposed on a
@@ -764,12 +766,13 @@ def test_async_scheduling_overlaps_verifications_it_can(tiny, plain, kind):
     every other step is overlapped. Nothing proposed: every step overlapped. An oracle's drafts for every
     request (all accepted, or wrong from the second). For half the requests: on CPU no room for drafts beside
     decodes without (the scheduler's rule), so every step overlapped, and the seeded engine stops waiting for
-    tokens in flight to propose drafts that find no room (until the batch changes). Outputs: those without
+    tokens in flight to propose drafts that find no room (until the batch changes). Greedy requests with
+    overlap_verification off (CPU's default) are verified as the seeded ones. Outputs: those without
     speculation."""
     prompts = mixed_prompts(2, seed=91) + repetitive_prompts(2, seed=91)  # all 4 fit the partial-prefill slots
-    params = GREEDY if kind == "greedy" else SEEDED
+    params = SEEDED if kind == "seeded" else GREEDY
     expected = [o.outputs[0].token_ids for _, o in sorted(run_all(plain, prompts, params).items())]
-    engine = make_engine(tiny, **OVERLAP)
+    engine = make_engine(tiny, overlap_verification=kind == "greedy", **OVERLAP)
     assert engine.async_scheduling
     steps, proposals = [], []  # (overlapped, drafts fed, drafts fed after a verification in flight) per step
     before_each_step(engine, lambda out, overlapped: steps.append(
@@ -799,7 +802,7 @@ def test_async_scheduling_overlaps_verifications_it_can(tiny, plain, kind):
         else:
             assert all(synchronous) and all(drafts == 0 for overlapped, drafts, _ in steps if overlapped)
             assert len(synchronous) >= 4 and len(steps) - len(synchronous) >= 1, steps
-    if kind == "seeded":
+    if kind != "greedy":
         assert 2 <= len(proposals) <= 8 < len(steps)  # the half oracle's: not one a step
 
 
@@ -922,6 +925,14 @@ def test_a_decode_without_drafts_is_not_slowed_by_verifications(tiny, plain, loo
         assert [done[str(i)].outputs[0].token_ids for i in range(3)] == expected
     verified = sum(drafts > 0 for drafts in steps)
     assert verified == 0 if "seeded" in loop else verified >= 3, steps
+
+
+def test_overlap_verification_defaults_to_the_platform_and_is_checked(tiny):
+    assert EngineArgs(model="x").overlap_verification is None  # None: on with a GPU, off on CPU
+    engine = LLMEngine(dataclasses.replace(BASE, speculative_config=SPEC, warmup=False), loaded=tiny)
+    assert engine.overlap_verification is (jax.default_backend() == "gpu")
+    with pytest.raises(ValueError, match="overlap_verification"):
+        EngineArgs(model="x", overlap_verification="yes")
 
 
 def test_no_compilation_after_warmup_with_speculation(tiny):
@@ -1052,6 +1063,9 @@ def test_server_flag_parses_and_a_bad_config_is_a_cli_error(capsys):
     ns = build_parser().parse_args(["--speculative-config", json.dumps(SPEC)])
     assert engine_args(ns).speculative_config == SpeculativeConfig.from_dict(SPEC)
     assert engine_args(build_parser().parse_args([])).speculative_config is None
+    assert engine_args(build_parser().parse_args([])).overlap_verification is None
+    assert engine_args(build_parser().parse_args(["--no-overlap-verification"])).overlap_verification is False
+    assert engine_args(build_parser().parse_args(["--overlap-verification"])).overlap_verification is True
     for bad, match in [('{"method": "ngram"}', "needs num_speculative_tokens"), ("{oops", "not valid JSON"),
                        ('{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
                         "prompt_lookup_min=3 must be <= prompt_lookup_max=2")]:
