@@ -26,7 +26,8 @@ How a step speculates (vLLM v1's design, with an n-gram proposer):
    only full pages of real (accepted) tokens are hashed into the prefix cache.
 
 Under async scheduling (the engine's default) the request's last token is usually still in flight when the
-next step is scheduled. Greedy requests (no penalties, min_tokens bans or grammar) verify overlapped: the
+next step is scheduled. Greedy requests (no penalties, min_tokens bans or grammar) verify overlapped
+(EngineArgs.overlap_verification: on with a GPU): the
 drafts follow a guess of the step in flight (`NgramProposer.propose_past`: the lookup's continuation decides
 how many of its drafts it accepts and which token it emits), the scheduler counts that step's drafts as
 accepted, and the device moves the next step back by those rejected (model_runner.fill_in_flight). A wrong
