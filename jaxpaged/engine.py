@@ -26,19 +26,20 @@ take each step's tokens from the host).
 
 Speculative decoding with async scheduling: drafts follow a request's last token, which
 is in flight. Greedy requests without penalties, min_tokens bans or a grammar
-(`_verifies_overlapped`; `EngineArgs.overlap_verification`, on with a GPU) verify overlapped too: with step N in flight (a verification of d
-drafts, or a decode), step N+1 is scheduled as if all d were accepted (the scheduler's
-`num_draft_placeholders`), its drafts proposed on a guess of N's outcome
-(`NgramProposer.propose_past`: the same lookup's continuation decides which drafts N
-accepts), and the device moves N+1's token and positions to N's real outcome
-(`model_runner.fill_in_flight`); when N's tokens reach the host its rejected drafts are
-rolled back. A wrong guess costs only N+1's draft rows (almost all rejected: such blind
-drafts do not teach the adaptive policy). Other requests (a seeded row's key, penalty
-counts, grammar masks and min_tokens bans follow the tokens in flight): a step that
-verifies their drafts runs synchronously (scheduled after the step in flight is handled,
-handled before the next is scheduled), and the others stay overlapped; with a step in
-flight the engine guesses whether drafts would follow the token in flight
-(`_drafts_likely`), and only then waits for that step and proposes.
+(`_verifies_overlapped`; `EngineArgs.overlap_verification`, on with a GPU) verify
+overlapped too: with step N in flight (a verification of d drafts, or a decode), step
+N+1 is scheduled as if all d were accepted (the scheduler's `num_draft_placeholders`),
+its drafts proposed on a guess of N's outcome (`NgramProposer.propose_past`: the same
+lookup's continuation decides which drafts N accepts), and the device moves N+1's token
+and positions to N's real outcome (`model_runner.fill_in_flight`); when N's tokens reach
+the host its rejected drafts are rolled back. A wrong guess costs only N+1's draft rows
+(almost all rejected: such blind drafts do not teach the adaptive policy). Other
+requests (a seeded row's key, penalty counts, grammar masks and min_tokens bans follow
+the tokens in flight): a step that verifies their drafts runs synchronously (scheduled
+after the step in flight is handled, handled before the next is scheduled), and the
+others stay overlapped; with a step in flight the engine guesses whether drafts would
+follow the token in flight (`_drafts_likely`), and only then waits for that step and
+proposes.
 
 A request with n > 1 becomes n child requests (`<id>#<i>`, seeds seed + i) that
 share the prompt's pages through prefix caching, aggregated back into one
@@ -675,8 +676,9 @@ class LLMEngine:
         try:
             proposed = overlapped = False
             if self.proposer is not None:
-                if previous is not None and all(self._verifies_overlapped(r) for r in self._in_flight_decodes()):
-                    self._propose_past_in_flight(previous.scheduler_output)  # nothing waits
+                in_flight = self._in_flight_decodes() if previous is not None else None
+                if in_flight is not None and all(self._verifies_overlapped(r) for r in in_flight):
+                    self._propose_past_in_flight(previous.scheduler_output, in_flight)  # nothing waits
                     overlapped = True
                 elif previous is None or self._drafts_likely():
                     if previous is not None:  # drafts follow the token in flight: wait for it
@@ -838,15 +840,15 @@ class LLMEngine:
         return [r for r in self.scheduler.running if r.num_output_placeholders == 1 and
                 r.num_computed_tokens == r.num_tokens + r.num_draft_placeholders]
 
-    def _propose_past_in_flight(self, in_flight: SchedulerOutput) -> None:
-        """Speculative decoding with a step in flight whose requests all verify overlapped
-        (`_verifies_overlapped`): drafts for every decoding request that may have them, those in flight
-        guessing that step's outcome (`NgramProposer.propose_past`, its guess kept to check when the outcome
-        arrives; room as if all its drafts were accepted), the others from their tokens; the adaptive policy
-        trims them. Nothing waits for the device."""
+    def _propose_past_in_flight(self, in_flight: SchedulerOutput, waiting: Sequence[Request]) -> None:
+        """Speculative decoding with a step in flight (`in_flight`) whose requests `waiting` for its tokens
+        (`_in_flight_decodes`) all verify overlapped (`_verifies_overlapped`): drafts for every decoding request
+        that may have them, those in flight guessing that step's outcome (`NgramProposer.propose_past`, its guess
+        kept to check when the outcome arrives; room as if all its drafts were accepted), the others from their
+        tokens; the adaptive policy trims them. Nothing waits for the device."""
         disabled = self._drafting_disabled()
         fed = {e.request_id: e.spec_token_ids for e in in_flight.scheduled_requests}
-        decoding, waiting_for = [], {id(r) for r in self._in_flight_decodes()}
+        decoding, waiting_for = [], {id(r) for r in waiting}
         for request in self.scheduler.running:
             request.spec_token_ids, request.spec_num_forced, request.spec_guess = [], 0, None
             known = not request.num_output_placeholders and request.num_tokens - request.num_computed_tokens == 1

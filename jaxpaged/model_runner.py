@@ -387,10 +387,7 @@ class PendingStep:
                 raise RuntimeError("the step's sampler was never dispatched (ModelRunner.dispatch_sample)")
             self.sampled, self.finish_sample = self.finish_sample(), None
             if self.layout is not None and self.drafts is None:  # packed drafts: counted on the final tokens
-                accepted = self.fused.num_accepted if self.fused is not None and \
-                    self.sampled.token_ids is self.fused.sample.out.token_ids else \
-                    accept_drafts(self.sampled.token_ids, self.layout.sample_rows, self.layout.draft_ids)
-                self.drafts = VerifiedDrafts(self.layout, self.sampled, accepted)
+                self.drafts = verify_packed(self.layout, self.sampled, self.fused)
         return self.sampled
 
     def result(self) -> ModelRunnerOutput:
@@ -409,7 +406,7 @@ class PendingStep:
         host, takes from this one per sampler row: the token it feeds (`next_tokens`; for a row that verified
         drafts, the token sampled at its first rejected draft, or the bonus token) and the drafts rejected
         (None when no row verified any), by which that row's positions were counted too far."""
-        if self.drafts is None and self.layout is None:
+        if self.layout is None:
             return self.next_tokens(size), None
         if self.carried is None:
             sampled, drafts = self.sampler_output(), self.drafts
@@ -568,6 +565,14 @@ def accept_drafts(sampled: jax.Array, sample_rows: jax.Array, draft_ids: jax.Arr
     whose sample is the draft. Rejection sampling of a point-mass draft (see jaxpaged/spec_decode.py)."""
     match = (sampled[sample_rows] == draft_ids).astype(jnp.int32)  # i32[M, k]
     return jnp.sum(jnp.cumprod(match, axis=1), axis=1)
+
+
+def verify_packed(layout: DraftRows, sampled: SamplerOutput, fused: FusedStep | None = None) -> VerifiedDrafts:
+    """The drafts verified on the final samples of their rows (`sampled` holds them at layout.sample_rows): a
+    fused step's own count, unless a sampler fallback changed a token, else `accept_drafts` on the device."""
+    if fused is not None and sampled.token_ids is fused.sample.out.token_ids:
+        return VerifiedDrafts(layout, sampled, fused.num_accepted)
+    return VerifiedDrafts(layout, sampled, accept_drafts(sampled.token_ids, layout.sample_rows, layout.draft_ids))
 
 
 def _pad_bitmask(bitmask: np.ndarray | None, S: int, num_rows: int) -> np.ndarray | None:
@@ -1221,10 +1226,8 @@ class ModelRunner:
         fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout))
         sampled = sampler.finish_in_step(fused.sample, batch, top)()
         drafts = None
-        if layout is not None and layout.packed:  # the program counted them, unless a fallback changed a token
-            accepted = fused.num_accepted if sampled.token_ids is fused.sample.out.token_ids else \
-                accept_drafts(sampled.token_ids, layout.sample_rows, layout.draft_ids)
-            drafts = VerifiedDrafts(layout, sampled, accepted)
+        if layout is not None and layout.packed:
+            drafts = verify_packed(layout, sampled, fused)
         elif layout is not None:
             drafts = self._verify_drafts(layout, sampled, hidden, top, grammar_bitmask)
         prompt = self._prompt_logprobs(entries, step, hidden)
@@ -1310,7 +1313,7 @@ class ModelRunner:
             batch = make_sampling_batch(list(layout.rows), len(layout.rows), logits.shape[1],
                                         token_bitmask=_draft_bitmask(layout, grammar_bitmask))
             sampled = sample_jit(logits, batch, num_top_logprobs=top)
-        return VerifiedDrafts(layout, sampled, accept_drafts(sampled.token_ids, layout.sample_rows, layout.draft_ids))
+        return verify_packed(layout, sampled)
 
     def _prompt_logprobs(self, entries: Sequence[ScheduledRequest], step: StepInput,
                          hidden: jax.Array) -> dict[str, PromptLogprobs]:
