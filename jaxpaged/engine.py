@@ -283,6 +283,8 @@ class LLMEngine:
         self.model = dataclasses.replace(self.model, params=to_weight_layout(
             self.model.config, self.model.params, layout, self.mesh, consume=loaded is None))
         phases = {"load": time.perf_counter() - start}  # seconds per start-up phase, for the ready line
+        self.overlap_verification = (jax.default_backend() == "gpu" if args.overlap_verification is None
+                                     else args.overlap_verification)
         self.runner_config = self._runner_config()
         # async scheduling runs on one process (followers take each step's tokens from the host)
         requested = args.async_scheduling is not False
@@ -292,8 +294,6 @@ class LLMEngine:
         self.async_max_tokens = args.async_scheduling_max_tokens  # the steps kept in flight (None: all)
         if self.async_max_tokens is None and jax.default_backend() == "cpu":
             self.async_max_tokens = CPU_ASYNC_MAX_TOKENS
-        self.overlap_verification = (jax.default_backend() == "gpu" if args.overlap_verification is None
-                                     else args.overlap_verification)
         self._in_flight: _InFlightStep | None = None  # async scheduling: the step dispatched, not yet handled
         self._last_handled = 0.0  # time.perf_counter() when the last step's outputs were handled
         # speculation with async scheduling: after drafts found no room in a step, the batch (_batch_key) then, the
@@ -324,6 +324,7 @@ class LLMEngine:
         self._awaiting_grammar: dict[str, tuple[_Parent, concurrent.futures.Future]] = {}
         spec = args.speculative_config
         self.proposer = None if spec is None else NgramProposer(spec)  # speculative decoding (n-gram)
+        self._device_lookup = None if spec is None else NgramProposer(spec)  # the host twin of redraft_in_flight's
         self.spec_decoding_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
         self.draft_policy = None if spec is None or not spec.adaptive_draft_length else \
             DraftLengthPolicy(spec.num_speculative_tokens)  # which drafts pay for their rows
@@ -391,7 +392,18 @@ class LLMEngine:
                             max_num_partial_prefills=min(args.max_num_partial_prefills or (16 if on_gpu else 4),
                                                          max_num_seqs),
                             num_speculative_tokens=0 if args.speculative_config is None else
-                            args.speculative_config.num_speculative_tokens)
+                            args.speculative_config.num_speculative_tokens,
+                            # drafts proposed on a wrong guess of a verification in flight: proposed again on the
+                            # device (overlap_verification)
+                            prompt_lookup=self._prompt_lookup())
+
+    def _prompt_lookup(self) -> tuple[int, int] | None:
+        """RunnerConfig.prompt_lookup: the n-gram bounds when verifications may overlap the next step (drafts then
+        proposed on a wrong guess of their outcome are proposed again on the device), else None."""
+        spec = self.args.speculative_config
+        if spec is None or not self.overlap_verification:
+            return None
+        return spec.prompt_lookup_min, spec.prompt_lookup_max
 
     def _pages_from_memory(self, on_gpu: bool) -> int:
         # Each device holds 1/tp of every page (its KV heads); the budget is per device.
@@ -704,7 +716,7 @@ class LLMEngine:
                     self._wait_for_grammars()
                 return failed
             flight = None if out.is_empty else self._dispatch_async(out, previous)
-            outputs = failed + (self._handle_in_flight(previous) if previous is not None else [])
+            outputs = failed + (self._handle_in_flight(previous, out) if previous is not None else [])
             if flight is not None and self._dispatch_sampler_async(flight):
                 if self.async_max_tokens is None or out.num_scheduled_tokens <= self.async_max_tokens:
                     self._in_flight = flight
@@ -748,17 +760,17 @@ class LLMEngine:
             self._deferred_error = err
             return []
 
-    def _handle_in_flight(self, flight: _InFlightStep) -> list[RequestOutput]:
+    def _handle_in_flight(self, flight: _InFlightStep, following: SchedulerOutput | None = None) -> list[RequestOutput]:
         """Bring a dispatched step's tokens to the host and apply them, as `step` does, to the requests
         still live: the same Request objects it scheduled (one finished or aborted since is skipped, even
-        if a new request took its id)."""
+        if a new request took its id). `following`: the step dispatched after it, if any (`_note_redrafts`)."""
         result = flight.pending.result()
         live = {rid for rid, request in flight.requests.items()
                 if request is not None and self.scheduler.get_request(rid) is request}
         for rid, chunk in result.prompt_logprobs.items():
             if rid in live:
                 self._record_prompt_logprobs(*self._child_to_parent[rid], chunk)
-        stops, touched, sampled, blind = {}, {}, {}, set()
+        stops, touched, sampled, redrafted, wrong = {}, {}, {}, {}, set()
         for rid in result.req_ids:
             if rid not in live:
                 continue
@@ -766,18 +778,33 @@ class LLMEngine:
             sampled[rid], stops[rid] = self._emit(child, result, result.token_rows(rid))
             touched.setdefault(parent.request_id, (parent, set()))[1].add(child.index)
             request = child.request  # the next step's drafts (in flight) were proposed on a guess of these tokens
-            if request.spec_blind:
-                blind.add(rid)
-            request.spec_blind = request.spec_guess is not None and tuple(sampled[rid]) != request.spec_guess
-            request.spec_guess = None
+            if request.spec_redrafts is not None:
+                redrafted[rid] = request.spec_redrafts  # this step's drafts, as the device proposed them again
+            if request.spec_guess is not None and tuple(sampled[rid]) != request.spec_guess:
+                wrong.add(rid)
+            request.spec_guess, request.spec_redrafts = None, None
         out = flight.scheduler_output
         entries = tuple(e for e in out.scheduled_requests if e.request_id in live)
         if self.spec_decoding_stats is not None:
-            self._observe_drafts(entries, result, blind)
+            self._observe_drafts(entries, result, redrafted)
         self.scheduler.update_from_output(dataclasses.replace(out, scheduled_requests=entries), sampled, stops)
+        if wrong and following is not None:
+            self._note_redrafts(following, wrong)
         outputs = self._outputs(touched)
         self._observe_step(out, max(flight.dispatched_at, self._last_handled))  # overlapped: the time between steps
         return outputs
+
+    def _note_redrafts(self, following: SchedulerOutput, wrong: set[str]) -> None:
+        """The drafts the device fed in `following` (in flight) for the requests in `wrong`, whose guess of the
+        step just handled proved wrong: proposed again from its real outcome (`model_runner.redraft_in_flight`,
+        this lookup on the device; -1 where it found none), kept in Request.spec_redrafts for the next guess and
+        for the policy."""
+        for entry in following.scheduled_requests:
+            request = self.scheduler.get_request(entry.request_id)
+            if entry.request_id in wrong and entry.spec_guess is not None and request is not None:
+                d = len(entry.spec_token_ids)
+                drafts = self._device_lookup.continuation(request.all_token_ids, d)
+                request.spec_redrafts = drafts + [-1] * (d - len(drafts))
 
     def _outputs(self, touched: dict[str, tuple[_Parent, set[int]]]) -> list[RequestOutput]:
         """The outputs of the parents whose children got tokens this step (their token times recorded)."""
@@ -810,7 +837,7 @@ class LLMEngine:
         disabled = self._drafting_disabled()
         decoding = self.scheduler.decoding_requests()
         for request in decoding:
-            request.spec_num_forced, request.spec_guess, request.spec_blind = 0, None, False  # nothing in flight
+            request.spec_num_forced, request.spec_guess, request.spec_redrafts = 0, None, None  # nothing in flight
             room = max_drafts_for(request.num_tokens, request.num_output_tokens, request.max_tokens,
                                   request.max_model_len)
             if room < 1 or disabled:
@@ -863,7 +890,8 @@ class LLMEngine:
             if known:
                 request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
                 continue
-            drafts, guess = self.proposer.propose_past(request.all_token_ids, fed.get(request.request_id, ()), room)
+            fed_now = fed.get(request.request_id, ()) if request.spec_redrafts is None else request.spec_redrafts
+            drafts, guess = self.proposer.propose_past(request.all_token_ids, fed_now, room)
             request.spec_token_ids, request.spec_guess = drafts, (guess or None) if drafts else None
         if self.draft_policy is not None:
             self.draft_policy.trim(decoding)
@@ -926,17 +954,19 @@ class LLMEngine:
         return drafts
 
     def _observe_drafts(self, entries: Sequence[ScheduledRequest], result: ModelRunnerOutput,
-                        blind: set[str] = frozenset()) -> None:
-        """Count the step's verifications (metrics); the adaptive policy learns from those not `blind` (drafted
-        on a wrong guess of the step before: `_handle_in_flight`)."""
+                        redrafted: dict[str, list[int]] | None = None) -> None:
+        """Count the step's verifications (metrics) and teach the adaptive policy; `redrafted`: the drafts the
+        device proposed again in place of an entry's (`_note_redrafts`), of which those it found count."""
         for entry in entries:
             num_accepted = result.num_accepted_drafts.get(entry.request_id)
-            if num_accepted is not None:
-                self.spec_decoding_stats.observe(len(entry.spec_token_ids), num_accepted)
-                if self.draft_policy is not None and entry.request_id not in blind:
+            drafts = (redrafted or {}).get(entry.request_id, entry.spec_token_ids)
+            num_drafts = sum(t >= 0 for t in drafts)
+            if num_accepted is not None and num_drafts:
+                self.spec_decoding_stats.observe(num_drafts, num_accepted)
+                if self.draft_policy is not None:
                     request = self._child_to_parent[entry.request_id][1].request
-                    self.draft_policy.observe_verification(request, len(entry.spec_token_ids), num_accepted,
-                                                           min(request.spec_num_forced, len(entry.spec_token_ids)))
+                    self.draft_policy.observe_verification(request, num_drafts, num_accepted,
+                                                           min(request.spec_num_forced, num_drafts))
 
     def _emit(self, child: _Child, result: ModelRunnerOutput,
               rows: Sequence[int]) -> tuple[list[int], StopVerdict | None]:

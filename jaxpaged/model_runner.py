@@ -81,6 +81,7 @@ from jaxpaged.models.llama import (LlamaConfig, Matmul, PackedWeight, Params, We
 from jaxpaged.sampler import (RowInfo, SamplerOutput, SamplingBatch, make_sampling_batch, num_top_logprobs_for,
                               sample_deferred, sample_jit)
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxpaged.spec_decode import ngram_drafts
 from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from pallas_kernels import ragged_paged_attention, write_kv_inner
 from pallas_kernels import cpu_attention, cpu_build, cpu_matmul, cpu_rope, cpu_sampler
@@ -292,6 +293,14 @@ class DraftRows:
     draft_ids: np.ndarray  # i32[M, k]; -1 for no draft (never accepted)
     token_index: np.ndarray  # i32[N]: the fed token whose logits each draft row takes (N rows, in row order)
     rows: tuple[RowInfo, ...]  # the N draft rows' sampler state
+    # i32[M, k] on the device: draft_ids with the slots the device proposed again (`redraft_in_flight`), the drafts
+    # fed and verified; None: draft_ids are
+    redrafted: jax.Array | None = None
+
+    @property
+    def verified_ids(self) -> np.ndarray | jax.Array:
+        """i32[M, k]: the drafts the step feeds and verifies."""
+        return self.draft_ids if self.redrafted is None else self.redrafted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,23 +464,74 @@ def carry_tokens(token_ids: jax.Array, draft_token_ids: jax.Array, size: int, en
     return tokens, rejected
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Redraft:
+    """A step's drafts proposed again on the device (`redraft_in_flight`), on X slots (the largest
+    `RunnerConfig.draft_seq_buckets` size, whatever the step's M: one shape for every program that takes them)."""
+
+    drafts: jax.Array  # i32[X, k]: slot m's drafts where `changed` (-1: none, never accepted)
+    changed: jax.Array  # bool[X]: whether slot m's drafts are new (its guess of the step in flight was wrong)
+    first: jax.Array  # i32[X]: the step's token index of slot m's fed token (its drafts follow it)
+
+    @classmethod
+    def none(cls, num_slots: int, k: int) -> Redraft:
+        return cls(np.full((num_slots, k), -1, np.int32), np.zeros(num_slots, bool), np.zeros(num_slots, np.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(9, 10))
+def redraft_in_flight(draft_ids: jax.Array, history: jax.Array, known: jax.Array, num_previous: jax.Array,
+                      rows: jax.Array, guess: jax.Array, tokens: jax.Array, rejected: jax.Array, first: jax.Array,
+                      num_slots: int, lookup: tuple[int, int]) -> tuple[jax.Array, Redraft]:
+    """Drafts proposed on a guess of the step in flight (async scheduling, `NgramProposer.propose_past`), proposed
+    again from its real outcome where the guess was wrong: the n-gram lookup on the device (`ngram_drafts`). Per
+    slot m of M: draft_ids i32[M, k] (the host's; their count d is kept), history i32[M, H] (the known tokens,
+    known i32[M] of them, then the num_previous i32[M] drafts the step in flight verifies), rows i32[M] (the slot's
+    row in that step, -1: kept as they are), guess i32[M, 2] (its drafts accepted and token emitted, guessed),
+    tokens and rejected i32[R] (`PendingStep.carry`), first i32[M] (the slot's fed token's index in the step).
+    Returns (draft_ids i32[M, k], the Redraft on num_slots slots)."""
+    M, k = draft_ids.shape
+    row = jnp.maximum(rows, 0)
+    accepted, token = num_previous - rejected[row], tokens[row]  # i32[M] each: the real outcome
+    changed = (rows >= 0) & ((accepted != guess[:, 0]) | (token != guess[:, 1]))  # bool[M]
+    sequence = history.at[jnp.arange(M), known + accepted].set(token)  # i32[M, H]: known + accepted + token
+    drafts = ngram_drafts(sequence, known + accepted + 1, k, *lookup)  # i32[M, k]
+    drafts = jnp.where(jnp.arange(k)[None] < jnp.sum(draft_ids >= 0, axis=1)[:, None], drafts, -1)
+    draft_ids = jnp.where(changed[:, None], drafts, draft_ids)
+    redraft = Redraft(jnp.full((num_slots, k), -1, jnp.int32).at[:M].set(draft_ids),
+                      jnp.zeros((num_slots,), bool).at[:M].set(changed),
+                      jnp.zeros((num_slots,), jnp.int32).at[:M].set(first))
+    return draft_ids, redraft
+
+
+def merge_redrafts(draft_ids: jax.Array, redraft: Redraft) -> jax.Array:
+    """draft_ids i32[N, k] (slot m's drafts at row m) with the slots the Redraft changed replaced."""
+    n, draft_ids = min(draft_ids.shape[0], redraft.drafts.shape[0]), jnp.asarray(draft_ids)
+    return draft_ids.at[:n].set(jnp.where(redraft.changed[:n, None], redraft.drafts[:n], draft_ids[:n]))
+
+
 def fill_in_flight(step: StepInput, tokens: jax.Array, rejected: jax.Array, sources: jax.Array,
-                   shifts: jax.Array, page_size: int) -> StepInput:
+                   shifts: jax.Array, page_size: int, redraft: Redraft | None = None) -> StepInput:
     """The step with what the previous step (still in flight when it was packed) decided, on the device:
     each placeholder token (sources i32[T] >= 0) becomes tokens[sources]; each token of a sequence that follows
     a verification in flight (shifts i32[T] >= 0: that sequence's row there) moves back by rejected[shifts]
     positions (the host packed it as if every draft were accepted): positions, slots (from the page table)
-    and the sequence's kv_lens. tokens, rejected: i32[R] (`PendingStep.carry`)."""
+    and the sequence's kv_lens; the drafts proposed again (`redraft`) are fed in place of the host's.
+    tokens, rejected: i32[R] (`PendingStep.carry`)."""
+    redraft = Redraft.none(1, 1) if redraft is None else redraft
     token_ids, positions, slots, kv_lens = _fill_in_flight(step.token_ids, step.positions, step.slot_mapping,
                                                            step.page_table, step.kv_lens, step.cu_q_lens, tokens,
-                                                           rejected, sources, shifts, page_size)
+                                                           rejected, sources, shifts, redraft, page_size)
     return dataclasses.replace(step, token_ids=token_ids, positions=positions, slot_mapping=slots, kv_lens=kv_lens)
 
 
 def _fill_in_flight(token_ids, positions, slot_mapping, page_table, kv_lens, cu_q_lens, tokens, rejected, sources,
-                    shifts, page_size: int):
+                    shifts, redraft: Redraft, page_size: int):
     """`fill_in_flight` on the StepInput fields it changes (T tokens, S sequences, P pages a sequence)."""
     token_ids = jnp.where(sources >= 0, tokens[jnp.maximum(sources, 0)], token_ids)  # i32[T]
+    at = redraft.first[:, None] + 1 + jnp.arange(redraft.drafts.shape[1])[None]  # i32[X, k]: slot m's draft j
+    write = redraft.changed[:, None] & (redraft.drafts >= 0)
+    token_ids = token_ids.at[jnp.where(write, at, token_ids.shape[0])].set(redraft.drafts, mode="drop")
     shift = jnp.where(shifts >= 0, rejected[jnp.maximum(shifts, 0)], 0)  # i32[T]
     positions = positions - shift
     T, S = token_ids.shape[0], kv_lens.shape[0]
@@ -483,7 +543,7 @@ def _fill_in_flight(token_ids, positions, slot_mapping, page_table, kv_lens, cu_
     return token_ids, positions, slots, kv_lens
 
 
-fill_in_flight_jit = jax.jit(_fill_in_flight, static_argnums=(10,))  # the unfused runner's (the fused step inlines it)
+fill_in_flight_jit = jax.jit(_fill_in_flight, static_argnums=(11,))  # the unfused runner's (the fused step inlines it)
 
 
 def _shift_rows(entries: Sequence[ScheduledRequest], step: StepInput,
@@ -572,7 +632,7 @@ def verify_packed(layout: DraftRows, sampled: SamplerOutput, fused: FusedStep | 
     fused step's own count, unless a sampler fallback changed a token, else `accept_drafts` on the device."""
     if fused is not None and sampled.token_ids is fused.sample.out.token_ids:
         return VerifiedDrafts(layout, sampled, fused.num_accepted)
-    return VerifiedDrafts(layout, sampled, accept_drafts(sampled.token_ids, layout.sample_rows, layout.draft_ids))
+    return VerifiedDrafts(layout, sampled, accept_drafts(sampled.token_ids, layout.sample_rows, layout.verified_ids))
 
 
 def _pad_bitmask(bitmask: np.ndarray | None, S: int, num_rows: int) -> np.ndarray | None:
@@ -714,6 +774,10 @@ class RunnerConfig:
     max_num_partial_prefills: int | None = None
     # Speculative decoding: drafts verified per request and step (SpeculativeConfig's k); 0: off
     num_speculative_tokens: int = 0
+    # ... and (prompt_lookup_min, prompt_lookup_max) of its n-gram lookup, for drafts proposed on a guess of the step
+    # in flight (async scheduling) to be proposed again on the device where it proves wrong (`redraft_in_flight`);
+    # None: they are verified as they are
+    prompt_lookup: tuple[int, int] | None = None
     # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays on GPU, and on CPU where
     # the weights are not packed; the stacked scan compiles faster), "stacked" or "per_layer"; fuse_projections:
     # q/k/v and gate/up as one gemm each.
@@ -743,6 +807,11 @@ class RunnerConfig:
             raise ValueError(f"max_num_partial_prefills={self.max_num_partial_prefills} must be >= 1 or None")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 0")
+        if self.prompt_lookup is not None and not (
+                isinstance(self.prompt_lookup, tuple) and len(self.prompt_lookup) == 2 and
+                all(isinstance(n, int) and not isinstance(n, bool) for n in self.prompt_lookup) and
+                1 <= self.prompt_lookup[0] <= self.prompt_lookup[1]):
+            raise ValueError(f"prompt_lookup={self.prompt_lookup!r}: must be None or (min, max) with 1 <= min <= max")
         check_weight_layout(self.weight_layout)
         if self.command_buffers not in ("auto", *GPU_COMMAND_BUFFERS):
             raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
@@ -846,6 +915,14 @@ class RunnerConfig:
             return ()
         return _geometric_buckets(1, max(1, min(self.max_num_partial_prefills or self.max_num_seqs,
                                                 self.max_num_seqs, self.max_num_batched_tokens // 2)), 4)
+
+    @property
+    def history_buckets(self) -> tuple[int, ...]:
+        """Speculative decoding with `prompt_lookup`: the widths H of the token histories `redraft_in_flight` takes
+        (a sequence and the drafts in flight, and the token after them): 256, x4, ... up to max_model_len + 1."""
+        if not self.num_speculative_tokens or self.prompt_lookup is None:
+            return ()
+        return _geometric_buckets(min(256, self.max_model_len + 1), self.max_model_len + 1, 4)
 
     @property
     def draft_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -959,6 +1036,7 @@ class StepSampling:
     shifts: np.ndarray  # i32[T]: the row of previous_rejected each position moves back by, else -1 (fill_in_flight)
     draft_rows: np.ndarray  # i32[S, k]: speculative decoding (packed drafts): slot m's draft rows (else 0)
     draft_ids: np.ndarray  # i32[S, k]: slot m's drafts, -1 for none (never accepted)
+    redraft: Redraft  # the drafts the device proposes again (async scheduling; `Redraft.none` otherwise)
 
 
 @jax.tree_util.register_dataclass
@@ -974,20 +1052,21 @@ class FusedStep:
 def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, params: Params, kv: KVPool,
                step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array, KVPool]:
     """One step in one program: placeholder tokens gathered from the previous step's (async scheduling; positions
-    moved back by its rejected drafts: `fill_in_flight`),
+    moved back by its rejected drafts, drafts proposed again fed: `fill_in_flight`),
     `paged_forward`, the sampler's common part (`sampler.sample_in_step`: bitmask, bias, penalties, argmax,
     or the candidate pass when `random` (static: some row samples at random), the sampled ids' raw
     log-probs) and the acceptance of packed drafts. Returns the FusedStep, the hidden states [T, E] and
     the updated pool (donated)."""
     step = fill_in_flight(step, sampling.previous_tokens, sampling.previous_rejected, sampling.sources,
-                          sampling.shifts, kv.k.shape[3])
+                          sampling.shifts, kv.k.shape[3], sampling.redraft)
     token_ids = step.token_ids  # i32[T]
     logits, hidden, kv = paged_forward(config, attention, params, kv, step)  # f32[S, V], [T, E]
     last = step.logits_indices  # i32[S]
     # a row fed the previous step's token as a placeholder: the host's penalty counts do not hold it yet
     fed = jnp.where(sampling.sources[last] >= 0, token_ids[last], -1)  # i32[S]
     sample = sampler.sample_in_step(logits, sampling.batch, fed, random=random, native=attention.native_matmul)
-    num_accepted = accept_drafts(sample.out.token_ids, sampling.draft_rows, sampling.draft_ids)  # i32[S]
+    draft_ids = merge_redrafts(sampling.draft_ids, sampling.redraft)  # i32[S, k]
+    num_accepted = accept_drafts(sample.out.token_ids, sampling.draft_rows, draft_ids)  # i32[S]
     next_tokens = pad_sampled_tokens(sample.out.token_ids, sampling.previous_tokens.shape[0])
     return FusedStep(sample, num_accepted, next_tokens), hidden, kv
 
@@ -1137,6 +1216,9 @@ class ModelRunner:
             self._neutral = {s: sampler.neutral_arrays(s, self.model_config.vocab_size)
                              for s in self.config.seq_buckets}
             self._no_previous = jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)  # i32[R]
+        self._zeros_r = jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)  # i32[R]: no drafts rejected
+        # a Redraft's slots (one shape for every step: `Redraft`)
+        self._redraft_slots = self.config.draft_seq_buckets[-1] if self.config.num_speculative_tokens else 1
 
     @property
     def multi_process(self) -> bool:
@@ -1245,7 +1327,8 @@ class ModelRunner:
 
     def _step_sampling(self, batch: SamplingBatch, step: StepInput, *, layout: DraftRows | None = None,
                        sources: np.ndarray | None = None, previous: jax.Array | None = None,
-                       rejected: jax.Array | None = None, shifts: np.ndarray | None = None) -> StepSampling:
+                       rejected: jax.Array | None = None, shifts: np.ndarray | None = None,
+                       redraft: Redraft | None = None) -> StepSampling:
         """A fused step's sampler inputs (StepSampling) from its host batch; absent parts neutral."""
         S, k, V = batch.num_rows, self.config.num_speculative_tokens, self.model_config.vocab_size
         draft_rows, draft_ids = np.zeros((S, k), np.int32), np.full((S, k), -1, np.int32)
@@ -1260,8 +1343,9 @@ class ModelRunner:
         if shifts is None:
             shifts = np.full(len(step.token_ids), -1, np.int32)
         neutral = self._neutral.get(S) or sampler.neutral_arrays(S, V)  # made here only for `lower_fused`
+        redraft = Redraft.none(self._redraft_slots, k) if redraft is None else redraft
         return StepSampling(sampler.with_neutral_arrays(batch, neutral), previous, sources, rejected, shifts,
-                            draft_rows, draft_ids)
+                            draft_rows, draft_ids, redraft)
 
     def _run_fused(self, step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array]:
         """(FusedStep, hidden [T, E]) from the fused program `warmup` compiled for the step's shape and batch
@@ -1343,30 +1427,68 @@ class ModelRunner:
         sources = _placeholder_sources(entries, step, previous) if any(e.placeholder for e in entries) else None
         shifts = None if sources is None else _shift_rows(entries, step, previous)
         carried = (None, None) if sources is None else previous.carry(self.config.seq_buckets[-1])
+        layout, redraft = self._redraft(entries, step, layout, previous, carried) if sources is not None else \
+            (layout, None)
         if self.fuse_sampler:
-            return self._dispatch_fused(entries, step, layout, sources, carried, shifts)
-        if shifts is not None:  # positions moved back too: one program per (T, S, P) bucket
-            filled = fill_in_flight_jit(step.token_ids, step.positions, step.slot_mapping, step.page_table,
-                                        step.kv_lens, step.cu_q_lens, *carried, sources, shifts, self.config.page_size)
+            return self._dispatch_fused(entries, step, layout, sources, carried, shifts, redraft)
+        if shifts is not None or redraft is not None:  # positions moved back, drafts fed: a program per (T, S, P)
+            filled = fill_in_flight_jit(
+                step.token_ids, step.positions, step.slot_mapping, step.page_table, step.kv_lens, step.cu_q_lens,
+                carried[0], self._zeros_r if carried[1] is None else carried[1], sources,
+                np.full(len(step.token_ids), -1, np.int32) if shifts is None else shifts,
+                redraft or Redraft.none(self._redraft_slots, self.config.num_speculative_tokens), self.config.page_size)
             step = dataclasses.replace(step, **dict(zip(("token_ids", "positions", "slot_mapping", "kv_lens"), filled)))
         elif sources is not None:  # previous' tokens padded to the largest S: one gather program per T bucket
             step = dataclasses.replace(step, token_ids=merge_sampled_tokens(step.token_ids, carried[0], sources))
         logits, hidden = self._forward(step)  # f32[S, V] (L rows), [T, E]; dispatched
         return PendingStep(entries, step, logits, hidden, layout=layout)
 
+    def _redraft(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
+                 previous: PendingStep, carried: tuple) -> tuple[DraftRows | None, Redraft | None]:
+        """With RunnerConfig.prompt_lookup: the drafts of `layout` proposed on a guess of `previous`' outcome (in
+        flight; ScheduledRequest.spec_guess) proposed again on the device where the guess proves wrong
+        (`redraft_in_flight`). Returns (the layout with the drafts it verifies, `redrafted`; the Redraft to feed), or
+        (layout, None) when no slot guessed."""
+        lookup = self.config.prompt_lookup
+        index = {e.request_id: i for i, e in enumerate(entries)}
+        guessed = [] if layout is None or lookup is None else [
+            (m, entries[index[rid]]) for m, rid in enumerate(layout.request_ids)
+            if entries[index[rid]].placeholder and entries[index[rid]].spec_guess]
+        if not guessed:
+            return layout, None
+        fed = {e.request_id: e.spec_token_ids for e in previous.entries}  # the drafts in flight
+        known = [list(e.prompt_token_ids) + list(e.output_token_ids) for _, e in guessed]
+        width = max(len(c) + len(fed.get(e.request_id, ())) + 1 for c, (_, e) in zip(known, guessed))
+        M, H = len(layout.draft_ids), next(b for b in self.config.history_buckets if b >= width)
+        history = np.zeros((M, H), np.int32)  # i32[M, H]: known tokens, then the drafts in flight
+        lengths = np.zeros((3, M), np.int32)  # per slot: known tokens, drafts in flight, its fed token's index
+        rows, guess = np.full(M, -1, np.int32), np.zeros((M, 2), np.int32)
+        for (m, e), tokens in zip(guessed, known):
+            drafts = fed.get(e.request_id, ())
+            history[m, :len(tokens)], history[m, len(tokens):len(tokens) + len(drafts)] = tokens, drafts
+            lengths[:, m] = len(tokens), len(drafts), step.cu_q_lens[index[e.request_id]]
+            rows[m], guess[m] = previous.rows[e.request_id], (len(e.spec_guess) - 1, e.spec_guess[-1])
+        tokens, rejected = carried
+        draft_ids, redraft = redraft_in_flight(layout.draft_ids, history, lengths[0], lengths[1], rows, guess, tokens,
+                                               self._zeros_r if rejected is None else rejected, lengths[2],
+                                               self._redraft_slots, lookup)
+        return dataclasses.replace(layout, redrafted=draft_ids), redraft
+
     def _dispatch_fused(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
-                        sources: np.ndarray | None, carried: tuple, shifts: np.ndarray | None) -> PendingStep:
+                        sources: np.ndarray | None, carried: tuple, shifts: np.ndarray | None,
+                        redraft: Redraft | None = None) -> PendingStep:
         """`dispatch` as one program, its sampler rows known now (penalties count the token in flight on the
         device). A step with a constrained row (its grammar mask needs the previous step's token on the host)
         or a fault injector runs the program's forward only; `dispatch_sample` then samples separately."""
         tokens, rejected = carried
         if self.fault_injector is not None or any(
                 e.samples and e.sampling_params.structured_outputs is not None for e in entries):
-            logits, hidden = self._forward(step, sources, tokens, rejected, shifts)
+            logits, hidden = self._forward(step, sources, tokens, rejected, shifts, redraft)
             return PendingStep(entries, step, logits, hidden, layout=layout)
         batch, top = self._sampling_batch(entries, step, layout, None)
         fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout, sources=sources,
-                                                                  previous=tokens, rejected=rejected, shifts=shifts))
+                                                                  previous=tokens, rejected=rejected, shifts=shifts,
+                                                                  redraft=redraft))
         pending = PendingStep(entries, step, None, hidden, fused=fused, batch=batch, num_top_logprobs=top,
                               layout=layout)
         if layout is not None and not layout.packed:
@@ -1406,14 +1528,16 @@ class ModelRunner:
         return self._forward(step)[0]
 
     def _forward(self, step: StepInput, sources: np.ndarray | None = None, previous: jax.Array | None = None,
-                 rejected: jax.Array | None = None, shifts: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
+                 rejected: jax.Array | None = None, shifts: np.ndarray | None = None,
+                 redraft: Redraft | None = None) -> tuple[jax.Array, jax.Array]:
         """execute's (logits f32[S, V], hidden [T, E]) on device. With the fused sampler: the fused program
         (one per shape; its sampler on greedy padding rows, nearly free), placeholders filled from
         `previous` (i32[R]) at `sources` (i32[T]) as in `fused_step`."""
         if self.fuse_sampler:
             batch = make_sampling_batch([], len(step.logits_indices), self.model_config.vocab_size)
             fused, hidden = self._run_fused(step, self._step_sampling(batch, step, sources=sources, previous=previous,
-                                                                      rejected=rejected, shifts=shifts))
+                                                                      rejected=rejected, shifts=shifts,
+                                                                      redraft=redraft))
             return fused.sample.logits, hidden
         if self.multi_process:
             parallel.broadcast_step(step, empty_step)
@@ -1624,9 +1748,15 @@ class ModelRunner:
                                       jnp.zeros(a, jnp.int32), i32(m)) for n, d, m, a in sorted(shapes)]
         if not self.fuse_sampler:
             zeros, none = jnp.zeros(R, jnp.int32), functools.partial(np.full, fill_value=-1, dtype=np.int32)
+            redraft = Redraft.none(self._redraft_slots, k)
             lowered += [fill_in_flight_jit.lower(i32(t), i32(t), i32(t), i32((s, p)), i32(s), i32(s + 1), zeros,
-                                                 zeros, none(t), none(t), self.config.page_size)
+                                                 zeros, none(t), none(t), redraft, self.config.page_size)
                         for t, s, p in self.config.buckets]
+        # drafts proposed again (prompt_lookup): at every (M, H); the layout's draft_ids on the host, or a device's
+        lookup, zeros = self.config.prompt_lookup, jnp.zeros(R, jnp.int32)
+        lowered += [redraft_in_flight.lower(i32((m, k)), i32((m, h)), i32(m), i32(m), i32(m), i32((m, 2)), zeros,
+                                            zeros, i32(m), self._redraft_slots, lookup)
+                    for m in slots for h in self.config.history_buckets]
         return lowered
 
 

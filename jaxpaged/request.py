@@ -99,10 +99,11 @@ class Request:
     spec_first_accepted: float = 0.0
     spec_first_rejected: float = 0.0
     # Async scheduling: the tokens the step in flight was guessed to emit when the next step's drafts were
-    # proposed (NgramProposer.propose_past), and whether the step after the one handled last drafted on a wrong
-    # guess (blind drafts, which say nothing of this request's acceptance: the policy skips them)
+    # proposed (NgramProposer.propose_past), and, where that guess proved wrong, the drafts the device fed that
+    # next step in their place (proposed again from the real outcome, -1 where it found none:
+    # model_runner.redraft_in_flight); None: they are the engine's
     spec_guess: tuple[int, ...] | None = None
-    spec_blind: bool = False
+    spec_redrafts: list[int] | None = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -168,6 +168,10 @@ class ScheduledRequest:
     # spec_banned_token_ids[j]: banned_token_ids of the output after the first j + 1 drafts.
     spec_token_ids: tuple[int, ...] = ()
     spec_banned_token_ids: tuple[tuple[int, ...], ...] = ()
+    # ... fed after a placeholder: the outcome of the step in flight they were proposed after (its accepted drafts,
+    # then its token: Request.spec_guess), None if not guessed; the runner proposes them again on the device
+    # where that step emits otherwise (`model_runner.redraft_in_flight`)
+    spec_guess: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -388,6 +392,7 @@ class Scheduler:
         request.num_draft_placeholders += len(drafts)
         return dataclasses.replace(
             entry, token_ids=entry.token_ids + drafts, page_ids=tuple(request.page_ids), spec_token_ids=drafts,
+            spec_guess=request.spec_guess if entry.placeholder else None,
             spec_banned_token_ids=tuple(request.banned_token_ids_at(num_output + j + 1) for j in range(len(drafts))))
 
     def _schedule_waiting(self, budget: int, scheduled: list) -> int:

@@ -30,9 +30,11 @@ next step is scheduled. Greedy requests (no penalties, min_tokens bans or gramma
 (EngineArgs.overlap_verification: on with a GPU): the
 drafts follow a guess of the step in flight (`NgramProposer.propose_past`: the lookup's continuation decides
 how many of its drafts it accepts and which token it emits), the scheduler counts that step's drafts as
-accepted, and the device moves the next step back by those rejected (model_runner.fill_in_flight). A wrong
-guess only wastes the next step's draft rows; 3. holds for any drafts. Other requests wait for the token in
-flight when drafts are likely, and their verification steps run synchronously.
+accepted, and the device moves the next step back by those rejected (model_runner.fill_in_flight). Where the
+guess proves wrong, the device proposes that step's drafts again from the real outcome (`ngram_drafts`, this
+lookup on the device: model_runner.redraft_in_flight), so they are the drafts a synchronous step would have
+verified; 3. holds for any drafts. Other requests wait for the token in flight when drafts are likely, and
+their verification steps run synchronously.
 
 Structured outputs (vLLM's way, with llguidance): a constrained request's drafts are the tokens its grammar
 forces next (a schema's keys and punctuation), then the n-gram drafts after them, cut to the leading ones the
@@ -57,6 +59,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -191,6 +195,28 @@ def drafts_past(continuation: Sequence[int], in_flight: Sequence[int], k: int) -
     return list(continuation[accepted + 1:accepted + 1 + k]), tuple(continuation[:accepted + 1])
 
 
+def ngram_drafts(tokens: jax.Array, lengths: jax.Array, k: int, lookup_min: int, lookup_max: int) -> jax.Array:
+    """`NgramProposer.continuation` on the device, one sequence a row: tokens i32[M, H] (row m's first lengths[m]
+    are its sequence; the rest is ignored), lengths i32[M] -> i32[M, k], the k tokens after the match the
+    proposer picks (the longest suffix of lookup_min..lookup_max tokens also found earlier, its earliest
+    occurrence), -1 past the sequence's end or where nothing matches. The reference: NgramProposer."""
+    M, H = tokens.shape
+    last = lengths - 1  # i32[M]
+    ends = jnp.arange(H)  # i32[H]: candidate match ends e (the match's last token at e)
+    run = jnp.ones((M, H), bool)  # bool[M, H]: the j tokens up to e all equal those up to `last`
+    matched = jnp.zeros((M, H), jnp.int32)  # i32[M, H]: suffix tokens matched at each e
+    for j in range(lookup_max):
+        tail = jnp.take_along_axis(tokens, jnp.maximum(last - j, 0)[:, None], axis=1)  # i32[M, 1]
+        run &= (ends >= j)[None] & (tokens[:, jnp.maximum(ends - j, 0)] == tail)
+        matched += run
+    good = (ends[None] < last[:, None]) & (matched >= lookup_min) & (last[:, None] >= lookup_min)  # bool[M, H]
+    score = jnp.where(good, matched * H + (H - 1 - ends[None]), -1)  # the longest, then the earliest
+    end = jnp.argmax(score, axis=1)  # i32[M]
+    at = end[:, None] + 1 + jnp.arange(k)[None]  # i32[M, k]
+    ok = (jnp.max(score, axis=1) >= 0)[:, None] & (at <= last[:, None])
+    return jnp.where(ok, jnp.take_along_axis(tokens, jnp.minimum(at, H - 1), axis=1), -1)
+
+
 def max_drafts_for(num_tokens: int, num_output_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
     """Drafts a request may verify now: its 1 + d emitted tokens stay within max_tokens and max_model_len."""
     room = max_model_len - num_tokens - 1
@@ -293,27 +319,22 @@ class DraftLengthPolicy:
         prior = (self.position_rates() if rates is None else rates)[0]
         return (request.spec_first_accepted + self.PRIOR_WEIGHT * prior) / (seen + self.PRIOR_WEIGHT)
 
-    def gains(self, request, num_drafts: int, rates: np.ndarray | None = None, ahead: int = 0) -> np.ndarray:
+    def gains(self, request, num_drafts: int, rates: np.ndarray | None = None) -> np.ndarray:
         """f64[num_drafts]: the expected tokens each of the request's drafts adds (p, p c_2, p c_2 c_3, ...).
-        ahead: the drafts follow that many guessed tokens (async scheduling: the outcome of the step in flight,
-        `Request.spec_guess`), which the lookup copied as it copies drafts: they weigh as the chain after them
-        (p c_2 ... c_{ahead + 1}, ...; positions past k at c_k), worth nothing when the guess is wrong."""
+        Drafts proposed past a guess of the step in flight (async scheduling) weigh the same: where the guess
+        proves wrong, the device proposes them again from the real outcome (model_runner.redraft_in_flight)."""
         rates = self.position_rates() if rates is None else rates
-        chain = [self.first_draft_rate(request, rates), *rates[1:ahead + num_drafts]]
-        chain += [rates[-1]] * (ahead + num_drafts - len(chain))
-        return np.cumprod(chain)[ahead:]
+        return np.cumprod([self.first_draft_rate(request, rates), *rates[1:num_drafts]])
 
     def trim(self, requests: Sequence) -> None:
         """Cut each decoding request's `spec_token_ids` (the proposer's drafts) to the plan's length; drafts a
-        grammar forces (`spec_num_forced`, a token a row) are kept, the plan's rows counting them; drafts that
-        follow a guess (`spec_guess`) weigh as the chain after it (`gains`)."""
+        grammar forces (`spec_num_forced`, a token a row) are kept, the plan's rows counting them."""
         drafting = [r for r in requests if len(r.spec_token_ids) > r.spec_num_forced]
         if not drafting:
             return
         rates = self.position_rates()
         keep = self.plan(len(requests) + sum(r.spec_num_forced for r in requests),
-                         [self.gains(r, len(r.spec_token_ids) - r.spec_num_forced, rates, len(r.spec_guess or ()))
-                          for r in drafting],
+                         [self.gains(r, len(r.spec_token_ids) - r.spec_num_forced, rates) for r in drafting],
                          without_drafts=sum(not r.spec_token_ids for r in requests))
         for request, count in zip(drafting, keep):
             if count == 0:  # proposed, nothing verified: forget a little, so it tries again

@@ -408,7 +408,8 @@ def spec_rows(off: LLMEngine, on: LLMEngine, report: Report, args, vocab: int, r
     for engine in sides.values():
         timed_decode(engine, p[:8], 4)  # first calls of its programs
     for name, (prompt, expected, what) in workloads.items():
-        best, same, copied, before = dict.fromkeys(sides, 0.0), True, True, on.stats()
+        best, same, copied = dict.fromkeys(sides, 0.0), True, True
+        before = {side: engine.stats() for side, engine in sides.items() if side != "off"}
         for _ in range(rounds):
             ids = {}
             for side, engine in sides.items():
@@ -416,13 +417,17 @@ def spec_rows(off: LLMEngine, on: LLMEngine, report: Report, args, vocab: int, r
                 best[side] = max(best[side], tok_s)
             same &= all(x == ids["off"] for x in ids.values())
             copied &= expected is None or ids["off"] == expected  # the model did continue with O (bf16 ties aside)
-        after = on.stats()
-        drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-        accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+        counts = {side: [engine.stats()[key] - before[side][key] for key in
+                         ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens")]
+                  for side, engine in sides.items() if side != "off"}
+        accepted, drafted = counts["on"]
         rate, ratio = accepted / max(drafted, 1), best["on"] / best["off"]
         emitted = "" if expected is None else f"; off emitted O: {'yes' if copied else 'NO'}"
-        synced = {} if sync is None else {"sync_tok_s": best["sync"], "sync_ratio": best["sync"] / best["off"]}
-        was = "" if sync is None else f" (verifying synchronously: {synced['sync_ratio']:.2f}x)"
+        synced = {} if sync is None else {"sync_tok_s": best["sync"], "sync_ratio": best["sync"] / best["off"],
+                                          "sync_accepted_tokens": counts["sync"][0],
+                                          "sync_draft_tokens": counts["sync"][1]}
+        was = "" if sync is None else f" (verifying synchronously: {synced['sync_ratio']:.2f}x, " \
+            f"{counts['sync'][0]}/{counts['sync'][1]} drafts accepted)"
         report.row("spec decode", f"{ratio:.2f}x{was}", f"{name}: on {best['on']:.1f} / off {best['off']:.1f} tok/s, "
                    f"acceptance {rate:.0%} ({accepted}/{drafted} draft tokens); same tokens: "
                    f"{'yes' if same else 'NO'}{emitted}; workload: {what}; {len(prompt)} in, {n} out, best of "

@@ -152,7 +152,8 @@ def spec_figures(workload, r):
         f"{'yes' if r['same'] else 'NO'}" + ("" if r.get("emitted_o") is None else
                                                f", off emitted O: {'yes' if r['emitted_o'] else 'NO'}"))
   if r.get("sync_ratio") is not None:  # the same engine with its verification steps synchronous (session 35's)
-    print(f"  {workload}, verifying synchronously: {r['sync_ratio']:.2f}x ({r['sync_tok_s']:.1f} tok/s)")
+    print(f"  {workload}, verifying synchronously: {r['sync_ratio']:.2f}x ({r['sync_tok_s']:.1f} tok/s, "
+          f"{r['sync_accepted_tokens']}/{r['sync_draft_tokens']} draft tokens accepted)")
 for workload, target in (("grounded", 1.8), ("open", 0.95)):
   r = find("spec decode", workload=workload)
   verdict(f"{workload} ratio, speculation on / off", r and r["ratio"], target, unit="x")

@@ -76,7 +76,9 @@ def test_buckets():
 
 
 @pytest.mark.parametrize("field, value", [("attention_backend", "cuda"), ("page_size", 12), ("num_pages", 0),
-                                          ("max_num_partial_prefills", 0), ("kv_cache_dtype", "fp8")])
+                                          ("max_num_partial_prefills", 0), ("kv_cache_dtype", "fp8"),
+                                          ("prompt_lookup", (3, 2)), ("prompt_lookup", (0, 2)),
+                                          ("prompt_lookup", [1, 2])])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         dataclasses.replace(CONFIG, **{field: value})
@@ -411,3 +413,47 @@ def test_fill_in_flight_moves_a_sequence_back_by_its_rejected_drafts():
     assert filled.kv_lens.tolist() == [5, 12, 0]
     nothing = jax.jit(fill_in_flight, static_argnums=(5,))(step, tokens, rejected, sources, np.full(8, -1, np.int32), 4)
     assert nothing.positions.tolist() == step.positions.tolist() and nothing.kv_lens.tolist() == [5, 14, 0]
+
+
+def test_history_buckets_cover_a_sequence_and_its_drafts():
+    """The histories `redraft_in_flight` takes: 256, x4, ... up to max_model_len + 1 (a whole sequence, the
+    token after it), only with a prompt lookup and speculation."""
+    spec = dataclasses.replace(CONFIG, num_speculative_tokens=4, prompt_lookup=(1, 3), max_model_len=2048)
+    assert spec.history_buckets == (256, 1024, 2049)
+    assert dataclasses.replace(spec, max_model_len=128).history_buckets == (129,)
+    assert dataclasses.replace(spec, prompt_lookup=None).history_buckets == ()
+    assert dataclasses.replace(spec, num_speculative_tokens=0).history_buckets == ()
+
+
+def test_redraft_in_flight_proposes_again_where_the_guess_was_wrong():
+    """Three slots fed after a step in flight (rows 0-2 there). Slot 0 (known tokens 1 2 7 9 1 2) guessed its 2
+    drafts in flight [7, 8] accepted, then token 5; the step accepted 1 (7) and emitted 9, so its sequence is
+    1 2 7 9 1 2 7 9: the lookup (n = 1..3) matches "2 7 9" ending at index 3 and proposes what follows (1, 2, 7);
+    its 2 drafts become [1, 2] (the -1 past them stays). Slot 1 guessed right (1 accepted, token 4):
+    kept. Slot 2 was not guessed (row -1): kept. Slot 3 is padding. The Redraft carries the changed slot and its
+    fed token's index; `fill_in_flight` feeds those drafts after it, and the fused step's accept reads them."""
+    from jaxpaged.model_runner import Redraft, StepInput, fill_in_flight, merge_redrafts, redraft_in_flight
+    draft_ids = np.array([[3, 3, -1], [4, 4, 4], [6, -1, -1], [-1, -1, -1]], np.int32)  # i32[M, k]: the host's
+    history = np.zeros((4, 16), np.int32)
+    history[0, :8] = [1, 2, 7, 9, 1, 2, 7, 8]  # known (6), then the 2 drafts in flight
+    history[1, :4] = [5, 5, 4, 0]
+    known, num_previous = np.array([6, 3, 2, 0], np.int32), np.array([2, 1, 0, 0], np.int32)
+    rows, guess = np.array([0, 1, -1, -1], np.int32), np.array([[2, 5], [1, 4], [0, 0], [0, 0]], np.int32)
+    tokens, rejected = jnp.array([9, 4, 0, 0], jnp.int32), jnp.array([1, 0, 0, 0], jnp.int32)
+    first = np.array([1, 4, 8, 0], np.int32)
+    verified, redraft = redraft_in_flight(draft_ids, history, known, num_previous, rows, guess, tokens, rejected,
+                                          first, 16, (1, 3))
+    assert verified.tolist() == [[1, 2, -1], [4, 4, 4], [6, -1, -1], [-1, -1, -1]]
+    assert redraft.drafts.shape == (16, 3) and redraft.changed.tolist() == [True] + [False] * 15
+    assert redraft.first[:4].tolist() == [1, 4, 8, 0] and redraft.drafts[0].tolist() == [1, 2, -1]
+    step = StepInput(token_ids=np.array([11, -1, 3, 3, -1, 4, 4, 4, 0, 0], np.int32), positions=np.arange(10),
+                     slot_mapping=np.arange(10), page_table=np.zeros((3, 4), np.int32),
+                     kv_lens=np.zeros(3, np.int32), cu_q_lens=np.array([0, 1, 4, 8], np.int32),
+                     num_seqs=np.int32(3), logits_indices=np.zeros(3, np.int32))
+    sources = np.array([-1, 0, -1, -1, 1, -1, -1, -1, -1, -1], np.int32)
+    filled = fill_in_flight(step, tokens, rejected, sources, np.full(10, -1, np.int32), 4, redraft)
+    assert filled.token_ids.tolist() == [11, 9, 1, 2, 4, 4, 4, 4, 0, 0]  # slot 0's drafts after its token
+    assert merge_redrafts(draft_ids, redraft).tolist() == verified.tolist()
+    assert merge_redrafts(draft_ids, Redraft.none(16, 3)).tolist() == draft_ids.tolist()
+    args = (draft_ids, history, known, num_previous, rows, guess, tokens, rejected, first, 16, (1, 3))
+    assert "stablehlo" in redraft_in_flight.trace(*args).lower(lowering_platforms=("cuda",)).as_text()  # GPU too

@@ -25,7 +25,7 @@ from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.request import Request
 from jaxpaged.spec_decode import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
-                                  drafts_past, max_drafts_for)
+                                  drafts_past, max_drafts_for, ngram_drafts)
 from tests.test_engine import count_traces, mixed_prompts
 
 # Every proposed draft verified, so a test decides where verification accepts and rejects; the adaptive draft
@@ -130,6 +130,23 @@ def test_proposer_matches_its_definition(tokens, k, lo, extra, max_drafts):
     assert propose(tokens, k, lo, lo + extra, max_drafts) == reference_propose(tokens, k, lo, lo + extra, max_drafts)
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 3), max_size=40), min_size=1, max_size=4), k=st.integers(1, 5),
+       lo=st.integers(1, 4), extra=st.integers(0, 3))
+def test_device_lookup_matches_the_proposer(rows, k, lo, extra):
+    """`ngram_drafts` (the lookup on the device, one sequence a row, garbage past each row's length) proposes
+    what NgramProposer.continuation does, -1 past what it found."""
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=lo,
+                               prompt_lookup_max=lo + extra)
+    tokens = np.full((4, 48), 2, np.int32)  # past each sequence: tokens a match could (wrongly) read
+    for m, row in enumerate(rows):
+        tokens[m, :len(row)] = row
+    lengths = np.array([len(row) for row in rows] + [1] * (4 - len(rows)), np.int32)
+    got = ngram_drafts(jnp.asarray(tokens), jnp.asarray(lengths), k, lo, lo + extra).tolist()[:len(rows)]
+    expect = [NgramProposer(config).continuation(row, k) for row in rows]
+    assert got == [e + [-1] * (k - len(e)) for e in expect]
+
+
 def test_max_drafts_bounds_and_stats():
     assert max_drafts_for(num_tokens=10, num_output_tokens=2, max_tokens=5, max_model_len=100) == 2
     assert max_drafts_for(num_tokens=97, num_output_tokens=2, max_tokens=None, max_model_len=100) == 2
@@ -230,9 +247,6 @@ def test_acceptance_follows_recent_verifications_and_the_engines_rates_by_positi
     p = (1.19 + policy.position_rates()[0]) / 3.19
     assert policy.first_draft_rate(request) == pytest.approx(p)
     assert policy.gains(request, 3) == pytest.approx(p * np.cumprod([1, *policy.position_rates()[1:3]]))
-    # drafts after a guess of 2 tokens in flight: the chain's positions 3 and 4, then past k = 4 at c_4
-    chain = p * np.cumprod([1, *policy.position_rates()[1:], policy.position_rates()[3]])
-    assert policy.gains(request, 3, ahead=2) == pytest.approx(chain[2:5])
     never = DraftLengthPolicy(3)  # positions never verified take the rate of the one before
     for _ in range(50):
         never.observe_verification(Request("x", [1]), 1, 1)
@@ -254,11 +268,11 @@ def test_trim_cuts_drafts_and_a_request_that_verifies_none_forgets_a_little():
 
 
 
-def test_drafts_after_a_guess_weigh_as_the_chain_after_it():
-    """Async scheduling: drafts proposed past a guess of the step in flight pay only if the guess holds. The
-    engine's first drafts are accepted, its second ones rarely (c_2 ~ 0.09): a sure request keeps its first
-    draft; after a guess of 2 tokens (the in-flight step accepting its draft, then the lookup's next token), the
-    same drafts are the chain's 3rd to 5th and worth less than their rows."""
+def test_drafts_after_a_guess_weigh_as_any():
+    """Async scheduling: drafts proposed past a guess of the step in flight weigh as drafts proposed after its
+    outcome (where the guess proves wrong the device proposes them again from that outcome). The engine's first
+    drafts are accepted, its second ones rarely (c_2 ~ 0.09): a sure request keeps its first draft, with or
+    without a guess of 2 tokens before it."""
     policy = policy_with({1: 10.0, 2: 11.0, 4: 13.0, 8: 20.0}, k=3)
     for _ in range(20):
         policy.observe_verification(Request("old", [1]), 3, 1)
@@ -268,7 +282,7 @@ def test_drafts_after_a_guess_weigh_as_the_chain_after_it():
     assert request.spec_token_ids == [5]
     request.spec_token_ids, request.spec_guess = [5, 6, 7], (3, 4)
     policy.trim([request])
-    assert request.spec_token_ids == []
+    assert request.spec_token_ids == [5]
 
 
 def test_drafts_a_grammar_forces_are_kept_and_teach_nothing():
@@ -833,16 +847,16 @@ def test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing(tiny
     assert engine.scheduler.num_preemptions > 0
 
 
-def test_drafts_proposed_on_a_wrong_guess_teach_the_policy_nothing(tiny):
-    """Drafts proposed while a verification is in flight follow a guess of its outcome; when the guess was wrong
-    they are blind (almost always rejected, whatever the request's acceptance), so the adaptive policy learns
-    only from the others, while the metrics count them all. A proposer that guesses wrong every other time
-    (its drafts an oracle's, all right): the policy observes exactly the verifications whose drafts were not
-    blind. Batch 1, greedy, every step in flight: the plain greedy tokens."""
+def test_drafts_proposed_on_a_wrong_guess_are_proposed_again_on_the_device(tiny):
+    """Drafts proposed while a verification is in flight follow a guess of its outcome; where the guess proves
+    wrong, the device proposes them again from the real outcome (its n-gram lookup: the drafts a synchronous step
+    would verify) and the host keeps its twin of them (Request.spec_redrafts) for its next guess and the policy.
+    A proposer whose drafts are an oracle's and whose guess behind them is wrong every other time: every slot fed
+    after a wrong guess verifies the host n-gram proposer's drafts for the real sequence (-1 past what it found),
+    every other slot the oracle's; the policy learns from every verification that had drafts; the plain tokens."""
     prompts = repetitive_prompts(3, seed=95)
     expected = [greedy_generate(tiny.config, tiny.params, p, GREEDY.max_tokens) for p in prompts]
-    oracle = OracleProposer(prompts, expected)
-    calls = itertools.count()
+    oracle, calls = OracleProposer(prompts, expected), itertools.count()
 
     class Guesser:  # the oracle's drafts; the guess behind them wrong on every other proposal
         propose = oracle.propose
@@ -852,29 +866,36 @@ def test_drafts_proposed_on_a_wrong_guess_teach_the_policy_nothing(tiny):
             return drafts, guess if next(calls) % 2 else tuple(t + 1 for t in guess)
 
     engine = make_engine(tiny, speculative_config=ADAPTIVE, **OVERLAP)
+    assert engine.runner_config.prompt_lookup == (1, 3)
     engine.proposer, engine.draft_policy.plan = Guesser(), lambda n, gains, without_drafts=0: [len(g) for g in gains]
-    observed, fed = [], {}  # the policy's verifications; per request, whether its drafts in flight are blind
+    observed = []
     observe = engine.draft_policy.observe_verification
-    engine.draft_policy.observe_verification = lambda request, *a, **kw: observed.append(request.request_id) or \
+    engine.draft_policy.observe_verification = lambda request, *a, **kw: observed.append(a[0]) or \
         observe(request, *a, **kw)
-    blind = []  # per verification handled: whether it was proposed on a wrong guess
+    lookup, fed = NgramProposer(engine.args.speculative_config), collections.Counter()
     handle = engine._handle_in_flight
 
-    def handled(flight):
-        for e in flight.scheduler_output.scheduled_requests:
-            if e.spec_token_ids:
-                blind.append(fed.pop(e.request_id, False))
-        outputs = handle(flight)
-        for request in engine.scheduler.running:  # the step in flight now was drafted on this guess
-            fed[request.request_id] = request.spec_blind
-        return outputs
+    def handled(flight, following=None):  # checks the drafts `flight` verified, their outcome still in flight
+        layout = flight.pending.layout
+        verified = np.asarray(layout.verified_ids) if layout is not None else ()
+        for m, rid in enumerate(layout.request_ids if layout is not None else ()):
+            request, d = flight.requests[rid], layout.num_drafts[m]
+            if request.spec_redrafts is None:  # the engine's drafts, fed as they were
+                assert verified[m, :d].tolist() == list(layout.draft_ids[m, :d])
+                fed["as proposed"] += 1
+            else:  # proposed again: the n-gram lookup on the tokens known now (the step before's outcome)
+                real = lookup.continuation(request.all_token_ids, d)
+                assert verified[m, :d].tolist() == request.spec_redrafts == real + [-1] * (d - len(real))
+                fed["again"] += 1
+        return handle(flight, following)
 
     engine._handle_in_flight = handled
     for i, prompt in enumerate(prompts):
         done = run_all(engine, [prompt])
         assert done["0"].outputs[0].token_ids == expected[i]
-    assert sum(blind) >= 5 and len(blind) - sum(blind) >= 5, blind
-    assert len(observed) == len(blind) - sum(blind) and accepted(engine)[1] > 0
+    assert fed["again"] >= 5 and fed["as proposed"] >= 5, fed
+    verifications = engine.spec_decoding_stats.as_stats()["spec_decode_num_drafts"]
+    assert len(observed) == verifications and accepted(engine)[1] == sum(observed) > 0
 
 
 @pytest.mark.parametrize("seconds, seconds_a_row", [(0.02, 0.0), (0.0, 0.008)])
