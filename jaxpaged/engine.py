@@ -96,6 +96,12 @@ CPU_ASYNC_MAX_TOKENS = 8
 # step up to it (SchedulerConfig.memory_bound_tokens; an estimate from the roofline, not yet measured). On CPU
 # every row adds compute: 0.
 GPU_MEMORY_BOUND_TOKENS = 128
+# Overlapped verification: a request whose draft was accepted lately but whose lookup finds nothing before its token
+# in flight reserves blank draft rows (BLANK_DRAFT_TOKEN, fed and proposed again on the device from that token on)
+# for up to this many steps without a match; the host's lookup lags the device's by that token, so after a copy
+# breaks the device finds the match again a step sooner (docs/benchmarks.md, "Session 37")
+BLANK_DRAFT_STEPS = 3
+BLANK_DRAFT_TOKEN = 0
 # Speculation with async scheduling: after drafts proposed for a token in flight found no room in the step (a
 # mixed batch's padding, the partial-prefill slots), the engine overlaps 2, 4, ... up to this many steps of the
 # same batch before it waits for a token in flight to propose again (each wait costs the step's host time).
@@ -805,6 +811,8 @@ class LLMEngine:
                 d = len(entry.spec_token_ids)
                 drafts = self._device_lookup.continuation(request.all_token_ids, d)
                 request.spec_redrafts = drafts + [-1] * (d - len(drafts))
+                if entry.spec_guess == () and not drafts:  # blank drafts that found nothing
+                    request.spec_blanks_left -= 1
 
     def _outputs(self, touched: dict[str, tuple[_Parent, set[int]]]) -> list[RequestOutput]:
         """The outputs of the parents whose children got tokens this step (their token times recorded)."""
@@ -893,6 +901,9 @@ class LLMEngine:
             fed_now = fed.get(request.request_id, ()) if request.spec_redrafts is None else request.spec_redrafts
             drafts, guess = self.proposer.propose_past(request.all_token_ids, fed_now, room)
             request.spec_token_ids, request.spec_guess = drafts, (guess or None) if drafts else None
+            if not drafts and request.spec_blanks_left > 0 and self.runner_config.prompt_lookup is not None:
+                request.spec_token_ids = [BLANK_DRAFT_TOKEN] * min(room, self.runner_config.num_speculative_tokens)
+                request.spec_guess = ()  # no guess: the device proposes them whatever the outcome
         if self.draft_policy is not None:
             self.draft_policy.trim(decoding)
 
@@ -961,6 +972,8 @@ class LLMEngine:
             num_accepted = result.num_accepted_drafts.get(entry.request_id)
             drafts = (redrafted or {}).get(entry.request_id, entry.spec_token_ids)
             num_drafts = sum(t >= 0 for t in drafts)
+            if num_accepted:  # a copy runs: blank drafts may follow a break in it (`_propose_past_in_flight`)
+                self._child_to_parent[entry.request_id][1].request.spec_blanks_left = BLANK_DRAFT_STEPS
             if num_accepted is not None and num_drafts:
                 self.spec_decoding_stats.observe(num_drafts, num_accepted)
                 if self.draft_policy is not None:

@@ -381,6 +381,7 @@ class PendingStep:
     prompt_spans: dict | None = None  # prompt_logprob_spans(entries) when some entry asks
     prompt_arrays: tuple | None = None  # prompt_logprobs_step's device outputs over the spans
     layout: DraftRows | None = None  # speculative decoding: where the step verifies its drafts
+    redraft: Redraft | None = None  # ... those the device proposed again (`redraft_in_flight`)
     drafts: VerifiedDrafts | None = None  # their verification, on device (set once the sampler's output is)
     carried: tuple[jax.Array, jax.Array] | None = None  # `carry`'s result, once called
 
@@ -479,21 +480,29 @@ class Redraft:
         return cls(np.full((num_slots, k), -1, np.int32), np.zeros(num_slots, bool), np.zeros(num_slots, np.int32))
 
 
-@functools.partial(jax.jit, static_argnums=(9, 10))
+@functools.partial(jax.jit, static_argnums=(11, 12))
 def redraft_in_flight(draft_ids: jax.Array, history: jax.Array, known: jax.Array, num_previous: jax.Array,
                       rows: jax.Array, guess: jax.Array, tokens: jax.Array, rejected: jax.Array, first: jax.Array,
-                      num_slots: int, lookup: tuple[int, int]) -> tuple[jax.Array, Redraft]:
+                      previous: Redraft, previous_slots: jax.Array, num_slots: int,
+                      lookup: tuple[int, int]) -> tuple[jax.Array, Redraft]:
     """Drafts proposed on a guess of the step in flight (async scheduling, `NgramProposer.propose_past`), proposed
     again from its real outcome where the guess was wrong: the n-gram lookup on the device (`ngram_drafts`). Per
     slot m of M: draft_ids i32[M, k] (the host's; their count d is kept), history i32[M, H] (the known tokens,
-    known i32[M] of them, then the num_previous i32[M] drafts the step in flight verifies), rows i32[M] (the slot's
-    row in that step, -1: kept as they are), guess i32[M, 2] (its drafts accepted and token emitted, guessed),
-    tokens and rejected i32[R] (`PendingStep.carry`), first i32[M] (the slot's fed token's index in the step).
+    known i32[M] of them, then the num_previous i32[M] drafts the step in flight verifies, as the host proposed
+    them), rows i32[M] (the slot's row in that step, -1: kept as they are), guess i32[M, 2] (its drafts accepted and
+    token emitted, guessed; (-1, -1): always proposed again), tokens and rejected i32[R] (`PendingStep.carry`),
+    first i32[M] (the slot's fed token's index in the step), previous: the step in flight's own Redraft (its drafts
+    where the device proposed them again) and previous_slots i32[M] (the slot's there; out of range: none).
     Returns (draft_ids i32[M, k], the Redraft on num_slots slots)."""
     M, k = draft_ids.shape
     row = jnp.maximum(rows, 0)
     accepted, token = num_previous - rejected[row], tokens[row]  # i32[M] each: the real outcome
     changed = (rows >= 0) & ((accepted != guess[:, 0]) | (token != guess[:, 1]))  # bool[M]
+    X, slot = previous.drafts.shape[0], jnp.minimum(previous_slots, previous.drafts.shape[0] - 1)
+    fed_again = (previous_slots < X) & previous.changed[slot]  # bool[M]: the drafts in flight are the device's
+    j = jnp.arange(previous.drafts.shape[1])  # the drafts in flight: at known + j
+    at = jnp.where(fed_again[:, None] & (j[None] < num_previous[:, None]), known[:, None] + j[None], history.shape[1])
+    history = history.at[jnp.arange(M)[:, None], at].set(previous.drafts[slot], mode="drop")
     sequence = history.at[jnp.arange(M), known + accepted].set(token)  # i32[M, H]: known + accepted + token
     drafts = ngram_drafts(sequence, known + accepted + 1, k, *lookup)  # i32[M, k]
     drafts = jnp.where(jnp.arange(k)[None] < jnp.sum(draft_ids >= 0, axis=1)[:, None], drafts, -1)
@@ -1441,7 +1450,7 @@ class ModelRunner:
         elif sources is not None:  # previous' tokens padded to the largest S: one gather program per T bucket
             step = dataclasses.replace(step, token_ids=merge_sampled_tokens(step.token_ids, carried[0], sources))
         logits, hidden = self._forward(step)  # f32[S, V] (L rows), [T, E]; dispatched
-        return PendingStep(entries, step, logits, hidden, layout=layout)
+        return PendingStep(entries, step, logits, hidden, layout=layout, redraft=redraft)
 
     def _redraft(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
                  previous: PendingStep, carried: tuple) -> tuple[DraftRows | None, Redraft | None]:
@@ -1453,7 +1462,7 @@ class ModelRunner:
         index = {e.request_id: i for i, e in enumerate(entries)}
         guessed = [] if layout is None or lookup is None else [
             (m, entries[index[rid]]) for m, rid in enumerate(layout.request_ids)
-            if entries[index[rid]].placeholder and entries[index[rid]].spec_guess]
+            if entries[index[rid]].placeholder and entries[index[rid]].spec_guess is not None]
         if not guessed:
             return layout, None
         fed = {e.request_id: e.spec_token_ids for e in previous.entries}  # the drafts in flight
@@ -1463,15 +1472,19 @@ class ModelRunner:
         history = np.zeros((M, H), np.int32)  # i32[M, H]: known tokens, then the drafts in flight
         lengths = np.zeros((3, M), np.int32)  # per slot: known tokens, drafts in flight, its fed token's index
         rows, guess = np.full(M, -1, np.int32), np.zeros((M, 2), np.int32)
+        previous_slots = np.full(M, self._redraft_slots, np.int32)  # i32[M]: the slot in previous' Redraft
+        slot_before = {} if previous.layout is None else {rid: m for m, rid in enumerate(previous.layout.request_ids)}
         for (m, e), tokens in zip(guessed, known):
             drafts = fed.get(e.request_id, ())
             history[m, :len(tokens)], history[m, len(tokens):len(tokens) + len(drafts)] = tokens, drafts
             lengths[:, m] = len(tokens), len(drafts), step.cu_q_lens[index[e.request_id]]
-            rows[m], guess[m] = previous.rows[e.request_id], (len(e.spec_guess) - 1, e.spec_guess[-1])
+            rows[m], previous_slots[m] = previous.rows[e.request_id], slot_before.get(e.request_id, previous_slots[m])
+            guess[m] = (len(e.spec_guess) - 1, e.spec_guess[-1]) if e.spec_guess else (-1, -1)  # (): always anew
         tokens, rejected = carried
+        before = previous.redraft or Redraft.none(self._redraft_slots, self.config.num_speculative_tokens)
         draft_ids, redraft = redraft_in_flight(layout.draft_ids, history, lengths[0], lengths[1], rows, guess, tokens,
-                                               self._zeros_r if rejected is None else rejected, lengths[2],
-                                               self._redraft_slots, lookup)
+                                               self._zeros_r if rejected is None else rejected, lengths[2], before,
+                                               previous_slots, self._redraft_slots, lookup)
         return dataclasses.replace(layout, redrafted=draft_ids), redraft
 
     def _dispatch_fused(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
@@ -1484,13 +1497,13 @@ class ModelRunner:
         if self.fault_injector is not None or any(
                 e.samples and e.sampling_params.structured_outputs is not None for e in entries):
             logits, hidden = self._forward(step, sources, tokens, rejected, shifts, redraft)
-            return PendingStep(entries, step, logits, hidden, layout=layout)
+            return PendingStep(entries, step, logits, hidden, layout=layout, redraft=redraft)
         batch, top = self._sampling_batch(entries, step, layout, None)
         fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout, sources=sources,
                                                                   previous=tokens, rejected=rejected, shifts=shifts,
                                                                   redraft=redraft))
         pending = PendingStep(entries, step, None, hidden, fused=fused, batch=batch, num_top_logprobs=top,
-                              layout=layout)
+                              layout=layout, redraft=redraft)
         if layout is not None and not layout.packed:
             pending.drafts = self._verify_drafts(layout, None, hidden, top)
         return pending
@@ -1754,8 +1767,9 @@ class ModelRunner:
                         for t, s, p in self.config.buckets]
         # drafts proposed again (prompt_lookup): at every (M, H); the layout's draft_ids on the host, or a device's
         lookup, zeros = self.config.prompt_lookup, jnp.zeros(R, jnp.int32)
+        before = Redraft.none(self._redraft_slots, k)
         lowered += [redraft_in_flight.lower(i32((m, k)), i32((m, h)), i32(m), i32(m), i32(m), i32((m, 2)), zeros,
-                                            zeros, i32(m), self._redraft_slots, lookup)
+                                            zeros, i32(m), before, i32(m), self._redraft_slots, lookup)
                     for m in slots for h in self.config.history_buckets]
         return lowered
 

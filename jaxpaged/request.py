@@ -104,6 +104,8 @@ class Request:
     # model_runner.redraft_in_flight); None: they are the engine's
     spec_guess: tuple[int, ...] | None = None
     spec_redrafts: list[int] | None = None
+    # ... and the steps it may still reserve blank drafts for (engine.BLANK_DRAFT_STEPS after an accepted draft)
+    spec_blanks_left: int = 0
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -170,7 +170,7 @@ class ScheduledRequest:
     spec_banned_token_ids: tuple[tuple[int, ...], ...] = ()
     # ... fed after a placeholder: the outcome of the step in flight they were proposed after (its accepted drafts,
     # then its token: Request.spec_guess), None if not guessed; the runner proposes them again on the device
-    # where that step emits otherwise (`model_runner.redraft_in_flight`)
+    # where that step emits otherwise (`model_runner.redraft_in_flight`); (): blank drafts, proposed there always
     spec_guess: tuple[int, ...] | None = None
 
     @property

@@ -33,7 +33,9 @@ how many of its drafts it accepts and which token it emits), the scheduler count
 accepted, and the device moves the next step back by those rejected (model_runner.fill_in_flight). Where the
 guess proves wrong, the device proposes that step's drafts again from the real outcome (`ngram_drafts`, this
 lookup on the device: model_runner.redraft_in_flight), so they are the drafts a synchronous step would have
-verified; 3. holds for any drafts. Other requests wait for the token in flight when drafts are likely, and
+verified; and where the host's lookup finds nothing before the token in flight (a copy just broke), a request
+that copied lately reserves blank drafts the device fills from that token on (engine.BLANK_DRAFT_STEPS). 3.
+holds for any drafts. Other requests wait for the token in flight when drafts are likely, and
 their verification steps run synchronously.
 
 Structured outputs (vLLM's way, with llguidance): a constrained request's drafts are the tokens its grammar

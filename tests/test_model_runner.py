@@ -441,8 +441,9 @@ def test_redraft_in_flight_proposes_again_where_the_guess_was_wrong():
     rows, guess = np.array([0, 1, -1, -1], np.int32), np.array([[2, 5], [1, 4], [0, 0], [0, 0]], np.int32)
     tokens, rejected = jnp.array([9, 4, 0, 0], jnp.int32), jnp.array([1, 0, 0, 0], jnp.int32)
     first = np.array([1, 4, 8, 0], np.int32)
+    none = Redraft.none(16, 3)
     verified, redraft = redraft_in_flight(draft_ids, history, known, num_previous, rows, guess, tokens, rejected,
-                                          first, 16, (1, 3))
+                                          first, none, np.full(4, 16, np.int32), 16, (1, 3))
     assert verified.tolist() == [[1, 2, -1], [4, 4, 4], [6, -1, -1], [-1, -1, -1]]
     assert redraft.drafts.shape == (16, 3) and redraft.changed.tolist() == [True] + [False] * 15
     assert redraft.first[:4].tolist() == [1, 4, 8, 0] and redraft.drafts[0].tolist() == [1, 2, -1]
@@ -455,5 +456,17 @@ def test_redraft_in_flight_proposes_again_where_the_guess_was_wrong():
     assert filled.token_ids.tolist() == [11, 9, 1, 2, 4, 4, 4, 4, 0, 0]  # slot 0's drafts after its token
     assert merge_redrafts(draft_ids, redraft).tolist() == verified.tolist()
     assert merge_redrafts(draft_ids, Redraft.none(16, 3)).tolist() == draft_ids.tolist()
-    args = (draft_ids, history, known, num_previous, rows, guess, tokens, rejected, first, 16, (1, 3))
+    # the drafts in flight were themselves proposed again on the device ([6, 1] at its slot 5, where the host had
+    # [8, 8]), both accepted, then token 2: the sequence 4 5 6 1 2 6 1 2, whose suffix "6 1 2" matches at 2-4
+    drafts = np.full((16, 3), -1, np.int32)
+    drafts[5, :2] = [6, 1]
+    before = Redraft(drafts, np.arange(16) == 5, np.zeros(16, np.int32))
+    again = redraft_in_flight(np.array([[3, 3, 3]], np.int32), np.array([[4, 5, 6, 1, 2, 8, 8, 0]], np.int32),
+                              np.array([5], np.int32), np.array([2], np.int32), np.array([0], np.int32),
+                              np.array([[0, 7]], np.int32), jnp.array([2, 0, 0, 0], jnp.int32),
+                              jnp.zeros(4, jnp.int32), np.array([0], np.int32), before, np.array([5], np.int32), 16,
+                              (1, 3))[0]
+    assert again.tolist() == [[6, 1, 2]]  # with the host's drafts in flight: 4 5 6 1 2 8 8 2 -> [8, 8, 2]
+    args = (draft_ids, history, known, num_previous, rows, guess, tokens, rejected, first, none,
+            np.full(4, 16, np.int32), 16, (1, 3))
     assert "stablehlo" in redraft_in_flight.trace(*args).lower(lowering_platforms=("cuda",)).as_text()  # GPU too

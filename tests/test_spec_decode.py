@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
-from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.engine import BLANK_DRAFT_STEPS, EngineArgs, LLMEngine
 from jaxpaged.model_runner import RunnerConfig, count_dispatches
 from jaxpaged.generate import greedy_generate
 from jaxpaged.models.llama import forward
@@ -896,6 +896,55 @@ def test_drafts_proposed_on_a_wrong_guess_are_proposed_again_on_the_device(tiny)
     assert fed["again"] >= 5 and fed["as proposed"] >= 5, fed
     verifications = engine.spec_decoding_stats.as_stats()["spec_decode_num_drafts"]
     assert len(observed) == verifications and accepted(engine)[1] == sum(observed) > 0
+
+
+def test_a_copy_that_breaks_reserves_blank_drafts_the_device_fills(tiny):
+    """Overlapped verification: where the host's lookup finds nothing before the token in flight, a request whose
+    draft was accepted lately reserves blank drafts, which the device proposes from the real sequence (the host's
+    lookup lags it by that token); after BLANK_DRAFT_STEPS blanks in a row that found nothing, none until a draft
+    is accepted again. A proposer with an oracle's drafts that finds nothing on every third proposal past a step in
+    flight: every blank slot verifies the n-gram lookup's drafts for the real sequence, some find drafts, streaks
+    of blanks that found nothing reach the limit and never pass it, and the tokens are the plain ones."""
+    prompts = repetitive_prompts(3, seed=97) + mixed_prompts(3, seed=97)
+    expected = [greedy_generate(tiny.config, tiny.params, p, GREEDY.max_tokens) for p in prompts]
+    oracle, prompt_len = OracleProposer(prompts, expected), {len(p) for p in prompts}
+
+    class Lagging:  # the oracle's drafts for a request's first 6 tokens, then nothing: its lookup lost the copy
+        propose = oracle.propose
+
+        def propose_past(self, token_ids, in_flight, max_drafts):
+            if not any(n < len(token_ids) <= n + 6 and list(token_ids[:n]) in prompts for n in prompt_len):
+                return [], ()
+            return oracle.propose_past(token_ids, in_flight, max_drafts)
+
+    engine = make_engine(tiny, **OVERLAP)
+    engine.proposer = Lagging()
+    lookup, seen, misses = NgramProposer(engine.args.speculative_config), collections.Counter(), collections.Counter()
+    handle = engine._handle_in_flight
+
+    def handled(flight, following=None):
+        layout = flight.pending.layout
+        entries = {e.request_id: e for e in flight.scheduler_output.scheduled_requests}
+        for m, rid in enumerate(layout.request_ids if layout is not None else ()):
+            if entries[rid].spec_guess == ():  # blank: proposed on the device from the real sequence
+                request, d = flight.requests[rid], layout.num_drafts[m]
+                real = lookup.continuation(request.all_token_ids, d)
+                assert np.asarray(layout.verified_ids)[m, :d].tolist() == request.spec_redrafts == \
+                    real + [-1] * (d - len(real))
+                assert misses[rid] < BLANK_DRAFT_STEPS, "a blank past the streak's limit"
+                misses[rid] = 0 if real else misses[rid] + 1
+                seen["found" if real else "nothing"] += 1
+                seen["limit"] += misses[rid] == BLANK_DRAFT_STEPS
+        outputs = handle(flight, following)
+        for rid, num_accepted in flight.pending.result().num_accepted_drafts.items():
+            misses[rid] = 0 if num_accepted else misses[rid]
+        return outputs
+
+    engine._handle_in_flight = handled
+    for i, prompt in enumerate(prompts):
+        done = run_all(engine, [prompt])
+        assert done["0"].outputs[0].token_ids == expected[i]
+    assert seen["found"] >= 2 and seen["nothing"] >= 2 * BLANK_DRAFT_STEPS and seen["limit"] >= 2, seen
 
 
 @pytest.mark.parametrize("seconds, seconds_a_row", [(0.02, 0.0), (0.0, 0.008)])
