@@ -81,8 +81,8 @@ from jaxpaged.models.llama import (LlamaConfig, Matmul, PackedWeight, Params, We
 from jaxpaged.sampler import (RowInfo, SamplerOutput, SamplingBatch, make_sampling_batch, num_top_logprobs_for,
                               sample_deferred, sample_jit)
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
-from jaxpaged.spec_decode import ngram_drafts
 from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from jaxpaged.spec_decode import ngram_drafts
 from pallas_kernels import ragged_paged_attention, write_kv_inner
 from pallas_kernels import cpu_attention, cpu_build, cpu_matmul, cpu_rope, cpu_sampler
 from pallas_kernels.cpu_attention import load_cpu_attention

@@ -316,6 +316,9 @@ def parse_args(argv=None):
                    help="speculative_config's disable_by_batch_size: no drafts while more than M requests are enqueued")
     p.add_argument("--draft-length", default="adaptive", choices=("adaptive", "fixed", "both"),
                    help="speculative_config's adaptive_draft_length (adaptive: on), or both side by side")
+    p.add_argument("--overlap-verification", action=argparse.BooleanOptionalAction, default=None,
+                   help="greedy verification steps overlap the next step (EngineArgs.overlap_verification; "
+                        "default: the engine's, off on CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object per workload as well")
     p.add_argument("--show", action="store_true", help="print each output's text")
     args = p.parse_args(argv)
@@ -363,7 +366,8 @@ def make_engines(args, loaded, max_num_seqs: int = 4) -> dict:
                       quantization=args.quantization)
     engines = {"plain": LLMEngine(base, loaded=loaded)}
     for side, config in args.speculative_configs.items():
-        engines[side] = LLMEngine(dataclasses.replace(base, speculative_config=config), loaded=loaded)
+        engines[side] = LLMEngine(dataclasses.replace(base, speculative_config=config,
+                                                      overlap_verification=args.overlap_verification), loaded=loaded)
     return engines
 
 
