@@ -32,8 +32,10 @@ N+1 is scheduled as if all d were accepted (the scheduler's `num_draft_placehold
 its drafts proposed on a guess of N's outcome (`NgramProposer.propose_past`: the same
 lookup's continuation decides which drafts N accepts), and the device moves N+1's token
 and positions to N's real outcome (`model_runner.fill_in_flight`); when N's tokens reach
-the host its rejected drafts are rolled back. A wrong guess costs only N+1's draft rows
-(almost all rejected: such blind drafts do not teach the adaptive policy). Other
+the host its rejected drafts are rolled back. Where the guess proves wrong, the device
+proposes N+1's drafts again from N's real outcome (`model_runner.redraft_in_flight`; the
+host keeps their twin, `_note_redrafts`); a request whose lookup finds nothing before its
+token in flight but that copied lately reserves blank drafts the device fills. Other
 requests (a seeded row's key, penalty counts, grammar masks and min_tokens bans follow
 the tokens in flight): a step that verifies their drafts runs synchronously (scheduled
 after the step in flight is handled, handled before the next is scheduled), and the
@@ -173,8 +175,8 @@ class EngineArgs:
     async_scheduling_max_tokens: int | None = None
     # Speculative decoding under async scheduling: greedy requests' verification steps overlap the next step
     # (module docstring). None: on with a GPU, where a synchronous step exposes the host's whole work (H200: a
-    # verification step 7.3 ms against 4.4 ms overlapped); off on CPU, where the host time is a few % of a step
-    # and drafts proposed on a wrong guess of the step in flight cost rows (docs/benchmarks.md, "Session 36")
+    # verification step 7.3 ms against 4.4 ms overlapped); off on CPU, where the host time is a few % of a step:
+    # SmolLM2 at batch 1 gained nothing from it (docs/benchmarks.md, "Session 36" and "Session 37")
     overlap_verification: bool | None = None
 
     def __post_init__(self):
@@ -972,12 +974,12 @@ class LLMEngine:
             num_accepted = result.num_accepted_drafts.get(entry.request_id)
             drafts = (redrafted or {}).get(entry.request_id, entry.spec_token_ids)
             num_drafts = sum(t >= 0 for t in drafts)
+            request = self._child_to_parent[entry.request_id][1].request
             if num_accepted:  # a copy runs: blank drafts may follow a break in it (`_propose_past_in_flight`)
-                self._child_to_parent[entry.request_id][1].request.spec_blanks_left = BLANK_DRAFT_STEPS
+                request.spec_blanks_left = BLANK_DRAFT_STEPS
             if num_accepted is not None and num_drafts:
                 self.spec_decoding_stats.observe(num_drafts, num_accepted)
                 if self.draft_policy is not None:
-                    request = self._child_to_parent[entry.request_id][1].request
                     self.draft_policy.observe_verification(request, num_drafts, num_accepted,
                                                            min(request.spec_num_forced, num_drafts))
 

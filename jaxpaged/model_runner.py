@@ -1228,6 +1228,7 @@ class ModelRunner:
         self._zeros_r = jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)  # i32[R]: no drafts rejected
         # a Redraft's slots (one shape for every step: `Redraft`)
         self._redraft_slots = self.config.draft_seq_buckets[-1] if self.config.num_speculative_tokens else 1
+        self._no_redraft = Redraft.none(self._redraft_slots, self.config.num_speculative_tokens)  # nothing anew
 
     @property
     def multi_process(self) -> bool:
@@ -1352,7 +1353,7 @@ class ModelRunner:
         if shifts is None:
             shifts = np.full(len(step.token_ids), -1, np.int32)
         neutral = self._neutral.get(S) or sampler.neutral_arrays(S, V)  # made here only for `lower_fused`
-        redraft = Redraft.none(self._redraft_slots, k) if redraft is None else redraft
+        redraft = self._no_redraft if redraft is None else redraft
         return StepSampling(sampler.with_neutral_arrays(batch, neutral), previous, sources, rejected, shifts,
                             draft_rows, draft_ids, redraft)
 
@@ -1445,7 +1446,7 @@ class ModelRunner:
                 step.token_ids, step.positions, step.slot_mapping, step.page_table, step.kv_lens, step.cu_q_lens,
                 carried[0], self._zeros_r if carried[1] is None else carried[1], sources,
                 np.full(len(step.token_ids), -1, np.int32) if shifts is None else shifts,
-                redraft or Redraft.none(self._redraft_slots, self.config.num_speculative_tokens), self.config.page_size)
+                redraft or self._no_redraft, self.config.page_size)
             step = dataclasses.replace(step, **dict(zip(("token_ids", "positions", "slot_mapping", "kv_lens"), filled)))
         elif sources is not None:  # previous' tokens padded to the largest S: one gather program per T bucket
             step = dataclasses.replace(step, token_ids=merge_sampled_tokens(step.token_ids, carried[0], sources))
@@ -1459,10 +1460,11 @@ class ModelRunner:
         (`redraft_in_flight`). Returns (the layout with the drafts it verifies, `redrafted`; the Redraft to feed), or
         (layout, None) when no slot guessed."""
         lookup = self.config.prompt_lookup
+        if layout is None or lookup is None:
+            return layout, None
         index = {e.request_id: i for i, e in enumerate(entries)}
-        guessed = [] if layout is None or lookup is None else [
-            (m, entries[index[rid]]) for m, rid in enumerate(layout.request_ids)
-            if entries[index[rid]].placeholder and entries[index[rid]].spec_guess is not None]
+        guessed = [(m, entries[index[rid]]) for m, rid in enumerate(layout.request_ids)
+                   if entries[index[rid]].placeholder and entries[index[rid]].spec_guess is not None]
         if not guessed:
             return layout, None
         fed = {e.request_id: e.spec_token_ids for e in previous.entries}  # the drafts in flight
@@ -1481,7 +1483,7 @@ class ModelRunner:
             rows[m], previous_slots[m] = previous.rows[e.request_id], slot_before.get(e.request_id, previous_slots[m])
             guess[m] = (len(e.spec_guess) - 1, e.spec_guess[-1]) if e.spec_guess else (-1, -1)  # (): always anew
         tokens, rejected = carried
-        before = previous.redraft or Redraft.none(self._redraft_slots, self.config.num_speculative_tokens)
+        before = previous.redraft or self._no_redraft
         draft_ids, redraft = redraft_in_flight(layout.draft_ids, history, lengths[0], lengths[1], rows, guess, tokens,
                                                self._zeros_r if rejected is None else rejected, lengths[2], before,
                                                previous_slots, self._redraft_slots, lookup)
@@ -1761,15 +1763,13 @@ class ModelRunner:
                                       jnp.zeros(a, jnp.int32), i32(m)) for n, d, m, a in sorted(shapes)]
         if not self.fuse_sampler:
             zeros, none = jnp.zeros(R, jnp.int32), functools.partial(np.full, fill_value=-1, dtype=np.int32)
-            redraft = Redraft.none(self._redraft_slots, k)
             lowered += [fill_in_flight_jit.lower(i32(t), i32(t), i32(t), i32((s, p)), i32(s), i32(s + 1), zeros,
-                                                 zeros, none(t), none(t), redraft, self.config.page_size)
+                                                 zeros, none(t), none(t), self._no_redraft, self.config.page_size)
                         for t, s, p in self.config.buckets]
         # drafts proposed again (prompt_lookup): at every (M, H); the layout's draft_ids on the host, or a device's
         lookup, zeros = self.config.prompt_lookup, jnp.zeros(R, jnp.int32)
-        before = Redraft.none(self._redraft_slots, k)
         lowered += [redraft_in_flight.lower(i32((m, k)), i32((m, h)), i32(m), i32(m), i32(m), i32((m, 2)), zeros,
-                                            zeros, i32(m), before, i32(m), self._redraft_slots, lookup)
+                                            zeros, i32(m), self._no_redraft, i32(m), self._redraft_slots, lookup)
                     for m in slots for h in self.config.history_buckets]
         return lowered
 

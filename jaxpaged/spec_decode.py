@@ -181,8 +181,9 @@ class NgramProposer:
         the drafts `in_flight` (async scheduling). That step's outcome is guessed from the same lookup: with c the
         continuation of token_ids, it accepts the leading drafts equal to c's, a of them, then emits c[a]; so
         guess = c[:a + 1] (() when c is too short to say) and the drafts are c's next
-        min(num_speculative_tokens, max_drafts) tokens. A wrong guess costs only their rows: every draft is
-        verified."""
+        min(num_speculative_tokens, max_drafts) tokens. Every draft is verified, so a wrong guess costs no token;
+        with overlapped verification the device proposes them again from the real outcome
+        (model_runner.redraft_in_flight)."""
         k = min(self.config.num_speculative_tokens, max_drafts)
         return drafts_past(self.continuation(token_ids, len(in_flight) + 1 + k) if k >= 1 else [], in_flight, k)
 
