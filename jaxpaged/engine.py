@@ -25,21 +25,22 @@ next is scheduled. Falls back to the synchronous loop: multi-process runs (follo
 take each step's tokens from the host).
 
 Speculative decoding with async scheduling: drafts follow a request's last token, which
-is in flight. Greedy requests without penalties, min_tokens bans or a grammar
+is in flight. Requests without penalties, min_tokens bans or a grammar
 (`_verifies_overlapped`; `EngineArgs.overlap_verification`, on with a GPU) verify
 overlapped too: with step N in flight (a verification of d drafts, or a decode), step
 N+1 is scheduled as if all d were accepted (the scheduler's `num_draft_placeholders`),
 its drafts proposed on a guess of N's outcome (`NgramProposer.propose_past`: the same
-lookup's continuation decides which drafts N accepts), and the device moves N+1's token
-and positions to N's real outcome (`model_runner.fill_in_flight`); when N's tokens reach
+lookup's continuation decides which drafts N accepts), and the device moves N+1's token,
+positions and random rows' key steps to N's real outcome (`model_runner.fill_in_flight`,
+`steps_moved_back`: seeded outputs stay those of the synchronous loop); when N's tokens reach
 the host its rejected drafts are rolled back. Where the guess proves wrong, the device
 proposes N+1's drafts again from N's real outcome (`model_runner.redraft_in_flight`; the
 host keeps their twin, `_note_redrafts`); a request whose lookup finds nothing before its
 token in flight but that copied lately reserves blank drafts the device fills. Other
-requests (a seeded row's key, penalty counts, grammar masks and min_tokens bans follow
-the tokens in flight): a step that verifies their drafts runs synchronously (scheduled
-after the step in flight is handled, handled before the next is scheduled), and the
-others stay overlapped; with a step in flight the engine guesses whether drafts would
+requests (penalty counts, grammar masks and min_tokens bans follow the tokens in
+flight): a step that verifies their drafts runs synchronously (scheduled after the
+step in flight is handled, handled before the next is scheduled), and the others
+stay overlapped; with a step in flight the engine guesses whether drafts would
 follow the token in flight (`_drafts_likely`), and only then waits for that step and
 proposes.
 
@@ -74,7 +75,6 @@ from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.request import Request, RequestStatus, StopVerdict
-from jaxpaged.sampler import GREEDY_TEMPERATURE_EPS
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxpaged.spec_decode import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
@@ -862,12 +862,11 @@ class LLMEngine:
     def _verifies_overlapped(self, request: Request) -> bool:
         """Whether the request's verification steps may overlap the next step (async scheduling, with
         EngineArgs.overlap_verification): its next step's tokens then depend on the outcome only through what the
-        device moves (`fill_in_flight`: the token fed, the positions). Greedy rows without penalties, min_tokens
-        bans or a grammar: their sampler reads nothing else of the tokens in flight (a seeded row's key, penalty
-        counts, a grammar mask and min_tokens bans would)."""
+        device moves (`fill_in_flight`: the token fed, the positions; `steps_moved_back`: a random row's key).
+        Rows without penalties, min_tokens bans or a grammar: their sampler reads nothing else of the tokens in
+        flight (penalty counts, a grammar mask and min_tokens bans would)."""
         params = request.sampling_params
-        return self.overlap_verification and params.temperature < GREEDY_TEMPERATURE_EPS and \
-            params.repetition_penalty == 1.0 and \
+        return self.overlap_verification and params.repetition_penalty == 1.0 and \
             not params.presence_penalty and not params.frequency_penalty and \
             request.num_output_tokens >= params.min_tokens and \
             self._child_to_parent[request.request_id][1].matcher is None

@@ -384,6 +384,8 @@ class PendingStep:
     redraft: Redraft | None = None  # ... those the device proposed again (`redraft_in_flight`)
     drafts: VerifiedDrafts | None = None  # their verification, on device (set once the sampler's output is)
     carried: tuple[jax.Array, jax.Array] | None = None  # `carry`'s result, once called
+    shifts: np.ndarray | None = None  # i32[T]: `_shift_rows`, when a verification was in flight at dispatch
+    rejected: jax.Array | None = None  # i32[R]: its drafts rejected per row (its `carry`), with shifts
 
     @functools.cached_property
     def rows(self) -> dict[str, int]:
@@ -410,6 +412,15 @@ class PendingStep:
                       for rid, (offset, first, count, _) in self.prompt_spans.items()}
         drafts = None if self.drafts is None else self.drafts.to_host()
         return ModelRunnerOutput.from_sampler(self.entries, jax.device_get(sampled), prompt, drafts)
+
+    def key_steps(self, batch: SamplingBatch, token_index: np.ndarray) -> SamplingBatch:
+        """The host `batch` of this step's sampler rows at fed tokens token_index i32[N], their key steps moved
+        back as the device moved its own (`steps_moved_back`). Greedy rows read no key: a batch without random
+        rows is returned as is; else this reads the drafts rejected in flight (waits for that step's sampler)."""
+        if self.shifts is None or not has_random_rows(batch):
+            return batch
+        steps = steps_moved_back(np.asarray(batch.steps), token_index, self.shifts, np.asarray(self.rejected))
+        return dataclasses.replace(batch, steps=steps)
 
     def carry(self, size: int) -> tuple[jax.Array, jax.Array | None]:
         """(i32[size], i32[size] or None): what the next step, dispatched before this one's tokens reach the
@@ -553,6 +564,18 @@ def _fill_in_flight(token_ids, positions, slot_mapping, page_table, kv_lens, cu_
 
 
 fill_in_flight_jit = jax.jit(_fill_in_flight, static_argnums=(11,))  # the unfused runner's (the fused step inlines it)
+
+
+def steps_moved_back(steps, token_index, shifts, rejected):
+    """u32[N]: the key steps `steps` u32[N] of the sampler rows at fed tokens token_index i32[N], each moved back
+    by the drafts that the verification in flight when the step was packed rejected from its sequence (shifts
+    i32[T]: `_shift_rows`; rejected i32[R]: `PendingStep.carry`). The host counted those drafts as outputs, in
+    a row's key (`sampling_row`: step num_output_tokens + j) as in its positions (`fill_in_flight`). jax arrays
+    in the fused step, numpy on the host; a padding row never moves below step 0."""
+    xp = np if isinstance(steps, np.ndarray) else jnp
+    row = shifts[token_index]  # i32[N]: the row of rejected each sampler row moves back by, else -1
+    back = xp.where(row >= 0, rejected[xp.maximum(row, 0)], 0).astype(xp.uint32)
+    return steps - xp.minimum(back, steps)
 
 
 def _shift_rows(entries: Sequence[ScheduledRequest], step: StepInput,
@@ -1061,7 +1084,8 @@ class FusedStep:
 def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, params: Params, kv: KVPool,
                step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array, KVPool]:
     """One step in one program: placeholder tokens gathered from the previous step's (async scheduling; positions
-    moved back by its rejected drafts, drafts proposed again fed: `fill_in_flight`),
+    moved back by its rejected drafts, drafts proposed again fed: `fill_in_flight`; key steps too:
+    `steps_moved_back`),
     `paged_forward`, the sampler's common part (`sampler.sample_in_step`: bitmask, bias, penalties, argmax,
     or the candidate pass when `random` (static: some row samples at random), the sampled ids' raw
     log-probs) and the acceptance of packed drafts. Returns the FusedStep, the hidden states [T, E] and
@@ -1073,7 +1097,9 @@ def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, pa
     last = step.logits_indices  # i32[S]
     # a row fed the previous step's token as a placeholder: the host's penalty counts do not hold it yet
     fed = jnp.where(sampling.sources[last] >= 0, token_ids[last], -1)  # i32[S]
-    sample = sampler.sample_in_step(logits, sampling.batch, fed, random=random, native=attention.native_matmul)
+    batch = dataclasses.replace(sampling.batch, steps=steps_moved_back(sampling.batch.steps, last, sampling.shifts,
+                                                                       sampling.previous_rejected))
+    sample = sampler.sample_in_step(logits, batch, fed, random=random, native=attention.native_matmul)
     draft_ids = merge_redrafts(sampling.draft_ids, sampling.redraft)  # i32[S, k]
     num_accepted = accept_drafts(sample.out.token_ids, sampling.draft_rows, draft_ids)  # i32[S]
     next_tokens = pad_sampled_tokens(sample.out.token_ids, sampling.previous_tokens.shape[0])
@@ -1399,13 +1425,16 @@ class ModelRunner:
                          sample_rows, draft_ids, np.asarray(token_index, np.int32), tuple(rows))
 
     def _verify_drafts(self, layout: DraftRows, sampled: SamplerOutput, hidden: jax.Array, top: int,
-                       grammar_bitmask: np.ndarray | None = None) -> VerifiedDrafts:
+                       grammar_bitmask: np.ndarray | None = None, pending: PendingStep | None = None) -> VerifiedDrafts:
         """Sample the draft rows (already done when packed with the entries' rows) and count the accepted
-        drafts of each slot, on device."""
+        drafts of each slot, on device. pending: the dispatched step they belong to (async scheduling: its key
+        steps may move back, `PendingStep.key_steps`)."""
         if not layout.packed:
             logits = draft_logits(self.model_config, self.params, hidden, layout.token_index)  # f32[M * k, V]
             batch = make_sampling_batch(list(layout.rows), len(layout.rows), logits.shape[1],
                                         token_bitmask=_draft_bitmask(layout, grammar_bitmask))
+            if pending is not None:
+                batch = pending.key_steps(batch, layout.token_index)
             sampled = sample_jit(logits, batch, num_top_logprobs=top)
         return verify_packed(layout, sampled)
 
@@ -1451,7 +1480,8 @@ class ModelRunner:
         elif sources is not None:  # previous' tokens padded to the largest S: one gather program per T bucket
             step = dataclasses.replace(step, token_ids=merge_sampled_tokens(step.token_ids, carried[0], sources))
         logits, hidden = self._forward(step)  # f32[S, V] (L rows), [T, E]; dispatched
-        return PendingStep(entries, step, logits, hidden, layout=layout, redraft=redraft)
+        return PendingStep(entries, step, logits, hidden, layout=layout, redraft=redraft, shifts=shifts,
+                           rejected=carried[1])
 
     def _redraft(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
                  previous: PendingStep, carried: tuple) -> tuple[DraftRows | None, Redraft | None]:
@@ -1499,15 +1529,16 @@ class ModelRunner:
         if self.fault_injector is not None or any(
                 e.samples and e.sampling_params.structured_outputs is not None for e in entries):
             logits, hidden = self._forward(step, sources, tokens, rejected, shifts, redraft)
-            return PendingStep(entries, step, logits, hidden, layout=layout, redraft=redraft)
+            return PendingStep(entries, step, logits, hidden, layout=layout, redraft=redraft, shifts=shifts,
+                               rejected=rejected)
         batch, top = self._sampling_batch(entries, step, layout, None)
         fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout, sources=sources,
                                                                   previous=tokens, rejected=rejected, shifts=shifts,
                                                                   redraft=redraft))
         pending = PendingStep(entries, step, None, hidden, fused=fused, batch=batch, num_top_logprobs=top,
-                              layout=layout, redraft=redraft)
-        if layout is not None and not layout.packed:
-            pending.drafts = self._verify_drafts(layout, None, hidden, top)
+                              layout=layout, redraft=redraft, shifts=shifts, rejected=rejected)
+        if layout is not None and not layout.packed:  # (random rows after a verification in flight: waits for it)
+            pending.drafts = self._verify_drafts(layout, None, hidden, top, pending=pending)
         return pending
 
     def dispatch_sample(self, pending: PendingStep, grammar_bitmask: GrammarBitmask | None = None) -> None:
@@ -1525,9 +1556,10 @@ class ModelRunner:
                 logits = self.fault_injector(entries, logits)
             grammar_bitmask = _check_bitmask(grammar_bitmask, entries)
             batch, top = self._sampling_batch(entries, pending.step, layout, grammar_bitmask)
+            batch = pending.key_steps(batch, pending.step.logits_indices)
             pending.finish_sample = sample_deferred(logits, batch, num_top_logprobs=top)
             if layout is not None and not layout.packed:  # the draft rows' own pass, from the hidden states
-                pending.drafts = self._verify_drafts(layout, None, pending.hidden, top, grammar_bitmask)
+                pending.drafts = self._verify_drafts(layout, None, pending.hidden, top, grammar_bitmask, pending)
         spans = prompt_logprob_spans(entries)
         if spans:
             pending.prompt_spans = spans
@@ -1756,8 +1788,10 @@ class ModelRunner:
         i32 = functools.partial(np.zeros, dtype=np.int32)
         packed = {t for t, _, _ in self._verify_buckets} | set(self.config.seq_buckets)
         slots = self.config.draft_seq_buckets
-        # (rows sampled, draft rows, M, acceptance counts): packed (the fused step counts its S rows' slots), or not
-        shapes = {(n, n, m, a) for n in packed for m in slots for a in ({m, n} if self.fuse_sampler else {m})} | \
+        # (rows sampled, draft rows, M, acceptance counts): packed (the fused step counts its S rows' slots, S >= M:
+        # each slot takes two rows), or not
+        shapes = {(n, n, m, a) for n in packed for m in slots for a in ({m, n} if self.fuse_sampler else {m})
+                  if a >= m} | \
             {(s, m * k, m, m) for s in self.config.seq_buckets for m in slots}
         lowered = [carry_tokens.lower(jnp.zeros(n, jnp.int32), jnp.zeros(d, jnp.int32), R, i32(m), i32((m, k)),
                                       jnp.zeros(a, jnp.int32), i32(m)) for n, d, m, a in sorted(shapes)]

@@ -382,10 +382,11 @@ class StepSample:
     scaled: jax.Array | None  # f32[S, V]: tempered, min_p-cut logits; None in the greedy program
     threshold: jax.Array | None  # f32[S]: each random row's cut; idem
     flags: jax.Array | None  # bool[2, S]: (covered, exact) of `_candidate_tokens`; idem
+    steps: jax.Array | None = None  # u32[S]: the key steps the rows drew with (the fallbacks draw with them); idem
 
 
 jax.tree_util.register_dataclass(
-    StepSample, data_fields=["out", "logits", "scaled", "threshold", "flags"], meta_fields=[])
+    StepSample, data_fields=["out", "logits", "scaled", "threshold", "flags", "steps"], meta_fields=[])
 
 
 def neutral_arrays(num_rows: int, vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -430,7 +431,7 @@ def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.A
     scaled, min_p_threshold = _scale(processed, batch, native)
     token_ids, threshold, flags = _candidate_tokens(greedy_ids, scaled, min_p_threshold, batch, prefilter_k, native)
     out = _raw_logprobs(raw, token_ids, 0, lse)
-    return StepSample(dataclasses.replace(out, finite=finite), raw, scaled, threshold, flags)
+    return StepSample(dataclasses.replace(out, finite=finite), raw, scaled, threshold, flags, batch.steps)
 
 
 def _count_fed_tokens(counts: jax.Array, fed_token_ids: jax.Array) -> jax.Array:
@@ -449,9 +450,10 @@ def finish_in_step(state: StepSample, batch: SamplingBatch, num_top_logprobs: in
     more than one small dispatch on the steps that ask."""
     def finish() -> SamplerOutput:
         out = state.out
-        if state.flags is not None:
+        if state.flags is not None:  # keyed as the program drew (its steps may have moved: async scheduling)
             random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch)
-            out = _finish_random(state.logits, batch, random_rows, out, state.scaled, state.threshold, state.flags)
+            out = _finish_random(state.logits, dataclasses.replace(batch, steps=state.steps), random_rows, out,
+                                 state.scaled, state.threshold, state.flags)
         return with_top_logprobs(out, state.logits, num_top_logprobs)
     return finish
 

@@ -415,6 +415,36 @@ def test_fill_in_flight_moves_a_sequence_back_by_its_rejected_drafts():
     assert nothing.positions.tolist() == step.positions.tolist() and nothing.kv_lens.tolist() == [5, 14, 0]
 
 
+def test_key_steps_move_back_by_the_drafts_rejected_in_flight():
+    """The sequences of the step above: sampler rows at fed tokens [1, 4] (the decode, and the sequence fed after a
+    verification in flight that rejected 2 of its drafts) and 2 draft rows at tokens 2-3 of that sequence, one
+    padding row at token 0. The rows of that sequence key 2 output tokens back (steps 20, 18, 19 -> 18, 16, 17),
+    the others keep theirs; a padding row at step 0 stays at 0. Host (numpy) and device (in the fused step: jax)
+    alike. `PendingStep.key_steps` moves a host batch's steps so; a greedy batch (no key read) or a step packed
+    with nothing in flight comes back as is."""
+    from jaxpaged.model_runner import PendingStep, steps_moved_back
+    from jaxpaged.sampler import RowInfo, make_sampling_batch
+    shifts = np.array([-1, -1, 1, 1, 1, -1, -1, -1], np.int32)
+    rejected = np.array([0, 2, 0, 0], np.int32)
+    token_index = np.array([1, 4, 2, 3, 0], np.int32)
+    steps = np.array([7, 20, 18, 19, 0], np.uint32)
+    assert steps_moved_back(steps, token_index, shifts, rejected).tolist() == [7, 18, 16, 17, 0]
+    assert steps_moved_back(np.array([7, 1, 0, 0, 0], np.uint32), token_index, shifts, rejected).tolist() == \
+        [7, 0, 0, 0, 0]  # never below 0 (a row whose sequence the step does not hold)
+    on_device = jax.jit(steps_moved_back)(jnp.asarray(steps), jnp.asarray(token_index), jnp.asarray(shifts),
+                                          jnp.asarray(rejected))
+    assert on_device.dtype == jnp.uint32 and on_device.tolist() == [7, 18, 16, 17, 0]
+    seeded, greedy = SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=0.0)
+    rows = [RowInfo(seeded, seed=3, step=int(s)) for s in steps]
+    pending = PendingStep((), None, None, None, shifts=shifts, rejected=jnp.asarray(rejected))
+    moved = pending.key_steps(make_sampling_batch(rows, 5, 260), token_index)
+    assert np.asarray(moved.steps).tolist() == [7, 18, 16, 17, 0]
+    batch = make_sampling_batch([dataclasses.replace(r, params=greedy) for r in rows], 5, 260)
+    assert pending.key_steps(batch, token_index) is batch
+    batch = make_sampling_batch(rows, 5, 260)
+    assert PendingStep((), None, None, None).key_steps(batch, token_index) is batch
+
+
 def test_history_buckets_cover_a_sequence_and_its_drafts():
     """The histories `redraft_in_flight` takes: 256, x4, ... up to max_model_len + 1 (a whole sequence, the
     token after it), only with a prompt lookup and speculation."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import time
 
@@ -17,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
+from jaxpaged import sampler
 from jaxpaged.engine import BLANK_DRAFT_STEPS, EngineArgs, LLMEngine
 from jaxpaged.model_runner import RunnerConfig, count_dispatches
 from jaxpaged.generate import greedy_generate
@@ -769,24 +771,26 @@ def test_adaptive_draft_length_verifies_the_drafts_that_pay_for_their_rows(tiny,
 
 
 SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
+PENALISED = dataclasses.replace(SEEDED, presence_penalty=0.5)
 
 
-@pytest.mark.parametrize("kind", ["greedy", "seeded", "greedy, not overlapped"])
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "penalised", "greedy, not overlapped"])
 def test_async_scheduling_overlaps_verifications_it_can(tiny, plain, kind):
-    """Speculation under async scheduling (the default). Greedy requests: every step is overlapped, those that
-    verify drafts too: the next step is dispatched before their outcome is on the host, its drafts proposed on a
-    guess of it, its positions moved back on the device by the drafts rejected. Seeded sampling (a row's key
-    follows its output count, which the host would not know): a step that verifies drafts runs synchronously,
-    every other step is overlapped. Nothing proposed: every step overlapped. An oracle's drafts for every
-    request (all accepted, or wrong from the second). For half the requests: on CPU no room for drafts beside
-    decodes without (the scheduler's rule), so every step overlapped, and the seeded engine stops waiting for
-    tokens in flight to propose drafts that find no room (until the batch changes). Greedy requests with
-    overlap_verification off (CPU's default) are verified as the seeded ones. Outputs: those without
-    speculation."""
+    """Speculation under async scheduling (the default). Greedy and seeded requests: every step is overlapped,
+    those that verify drafts too: the next step is dispatched before their outcome is on the host, its drafts
+    proposed on a guess of it, its positions and key steps moved back on the device by the drafts rejected.
+    Penalised sampling (a row's penalty counts follow the tokens in flight, which the host would not know): a
+    step that verifies drafts runs synchronously, every other step is overlapped. Nothing proposed: every step
+    overlapped. An oracle's drafts for every request (all accepted, or wrong from the second). For half the
+    requests: on CPU no room for drafts beside decodes without (the scheduler's rule), so every step overlapped,
+    and the penalised engine stops waiting for tokens in flight to propose drafts that find no room (until the
+    batch changes). Greedy requests with overlap_verification off (CPU's default) are verified as the penalised
+    ones. Outputs: those without speculation."""
     prompts = mixed_prompts(2, seed=91) + repetitive_prompts(2, seed=91)  # all 4 fit the partial-prefill slots
-    params = SEEDED if kind == "seeded" else GREEDY
+    params = {"seeded": SEEDED, "penalised": PENALISED}.get(kind, GREEDY)
+    overlapped = kind in ("greedy", "seeded")
     expected = [o.outputs[0].token_ids for _, o in sorted(run_all(plain, prompts, params).items())]
-    engine = make_engine(tiny, overlap_verification=kind == "greedy", **OVERLAP)
+    engine = make_engine(tiny, overlap_verification=kind != "greedy, not overlapped", **OVERLAP)
     assert engine.async_scheduling
     steps, proposals = [], []  # (overlapped, drafts fed, drafts fed after a verification in flight) per step
     before_each_step(engine, lambda out, overlapped: steps.append(
@@ -811,37 +815,45 @@ def test_async_scheduling_overlaps_verifications_it_can(tiny, plain, kind):
                 assert len(proposals) <= 5 < len(steps), (proposals, steps)  # (handled at once: > 8 tokens on CPU)
             continue
         assert accepted_now == drafted_now if num_accepted == "all" else 0 < accepted_now < drafted_now
-        if kind == "greedy":
+        if overlapped:
             assert not synchronous and sum(after for _, _, after in steps) >= 0.6 * drafted_now, steps
         else:
-            assert all(synchronous) and all(drafts == 0 for overlapped, drafts, _ in steps if overlapped)
+            assert all(synchronous) and all(drafts == 0 for kept, drafts, _ in steps if kept)
             assert len(synchronous) >= 4 and len(steps) - len(synchronous) >= 1, steps
-    if kind != "greedy":
+    if not overlapped:
         assert 2 <= len(proposals) <= 8 < len(steps)  # the half oracle's: not one a step
 
 
-@pytest.mark.parametrize("fuse", ["off", "on"])
-def test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing(tiny, fuse):
-    """Greedy requests, async scheduling with every step kept in flight: steps scheduled while a verification
-    is in flight (their token a placeholder, their positions moved back on the device by the drafts rejected)
-    that verify drafts of their own, on the fused program (drafts packed in its rows, or beside it) or not.
-    One at a time and all at once in a pool too small for them (preemption), the n-gram proposer and an
-    oracle wrong from its third draft: the plain greedy tokens, every page back, drafts accepted and rejected,
-    steps after a verification in flight that guessed it right and wrong, nothing compiled after warm-up."""
-    engine = make_engine(tiny, fuse_sampler=fuse, num_pages=24, **OVERLAP)
+@pytest.mark.parametrize("fuse, kind", [("off", "greedy"), ("on", "greedy"), ("off", "seeded"), ("on", "seeded")])
+def test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing(tiny, plain, fuse, kind, monkeypatch):
+    """Greedy and seeded requests, async scheduling with every step kept in flight: steps scheduled while a
+    verification is in flight (their token a placeholder, their positions and key steps moved back on the device
+    by the drafts rejected) that verify drafts of their own, on the fused program (drafts packed in its rows, or
+    beside it) or not. One at a time and all at once in a pool too small for them (preemption), the n-gram
+    proposer and an oracle wrong from its third draft: the plain tokens, every page back, drafts accepted and
+    rejected, steps after a verification in flight that guessed it right and wrong, nothing compiled after
+    warm-up. The fused program's candidate pass keeps 8 candidates a row (any number gives the same samples), so
+    seeded rows take its fallbacks too."""
+    monkeypatch.setattr(sampler, "sample_in_step", functools.partial(sampler.sample_in_step, prefilter_k=8))
+    engine = make_engine(tiny, fuse_sampler=fuse, num_pages=24, max_num_partial_prefills=8, **OVERLAP)
     assert engine.runner.fuse_sampler is (fuse == "on")
     prompts = repetitive_prompts(10, seed=61) + mixed_prompts(4, seed=61)
-    expected = [greedy_generate(tiny.config, tiny.params, p, GREEDY.max_tokens) for p in prompts]
+    params = dataclasses.replace(SEEDED, temperature=3.0, top_p=0.9) if kind == "seeded" else GREEDY
+    expected = [o.outputs[0].token_ids for _, o in sorted(run_all(plain, prompts, params).items(),
+                                                          key=lambda item: int(item[0]))]
+    if kind == "greedy":
+        assert expected == [greedy_generate(tiny.config, tiny.params, p, GREEDY.max_tokens) for p in prompts]
     after = []  # drafts fed after a verification in flight
     before_each_step(engine, lambda out, overlapped: after.extend(
         len(e.spec_token_ids) for e in out.scheduled_requests if e.placeholder and e.spec_token_ids))
-    with count_traces() as traces:
+    with count_traces() as traces, count_dispatches(engine.runner) as counts:
         for proposer in (NgramProposer(engine.args.speculative_config), OracleProposer(prompts, expected, wrong_at=2)):
             engine.proposer = proposer
             for group in [[0], [1], [2]] + [list(range(len(prompts)))]:
-                done = run_all(engine, [prompts[i] for i in group])
+                done = run_all(engine, [prompts[i] for i in group], params)
                 assert [done[str(j)].outputs[0].token_ids for j in range(len(group))] == [expected[i] for i in group]
     assert traces == []
+    assert (counts["_resample_rows"] > 0) is (fuse == "on" and kind == "seeded"), counts
     num_accepted, num_drafted = accepted(engine)
     assert 0 < num_accepted < num_drafted and sum(after) > 0.3 * num_drafted, (num_accepted, num_drafted, sum(after))
     assert engine.scheduler.num_preemptions > 0
@@ -949,12 +961,12 @@ def test_a_copy_that_breaks_reserves_blank_drafts_the_device_fills(tiny):
 
 @pytest.mark.parametrize("seconds, seconds_a_row", [(0.02, 0.0), (0.0, 0.008)])
 def test_async_scheduling_waits_for_drafts_that_pay(tiny, plain, seconds, seconds_a_row):
-    """Async scheduling with the adaptive draft length, batch 1 on copying prompts, seeded sampling (its
-    verifications run synchronously): where a row adds little to a step (a synchronous step of a few rows costs
+    """Async scheduling with the adaptive draft length, batch 1 on copying prompts, seeded sampling, its
+    verifications synchronous (overlap_verification off, CPU's default): where a row adds little to a step (a synchronous step of a few rows costs
     about an overlapped one), most drafts proposed are verified; where each row adds 8 ms, most decode steps stay
     overlapped (the policy would cut the drafts guessed, so the engine does not wait for the token in flight to
     propose them). The tokens without speculation either way."""
-    engine = make_engine(tiny, speculative_config=ADAPTIVE)
+    engine = make_engine(tiny, speculative_config=ADAPTIVE, overlap_verification=False)
     kinds = collections.Counter()  # decode steps: overlapped or synchronous
     proposed, fed = slow_steps(engine, seconds, seconds_a_row)
     before_each_step(engine, lambda out, overlapped: kinds.update(
@@ -970,17 +982,17 @@ def test_async_scheduling_waits_for_drafts_that_pay(tiny, plain, seconds, second
         assert sum(proposed) >= 15 and sum(fed) >= 0.6 * sum(proposed), (sum(fed), sum(proposed), kinds)
 
 
-@pytest.mark.parametrize("loop", ["synchronous", "async", "async, seeded"])
+@pytest.mark.parametrize("loop", ["synchronous", "async", "async, penalised"])
 def test_a_decode_without_drafts_is_not_slowed_by_verifications(tiny, plain, loop):
     """Issue 17's "in a mixed batch, requests without drafts are not slowed", with the adaptive policy: 3 decodes,
     one with an oracle's drafts (all right). Every step takes 30 ms, a verification's synchronous step under
     async scheduling 48 ms (1.6x: the H200's 7.3 ms against 4.4, its host time no longer hidden). On the
     synchronous loop a draft in the step's padding row costs nothing and is verified; so it is under async
-    scheduling, where the greedy request's verifications are overlapped. Seeded, they would run synchronously
+    scheduling, where the greedy request's verifications are overlapped. Penalised, they would run synchronously
     and slow the two others by 1.6x, so once the policy has timed both kinds of step (a first round), the
     copying request verifies nothing while they run. The tokens without speculation every way."""
     prompts = repetitive_prompts(3, seed=93)
-    params = dataclasses.replace(SEEDED, temperature=0.2) if "seeded" in loop else GREEDY
+    params = dataclasses.replace(PENALISED, temperature=0.2) if "penalised" in loop else GREEDY
     expected = [o.outputs[0].token_ids for _, o in sorted(run_all(plain, prompts, params).items())]
     engine = make_engine(tiny, speculative_config=ADAPTIVE, async_scheduling=loop != "synchronous")
     engine.proposer = OracleProposer(prompts[:1], expected[:1])
@@ -994,7 +1006,7 @@ def test_a_decode_without_drafts_is_not_slowed_by_verifications(tiny, plain, loo
         done = run_all(engine, prompts, params)
         assert [done[str(i)].outputs[0].token_ids for i in range(3)] == expected
     verified = sum(drafts > 0 for drafts in steps)
-    assert verified == 0 if "seeded" in loop else verified >= 3, steps
+    assert verified == 0 if "penalised" in loop else verified >= 3, steps
 
 
 def test_overlap_verification_defaults_to_the_platform_and_is_checked(tiny):
