@@ -667,12 +667,12 @@ class LLMEngine:
         self._observe_step(out, start)
         return outputs
 
-    def _observe_step(self, out: SchedulerOutput, start: float) -> None:
+    def _observe_step(self, out: SchedulerOutput, start: float, timed: bool = True) -> None:
         """A step's outputs are handled: the adaptive draft policy times it (from `start`) if it fed only decodes
-        and their drafts."""
+        and their drafts (and `timed`)."""
         self._last_handled = time.perf_counter()
-        if self.draft_policy is not None and all(e.num_tokens == 1 + len(e.spec_token_ids)
-                                                 for e in out.scheduled_requests):
+        if self.draft_policy is not None and timed and all(e.num_tokens == 1 + len(e.spec_token_ids)
+                                                           for e in out.scheduled_requests):
             self.draft_policy.observe_step(out.num_scheduled_tokens, self._last_handled - start)
 
     # ---- the overlapped step (async scheduling) ---------------------------
@@ -799,7 +799,9 @@ class LLMEngine:
         if wrong and following is not None:
             self._note_redrafts(following, wrong)
         outputs = self._outputs(touched)
-        self._observe_step(out, max(flight.dispatched_at, self._last_handled))  # overlapped: the time between steps
+        # overlapped: the time between steps; not for a step whose requests all ended before it was handled (the
+        # slot wasted after a stop, left in flight while the engine idled: its time spans the idle gap)
+        self._observe_step(out, max(flight.dispatched_at, self._last_handled), timed=bool(entries))
         return outputs
 
     def _note_redrafts(self, following: SchedulerOutput, wrong: set[str]) -> None:

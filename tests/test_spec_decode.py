@@ -982,6 +982,30 @@ def test_async_scheduling_waits_for_drafts_that_pay(tiny, plain, seconds, second
         assert sum(proposed) >= 15 and sum(fed) >= 0.6 * sum(proposed), (sum(fed), sum(proposed), kinds)
 
 
+def test_a_step_left_in_flight_while_the_engine_idles_is_not_timed(tiny, plain):
+    """A request that stops on a sampled token leaves the next step in flight (its wasted slot), handled only at the
+    engine's next step, after however long it idled: the adaptive policy must not time that step (it would take a
+    row count's cost for the idle gap and stop drafting at that size). Seeded requests verifying overlapped, each
+    stopping on a token it samples (stop_token_ids), 0.3 s idle between them: no step time near 0.3 s, and the
+    policy timed the decode steps."""
+    prompts = repetitive_prompts(4, seed=97)
+    params = dataclasses.replace(SEEDED, ignore_eos=False)
+    expected = [o.outputs[0].token_ids for _, o in sorted(run_all(plain, prompts, params).items(),
+                                                          key=lambda item: int(item[0]))]
+    engine = make_engine(tiny, speculative_config=ADAPTIVE, **OVERLAP)
+    engine.proposer = OracleProposer(prompts, expected, wrong_at=2)
+    left_in_flight = 0
+    for prompt, tokens in zip(prompts, expected):
+        stop = dataclasses.replace(params, stop_token_ids=[tokens[12]])
+        done = run_all(engine, [prompt], stop)
+        assert done["0"].outputs[0].token_ids == tokens[:tokens.index(tokens[12]) + 1]
+        left_in_flight += engine._in_flight is not None
+        time.sleep(0.3)
+    assert left_in_flight >= 3
+    times = [t for samples in engine.draft_policy.step_times.values() for t in samples]
+    assert len(times) >= 3 and max(times) < 0.2, engine.draft_policy.step_times
+
+
 @pytest.mark.parametrize("loop", ["synchronous", "async", "async, penalised"])
 def test_a_decode_without_drafts_is_not_slowed_by_verifications(tiny, plain, loop):
     """Issue 17's "in a mixed batch, requests without drafts are not slowed", with the adaptive policy: 3 decodes,
