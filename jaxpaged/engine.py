@@ -973,12 +973,14 @@ class LLMEngine:
         device proposed again in place of an entry's (`_note_redrafts`), of which those it found count."""
         for entry in entries:
             num_accepted = result.num_accepted_drafts.get(entry.request_id)
-            drafts = (redrafted or {}).get(entry.request_id, entry.spec_token_ids)
-            num_drafts = sum(t >= 0 for t in drafts)
+            if num_accepted is None:  # verified nothing
+                continue
             request = self._child_to_parent[entry.request_id][1].request
             if num_accepted:  # a copy runs: blank drafts may follow a break in it (`_propose_past_in_flight`)
                 request.spec_blanks_left = BLANK_DRAFT_STEPS
-            if num_accepted is not None and num_drafts:
+            drafts = (redrafted or {}).get(entry.request_id, entry.spec_token_ids)
+            num_drafts = sum(t >= 0 for t in drafts)
+            if num_drafts:
                 self.spec_decoding_stats.observe(num_drafts, num_accepted)
                 if self.draft_policy is not None:
                     self.draft_policy.observe_verification(request, num_drafts, num_accepted,

@@ -1250,8 +1250,7 @@ class ModelRunner:
         if self.fuse_sampler:  # what the absent optional sampler arrays read; ~5 bytes x S x V for each S bucket
             self._neutral = {s: sampler.neutral_arrays(s, self.model_config.vocab_size)
                              for s in self.config.seq_buckets}
-            self._no_previous = jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)  # i32[R]
-        self._zeros_r = jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)  # i32[R]: no drafts rejected
+        self._zeros_r = jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)  # i32[R]: no tokens, no drafts rejected
         # a Redraft's slots (one shape for every step: `Redraft`)
         self._redraft_slots = self.config.draft_seq_buckets[-1] if self.config.num_speculative_tokens else 1
         self._no_redraft = Redraft.none(self._redraft_slots, self.config.num_speculative_tokens)  # nothing anew
@@ -1373,9 +1372,8 @@ class ModelRunner:
             draft_rows[:n], draft_ids[:n] = layout.sample_rows[:n], layout.draft_ids[:n]
         if sources is None:
             sources = np.full(len(step.token_ids), -1, np.int32)
-        no_previous = self._no_previous if self.fuse_sampler else jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)
-        previous = no_previous if previous is None else previous
-        rejected = no_previous if rejected is None else rejected
+        previous = self._zeros_r if previous is None else previous
+        rejected = self._zeros_r if rejected is None else rejected
         if shifts is None:
             shifts = np.full(len(step.token_ids), -1, np.int32)
         neutral = self._neutral.get(S) or sampler.neutral_arrays(S, V)  # made here only for `lower_fused`
