@@ -25,7 +25,7 @@ next is scheduled. Falls back to the synchronous loop: multi-process runs (follo
 take each step's tokens from the host).
 
 Speculative decoding with async scheduling: drafts follow a request's last token, which
-is in flight. Requests without penalties, min_tokens bans or a grammar
+is in flight. Requests without min_tokens bans or a grammar
 (`_verifies_overlapped`; `EngineArgs.overlap_verification`, on with a GPU) verify
 overlapped too: with step N in flight (a verification of d drafts, or a decode), step
 N+1 is scheduled as if all d were accepted (the scheduler's `num_draft_placeholders`),
@@ -36,9 +36,10 @@ positions and random rows' key steps to N's real outcome (`model_runner.fill_in_
 the host its rejected drafts are rolled back. Where the guess proves wrong, the device
 proposes N+1's drafts again from N's real outcome (`model_runner.redraft_in_flight`; the
 host keeps their twin, `_note_redrafts`); a request whose lookup finds nothing before its
-token in flight but that copied lately reserves blank drafts the device fills. Other
-requests (penalty counts, grammar masks and min_tokens bans follow the tokens in
-flight): a step that verifies their drafts runs synchronously (scheduled after the
+token in flight but that copied lately reserves blank drafts the device fills; penalty
+counts add the tokens in flight on the device (`outputs_in_flight`). Other requests
+(grammar masks and min_tokens bans follow the tokens in flight on the host): a step
+that verifies their drafts runs synchronously (scheduled after the
 step in flight is handled, handled before the next is scheduled), and the others
 stay overlapped; with a step in flight the engine guesses whether drafts would
 follow the token in flight (`_drafts_likely`), and only then waits for that step and
@@ -864,13 +865,10 @@ class LLMEngine:
     def _verifies_overlapped(self, request: Request) -> bool:
         """Whether the request's verification steps may overlap the next step (async scheduling, with
         EngineArgs.overlap_verification): its next step's tokens then depend on the outcome only through what the
-        device moves (`fill_in_flight`: the token fed, the positions; `steps_moved_back`: a random row's key).
-        Rows without penalties, min_tokens bans or a grammar: their sampler reads nothing else of the tokens in
-        flight (penalty counts, a grammar mask and min_tokens bans would)."""
-        params = request.sampling_params
-        return self.overlap_verification and params.repetition_penalty == 1.0 and \
-            not params.presence_penalty and not params.frequency_penalty and \
-            request.num_output_tokens >= params.min_tokens and \
+        device moves (`fill_in_flight`: the token fed, the positions; `steps_moved_back`: a random row's key) or
+        counts (`outputs_in_flight`: penalties). Rows without min_tokens bans or a grammar: a grammar's mask and
+        min_tokens' bans follow the tokens in flight on the host."""
+        return self.overlap_verification and request.num_output_tokens >= request.sampling_params.min_tokens and \
             self._child_to_parent[request.request_id][1].matcher is None
 
     def _in_flight_decodes(self) -> list[Request]:

@@ -383,7 +383,7 @@ class PendingStep:
     layout: DraftRows | None = None  # speculative decoding: where the step verifies its drafts
     redraft: Redraft | None = None  # ... those the device proposed again (`redraft_in_flight`)
     drafts: VerifiedDrafts | None = None  # their verification, on device (set once the sampler's output is)
-    carried: tuple[jax.Array, jax.Array] | None = None  # `carry`'s result, once called
+    carried: tuple[jax.Array, jax.Array, jax.Array] | None = None  # `carry`'s result, once called
     shifts: np.ndarray | None = None  # i32[T]: `_shift_rows`, when a verification was in flight at dispatch
     rejected: jax.Array | None = None  # i32[R]: its drafts rejected per row (its `carry`), with shifts
 
@@ -422,13 +422,14 @@ class PendingStep:
         steps = steps_moved_back(np.asarray(batch.steps), token_index, self.shifts, np.asarray(self.rejected))
         return dataclasses.replace(batch, steps=steps)
 
-    def carry(self, size: int) -> tuple[jax.Array, jax.Array | None]:
-        """(i32[size], i32[size] or None): what the next step, dispatched before this one's tokens reach the
-        host, takes from this one per sampler row: the token it feeds (`next_tokens`; for a row that verified
-        drafts, the token sampled at its first rejected draft, or the bonus token) and the drafts rejected
-        (None when no row verified any), by which that row's positions were counted too far."""
+    def carry(self, size: int) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        """(i32[size], i32[size] or None, i32[size, k] or None): what the next step, dispatched before this one's
+        tokens reach the host, takes from this one per sampler row: the token it feeds (`next_tokens`; for a row
+        that verified drafts, the token sampled at its first rejected draft, or the bonus token), the drafts
+        rejected, by which that row's positions (and key steps) were counted too far, and the drafts accepted
+        (-1 past them), which its penalty counts lack (both None when no row verified any)."""
         if self.layout is None:
-            return self.next_tokens(size), None
+            return self.next_tokens(size), None, None
         if self.carried is None:
             sampled, drafts = self.sampler_output(), self.drafts
             entry_rows = np.full(len(drafts.layout.sample_rows), size, np.int32)  # i32[M]; padding slots: dropped
@@ -437,7 +438,8 @@ class PendingStep:
             num_drafts = np.zeros(len(entry_rows), np.int32)
             num_drafts[:len(drafts.layout.num_drafts)] = drafts.layout.num_drafts
             self.carried = carry_tokens(sampled.token_ids, drafts.sampled.token_ids, size, entry_rows,
-                                        drafts.layout.sample_rows, drafts.num_accepted, num_drafts)
+                                        drafts.layout.sample_rows, drafts.num_accepted, num_drafts,
+                                        drafts.layout.verified_ids)
         return self.carried
 
     def next_tokens(self, size: int) -> jax.Array:
@@ -459,13 +461,15 @@ def merge_sampled_tokens(token_ids: jax.Array, sampled: jax.Array, sources: jax.
 
 @functools.partial(jax.jit, static_argnums=(2,))
 def carry_tokens(token_ids: jax.Array, draft_token_ids: jax.Array, size: int, entry_rows: jax.Array,
-                 sample_rows: jax.Array, num_accepted: jax.Array, num_drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 sample_rows: jax.Array, num_accepted: jax.Array, num_drafts: jax.Array,
+                 draft_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`PendingStep.carry` on the device. token_ids i32[N]: a step's sampled tokens, row r entry r's;
     draft_token_ids i32[N']: the tokens its draft rows sampled (token_ids itself when packed); per slot m of
     M: entry_rows i32[M] (size: a padding slot), sample_rows i32[M, k] (into draft_token_ids), num_accepted
-    (i32[>= M]: the fused step counts S slots) and num_drafts i32[M]. Returns (tokens i32[size]: token_ids
-    zero-padded, each slot's entry row replaced by the sample at its first rejected draft (the bonus token's row
-    kept when all were accepted); rejected i32[size]: each slot's entry row d - a, 0 elsewhere)."""
+    (i32[>= M]: the fused step counts S slots), num_drafts i32[M] and draft_ids i32[M, k] (the drafts verified).
+    Returns (tokens i32[size]: token_ids zero-padded, each slot's entry row replaced by the sample at its first
+    rejected draft (the bonus token's row kept when all were accepted); rejected i32[size]: each slot's entry row
+    d - a, 0 elsewhere; accepted i32[size, k]: each slot's entry row its a accepted drafts, then -1; -1 elsewhere)."""
     k, num_accepted = sample_rows.shape[1], num_accepted[:sample_rows.shape[0]]  # the fused step's has S >= M
     at = jnp.take_along_axis(sample_rows, jnp.minimum(num_accepted, k - 1)[:, None], axis=1)[:, 0]  # i32[M]
     main = token_ids[jnp.minimum(entry_rows, token_ids.shape[0] - 1)]  # i32[M]
@@ -473,7 +477,9 @@ def carry_tokens(token_ids: jax.Array, draft_token_ids: jax.Array, size: int, en
     n = min(size, token_ids.shape[0])
     tokens = jnp.zeros((size,), jnp.int32).at[:n].set(token_ids[:n]).at[entry_rows].set(token, mode="drop")
     rejected = jnp.zeros((size,), jnp.int32).at[entry_rows].set(num_drafts - num_accepted, mode="drop")
-    return tokens, rejected
+    kept = jnp.where(jnp.arange(k)[None] < num_accepted[:, None], draft_ids, -1)  # i32[M, k]
+    accepted = jnp.full((size, k), -1, jnp.int32).at[entry_rows].set(kept, mode="drop")
+    return tokens, rejected, accepted
 
 
 @jax.tree_util.register_dataclass
@@ -578,6 +584,38 @@ def steps_moved_back(steps, token_index, shifts, rejected):
     return steps - xp.minimum(back, steps)
 
 
+def outputs_in_flight(token_ids: jax.Array, token_index: jax.Array, count_from: jax.Array, shifts: jax.Array,
+                      accepted: jax.Array) -> jax.Array:
+    """i32[N, 2k + 1]: the output tokens that the host's penalty counts of each sampler row lack, -1 past them
+    (`sampler.sample_in_step` counts them; in the fused step, dispatched before the step in flight is handled):
+    the tokens its request fed this step from count_from i32[N] (`_count_from`: a placeholder's index; T: none)
+    through the row's own token token_index i32[N] (token_ids i32[T], as fed: the placeholder, the token in
+    flight, and the drafts before the row, as the device proposed them), and the drafts the verification in
+    flight accepted for it (accepted i32[R, k], `PendingStep.carry`; its row there: shifts i32[T] at the row's
+    token, -1: none)."""
+    k, T = accepted.shape[1], token_ids.shape[0]
+    at = token_index[:, None] - jnp.arange(k + 1)[None]  # i32[N, k + 1]: the row's fed token and the k before it
+    fed = jnp.where(at >= count_from[:, None], token_ids[jnp.clip(at, 0, T - 1)], -1)
+    row = jnp.where(count_from <= token_index, shifts[token_index], -1)  # i32[N]; padding rows count nothing
+    before = jnp.where(row[:, None] >= 0, accepted[jnp.maximum(row, 0)], -1)  # i32[N, k]
+    return jnp.concatenate([fed, before], axis=1)
+
+
+def _count_from(entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None) -> np.ndarray:
+    """i32[L]: for each logits row of `step` (the entries', then the layout's packed draft rows), the first fed token
+    that `outputs_in_flight` counts as an output of the row's request: the placeholder of a request fed one (the
+    host's lists lack it and all fed after it: the fused step is dispatched before the step in flight is handled);
+    T (none) elsewhere, and on padding rows."""
+    T, num_rows = len(step.token_ids), len(entries) + (len(layout.rows) if layout is not None and layout.packed else 0)
+    first = np.full(T, T, np.int32)  # i32[T]: per fed token, its entry's placeholder index, else T
+    for i, entry in enumerate(entries):
+        if entry.placeholder:
+            first[step.cu_q_lens[i]:step.cu_q_lens[i + 1]] = step.cu_q_lens[i]
+    count_from = np.full(len(step.logits_indices), T, np.int32)
+    count_from[:num_rows] = first[step.logits_indices[:num_rows]]
+    return count_from
+
+
 def _shift_rows(entries: Sequence[ScheduledRequest], step: StepInput,
                 previous: PendingStep | None) -> np.ndarray | None:
     """i32[T]: for every token of an entry whose request verified drafts in `previous` (so its positions assume
@@ -622,26 +660,79 @@ FaultInjector = Callable[[Sequence[ScheduledRequest], jax.Array], jax.Array]
 GrammarBitmask = np.ndarray | Callable[[], np.ndarray | None]  # see ModelRunner.execute_model
 
 
-def sampling_row(entry: ScheduledRequest, position: int | None = None) -> RowInfo:
+def sampling_row(entry: ScheduledRequest, position: int | None = None, before: Sequence[int] = (),
+                 drafts: Sequence[int] | None = None) -> RowInfo:
     """The sampler's row for one scheduled request (a grammar mask or other per-row input joins here).
 
     With drafts (speculative decoding) each fed position j in 0..d samples the output token that would
     follow the first j drafts: keyed as that output (step num_output_tokens + j), its penalties counting
-    the drafts before it. position None: the entry's last fed token (j = d)."""
+    the drafts before it. position None: the entry's last fed token (j = d). Async scheduling (`_in_flight_history`):
+    before, the outputs of the step in flight that the entry's lists lack; drafts, the drafts fed as the device
+    fed them (-1: none; default the entry's), () where the device counts them (`outputs_in_flight`)."""
     j = len(entry.spec_token_ids) if position is None else position
-    if j == 0:
-        return RowInfo(params=entry.sampling_params, seed=entry.seed, step=entry.num_output_tokens,
-                       prompt_token_ids=entry.prompt_token_ids, output_token_ids=entry.output_token_ids,
-                       banned_token_ids=entry.banned_token_ids)
-    params = entry.sampling_params
-    penalties = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
-    history = list(entry.output_token_ids) + list(entry.spec_token_ids[:j]) if penalties else ()  # copied only if read
-    return RowInfo(params=params, seed=entry.seed, step=entry.num_output_tokens + j,
-                   prompt_token_ids=entry.prompt_token_ids, output_token_ids=history,
-                   banned_token_ids=entry.spec_banned_token_ids[j - 1])
+    drafts = entry.spec_token_ids if drafts is None else drafts
+    history = entry.output_token_ids  # the request's own list, by reference, unless more is counted
+    if entry.sampling_params.uses_penalties and (before or drafts[:j]):
+        history = list(history) + list(before) + [t for t in drafts[:j] if t >= 0]
+    banned = entry.banned_token_ids if j == 0 else entry.spec_banned_token_ids[j - 1]
+    return RowInfo(params=entry.sampling_params, seed=entry.seed, step=entry.num_output_tokens + j,
+                   prompt_token_ids=entry.prompt_token_ids, output_token_ids=history, banned_token_ids=banned)
 
 
 _PADDING_ROW = RowInfo(params=SamplingParams(temperature=0.0), seed=0)  # a draft slot nobody fed: never accepted
+
+
+def _draft_rows(entries: Sequence[ScheduledRequest], packed: bool, M: int, k: int,
+                history: dict[str, tuple] | None = None) -> tuple[RowInfo, ...]:
+    """The draft rows of `DraftRows` for its slots' entries: each one's d rows in turn, packed, or slot m's at rows
+    m * k + j of M * k (padding: `_PADDING_ROW`). history: {request id: (before, drafts)} of `sampling_row` for
+    the requests whose penalty counts are not their entry's outputs and drafts (`_in_flight_history`)."""
+    rows, history = [], history or {}
+    for m, e in enumerate(entries):
+        if not packed:
+            rows += [_PADDING_ROW] * (m * k - len(rows))
+        rows += [sampling_row(e, j, *history.get(e.request_id, ())) for j in range(len(e.spec_token_ids))]
+    return tuple(rows) if packed else tuple(rows + [_PADDING_ROW] * (M * k - len(rows)))
+
+
+def _in_flight_history(entries: Sequence[ScheduledRequest], layout: DraftRows | None,
+                       outcome: Callable[[], dict[str, tuple[int, ...]]] | None) -> dict[str, tuple]:
+    """Async scheduling: `sampling_row`'s (before, drafts) for the rows of each request with penalties fed a
+    placeholder and drafts, whose penalty counts are not its entry's outputs and drafts. outcome: None when the
+    fused step counts on the device what its lists lack (`outputs_in_flight`): (before, drafts) = ((), ()); else
+    a callable giving {request id: the outputs of the step in flight its lists lack} (empty once that step is
+    handled), its drafts those fed, as the device proposed them (a host copy: may wait for `redraft_in_flight`)."""
+    penalised = [e for e in entries if e.placeholder and e.spec_token_ids and e.sampling_params.uses_penalties]
+    if not penalised:
+        return {}
+    if outcome is None:
+        return {e.request_id: ((), ()) for e in penalised}
+    before, fed = outcome(), dict(zip(layout.request_ids, np.asarray(layout.verified_ids)))
+    return {e.request_id: (before.get(e.request_id, ()), tuple(int(t) for t in fed[e.request_id])) for e in penalised}
+
+
+def _with_history(entries: Sequence[ScheduledRequest], layout: DraftRows | None, history: dict) -> DraftRows | None:
+    """The layout with the draft rows of the requests in `history` (`_in_flight_history`) made again."""
+    if layout is None or not history:
+        return layout
+    by_id = {e.request_id: e for e in entries}
+    rows = _draft_rows([by_id[rid] for rid in layout.request_ids], layout.packed, len(layout.draft_ids),
+                       layout.draft_ids.shape[1], history)
+    return dataclasses.replace(layout, rows=rows)
+
+
+def _outcome_in_flight(previous: PendingStep, carried: tuple, entries: Sequence[ScheduledRequest]
+                       ) -> dict[str, tuple[int, ...]]:
+    """{request id: its accepted drafts and token} of the step in flight (`previous`, carried: its `carry`) for the
+    entries fed a placeholder (waits for that step's sampler)."""
+    tokens, _, accepted = jax.device_get(carried)
+    outcome = {}
+    for e in entries:
+        if e.placeholder:
+            row = previous.rows[e.request_id]
+            drafts = () if accepted is None else tuple(int(t) for t in accepted[row] if t >= 0)
+            outcome[e.request_id] = drafts + (int(tokens[row]),)
+    return outcome
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -1066,6 +1157,8 @@ class StepSampling:
     sources: np.ndarray  # i32[T]: the row of previous_tokens each placeholder position takes, else -1
     previous_rejected: jax.Array  # i32[R]: the previous step's rejected drafts per row (`PendingStep.carry`)
     shifts: np.ndarray  # i32[T]: the row of previous_rejected each position moves back by, else -1 (fill_in_flight)
+    previous_accepted: jax.Array  # i32[R, k]: the previous step's accepted drafts per row, -1 past them (its carry)
+    count_from: np.ndarray  # i32[S]: each row's first fed token its penalty counts lack (`_count_from`; T: none)
     draft_rows: np.ndarray  # i32[S, k]: speculative decoding (packed drafts): slot m's draft rows (else 0)
     draft_ids: np.ndarray  # i32[S, k]: slot m's drafts, -1 for none (never accepted)
     redraft: Redraft  # the drafts the device proposes again (async scheduling; `Redraft.none` otherwise)
@@ -1085,7 +1178,7 @@ def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, pa
                step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array, KVPool]:
     """One step in one program: placeholder tokens gathered from the previous step's (async scheduling; positions
     moved back by its rejected drafts, drafts proposed again fed: `fill_in_flight`; key steps too:
-    `steps_moved_back`),
+    `steps_moved_back`; penalty counts given the tokens in flight: `outputs_in_flight`),
     `paged_forward`, the sampler's common part (`sampler.sample_in_step`: bitmask, bias, penalties, argmax,
     or the candidate pass when `random` (static: some row samples at random), the sampled ids' raw
     log-probs) and the acceptance of packed drafts. Returns the FusedStep, the hidden states [T, E] and
@@ -1095,8 +1188,9 @@ def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, pa
     token_ids = step.token_ids  # i32[T]
     logits, hidden, kv = paged_forward(config, attention, params, kv, step)  # f32[S, V], [T, E]
     last = step.logits_indices  # i32[S]
-    # a row fed the previous step's token as a placeholder: the host's penalty counts do not hold it yet
-    fed = jnp.where(sampling.sources[last] >= 0, token_ids[last], -1)  # i32[S]
+    # rows of a request fed the previous step's token as a placeholder: the host's penalty counts lack it, the drafts
+    # it accepted and the drafts fed before the row
+    fed = outputs_in_flight(token_ids, last, sampling.count_from, sampling.shifts, sampling.previous_accepted)
     batch = dataclasses.replace(sampling.batch, steps=steps_moved_back(sampling.batch.steps, last, sampling.shifts,
                                                                        sampling.previous_rejected))
     sample = sampler.sample_in_step(logits, batch, fed, random=random, native=attention.native_matmul)
@@ -1254,6 +1348,8 @@ class ModelRunner:
         # a Redraft's slots (one shape for every step: `Redraft`)
         self._redraft_slots = self.config.draft_seq_buckets[-1] if self.config.num_speculative_tokens else 1
         self._no_redraft = Redraft.none(self._redraft_slots, self.config.num_speculative_tokens)  # nothing anew
+        # i32[R, k]: no drafts accepted in flight
+        self._no_accepted = jnp.full((self.config.seq_buckets[-1], self.config.num_speculative_tokens), -1, jnp.int32)
 
     @property
     def multi_process(self) -> bool:
@@ -1352,18 +1448,22 @@ class ModelRunner:
                                               None if drafts is None else drafts.to_host())
 
     def _sampling_batch(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
-                        grammar_bitmask: np.ndarray | None) -> tuple[SamplingBatch, int]:
+                        grammar_bitmask: np.ndarray | None,
+                        history: dict[str, tuple] | None = None) -> tuple[SamplingBatch, int]:
         """The step's sampler rows (the entries', then packed draft rows) and its num_top_logprobs. The grammar
-        bitmask (`_check_bitmask`'s) has its rows in that order: packed drafts follow the entries in step order."""
-        S, V = len(step.logits_indices), self.model_config.vocab_size
-        rows = [sampling_row(e) for e in entries] + list(layout.rows if layout is not None and layout.packed else ())
+        bitmask (`_check_bitmask`'s) has its rows in that order: packed drafts follow the entries in step order.
+        history: `_in_flight_history`'s, for the entries' rows (the layout's rows already have it)."""
+        S, V, history = len(step.logits_indices), self.model_config.vocab_size, history or {}
+        rows = [sampling_row(e, None, *history.get(e.request_id, ())) for e in entries] + \
+            list(layout.rows if layout is not None and layout.packed else ())
         batch = make_sampling_batch(rows, S, V, token_bitmask=_pad_bitmask(grammar_bitmask, S, len(rows)))
         return batch, num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
 
     def _step_sampling(self, batch: SamplingBatch, step: StepInput, *, layout: DraftRows | None = None,
                        sources: np.ndarray | None = None, previous: jax.Array | None = None,
                        rejected: jax.Array | None = None, shifts: np.ndarray | None = None,
-                       redraft: Redraft | None = None) -> StepSampling:
+                       redraft: Redraft | None = None, accepted: jax.Array | None = None,
+                       count_from: np.ndarray | None = None) -> StepSampling:
         """A fused step's sampler inputs (StepSampling) from its host batch; absent parts neutral."""
         S, k, V = batch.num_rows, self.config.num_speculative_tokens, self.model_config.vocab_size
         draft_rows, draft_ids = np.zeros((S, k), np.int32), np.full((S, k), -1, np.int32)
@@ -1378,8 +1478,11 @@ class ModelRunner:
             shifts = np.full(len(step.token_ids), -1, np.int32)
         neutral = self._neutral.get(S) or sampler.neutral_arrays(S, V)  # made here only for `lower_fused`
         redraft = self._no_redraft if redraft is None else redraft
+        accepted = self._no_accepted if accepted is None else accepted
+        if count_from is None:
+            count_from = np.full(S, len(step.token_ids), np.int32)
         return StepSampling(sampler.with_neutral_arrays(batch, neutral), previous, sources, rejected, shifts,
-                            draft_rows, draft_ids, redraft)
+                            accepted, count_from, draft_rows, draft_ids, redraft)
 
     def _run_fused(self, step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array]:
         """(FusedStep, hidden [T, E]) from the fused program `warmup` compiled for the step's shape and batch
@@ -1404,23 +1507,21 @@ class ModelRunner:
         packed = first + sum(len(e.spec_token_ids) for _, e in spec) <= len(step.logits_indices)
         sample_rows = np.zeros((M, k), np.int32)
         draft_ids = np.full((M, k), -1, np.int32)
-        token_index, rows = [], []
+        token_index = []
         for m, (offset, e) in enumerate(spec):
             d = len(e.spec_token_ids)
             if not packed:  # row m * k + j of the M * k draft rows
-                rows += [_PADDING_ROW] * (m * k - len(rows))
                 token_index += [0] * (m * k - len(token_index))
-            sample_rows[m, :d] = (first if packed else 0) + len(rows) + np.arange(d)
+            sample_rows[m, :d] = (first if packed else 0) + len(token_index) + np.arange(d)
             draft_ids[m, :d] = e.spec_token_ids
             token_index += range(offset, offset + d)  # the fed token at position j predicts draft j
-            rows += [sampling_row(e, j) for j in range(d)]
         if packed:
             step.logits_indices[first:first + len(token_index)] = token_index
         else:
-            rows += [_PADDING_ROW] * (M * k - len(rows))
             token_index += [0] * (M * k - len(token_index))
-        return DraftRows(packed, tuple(e.request_id for _, e in spec), tuple(len(e.spec_token_ids) for _, e in spec),
-                         sample_rows, draft_ids, np.asarray(token_index, np.int32), tuple(rows))
+        entries = tuple(e for _, e in spec)
+        return DraftRows(packed, tuple(e.request_id for e in entries), tuple(len(e.spec_token_ids) for e in entries),
+                         sample_rows, draft_ids, np.asarray(token_index, np.int32), _draft_rows(entries, packed, M, k))
 
     def _verify_drafts(self, layout: DraftRows, sampled: SamplerOutput, hidden: jax.Array, top: int,
                        grammar_bitmask: np.ndarray | None = None, pending: PendingStep | None = None) -> VerifiedDrafts:
@@ -1463,11 +1564,11 @@ class ModelRunner:
         layout = self._layout_drafts(entries, step) if any(e.spec_token_ids for e in entries) else None
         sources = _placeholder_sources(entries, step, previous) if any(e.placeholder for e in entries) else None
         shifts = None if sources is None else _shift_rows(entries, step, previous)
-        carried = (None, None) if sources is None else previous.carry(self.config.seq_buckets[-1])
+        carried = (None, None, None) if sources is None else previous.carry(self.config.seq_buckets[-1])
         layout, redraft = self._redraft(entries, step, layout, previous, carried) if sources is not None else \
             (layout, None)
         if self.fuse_sampler:
-            return self._dispatch_fused(entries, step, layout, sources, carried, shifts, redraft)
+            return self._dispatch_fused(entries, step, layout, sources, carried, shifts, redraft, previous)
         if shifts is not None or redraft is not None:  # positions moved back, drafts fed: a program per (T, S, P)
             filled = fill_in_flight_jit(
                 step.token_ids, step.positions, step.slot_mapping, step.page_table, step.kv_lens, step.cu_q_lens,
@@ -1510,7 +1611,7 @@ class ModelRunner:
             lengths[:, m] = len(tokens), len(drafts), step.cu_q_lens[index[e.request_id]]
             rows[m], previous_slots[m] = previous.rows[e.request_id], slot_before.get(e.request_id, previous_slots[m])
             guess[m] = (len(e.spec_guess) - 1, e.spec_guess[-1]) if e.spec_guess else (-1, -1)  # (): always anew
-        tokens, rejected = carried
+        tokens, rejected, _ = carried
         before = previous.redraft or self._no_redraft
         draft_ids, redraft = redraft_in_flight(layout.draft_ids, history, lengths[0], lengths[1], rows, guess, tokens,
                                                self._zeros_r if rejected is None else rejected, lengths[2], before,
@@ -1519,23 +1620,31 @@ class ModelRunner:
 
     def _dispatch_fused(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
                         sources: np.ndarray | None, carried: tuple, shifts: np.ndarray | None,
-                        redraft: Redraft | None = None) -> PendingStep:
-        """`dispatch` as one program, its sampler rows known now (penalties count the token in flight on the
-        device). A step with a constrained row (its grammar mask needs the previous step's token on the host)
-        or a fault injector runs the program's forward only; `dispatch_sample` then samples separately."""
-        tokens, rejected = carried
+                        redraft: Redraft | None = None, previous: PendingStep | None = None) -> PendingStep:
+        """`dispatch` as one program, its sampler rows known now (penalties count the tokens in flight on the
+        device: `outputs_in_flight`). A step with a constrained row (its grammar mask needs the previous step's
+        token on the host) or a fault injector runs the program's forward only; `dispatch_sample` then samples
+        separately."""
+        tokens, rejected, accepted = carried
         if self.fault_injector is not None or any(
                 e.samples and e.sampling_params.structured_outputs is not None for e in entries):
             logits, hidden = self._forward(step, sources, tokens, rejected, shifts, redraft)
             return PendingStep(entries, step, logits, hidden, layout=layout, redraft=redraft, shifts=shifts,
                                rejected=rejected)
-        batch, top = self._sampling_batch(entries, step, layout, None)
+        history = _in_flight_history(entries, layout, None)  # the device counts what the lists lack
+        if history and layout is not None and layout.packed:
+            layout = _with_history(entries, layout, history)
+        batch, top = self._sampling_batch(entries, step, layout, None, history)
+        count_from = None if sources is None else _count_from(entries, step, layout)
         fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout, sources=sources,
                                                                   previous=tokens, rejected=rejected, shifts=shifts,
-                                                                  redraft=redraft))
+                                                                  redraft=redraft, accepted=accepted,
+                                                                  count_from=count_from))
         pending = PendingStep(entries, step, None, hidden, fused=fused, batch=batch, num_top_logprobs=top,
                               layout=layout, redraft=redraft, shifts=shifts, rejected=rejected)
-        if layout is not None and not layout.packed:  # (random rows after a verification in flight: waits for it)
+        if layout is not None and not layout.packed:  # random or penalised rows after a verification in flight: wait
+            outcome = None if sources is None else functools.partial(_outcome_in_flight, previous, carried, entries)
+            pending.layout = layout = _with_history(entries, layout, _in_flight_history(entries, layout, outcome))
             pending.drafts = self._verify_drafts(layout, None, hidden, top, pending=pending)
         return pending
 
@@ -1553,7 +1662,9 @@ class ModelRunner:
             if self.fault_injector is not None:
                 logits = self.fault_injector(entries, logits)
             grammar_bitmask = _check_bitmask(grammar_bitmask, entries)
-            batch, top = self._sampling_batch(entries, pending.step, layout, grammar_bitmask)
+            history = _in_flight_history(entries, layout, lambda: {})  # the step in flight handled: its outputs listed
+            pending.layout = layout = _with_history(entries, layout, history)
+            batch, top = self._sampling_batch(entries, pending.step, layout, grammar_bitmask, history)
             batch = pending.key_steps(batch, pending.step.logits_indices)
             pending.finish_sample = sample_deferred(logits, batch, num_top_logprobs=top)
             if layout is not None and not layout.packed:  # the draft rows' own pass, from the hidden states
@@ -1792,7 +1903,7 @@ class ModelRunner:
                   if a >= m} | \
             {(s, m * k, m, m) for s in self.config.seq_buckets for m in slots}
         lowered = [carry_tokens.lower(jnp.zeros(n, jnp.int32), jnp.zeros(d, jnp.int32), R, i32(m), i32((m, k)),
-                                      jnp.zeros(a, jnp.int32), i32(m)) for n, d, m, a in sorted(shapes)]
+                                      jnp.zeros(a, jnp.int32), i32(m), i32((m, k))) for n, d, m, a in sorted(shapes)]
         if not self.fuse_sampler:
             zeros, none = jnp.zeros(R, jnp.int32), functools.partial(np.full, fill_value=-1, dtype=np.int32)
             lowered += [fill_in_flight_jit.lower(i32(t), i32(t), i32(t), i32((s, p)), i32(s), i32(s + 1), zeros,

@@ -92,8 +92,7 @@ class RowInfo:
 
     @property
     def uses_penalties(self) -> bool:
-        p = self.params
-        return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        return self.params.uses_penalties
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -410,9 +409,10 @@ def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.A
                    prefilter_k: int = PREFILTER_K, native: bool = False) -> StepSample:
     """`sample_deferred`'s device part, traced inside the step's own program (pure; not jitted here).
 
-    logits f32[S, V]; batch: every field present (`with_neutral_arrays`); fed_token_ids i32[S]: an output
-    token of the row the host's counts do not hold yet (async scheduling: the previous step's token, fed
-    this step as a placeholder), -1 for none. random (static, the host's choice, as `sample` makes it):
+    logits f32[S, V]; batch: every field present (`with_neutral_arrays`); fed_token_ids i32[S, F]: output
+    tokens of each row's request the host's counts do not hold yet (async scheduling: the previous step's token,
+    fed this step as a placeholder, the drafts it accepted and the drafts fed before the row:
+    `model_runner.outputs_in_flight`), -1 for none. random (static, the host's choice, as `sample` makes it):
     some row samples at random, so the candidate pass runs (else argmax only). native (static): the step
     runs on the CPU, so the candidates' top-k is the native call (as `native_kernels` says for the parts)
     where it builds. No top log-probs (`finish_in_step` adds them when asked). Same operations as the
@@ -435,9 +435,15 @@ def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.A
 
 
 def _count_fed_tokens(counts: jax.Array, fed_token_ids: jax.Array) -> jax.Array:
-    """i32[S, V]: counts with one more of each row's fed token (-1: none); elementwise, fuses with its users."""
+    """i32[S, V]: counts with one more for each of a row's fed tokens i32[S, F] (-1: none); elementwise (F
+    compares an element, F small: 2k + 1 for k drafts a row), it fuses with its users."""
     vocabulary = jnp.arange(counts.shape[-1], dtype=jnp.int32)[None, :]  # i32[1, V]
-    return counts + (vocabulary == fed_token_ids[:, None]).astype(counts.dtype)
+    for f in range(fed_token_ids.shape[1]):
+        counts = counts + (vocabulary == fed_token_ids[:, f, None]).astype(counts.dtype)
+    return counts
+
+
+count_fed_tokens = jax.jit(_count_fed_tokens)  # the unfused sampler's (a host batch's counts, then on the device)
 
 
 def finish_in_step(state: StepSample, batch: SamplingBatch, num_top_logprobs: int) -> Callable[[], SamplerOutput]:

@@ -136,6 +136,11 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple((int(k), float(v)) for k, v in self.logit_bias.items()))
         self._validate()
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether some penalty is on (the sampler then counts the output tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def _validate(self) -> None:
         def bad(field: str, value, why: str) -> None:
             raise InvalidRequestError(f"SamplingParams.{field}={value!r}: {why}", field)

@@ -26,12 +26,13 @@ How a step speculates (vLLM v1's design, with an n-gram proposer):
    only full pages of real (accepted) tokens are hashed into the prefix cache.
 
 Under async scheduling (the engine's default) the request's last token is usually still in flight when the
-next step is scheduled. Requests without penalties, min_tokens bans or a grammar (greedy or sampling) verify
+next step is scheduled. Requests without min_tokens bans or a grammar (greedy, sampling, penalties) verify
 overlapped (EngineArgs.overlap_verification: on with a GPU): the
 drafts follow a guess of the step in flight (`NgramProposer.propose_past`: the lookup's continuation decides
 how many of its drafts it accepts and which token it emits), the scheduler counts that step's drafts as
 accepted, and the device moves the next step back by those rejected (model_runner.fill_in_flight; a random
-row's key step too, model_runner.steps_moved_back, so 3. still holds). Where the
+row's key step too, model_runner.steps_moved_back, and a row's penalty counts take the tokens in flight,
+model_runner.outputs_in_flight, so 3. still holds). Where the
 guess proves wrong, the device proposes that step's drafts again from the real outcome (`ngram_drafts`, this
 lookup on the device: model_runner.redraft_in_flight), so they are the drafts a synchronous step would have
 verified; and where the host's lookup finds nothing before the token in flight (a copy just broke), a request

@@ -299,6 +299,8 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: seeded sampling")
     p.add_argument("--seed", type=int, default=0, help="with --temperature: prompt i's requests get seed S + i")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, on every request (every side)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, on every request (every side)")
     p.add_argument("--quantization", default=None, choices=("int8", "w8a8"),
                    help="both engines' weight dots as int8 (weight-only, or W8A8; EngineArgs.quantization)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each prompt on each side")
@@ -385,12 +387,16 @@ def sampling(args, i: int, kind: str = "FINAL_ONLY", max_tokens: int | None = No
 
     seed = None if args.temperature == 0 else args.seed + i
     return SamplingParams(temperature=args.temperature, seed=seed, max_tokens=max_tokens or args.max_tokens,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           output_kind=RequestOutputKind[kind],
                           structured_outputs=None if schema is None else StructuredOutputsParams(json=schema))
 
 
 def sampling_label(args) -> str:
-    return "greedy" if args.temperature == 0 else f"temperature {args.temperature:g} (seeds {args.seed} + i)"
+    label = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g} (seeds {args.seed} + i)"
+    penalties = [f"{name} penalty {value:g}" for name, value in
+                 (("presence", args.presence_penalty), ("frequency", args.frequency_penalty)) if value]
+    return ", ".join([label] + penalties)
 
 
 def run_one(engine, prompt_ids, params) -> tuple[float, list[int]]:

@@ -386,9 +386,12 @@ def test_carry_tokens_takes_each_verifications_first_rejection_or_bonus():
     sampled = jnp.array([10, 11, 12, 13, 14, 15, 16, 17, 0, 0], jnp.int32)  # i32[N]: entries', then draft rows
     entry_rows = np.array([0, 2, 8, 8], np.int32)  # M = 4 slots; 8 = size: padding
     sample_rows = np.array([[3, 4, 5], [6, 7, 0], [0, 0, 0], [0, 0, 0]], np.int32)
-    tokens, rejected = carry_tokens(sampled, sampled, 8, entry_rows, sample_rows,
-                                    jnp.array([1, 2, 0, 0, 9, 9], jnp.int32), np.array([3, 2, 0, 0], np.int32))
+    draft_ids = np.array([[20, 21, 22], [23, 24, -1], [-1] * 3, [-1] * 3], np.int32)
+    num_accepted, num_drafts = jnp.array([1, 2, 0, 0, 9, 9], jnp.int32), np.array([3, 2, 0, 0], np.int32)
+    tokens, rejected, accepted = carry_tokens(sampled, sampled, 8, entry_rows, sample_rows, num_accepted, num_drafts,
+                                              draft_ids)
     assert tokens.tolist() == [14, 11, 12, 13, 14, 15, 16, 17] and rejected.tolist() == [2, 0, 0, 0, 0, 0, 0, 0]
+    assert accepted.tolist() == [[20, -1, -1], [-1] * 3, [23, 24, -1]] + [[-1] * 3] * 5
 
 
 def test_fill_in_flight_moves_a_sequence_back_by_its_rejected_drafts():
@@ -443,6 +446,81 @@ def test_key_steps_move_back_by_the_drafts_rejected_in_flight():
     assert pending.key_steps(batch, token_index) is batch
     batch = make_sampling_batch(rows, 5, 260)
     assert PendingStep((), None, None, None).key_steps(batch, token_index) is batch
+
+
+def test_outputs_in_flight_are_what_the_host_counts_lack():
+    """The step above, as the fused step sees it: entry 0 a 2-token chunk (no placeholder: its host counts are
+    whole), entry 1 fed after a verification in flight that accepted 1 draft (40): its placeholder (now 30) and 2
+    drafts (7, 8). Sampler rows: entry 0's at token 1, entry 1's at token 4, its 2 draft rows at tokens 2-3, one
+    padding row. Each row of entry 1 lacks the accepted draft, the placeholder's token and the drafts fed before
+    it; the others lack nothing (without the packed draft rows, rows 2-3 are padding: nothing). The sampler adds
+    them to the counts."""
+    from jaxpaged.model_runner import DraftRows, StepInput, _count_from, _draft_rows, outputs_in_flight
+    from jaxpaged.sampler import _count_fed_tokens
+    entries = [ScheduledRequest("a", (5, 6), 3, (1,), True, SamplingParams(), 3),
+               ScheduledRequest("b", (-1, 7, 8), 11, (2, 3, 4), True, SamplingParams(), 3, placeholder=True,
+                                spec_token_ids=(7, 8), spec_banned_token_ids=((), ()))]
+    step = StepInput(token_ids=np.array([5, 6, -1, 7, 8, 0, 0, 0], np.int32), positions=np.zeros(8, np.int32),
+                     slot_mapping=np.zeros(8, np.int32), page_table=np.zeros((4, 4), np.int32),
+                     kv_lens=np.zeros(4, np.int32), cu_q_lens=np.array([0, 2, 5, 5, 5], np.int32),
+                     num_seqs=np.int32(2), logits_indices=np.array([1, 4, 2, 3, 0], np.int32))
+    layout = DraftRows(True, ("b",), (2,), np.array([[2, 3]], np.int32), np.array([[7, 8]], np.int32),
+                       np.array([2, 3], np.int32), _draft_rows(entries[1:], True, 1, 2))
+    count_from = _count_from(entries, step, layout)
+    assert count_from.tolist() == [8, 2, 2, 2, 8]
+    assert _count_from(entries, step, None).tolist() == [8, 2, 8, 8, 8]
+    token_ids = np.array([5, 6, 30, 7, 8, 0, 0, 0], np.int32)  # the placeholder filled on the device
+    shifts = np.array([-1, -1, 1, 1, 1, -1, -1, -1], np.int32)
+    accepted = np.array([[-1] * 3, [40, -1, -1], [-1] * 3, [-1] * 3], np.int32)  # i32[R, k]: row 1 accepted one
+    out = jax.jit(outputs_in_flight)(token_ids, step.logits_indices, count_from, shifts, accepted)
+    none = [-1] * 7
+    assert out.tolist() == [none, [8, 7, 30, -1, 40, -1, -1], [30, -1, -1, -1, 40, -1, -1],
+                            [7, 30, -1, -1, 40, -1, -1], none]
+    counts = np.asarray(_count_fed_tokens(jnp.ones((5, 50), jnp.int32), out))
+    assert [sorted(np.flatnonzero(row > 1).tolist()) for row in counts] == [[], [7, 8, 30, 40], [30, 40],
+                                                                           [7, 30, 40], []]
+    assert counts.sum() == 5 * 50 + 4 + 2 + 3
+
+
+def test_penalised_draft_rows_count_the_outputs_in_flight_and_the_drafts_fed():
+    """Async scheduling, a penalised request fed a placeholder and 3 drafts (entry "b", outputs [1, 2] listed) that
+    the device proposed again (fed [7, 8, -1]: none past what its lookup found), and an unpenalised one ("a").
+    Penalty counts of b's draft rows j = 0..2 (`_in_flight_history`, then `_with_history` makes the rows again):
+    after the step in flight is handled (nothing before: the lists hold its outputs), its outputs and the drafts
+    fed before j; before (the fused step's unpacked rows: they wait for its outcome, accepted 40 then token 30),
+    that outcome first; the fused step's own rows: the list itself (by reference: the device counts the rest).
+    Key steps stay those of the position; a's rows stay as they were."""
+    from jaxpaged.model_runner import (DraftRows, PendingStep, _draft_rows, _in_flight_history, _outcome_in_flight,
+                                       _with_history)
+    penalised = SamplingParams(temperature=0.0, frequency_penalty=0.5)
+    outputs = [1, 2]
+    entries = [ScheduledRequest("a", (-1, 5), 9, (1,), True, SamplingParams(temperature=0.0), 3, placeholder=True,
+                                spec_token_ids=(5,), spec_banned_token_ids=((),)),
+               ScheduledRequest("b", (-1, 3, 4, 6), 9, (2,), True, penalised, 3, num_output_tokens=2,
+                                output_token_ids=outputs, placeholder=True, spec_token_ids=(3, 4, 6),
+                                spec_banned_token_ids=((), (), ()))]
+    layout = DraftRows(True, ("a", "b"), (1, 3), np.zeros((4, 3), np.int32),
+                       np.array([[5, -1, -1], [3, 4, 6], [-1] * 3, [-1] * 3], np.int32), np.zeros(4, np.int32),
+                       _draft_rows(entries, True, 4, 3),
+                       redrafted=jnp.array([[5, -1, -1], [7, 8, -1], [-1] * 3, [-1] * 3], jnp.int32))
+    assert [r.output_token_ids for r in layout.rows[1:]] == [[1, 2], [1, 2, 3], [1, 2, 3, 4]]  # the host's drafts
+
+    def rows(outcome):
+        history = _in_flight_history(entries, layout, outcome)
+        assert set(history) == {"b"}
+        made = _with_history(entries, layout, history).rows
+        assert made[0] == layout.rows[0]
+        assert [(r.step, r.seed) for r in made[1:]] == [(2, 0), (3, 0), (4, 0)]
+        return [r.output_token_ids for r in made[1:]]
+
+    assert rows(lambda: {}) == [[1, 2], [1, 2, 7], [1, 2, 7, 8]]
+    assert rows(lambda: {"b": (40, 30)}) == [[1, 2, 40, 30], [1, 2, 40, 30, 7], [1, 2, 40, 30, 7, 8]]
+    assert all(history is outputs for history in rows(None))
+    previous = PendingStep((entries[0], entries[1]), None, None, None)  # rows: a 0, b 1
+    carried = (jnp.array([9, 30, 0, 0], jnp.int32), None, jnp.array([[-1] * 3, [40, -1, -1], [-1] * 3, [-1] * 3]))
+    assert _outcome_in_flight(previous, carried, entries) == {"a": (9,), "b": (40, 30)}
+    assert _outcome_in_flight(previous, (carried[0], None, None), entries) == {"a": (9,), "b": (30,)}
+    assert _in_flight_history(entries[:1], layout, lambda: {}) == {}
 
 
 def test_history_buckets_cover_a_sequence_and_its_drafts():

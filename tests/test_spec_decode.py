@@ -597,18 +597,28 @@ def test_stops_and_lengths_cut_accepted_drafts(tiny, plain, spec):
                                               include_stop_str_in_output=True))]
     kinds = {(p.min_tokens > 0, bool(p.stop), bool(p.stop_token_ids)) for _, p in cases}
     assert {(True, False, True), (False, True, False), (False, False, True)} <= kinds
-    case_prompts, case_params = [p for p, _ in cases], [v for _, v in cases]
-    expected = run_all(plain, case_prompts, case_params)
-    spec.proposer = OracleProposer(prompts, ref)
-    try:
-        got = run_all(spec, case_prompts, case_params)
+    spec.proposer, schedule, spanning = OracleProposer(prompts, ref), spec.scheduler.schedule, []
+
+    def scheduled():  # verifications whose drafts span the min_tokens limit (a ban at the first position only)
+        out = schedule()
+        spanning.extend(e.request_id for e in out.scheduled_requests
+                        if e.spec_token_ids and e.banned_token_ids and not all(e.spec_banned_token_ids))
+        return out
+
+    spec.scheduler.schedule = scheduled
+    try:  # the min_tokens cases on their own: in a batch of all the cases their drafts would find no room
+        for group in ([c for c in cases if c[1].min_tokens], [c for c in cases if not c[1].min_tokens]):
+            case_prompts, case_params = [p for p, _ in group], [v for _, v in group]
+            expected, got = run_all(plain, case_prompts, case_params), run_all(spec, case_prompts, case_params)
+            for rid, out in expected.items():
+                a, b = out.outputs[0], got[rid].outputs[0]
+                assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == \
+                    (a.token_ids, a.text, a.finish_reason, a.stop_reason), case_params[int(rid)]
+                assert a.finish_reason == ("length" if case_params[int(rid)].max_tokens == 7 else "stop")
+            if group[0][1].min_tokens:
+                assert spanning, "no verification spanned the min_tokens limit"
     finally:
-        spec.proposer = NgramProposer(spec.args.speculative_config)
-    for rid, out in expected.items():
-        a, b = out.outputs[0], got[rid].outputs[0]
-        assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == \
-            (a.token_ids, a.text, a.finish_reason, a.stop_reason), case_params[int(rid)]
-        assert a.finish_reason == ("length" if case_params[int(rid)].max_tokens == 7 else "stop")
+        spec.proposer, spec.scheduler.schedule = NgramProposer(spec.args.speculative_config), schedule
 
 
 def test_logprobs_and_penalties_are_those_without_speculation(plain, spec):
@@ -772,23 +782,25 @@ def test_adaptive_draft_length_verifies_the_drafts_that_pay_for_their_rows(tiny,
 
 SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
 PENALISED = dataclasses.replace(SEEDED, presence_penalty=0.5)
+MIN_TOKENS = dataclasses.replace(SEEDED, min_tokens=24)  # bans EOS to the end: never verified overlapped
+PENALTIES = dict(presence_penalty=1.0, frequency_penalty=0.7, repetition_penalty=1.5)  # strong: counts matter
 
 
-@pytest.mark.parametrize("kind", ["greedy", "seeded", "penalised", "greedy, not overlapped"])
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "penalised", "min_tokens", "greedy, not overlapped"])
 def test_async_scheduling_overlaps_verifications_it_can(tiny, plain, kind):
-    """Speculation under async scheduling (the default). Greedy and seeded requests: every step is overlapped,
-    those that verify drafts too: the next step is dispatched before their outcome is on the host, its drafts
-    proposed on a guess of it, its positions and key steps moved back on the device by the drafts rejected.
-    Penalised sampling (a row's penalty counts follow the tokens in flight, which the host would not know): a
-    step that verifies drafts runs synchronously, every other step is overlapped. Nothing proposed: every step
-    overlapped. An oracle's drafts for every request (all accepted, or wrong from the second). For half the
-    requests: on CPU no room for drafts beside decodes without (the scheduler's rule), so every step overlapped,
-    and the penalised engine stops waiting for tokens in flight to propose drafts that find no room (until the
-    batch changes). Greedy requests with overlap_verification off (CPU's default) are verified as the penalised
-    ones. Outputs: those without speculation."""
+    """Speculation under async scheduling (the default). Greedy, seeded and penalised requests: every step is
+    overlapped, those that verify drafts too: the next step is dispatched before their outcome is on the host,
+    its drafts proposed on a guess of it, its positions and key steps moved back and its penalty counts given
+    the tokens in flight on the device. Requests under min_tokens (their EOS bans follow the tokens in flight on
+    the host): a step that verifies drafts runs synchronously, every other step is overlapped. Nothing proposed:
+    every step overlapped. An oracle's drafts for every request (all accepted, or wrong from the second). For
+    half the requests: on CPU no room for drafts beside decodes without (the scheduler's rule), so every step
+    overlapped, and the min_tokens engine stops waiting for tokens in flight to propose drafts that find no room
+    (until the batch changes). Greedy requests with overlap_verification off (CPU's default) are verified as the
+    min_tokens ones. Outputs: those without speculation."""
     prompts = mixed_prompts(2, seed=91) + repetitive_prompts(2, seed=91)  # all 4 fit the partial-prefill slots
-    params = {"seeded": SEEDED, "penalised": PENALISED}.get(kind, GREEDY)
-    overlapped = kind in ("greedy", "seeded")
+    params = {"seeded": SEEDED, "penalised": PENALISED, "min_tokens": MIN_TOKENS}.get(kind, GREEDY)
+    overlapped = kind in ("greedy", "seeded", "penalised")
     expected = [o.outputs[0].token_ids for _, o in sorted(run_all(plain, prompts, params).items())]
     engine = make_engine(tiny, overlap_verification=kind != "greedy, not overlapped", **OVERLAP)
     assert engine.async_scheduling
@@ -824,21 +836,25 @@ def test_async_scheduling_overlaps_verifications_it_can(tiny, plain, kind):
         assert 2 <= len(proposals) <= 8 < len(steps)  # the half oracle's: not one a step
 
 
-@pytest.mark.parametrize("fuse, kind", [("off", "greedy"), ("on", "greedy"), ("off", "seeded"), ("on", "seeded")])
+@pytest.mark.parametrize("fuse, kind", [(fuse, kind) for kind in ("greedy", "seeded", "penalised", "penalised, hot")
+                                         for fuse in ("off", "on")])
 def test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing(tiny, plain, fuse, kind, monkeypatch):
-    """Greedy and seeded requests, async scheduling with every step kept in flight: steps scheduled while a
-    verification is in flight (their token a placeholder, their positions and key steps moved back on the device
-    by the drafts rejected) that verify drafts of their own, on the fused program (drafts packed in its rows, or
+    """Greedy, seeded and penalised requests (strong presence, frequency and repetition penalties, greedy or hot),
+    async scheduling with every step kept in flight: steps scheduled while a verification is in flight (their
+    token a placeholder, their positions and key steps moved back and their penalty counts given the tokens in
+    flight on the device) that verify drafts of their own, on the fused program (drafts packed in its rows, or
     beside it) or not. One at a time and all at once in a pool too small for them (preemption), the n-gram
     proposer and an oracle wrong from its third draft: the plain tokens, every page back, drafts accepted and
     rejected, steps after a verification in flight that guessed it right and wrong, nothing compiled after
     warm-up. The fused program's candidate pass keeps 8 candidates a row (any number gives the same samples), so
-    seeded rows take its fallbacks too."""
+    hot rows take its fallbacks too."""
     monkeypatch.setattr(sampler, "sample_in_step", functools.partial(sampler.sample_in_step, prefilter_k=8))
     engine = make_engine(tiny, fuse_sampler=fuse, num_pages=24, max_num_partial_prefills=8, **OVERLAP)
     assert engine.runner.fuse_sampler is (fuse == "on")
     prompts = repetitive_prompts(10, seed=61) + mixed_prompts(4, seed=61)
-    params = dataclasses.replace(SEEDED, temperature=3.0, top_p=0.9) if kind == "seeded" else GREEDY
+    hot = dataclasses.replace(SEEDED, temperature=3.0, top_p=0.9)
+    params = {"greedy": GREEDY, "seeded": hot, "penalised": dataclasses.replace(GREEDY, **PENALTIES),
+              "penalised, hot": dataclasses.replace(hot, **PENALTIES)}[kind]
     expected = [o.outputs[0].token_ids for _, o in sorted(run_all(plain, prompts, params).items(),
                                                           key=lambda item: int(item[0]))]
     if kind == "greedy":
@@ -853,31 +869,38 @@ def test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing(tiny
                 done = run_all(engine, [prompts[i] for i in group], params)
                 assert [done[str(j)].outputs[0].token_ids for j in range(len(group))] == [expected[i] for i in group]
     assert traces == []
-    assert (counts["_resample_rows"] > 0) is (fuse == "on" and kind == "seeded"), counts
+    assert (counts["_resample_rows"] > 0) is (fuse == "on" and kind in ("seeded", "penalised, hot")), counts
     num_accepted, num_drafted = accepted(engine)
     assert 0 < num_accepted < num_drafted and sum(after) > 0.3 * num_drafted, (num_accepted, num_drafted, sum(after))
     assert engine.scheduler.num_preemptions > 0
 
 
-def test_drafts_proposed_on_a_wrong_guess_are_proposed_again_on_the_device(tiny):
+@pytest.mark.parametrize("fuse, kind", [("off", "greedy"), ("off", "penalised"), ("on", "penalised")])
+def test_drafts_proposed_on_a_wrong_guess_are_proposed_again_on_the_device(tiny, plain, fuse, kind):
     """Drafts proposed while a verification is in flight follow a guess of its outcome; where the guess proves
     wrong, the device proposes them again from the real outcome (its n-gram lookup: the drafts a synchronous step
     would verify) and the host keeps its twin of them (Request.spec_redrafts) for its next guess and the policy.
-    A proposer whose drafts are an oracle's and whose guess behind them is wrong every other time: every slot fed
-    after a wrong guess verifies the host n-gram proposer's drafts for the real sequence (-1 past what it found),
-    every other slot the oracle's; the policy learns from every verification that had drafts; the plain tokens."""
+    A proposer whose drafts are an oracle's and whose guess behind them (and so its drafts) is wrong every other
+    time: every slot fed after a wrong guess verifies the host n-gram proposer's drafts for the real sequence (-1
+    past what it found), every other slot the oracle's; the policy learns from every verification that had drafts; the plain tokens.
+    Penalised requests (strong penalties), fused sampler or not: their rows count the drafts as fed, the device's."""
     prompts = repetitive_prompts(3, seed=95)
-    expected = [greedy_generate(tiny.config, tiny.params, p, GREEDY.max_tokens) for p in prompts]
+    params = dataclasses.replace(GREEDY, **PENALTIES) if kind == "penalised" else GREEDY
+    expected = [o.outputs[0].token_ids for _, o in sorted(run_all(plain, prompts, params).items())]
+    if kind == "greedy":
+        assert expected == [greedy_generate(tiny.config, tiny.params, p, GREEDY.max_tokens) for p in prompts]
     oracle, calls = OracleProposer(prompts, expected), itertools.count()
 
-    class Guesser:  # the oracle's drafts; the guess behind them wrong on every other proposal
+    class Guesser:  # the oracle's drafts; the guess behind them wrong on every other proposal, and its drafts too
         propose = oracle.propose
 
         def propose_past(self, token_ids, in_flight, max_drafts):
             drafts, guess = oracle.propose_past(token_ids, in_flight, max_drafts)
-            return drafts, guess if next(calls) % 2 else tuple(t + 1 for t in guess)
+            if next(calls) % 2:
+                return drafts, guess
+            return [(t + 1) % 256 for t in drafts], tuple(t + 1 for t in guess)
 
-    engine = make_engine(tiny, speculative_config=ADAPTIVE, **OVERLAP)
+    engine = make_engine(tiny, speculative_config=ADAPTIVE, fuse_sampler=fuse, **OVERLAP)
     assert engine.runner_config.prompt_lookup == (1, 3)
     engine.proposer, engine.draft_policy.plan = Guesser(), lambda n, gains, without_drafts=0: [len(g) for g in gains]
     observed = []
@@ -903,7 +926,7 @@ def test_drafts_proposed_on_a_wrong_guess_are_proposed_again_on_the_device(tiny)
 
     engine._handle_in_flight = handled
     for i, prompt in enumerate(prompts):
-        done = run_all(engine, [prompt])
+        done = run_all(engine, [prompt], params)
         assert done["0"].outputs[0].token_ids == expected[i]
     assert fed["again"] >= 5 and fed["as proposed"] >= 5, fed
     verifications = engine.spec_decoding_stats.as_stats()["spec_decode_num_drafts"]
@@ -1006,17 +1029,19 @@ def test_a_step_left_in_flight_while_the_engine_idles_is_not_timed(tiny, plain):
     assert len(times) >= 3 and max(times) < 0.2, engine.draft_policy.step_times
 
 
-@pytest.mark.parametrize("loop", ["synchronous", "async", "async, penalised"])
+@pytest.mark.parametrize("loop", ["synchronous", "async", "async, penalised", "async, min_tokens"])
 def test_a_decode_without_drafts_is_not_slowed_by_verifications(tiny, plain, loop):
     """Issue 17's "in a mixed batch, requests without drafts are not slowed", with the adaptive policy: 3 decodes,
     one with an oracle's drafts (all right). Every step takes 30 ms, a verification's synchronous step under
     async scheduling 48 ms (1.6x: the H200's 7.3 ms against 4.4, its host time no longer hidden). On the
     synchronous loop a draft in the step's padding row costs nothing and is verified; so it is under async
-    scheduling, where the greedy request's verifications are overlapped. Penalised, they would run synchronously
-    and slow the two others by 1.6x, so once the policy has timed both kinds of step (a first round), the
-    copying request verifies nothing while they run. The tokens without speculation every way."""
+    scheduling, where greedy and penalised requests' verifications are overlapped. Under min_tokens (EOS banned
+    on the host), they would run synchronously and slow the two others by 1.6x, so once the policy has timed both
+    kinds of step (a first round), the copying request verifies nothing while they run. The tokens without
+    speculation every way."""
     prompts = repetitive_prompts(3, seed=93)
-    params = dataclasses.replace(PENALISED, temperature=0.2) if "penalised" in loop else GREEDY
+    params = {"async, penalised": dataclasses.replace(PENALISED, temperature=0.2),
+              "async, min_tokens": dataclasses.replace(MIN_TOKENS, temperature=0.2)}.get(loop, GREEDY)
     expected = [o.outputs[0].token_ids for _, o in sorted(run_all(plain, prompts, params).items())]
     engine = make_engine(tiny, speculative_config=ADAPTIVE, async_scheduling=loop != "synchronous")
     engine.proposer = OracleProposer(prompts[:1], expected[:1])
@@ -1030,7 +1055,7 @@ def test_a_decode_without_drafts_is_not_slowed_by_verifications(tiny, plain, loo
         done = run_all(engine, prompts, params)
         assert [done[str(i)].outputs[0].token_ids for i in range(3)] == expected
     verified = sum(drafts > 0 for drafts in steps)
-    assert verified == 0 if "penalised" in loop else verified >= 3, steps
+    assert verified == 0 if "min_tokens" in loop else verified >= 3, steps
 
 
 def test_overlap_verification_defaults_to_the_platform_and_is_checked(tiny):
