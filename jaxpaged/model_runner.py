@@ -279,7 +279,8 @@ class DraftRows:
     of M slots (a `draft_seq_buckets` size) x k positions (num_speculative_tokens).
 
     packed: the drafts fit in the step's padding logits rows (L - len(entries) of them: L = S, or T for a
-    `verify_buckets` shape, which `prepare` picks when they do not fit in S): the forward's own LM head
+    `verify_buckets` shape, which `prepare` picks when they do not fit in S; with the fused sampler `prepare`
+    picks an S bucket with room for them, up to max_num_seqs rows): the forward's own LM head
     computes their logits (step.logits_indices points those rows at the draft positions) and they are sampled
     with the entries' rows, in one call. Otherwise `draft_logits` computes them from the forward's hidden
     states, M * k rows: a second pass over the LM head's weights (batch 1 on CPU, k = 7: the 8-token step's
@@ -1356,12 +1357,15 @@ class ModelRunner:
         return self.mesh is not None and jax.process_count() > 1
 
     def prepare(self, entries: Sequence[ScheduledRequest]) -> StepInput:
-        """Pack one step's scheduled requests into padded host arrays."""
+        """Pack one step's scheduled requests into padded host arrays. With the fused sampler, a verification
+        step takes an S bucket with a row for each draft too, where one has (its drafts are then sampled and
+        verified in the step's program: no second pass over the LM head, no other sampler call)."""
         ps = self.config.page_size
         num_tokens = sum(e.num_tokens for e in entries)
         max_pages = max(len(e.page_ids) for e in entries)
-        t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, len(entries), max_pages)
         rows = len(entries) + sum(len(e.spec_token_ids) for e in entries)  # logits rows: the entries', drafts'
+        num_slots = rows if self.fuse_sampler and rows <= self.config.max_num_seqs else len(entries)
+        t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, num_slots, max_pages)
         token_ids = np.zeros(t_bucket, np.int32)
         positions = np.zeros(t_bucket, np.int32)
         slots = np.zeros(t_bucket, np.int32)  # padding: slot 0, in the null page

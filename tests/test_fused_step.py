@@ -285,10 +285,13 @@ def test_one_program_per_step(tiny, async_scheduling):
     assert all(sum(c.values()) >= 2 for c in per_step["off"] if c)
 
 
-def test_packed_drafts_are_verified_in_the_step_program(tiny):
-    """One request with drafts packed into the padding rows: its verification steps are one call too."""
+@pytest.mark.parametrize("k", [3, 7])
+def test_packed_drafts_are_verified_in_the_step_program(tiny, k):
+    """One request with drafts packed into the padding rows: its verification steps are one call too. 7 drafts
+    overflow its S bucket's rows (4 slots): the step takes the next S bucket (16) rather than a second pass over
+    the LM head and a sampler call of their own."""
     prompt = repetitive_prompts(1, seed=6)[0]
-    engine = make_engine(tiny, "on", speculative_config=SPEC3, warmup=True)
+    engine = make_engine(tiny, "on", speculative_config={**SPEC3, "num_speculative_tokens": k}, warmup=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     engine.add_request("a", {"prompt_token_ids": prompt}, greedy)
     drafted = 0
@@ -297,7 +300,7 @@ def test_packed_drafts_are_verified_in_the_step_program(tiny):
         with count_dispatches(engine.runner) as counts:
             engine.step()
         assert dict(counts) == {"fused_step": 1}
-        drafted += engine.stats()["spec_decode_num_draft_tokens"] > drafts
+        drafted += engine.stats()["spec_decode_num_draft_tokens"] - drafts >= min(k, 4)  # k = 7: past S = 4
     assert drafted > 0 and engine.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
