@@ -35,7 +35,10 @@ step at 256). Prints, each line as soon as it is measured:
     next step, as any other), so they compile the same step buckets (on, unfused, adds its verify shapes) and their
     greedy tokens compare token for token ("same tokens"). A third, "sync", is on with its verification steps run
     synchronously (overlap_verification=False: session 35's engine, the overlap's baseline); its ratio is
-    printed beside on's. Then a mixed batch, 2 grounded + 2 open requests
+    printed beside on's. The two copying workloads then run again seeded at a temperature so low that the model
+    samples (nearly) its greedy tokens (--spec-temperature, 1e-5: random weights' logits are close, and at 1e-3
+    the host-bound model's seeded continuation left O at 43 of 64 tokens), through the random rows' machinery:
+    what seeded requests' overlapped verification gains. Then a mixed batch, 2 grounded + 2 open requests
     at once: each one's decode tok/s on / off (are those with nothing to copy slowed by the others'
     verifications?), and the programs per step of a speculative decode. --spec-only builds just the weights and these two engines and prints these rows;
   - the batch-1 forward in other builds of the step: XLA command buffers off / XLA's default set
@@ -354,11 +357,12 @@ def edited(tokens: list[int], rng, vocab: int, every: int = 8) -> list[int]:
     return [(t + int(rng.integers(1, vocab))) % vocab if i % every == every - 1 else t for i, t in enumerate(tokens)]
 
 
-def timed_decode(engine: LLMEngine, prompt: list[int], max_tokens: int, dispatches=None) -> tuple[float, list[int]]:
-    """(decode tok/s: the tokens after the first over the time after it, the output ids) of one greedy
-    request alone. dispatches: a list that gets each step's {program: calls}."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
-                            output_kind=RequestOutputKind.CUMULATIVE)
+def timed_decode(engine: LLMEngine, prompt: list[int], max_tokens: int, dispatches=None,
+                 temperature: float = 0.0) -> tuple[float, list[int]]:
+    """(decode tok/s: the tokens after the first over the time after it, the output ids) of one request alone,
+    greedy, or seeded (seed 0) at `temperature`. dispatches: a list that gets each step's {program: calls}."""
+    params = SamplingParams(temperature=temperature, seed=0 if temperature else None, max_tokens=max_tokens,
+                            ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.CUMULATIVE)
     engine.add_request(f"b1-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params)
     first, ids = None, []
     while engine.has_unfinished_requests():
@@ -435,6 +439,9 @@ def spec_rows(off: LLMEngine, on: LLMEngine, report: Report, args, vocab: int, r
                    workload=name, ratio=ratio, on_tok_s=best["on"], off_tok_s=best["off"], acceptance=rate,
                    draft_tokens=drafted, accepted_tokens=accepted, same=same,
                    emitted_o=None if expected is None else copied, **synced)
+    if args.spec_temperature:
+        seeded_rows(sides, report, {k: workloads[k] for k in ("grounded", "grounded-exact")}, n, rounds,
+                    args.spec_temperature)
     other_open = rng.integers(0, vocab, 2 * half + n).tolist()  # a second random prompt: nothing to copy either
     mixed = [workloads["grounded"][0]] * 2 + [workloads["open"][0], other_open]
     mixed_batch(off, on, report, mixed, n)
@@ -443,6 +450,37 @@ def spec_rows(off: LLMEngine, on: LLMEngine, report: Report, args, vocab: int, r
     dispatches = []
     timed_decode(on, workloads["grounded"][0], n, dispatches)
     report_dispatches(report, "b=1 spec decode (grounded)", on, dispatches)
+
+
+def seeded_rows(sides: dict[str, LLMEngine], report: Report, workloads: dict, n: int, rounds: int,
+                temperature: float) -> None:
+    """The copying workloads again with seeded sampling at a `temperature` so low that the copying model samples
+    its greedy tokens (or nearly: a near-tie may go the other way, the same on every side), through the random rows'
+    machinery: the candidate pass and its flags, read back before the next step is dispatched, and key steps moved
+    back by the drafts rejected in flight (seeded rows verify overlapped since session 38). On / off and, verifying
+    synchronously, sync / off, best of `rounds`; same tokens on every side (seeded: batch-independent)."""
+    for name, (prompt, expected, _) in workloads.items():
+        best, same, copied = dict.fromkeys(sides, 0.0), True, True
+        before = {side: engine.stats() for side, engine in sides.items() if side != "off"}
+        for _ in range(rounds):
+            ids = {}
+            for side, engine in sides.items():
+                tok_s, ids[side] = timed_decode(engine, prompt, n, temperature=temperature)
+                best[side] = max(best[side], tok_s)
+            same &= all(x == ids["off"] for x in ids.values())
+            copied &= ids["off"] == expected  # the seeded continuation was still the greedy one, O
+        counts = {side: [engine.stats()[key] - before[side][key] for key in
+                         ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens")]
+                  for side, engine in sides.items() if side != "off"}
+        ratios = {side: best[side] / best["off"] for side in sides if side != "off"}
+        shown = ", ".join(f"{side} {ratios[side]:.2f}x ({counts[side][0]}/{counts[side][1]} drafts accepted)"
+                          for side in ratios)
+        report.row("spec decode, seeded", f"{ratios['on']:.2f}x", f"{name}, seeded at temperature {temperature:g}: "
+                   f"{shown}; on {best['on']:.1f} / off {best['off']:.1f} tok/s; same tokens: "
+                   f"{'yes' if same else 'NO'}; off emitted O: {'yes' if copied else 'NO'}; best of {rounds}",
+                   workload=name, temperature=temperature, ratio=ratios["on"], sync_ratio=ratios.get("sync"),
+                   on_tok_s=best["on"], off_tok_s=best["off"], accepted_tokens=counts["on"][0],
+                   draft_tokens=counts["on"][1], same=same, emitted_o=copied)
 
 
 def timed_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[list[int]]]:
@@ -527,6 +565,8 @@ def main(argv=None) -> int:
     parser.add_argument("--host-bound", action="store_true",
                         help="issue 17's rows alone on any device, a 32-layer model of width 64 (HOST_BOUND)")
     parser.add_argument("--spec-rounds", type=int, default=2, help="issue 17's rows: best of this many runs a side")
+    parser.add_argument("--spec-temperature", type=float, default=1e-5,
+                        help="issue 17's copying workloads again, seeded at this temperature (0: not)")
     parser.add_argument("--fuse-sampler", default="auto", choices=["auto", "on", "off"],
                         help="the engine's fuse_sampler (auto: on with a GPU)")
     args = parser.parse_args(argv)

@@ -163,6 +163,12 @@ r = find("spec decode", workload="grounded-exact")  # P + O + P, everything to c
 if r:
   print(f"{'CEILING':10s} grounded-exact ratio (P + O + P, all copyable; no verdict): {r['ratio']:.2f}x")
   spec_figures("grounded-exact", r)
+for r in rows:  # the copying workloads seeded at a near-greedy temperature: the random rows' path (no target)
+  if r["name"] == "spec decode, seeded":
+    synced = "" if r.get("sync_ratio") is None else f", verifying synchronously {r['sync_ratio']:.2f}x"
+    print(f"{'SEEDED':10s} {r['workload']} at temperature {r['temperature']:g}: on / off {r['ratio']:.2f}x{synced} "
+          f"({r['accepted_tokens']}/{r['draft_tokens']} drafts accepted), same tokens: {'yes' if r['same'] else 'NO'}, "
+          f"off emitted O: {'yes' if r['emitted_o'] else 'NO'}")
 r = find("spec mixed batch")  # "in a mixed batch, requests without drafts are not slowed" (5% for noise)
 verdict("mixed batch (2 copying + 2 not), slower non-copying request on / off", r and min(r["ratios"][2:]), 0.95,
         unit="x")
