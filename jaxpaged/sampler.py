@@ -443,9 +443,6 @@ def _count_fed_tokens(counts: jax.Array, fed_token_ids: jax.Array) -> jax.Array:
     return counts
 
 
-count_fed_tokens = jax.jit(_count_fed_tokens)  # the unfused sampler's (a host batch's counts, then on the device)
-
-
 def finish_in_step(state: StepSample, batch: SamplingBatch, num_top_logprobs: int) -> Callable[[], SamplerOutput]:
     """`sample_deferred`'s `finish` for a fused step. Its token_ids are `state.out.token_ids` themselves
     unless a random row needed a fallback (the flags are read back only when some row samples at random):
