@@ -602,18 +602,16 @@ def outputs_in_flight(token_ids: jax.Array, token_index: jax.Array, count_from: 
     return jnp.concatenate([fed, before], axis=1)
 
 
-def _count_from(entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None) -> np.ndarray:
-    """i32[L]: for each logits row of `step` (the entries', then the layout's packed draft rows), the first fed token
-    that `outputs_in_flight` counts as an output of the row's request: the placeholder of a request fed one (the
-    host's lists lack it and all fed after it: the fused step is dispatched before the step in flight is handled);
-    T (none) elsewhere, and on padding rows."""
-    T, num_rows = len(step.token_ids), len(entries) + (len(layout.rows) if layout is not None and layout.packed else 0)
-    first = np.full(T, T, np.int32)  # i32[T]: per fed token, its entry's placeholder index, else T
-    for i, entry in enumerate(entries):
-        if entry.placeholder:
-            first[step.cu_q_lens[i]:step.cu_q_lens[i + 1]] = step.cu_q_lens[i]
+def _count_from(step: StepInput, sources: np.ndarray, num_rows: int) -> np.ndarray:
+    """i32[L]: for the first num_rows logits rows of `step` (the entries', then packed draft rows), the first fed token
+    that `outputs_in_flight` counts as an output of the row's request: its sequence's first token where that is a
+    placeholder (sources i32[T] >= 0: `_placeholder_sources`; the host's lists lack it and all fed after it: the
+    fused step is dispatched before the step in flight is handled); T (none) elsewhere, and on padding rows."""
+    T = len(step.token_ids)
+    token_index = step.logits_indices[:num_rows]
+    first = step.cu_q_lens[np.searchsorted(step.cu_q_lens, token_index, side="right") - 1]  # i32[num_rows]
     count_from = np.full(len(step.logits_indices), T, np.int32)
-    count_from[:num_rows] = first[step.logits_indices[:num_rows]]
+    count_from[:num_rows] = np.where(sources[first] >= 0, first, T)
     return count_from
 
 
@@ -1639,7 +1637,8 @@ class ModelRunner:
         if history and layout is not None and layout.packed:
             layout = _with_history(entries, layout, history)
         batch, top = self._sampling_batch(entries, step, layout, None, history)
-        count_from = None if sources is None else _count_from(entries, step, layout)
+        num_rows = len(entries) + (len(layout.rows) if layout is not None and layout.packed else 0)
+        count_from = None if sources is None else _count_from(step, sources, num_rows)
         fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout, sources=sources,
                                                                   previous=tokens, rejected=rejected, shifts=shifts,
                                                                   redraft=redraft, accepted=accepted,

@@ -412,18 +412,7 @@ def spec_rows(off: LLMEngine, on: LLMEngine, report: Report, args, vocab: int, r
     for engine in sides.values():
         timed_decode(engine, p[:8], 4)  # first calls of its programs
     for name, (prompt, expected, what) in workloads.items():
-        best, same, copied = dict.fromkeys(sides, 0.0), True, True
-        before = {side: engine.stats() for side, engine in sides.items() if side != "off"}
-        for _ in range(rounds):
-            ids = {}
-            for side, engine in sides.items():
-                tok_s, ids[side] = timed_decode(engine, prompt, n)
-                best[side] = max(best[side], tok_s)
-            same &= all(x == ids["off"] for x in ids.values())
-            copied &= expected is None or ids["off"] == expected  # the model did continue with O (bf16 ties aside)
-        counts = {side: [engine.stats()[key] - before[side][key] for key in
-                         ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens")]
-                  for side, engine in sides.items() if side != "off"}
+        best, same, copied, counts = race(sides, prompt, expected, n, rounds)
         accepted, drafted = counts["on"]
         rate, ratio = accepted / max(drafted, 1), best["on"] / best["off"]
         emitted = "" if expected is None else f"; off emitted O: {'yes' if copied else 'NO'}"
@@ -452,6 +441,27 @@ def spec_rows(off: LLMEngine, on: LLMEngine, report: Report, args, vocab: int, r
     report_dispatches(report, "b=1 spec decode (grounded)", on, dispatches)
 
 
+def race(sides: dict[str, LLMEngine], prompt: list[int], expected: list[int] | None, n: int, rounds: int,
+         temperature: float = 0.0) -> tuple[dict[str, float], bool, bool, dict[str, list[int]]]:
+    """`prompt` alone on each side in turn, `rounds` times (`timed_decode`, greedy or seeded at `temperature`):
+    (each side's best tok/s, whether every side emitted the same tokens every time, whether "off" emitted
+    `expected` every time (None: not checked; bf16 ties aside, the copying model continues with O), each
+    speculating side's [accepted, drafted] tokens over the rounds)."""
+    best, same, copied = dict.fromkeys(sides, 0.0), True, True
+    before = {side: engine.stats() for side, engine in sides.items() if side != "off"}
+    for _ in range(rounds):
+        ids = {}
+        for side, engine in sides.items():
+            tok_s, ids[side] = timed_decode(engine, prompt, n, temperature=temperature)
+            best[side] = max(best[side], tok_s)
+        same &= all(x == ids["off"] for x in ids.values())
+        copied &= expected is None or ids["off"] == expected
+    counts = {side: [engine.stats()[key] - before[side][key] for key in
+                     ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens")]
+              for side, engine in sides.items() if side != "off"}
+    return best, same, copied, counts
+
+
 def seeded_rows(sides: dict[str, LLMEngine], report: Report, workloads: dict, n: int, rounds: int,
                 temperature: float) -> None:
     """The copying workloads again with seeded sampling at a `temperature` so low that the copying model samples
@@ -460,18 +470,7 @@ def seeded_rows(sides: dict[str, LLMEngine], report: Report, workloads: dict, n:
     back by the drafts rejected in flight (seeded rows verify overlapped since session 38). On / off and, verifying
     synchronously, sync / off, best of `rounds`; same tokens on every side (seeded: batch-independent)."""
     for name, (prompt, expected, _) in workloads.items():
-        best, same, copied = dict.fromkeys(sides, 0.0), True, True
-        before = {side: engine.stats() for side, engine in sides.items() if side != "off"}
-        for _ in range(rounds):
-            ids = {}
-            for side, engine in sides.items():
-                tok_s, ids[side] = timed_decode(engine, prompt, n, temperature=temperature)
-                best[side] = max(best[side], tok_s)
-            same &= all(x == ids["off"] for x in ids.values())
-            copied &= ids["off"] == expected  # the seeded continuation was still the greedy one, O
-        counts = {side: [engine.stats()[key] - before[side][key] for key in
-                         ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens")]
-                  for side, engine in sides.items() if side != "off"}
+        best, same, copied, counts = race(sides, prompt, expected, n, rounds, temperature)
         ratios = {side: best[side] / best["off"] for side in sides if side != "off"}
         shown = ", ".join(f"{side} {ratios[side]:.2f}x ({counts[side][0]}/{counts[side][1]} drafts accepted)"
                           for side in ratios)

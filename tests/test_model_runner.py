@@ -455,7 +455,7 @@ def test_outputs_in_flight_are_what_the_host_counts_lack():
     padding row. Each row of entry 1 lacks the accepted draft, the placeholder's token and the drafts fed before
     it; the others lack nothing (without the packed draft rows, rows 2-3 are padding: nothing). The sampler adds
     them to the counts."""
-    from jaxpaged.model_runner import DraftRows, StepInput, _count_from, _draft_rows, outputs_in_flight
+    from jaxpaged.model_runner import PendingStep, StepInput, _count_from, _placeholder_sources, outputs_in_flight
     from jaxpaged.sampler import _count_fed_tokens
     entries = [ScheduledRequest("a", (5, 6), 3, (1,), True, SamplingParams(), 3),
                ScheduledRequest("b", (-1, 7, 8), 11, (2, 3, 4), True, SamplingParams(), 3, placeholder=True,
@@ -464,11 +464,11 @@ def test_outputs_in_flight_are_what_the_host_counts_lack():
                      slot_mapping=np.zeros(8, np.int32), page_table=np.zeros((4, 4), np.int32),
                      kv_lens=np.zeros(4, np.int32), cu_q_lens=np.array([0, 2, 5, 5, 5], np.int32),
                      num_seqs=np.int32(2), logits_indices=np.array([1, 4, 2, 3, 0], np.int32))
-    layout = DraftRows(True, ("b",), (2,), np.array([[2, 3]], np.int32), np.array([[7, 8]], np.int32),
-                       np.array([2, 3], np.int32), _draft_rows(entries[1:], True, 1, 2))
-    count_from = _count_from(entries, step, layout)
+    sources = _placeholder_sources(entries, step, PendingStep((ScheduledRequest("b", (9,), 10, (2,), True,
+                                                                                SamplingParams(), 3),), None, None, None))
+    count_from = _count_from(step, sources, 4)
     assert count_from.tolist() == [8, 2, 2, 2, 8]
-    assert _count_from(entries, step, None).tolist() == [8, 2, 8, 8, 8]
+    assert _count_from(step, sources, 2).tolist() == [8, 2, 8, 8, 8]
     token_ids = np.array([5, 6, 30, 7, 8, 0, 0, 0], np.int32)  # the placeholder filled on the device
     shifts = np.array([-1, -1, 1, 1, 1, -1, -1, -1], np.int32)
     accepted = np.array([[-1] * 3, [40, -1, -1], [-1] * 3, [-1] * 3], np.int32)  # i32[R, k]: row 1 accepted one
