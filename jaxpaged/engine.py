@@ -839,10 +839,11 @@ class LLMEngine:
     def _abandon_in_flight(self) -> None:
         """After a failed step: forget the step in flight. Its tokens are lost: running requests that wait
         for them stay unscheduled until the caller aborts them (as after a failed synchronous step); a
-        preempted one just recomputes, so its placeholders are dropped (it would block the queue)."""
+        preempted one just recomputes, so its placeholders are dropped, the token's and those of the drafts the
+        step verified (else it would block the queue, or be resumed past its known tokens)."""
         self._in_flight = None
         for request in self.scheduler.waiting:
-            request.num_output_placeholders = 0
+            request.num_output_placeholders = request.num_draft_placeholders = 0
 
     def _propose_drafts(self) -> None:
         """Speculative decoding: n-gram drafts for every decoding request (under a grammar, `_grammar_drafts`;

@@ -24,11 +24,12 @@ from jaxpaged.model_runner import RunnerConfig, count_dispatches
 from jaxpaged.generate import greedy_generate
 from jaxpaged.models.llama import forward
 from jaxpaged.models.loader import load_model
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxpaged.request import Request
 from jaxpaged.spec_decode import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
                                   drafts_past, max_drafts_for, ngram_drafts)
 from tests.test_engine import count_traces, mixed_prompts
+from tests.test_structured_outputs import PERSON
 
 # Every proposed draft verified, so a test decides where verification accepts and rejects; the adaptive draft
 # length (the default, whose cuts follow this machine's step times) has its own tests (ADAPTIVE).
@@ -514,7 +515,6 @@ def test_smollm2_mixed_batch_with_speculation_equals_without(smollm2):
     of them extractions under a JSON schema, speculating with every draft verified and with the adaptive draft
     length: token for token the plain engine's outputs, drafts both accepted and rejected, every page back."""
     pytest.importorskip("llguidance")
-    from jaxpaged.sampling_params import StructuredOutputsParams
 
     tok = smollm2.tokenizer
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -705,8 +705,6 @@ def test_constrained_requests_with_preemption_and_aborts_keep_pages_exact(tiny, 
     two aborted midway: preemption happens, every page comes back, drafts were accepted, and the requests
     that finish emit the plain engine's tokens (a preempted one recomputes; its grammar state is its output's)."""
     pytest.importorskip("llguidance")
-    from jaxpaged.sampling_params import StructuredOutputsParams
-    from tests.test_structured_outputs import PERSON
 
     engine = make_engine(tiny, num_pages=12, max_num_seqs=8)
     constrained = SamplingParams(temperature=0.0, max_tokens=60,
@@ -731,6 +729,118 @@ def test_constrained_requests_with_preemption_and_aborts_keep_pages_exact(tiny, 
     assert accepted(engine)[0] > 0
     assert {rid: [list(o.token_ids) for o in out.outputs] for rid, out in done.items() if rid not in ("2", "5")} \
         == {rid: out for rid, out in expected.items() if rid not in ("2", "5")}
+
+
+def test_a_failed_verification_in_flight_leaves_a_request_preempted_since_to_go_on(tiny, plain):
+    """Overlapped verification in a pool too small for the batch: a verifying step whose tokens fail to reach
+    the host after one of its requests was preempted (its drafts still counted as placeholders, as if
+    accepted). The caller aborts the running requests (as AsyncLLM does); the preempted one forgets the drafts
+    with the token in flight and recomputes: it emits the plain engine's tokens, as the other waiting ones do,
+    and no later step fails."""
+    from tests.test_async_scheduling import run_through_failures
+
+    prompts = repetitive_prompts(8, seed=41)
+    params = dataclasses.replace(GREEDY, max_tokens=40, output_kind=RequestOutputKind.DELTA)
+    expected = tokens(run_all(plain, prompts, dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)))
+    engine = make_engine(tiny, num_pages=12, max_num_seqs=8, **OVERLAP)
+    engine.proposer = OracleProposer(prompts, [expected[str(i)][0] for i in range(len(prompts))])
+    dispatch, stale = engine.runner.dispatch, []
+
+    def failing_dispatch(scheduler_output, previous):  # the result fails once a request it verifies waits
+        pending = dispatch(scheduler_output, previous)
+        result = pending.result
+
+        def result_or_failure():
+            verifying = {e.request_id for e in scheduler_output.scheduled_requests if e.spec_token_ids}
+            waiting = [r.request_id for r in engine.scheduler.waiting
+                       if r.request_id in verifying and r.num_draft_placeholders]
+            if waiting and not stale:
+                stale.extend(waiting)
+                raise RuntimeError("injected")
+            return result()
+        pending.result = result_or_failure
+        return pending
+    engine.runner.dispatch = failing_dispatch
+    delivered, failures = run_through_failures(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    assert len(stale) == 1 and len(failures) == 1 and stale[0] not in failures[0]
+    for rid in set(expected) - set(failures[0]):
+        assert delivered[rid] == expected[rid][0], rid
+    assert accepted(engine)[0] > 0
+
+
+def random_params(rng: np.random.Generator) -> SamplingParams:
+    """A request's settings drawn at random: greedy or seeded (hot, top-p, top-k, min-p), and at times penalties,
+    min_tokens, logprobs, stop ids, a logit bias, two samples, a JSON schema or a regex; EOS honoured or not, 1 to
+    30 tokens."""
+    kind = rng.choice(["greedy", "seeded", "top_p", "top_k", "min_p"])
+    kw = dict(max_tokens=int(rng.integers(1, 31)), ignore_eos=bool(rng.random() < 0.7))
+    if kind == "greedy":
+        kw["temperature"] = 0.0
+    else:
+        kw.update(temperature={"seeded": 0.8, "top_p": 3.0, "top_k": 1.5, "min_p": 1.2}[kind],
+                  seed=int(rng.integers(1 << 20)), top_p=0.9 if kind == "top_p" else 1.0,
+                  top_k=int(rng.choice([1, 3, 20])) if kind == "top_k" else 0, min_p=0.1 if kind == "min_p" else 0.0)
+    if rng.random() < 0.4:
+        kw.update(presence_penalty=float(rng.choice([0.5, 1.0, -0.5])), frequency_penalty=float(rng.choice([0, 0.7])),
+                  repetition_penalty=float(rng.choice([1.0, 1.5, 0.8])))
+    if rng.random() < 0.25:
+        kw["min_tokens"] = int(rng.integers(0, kw["max_tokens"] + 1))
+    if rng.random() < 0.3:
+        kw["logprobs"] = int(rng.choice([0, 2]))
+    if rng.random() < 0.25:
+        kw["stop_token_ids"] = rng.choice(256, size=int(rng.integers(1, 9)), replace=False).tolist()
+    if rng.random() < 0.2:
+        kw["logit_bias"] = {int(t): float(rng.choice([-100.0, 5.0])) for t in rng.choice(256, size=3)}
+    if rng.random() < 0.1 and kind != "greedy":
+        kw["n"] = 2
+    if rng.random() < 0.15:  # forced and n-gram drafts under a grammar (verified synchronously when overlapped)
+        kw["structured_outputs"] = StructuredOutputsParams(json=PERSON) if rng.random() < 0.5 else \
+            StructuredOutputsParams(regex="[a-e]{2,8}( [0-9]{1,3}){1,9}")
+    return SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("fuse", ["off", "on"])
+def test_random_requests_with_preemption_and_aborts_are_those_without(tiny, plain, fuse):
+    """Batches of requests with settings drawn at random (`random_params`: every setting a row's verification
+    must honour, mixed in one batch), speculating overlapped (a GPU's engine: the fused program or not) in a pool
+    too small for them, one request of some batches aborted at a random step; the drafts the n-gram proposer's or
+    an oracle's (all right, or wrong from a random position). Every request that finishes emits what the plain
+    engine emits (tokens, finish reason, logprobs), every page comes back, drafts are accepted and rejected."""
+    rng = np.random.default_rng(17)
+    engine = make_engine(tiny, fuse_sampler=fuse, num_pages=10, max_num_seqs=6, max_num_partial_prefills=6,
+                         **OVERLAP)
+    for round_ in range(16):
+        n = int(rng.integers(1, 7))
+        prompts = repetitive_prompts(n, seed=100 + round_) if round_ % 4 else mixed_prompts(n, seed=round_,
+                                                                                             max_len=60)
+        params = [random_params(rng) for _ in prompts]
+        expected = run_all(plain, prompts, params)
+        oracle = [expected[str(i)].outputs[0].token_ids for i in range(n)]
+        engine.proposer = [NgramProposer(engine.args.speculative_config), OracleProposer(prompts, oracle),
+                           OracleProposer(prompts, oracle, wrong_at=int(rng.integers(0, 4)))][round_ % 3]
+        abort = (int(rng.integers(0, 12)), str(rng.integers(n))) if rng.random() < 0.4 else (-1, None)
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+        done = {}
+        for step in itertools.count():
+            if not engine.has_unfinished_requests():
+                break
+            if step == abort[0] and abort[1] not in done:
+                engine.abort_request(abort[1])
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+            engine.scheduler.check_invariants()
+        assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.num_usable_pages
+        assert set(done) | {abort[1]} >= set(expected)
+        for rid, out in done.items():
+            for a, b in zip(expected[rid].outputs, out.outputs, strict=True):
+                assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason), (round_, params[int(rid)])
+                assert (a.logprobs is None) == (b.logprobs is None)
+                for x, y in zip(a.logprobs or (), b.logprobs or (), strict=True):
+                    assert x.keys() == y.keys()
+                    assert [v.logprob for v in y.values()] == pytest.approx([v.logprob for v in x.values()], abs=1e-4)
+    engine.proposer = NgramProposer(engine.args.speculative_config)
+    num_accepted, num_drafted = accepted(engine)
+    assert 0 < num_accepted < num_drafted and engine.scheduler.num_preemptions > 0
 
 
 def before_each_step(engine: LLMEngine, fn) -> None:
@@ -1130,7 +1240,6 @@ def test_structured_outputs_with_speculation_are_those_without(plain, spec):
     pytest.importorskip("llguidance")
     import json
 
-    from jaxpaged.sampling_params import StructuredOutputsParams
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                                "tags": {"type": "array", "items": {"enum": ["ab", "ba"]},
