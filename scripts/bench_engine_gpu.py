@@ -4,6 +4,7 @@
     python scripts/bench_engine_gpu.py --smoke    # tiny shapes, any device: checks the script runs
     python scripts/bench_engine_gpu.py --spec-only  # issue 17's rows alone (random weights, three small engines)
     python scripts/bench_engine_gpu.py --host-bound --spec-rounds 7  # those rows on a CPU, a host-bound model
+    python scripts/bench_engine_gpu.py --host-bound --emulate-step-ms 4.4  # ... steps timed as an H200's (below)
 
 A profile of the step, for issue 15's targets (batch-1 decode at >= 80% of the weight-read roofline,
 >= 6,000 / 12,000 output tok/s at 64 / 256 concurrent, host time not hidden by the device < 5% of a
@@ -44,6 +45,14 @@ step at 256). Prints, each line as soon as it is measured:
   - the batch-1 forward in other builds of the step: XLA command buffers off / XLA's default set
     (the launch overhead the runner's "full" command buffers save) and the stacked layer scan the
     engine ran before issue 15 (alone and with dynamic-slice fusion).
+--emulate-step-ms (with --host-bound; a projection, not a measurement): issue 17's greedy rows on a 2-layer model
+whose steps are timed as a device's: each engine's runner gets a timeline (`emulate_device`) on which a step
+starts when dispatched or when the step before it ends, whichever is later, and lasts the given ms plus
+--emulate-row-ms per token fed past the first; reading a step's tokens waits for its end. The host's work (this
+machine's Python: schedule, propose, inputs, outputs) is real, so the rows say how much of it the overlap hides
+behind steps of an H200's length (session 35: 4.4 ms a batch-1 decode at the Llama-3-8B shape, ~4.6 ms a 4-row
+verification). The sampler is fused into the step program, as on a GPU (unless --fuse-sampler off). Only the
+outcome read is timed: the seeded rows' reads of sampler flags are not, so they are left out.
 --json appends one JSON object per measurement (scripts/gpu_check.sh decides the targets from it).
 """
 
@@ -334,6 +343,44 @@ def copying_model(loaded: LoadedModel) -> LoadedModel:
                                source=Path(f"{loaded.source}-wo-zero"))
 
 
+def emulate_device(runner, step_ms: float, row_ms: float) -> None:
+    """--emulate-step-ms: give `runner` a device timeline. A step program (`_run_fused`, `_run`) occupies the
+    device from its launch, or the end of the step before if later, for step_ms + row_ms per token the step feeds
+    past the first; reading the step's tokens (`PendingStep.result`, the end of `execute_model`) waits for its end.
+    The host's work before the launch (inputs) and after the read (outputs) stays exposed, as on a device; the real
+    forward (a 2-layer model) runs meanwhile, well within a step."""
+    free_at, fed = [0.0], [1]
+
+    def launch(program):
+        def launched(*args, **kwargs):
+            out = program(*args, **kwargs)
+            free_at[0] = max(time.perf_counter(), free_at[0]) + (step_ms + row_ms * max(fed[0] - 1, 0)) / 1e3
+            return out
+        return launched
+
+    def wait(until: float) -> None:
+        if until > time.perf_counter():
+            time.sleep(until - time.perf_counter())
+
+    dispatch, execute = runner.dispatch, runner.execute_model
+
+    def dispatched(out, *rest):
+        fed[0] = out.num_scheduled_tokens
+        pending = dispatch(out, *rest)
+        result, end = pending.result, free_at[0]
+        pending.result = lambda: wait(end) or result()
+        return pending
+
+    def executed(out, *rest):
+        fed[0] = out.num_scheduled_tokens
+        output = execute(out, *rest)
+        wait(free_at[0])
+        return output
+
+    runner._run_fused, runner._run = launch(runner._run_fused), launch(runner._run)
+    runner.dispatch, runner.execute_model = dispatched, executed
+
+
 def spec_sizes(args) -> tuple[int, int]:
     """(half, n): the spec rows' P and O lengths (prompts up to 2 * half + n tokens, n out); at least 16 out, so
     the smoke run's acceptance counts say something."""
@@ -349,7 +396,10 @@ def spec_engine(loaded: LoadedModel, args, speculative: bool, overlap: bool = Tr
     small = engine_args(args, max_model_len=2 * half + 2 * n + 16, max_num_seqs=4, max_num_batched_tokens=64,
                         kv_cache_memory=(64 << 20) if args.smoke or args.host_bound else (1 << 30),
                         speculative_config=SPEC_CONFIG if speculative else None, overlap_verification=overlap)
-    return LLMEngine(small, loaded=loaded)
+    engine = LLMEngine(small, loaded=loaded)
+    if args.emulate_step_ms:
+        emulate_device(engine.runner, args.emulate_step_ms, args.emulate_row_ms)
+    return engine
 
 
 def edited(tokens: list[int], rng, vocab: int, every: int = 8) -> list[int]:
@@ -568,10 +618,19 @@ def main(argv=None) -> int:
                         help="issue 17's copying workloads again, seeded at this temperature (0: not)")
     parser.add_argument("--fuse-sampler", default="auto", choices=["auto", "on", "off"],
                         help="the engine's fuse_sampler (auto: on with a GPU)")
+    parser.add_argument("--emulate-step-ms", type=float, default=0.0,
+                        help="with --host-bound: steps timed as a device's of this many ms (module docstring)")
+    parser.add_argument("--emulate-row-ms", type=float, default=0.05,
+                        help="with --emulate-step-ms: ms more a step per token fed past the first")
     args = parser.parse_args(argv)
+    if args.emulate_step_ms and not args.host_bound:
+        parser.error("--emulate-step-ms needs --host-bound")
     if not (args.smoke or args.host_bound) and jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (backend is {jax.default_backend()!r}); use --smoke or --host-bound elsewhere")
     config = SMOKE if args.smoke else HOST_BOUND if args.host_bound else LLAMA3_8B
+    if args.emulate_step_ms:  # real forwards well within a step; seeded rows' flag reads are not timed
+        config, args.spec_temperature = dataclasses.replace(HOST_BOUND, num_hidden_layers=2), 0.0
+        args.fuse_sampler = "on" if args.fuse_sampler == "auto" else args.fuse_sampler  # a GPU's step program
     if args.smoke:
         args.prompt_len, args.output_len, args.max_num_seqs, args.max_num_batched_tokens = 16, 8, 16, 64
         args.kv_cache_memory, args.concurrency = args.kv_cache_memory or (64 << 20), "4,16"
