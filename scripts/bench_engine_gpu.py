@@ -47,12 +47,13 @@ step at 256). Prints, each line as soon as it is measured:
     engine ran before issue 15 (alone and with dynamic-slice fusion).
 --emulate-step-ms (with --host-bound; a projection, not a measurement): issue 17's greedy rows on a 2-layer model
 whose steps are timed as a device's: each engine's runner gets a timeline (`emulate_device`) on which a step
-starts when dispatched or when the step before it ends, whichever is later, and lasts the given ms plus
+program starts at its launch or when the step before it ends, whichever is later, and lasts the given ms plus
 --emulate-row-ms per token fed past the first; reading a step's tokens waits for its end. The host's work (this
 machine's Python: schedule, propose, inputs, outputs) is real, so the rows say how much of it the overlap hides
 behind steps of an H200's length (session 35: 4.4 ms a batch-1 decode at the Llama-3-8B shape, ~4.6 ms a 4-row
 verification). The sampler is fused into the step program, as on a GPU (unless --fuse-sampler off). Only the
-outcome read is timed: the seeded rows' reads of sampler flags are not, so they are left out.
+outcome read is timed: the seeded rows' reads of sampler flags are not, so they are left out. A 2-layer bigram
+model falls into loops, so its "open" prompts copy its own output: the open and mixed-batch rows say nothing there.
 --json appends one JSON object per measurement (scripts/gpu_check.sh decides the targets from it).
 """
 

@@ -1240,7 +1240,6 @@ def test_structured_outputs_with_speculation_are_those_without(plain, spec):
     pytest.importorskip("llguidance")
     import json
 
-
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                                "tags": {"type": "array", "items": {"enum": ["ab", "ba"]},
                                                         "minItems": 1, "maxItems": 4}},
