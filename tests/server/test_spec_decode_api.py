@@ -84,3 +84,37 @@ def test_stop_strings_in_steps_with_accepted_drafts(live, plain, client):
     assert ("".join(pieces), finish, used) == (full[:full.index(stop)], "stop", plain_used)
     after = live.wait_idle()
     assert after["spec_decode_num_accepted_tokens"] > before and after["kv_cache_usage"] == 0.0
+
+
+def test_clients_that_leave_overlapped_verifications_free_every_page(tiny_checkpoints, plain):
+    """The GPU's engine behind the API (verification steps overlapped, every step kept in flight) in a pool too
+    small for the batch: 12 greedy streams at once over prompts the model copies from, every other one dropped
+    after a few pieces (its request aborted between steps, with steps of its in flight), the rest read to the
+    end. Those give a plain server's text and usage; drafts were accepted, requests were preempted, and every
+    page comes back."""
+    import asyncio
+
+    import httpx
+
+    from tests.reliability.sse import stream
+
+    prompts = [f"{i} {REPEATING[i:]}" for i in range(12)]
+    bodies = [dict(model=MODEL_NAME, prompt=p, max_tokens=40, temperature=0, logit_bias=ASCII_ONLY, ignore_eos=True,
+                   stream_options={"include_usage": True}) for p in prompts]
+    expected = [plain.openai().completions.create(model=MODEL_NAME, **{**GREEDY, "prompt": p}) for p in prompts]
+    with live_server(str(tiny_checkpoints["gqa4"]), speculative_config=SPEC, overlap_verification=True,
+                     async_scheduling_max_tokens=1024, num_pages=40) as server:
+        async def clients():
+            async with httpx.AsyncClient(base_url=server.v1, timeout=60) as client:
+                return await asyncio.gather(*(stream(client, "/completions", body, max_events=3 if i % 2 else None)
+                                              for i, body in enumerate(bodies)))
+
+        results = asyncio.run(clients())
+        stats = server.wait_idle(timeout=20)
+        for i in range(0, len(prompts), 2):
+            assert results[i].done and not results[i].errors
+            assert results[i].text(chat=False) == expected[i].choices[0].text
+            assert results[i].usage["completion_tokens"] == expected[i].usage.completion_tokens == 40
+        assert all(not results[i].done for i in range(1, len(prompts), 2))
+        assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["num_preemptions"] > 0
+        assert stats["kv_cache_usage"] == 0.0
