@@ -227,14 +227,19 @@ def test_aborted_id_reused_while_its_step_is_in_flight(tiny):
 
 
 def fail_results_when(engine: LLMEngine, picked) -> None:
-    """Make the tokens of the steps `picked(scheduler_output, previous)` selects fail to come to the host (the
-    error is raised where the engine reads them back)."""
+    """Make the tokens of the steps `picked(scheduler_output, previous)` selects fail to come to the host: asked
+    when the engine reads a step's tokens back (so it sees the engine as it is then), where the error is raised."""
     dispatch = engine.runner.dispatch
 
     def failing_dispatch(scheduler_output, previous):
         pending = dispatch(scheduler_output, previous)
-        if picked(scheduler_output, previous):
-            pending.result = lambda: (_ for _ in ()).throw(RuntimeError("injected"))
+        result = pending.result
+
+        def result_or_failure():
+            if picked(scheduler_output, previous):
+                raise RuntimeError("injected")
+            return result()
+        pending.result = result_or_failure
         return pending
     engine.runner.dispatch = failing_dispatch
 

@@ -28,6 +28,7 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, Structur
 from jaxpaged.request import Request
 from jaxpaged.spec_decode import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
                                   drafts_past, max_drafts_for, ngram_drafts)
+from tests.test_async_scheduling import fail_results_when, run_through_failures
 from tests.test_engine import count_traces, mixed_prompts
 from tests.test_structured_outputs import PERSON
 
@@ -737,30 +738,22 @@ def test_a_failed_verification_in_flight_leaves_a_request_preempted_since_to_go_
     accepted). The caller aborts the running requests (as AsyncLLM does); the preempted one forgets the drafts
     with the token in flight and recomputes: it emits the plain engine's tokens, as the other waiting ones do,
     and no later step fails."""
-    from tests.test_async_scheduling import run_through_failures
-
     prompts = repetitive_prompts(8, seed=41)
     params = dataclasses.replace(GREEDY, max_tokens=40, output_kind=RequestOutputKind.DELTA)
     expected = tokens(run_all(plain, prompts, dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)))
     engine = make_engine(tiny, num_pages=12, max_num_seqs=8, **OVERLAP)
     engine.proposer = OracleProposer(prompts, [expected[str(i)][0] for i in range(len(prompts))])
-    dispatch, stale = engine.runner.dispatch, []
+    stale = []
 
-    def failing_dispatch(scheduler_output, previous):  # the result fails once a request it verifies waits
-        pending = dispatch(scheduler_output, previous)
-        result = pending.result
-
-        def result_or_failure():
-            verifying = {e.request_id for e in scheduler_output.scheduled_requests if e.spec_token_ids}
-            waiting = [r.request_id for r in engine.scheduler.waiting
-                       if r.request_id in verifying and r.num_draft_placeholders]
-            if waiting and not stale:
-                stale.extend(waiting)
-                raise RuntimeError("injected")
-            return result()
-        pending.result = result_or_failure
-        return pending
-    engine.runner.dispatch = failing_dispatch
+    def a_request_it_verifies_waits(scheduler_output, _) -> bool:  # once: preempted since, its drafts placeholders
+        verifying = {e.request_id for e in scheduler_output.scheduled_requests if e.spec_token_ids}
+        waiting = [r.request_id for r in engine.scheduler.waiting
+                   if r.request_id in verifying and r.num_draft_placeholders]
+        if waiting and not stale:
+            stale.extend(waiting)
+            return True
+        return False
+    fail_results_when(engine, a_request_it_verifies_waits)
     delivered, failures = run_through_failures(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
     assert len(stale) == 1 and len(failures) == 1 and stale[0] not in failures[0]
     for rid in set(expected) - set(failures[0]):
@@ -838,7 +831,6 @@ def test_random_requests_with_preemption_and_aborts_are_those_without(tiny, plai
                 for x, y in zip(a.logprobs or (), b.logprobs or (), strict=True):
                     assert x.keys() == y.keys()
                     assert [v.logprob for v in y.values()] == pytest.approx([v.logprob for v in x.values()], abs=1e-4)
-    engine.proposer = NgramProposer(engine.args.speculative_config)
     num_accepted, num_drafted = accepted(engine)
     assert 0 < num_accepted < num_drafted and engine.scheduler.num_preemptions > 0
 

@@ -8,8 +8,12 @@ stop strings while drafts are accepted over HTTP.
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 
+from tests.reliability.sse import stream
 from tests.server.conftest import MODEL_NAME, live_server
 from tests.server.test_openai_api import (  # collected here too, over this module's fixtures
     test_chat_completion, test_chat_logprobs, test_completion_logprobs, test_greedy_over_http_equals_the_engine,
@@ -92,12 +96,6 @@ def test_clients_that_leave_overlapped_verifications_free_every_page(tiny_checkp
     after a few pieces (its request aborted between steps, with steps of its in flight), the rest read to the
     end. Those give a plain server's text and usage; drafts were accepted, requests were preempted, and every
     page comes back."""
-    import asyncio
-
-    import httpx
-
-    from tests.reliability.sse import stream
-
     prompts = [f"{i} {REPEATING[i:]}" for i in range(12)]
     bodies = [dict(model=MODEL_NAME, prompt=p, max_tokens=40, temperature=0, logit_bias=ASCII_ONLY, ignore_eos=True,
                    stream_options={"include_usage": True}) for p in prompts]
