@@ -5,7 +5,10 @@ without re-decoding the whole output. It decodes a small window of tokens (vLLM'
 `prefix_offset` / `read_offset`): the text of `ids[prefix:]` minus the text of
 `ids[prefix:read]` is what the new tokens add, and it is emitted only once it does not end in
 U+FFFD, so a character whose UTF-8 bytes are split across byte-level BPE tokens is held back
-until its last byte arrives instead of coming out as a replacement character.
+until its last byte arrives instead of coming out as a replacement character. A fast tokenizer
+(one with a Rust `backend_tokenizer`) runs that window in `tokenizers.decoders.DecodeStream`
+(vLLM v1's fast detokenizer does too): the same text, ~3.7x less time per token (SmolLM2's
+tokenizer: 1.8 us against 6.8 us in Python), which the server pays for every request every step.
 
 Stop strings are searched in the newly decoded text plus the `len(stop) - 1` characters before
 it; the text is cut at the match (before the stop string, or after it with
@@ -24,6 +27,9 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
 
 # Prompt tokens decoded as context before the first output token (vLLM's
 # INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): enough for decoders whose output depends on the
@@ -117,6 +123,11 @@ class IncrementalDetokenizer:
         self._window_ids = context  # decode context + output ids (skipped special ones left out)
         self._prefix_offset = 0
         self._read_offset = len(context)
+        # A fast (Rust) tokenizer decodes the window in `tokenizers`' DecodeStream, the same algorithm without a
+        # Python decode call per token (module docstring); None: decode in Python
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens) \
+            if isinstance(self._backend, tokenizers.Tokenizer) else None
         self.output_token_ids: list[int] = []
         self.stop_reason: str | None = None  # the stop string that matched
         self._text = _TextBuffer()
@@ -201,10 +212,20 @@ class IncrementalDetokenizer:
         if token_id in self._skip_ids:
             return ""
         self._window_ids.append(token_id)
-        text = self._window_delta(allow_partial=False)
+        text = self._stream_step(token_id) if self._stream is not None else self._window_delta(allow_partial=False)
         if text:
             self._prefix_offset, self._read_offset = self._read_offset, len(self._window_ids)
         return text
+
+    def _stream_step(self, token_id: int) -> str:
+        """`_window_delta(allow_partial=False)` for the token just added, by the DecodeStream, whose window moves as
+        this one does (kept for `flush`). Where it fails (a window whose text does not extend its prefix's), this
+        request decodes in Python from then on."""
+        try:
+            return self._stream.step(self._backend, token_id) or ""
+        except Exception:  # pylint: disable=broad-except  (tokenizers raises its own errors as Exception)
+            self._stream = None
+            return self._window_delta(allow_partial=False)
 
     def _window_delta(self, allow_partial: bool) -> str:
         """Text of `ids[prefix:]` beyond that of `ids[prefix:read]`; '' if it ends mid-character."""

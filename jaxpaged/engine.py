@@ -738,11 +738,11 @@ class LLMEngine:
 
     def _dispatch_async(self, out: SchedulerOutput, previous: _InFlightStep | None) -> _InFlightStep | None:
         """Dispatch the step's forward; None (the error deferred to the next step()) if that fails."""
-        now = time.time()
+        now, requests = time.time(), {}
         for entry in out.scheduled_requests:
-            parent, _ = self._child_to_parent[entry.request_id]
-            parent.metrics.first_scheduled_time = parent.metrics.first_scheduled_time or now
-        requests = {e.request_id: self.scheduler.get_request(e.request_id) for e in out.scheduled_requests}
+            metrics = self._child_to_parent[entry.request_id][0].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            requests[entry.request_id] = self.scheduler.get_request(entry.request_id)
         try:
             pending = self.runner.dispatch(out, None if previous is None else previous.pending)
         except Exception as err:
@@ -989,9 +989,9 @@ class LLMEngine:
               rows: Sequence[int]) -> tuple[list[int], StopVerdict | None]:
         """The tokens a request emits this step (its rows' samples, cut after the first that ends it) and
         the last one's verdict (see `_stop_verdict`)."""
-        tokens, verdict = [], None
+        tokens, verdict, sampled = [], None, result.row_values[0]
         for ahead, row in enumerate(rows):
-            tokens.append(int(result.sampled_token_ids[row]))
+            tokens.append(sampled[row])
             verdict = self._stop_verdict(child, result, row, ahead)
             if verdict is not None:
                 break
@@ -1004,16 +1004,16 @@ class LLMEngine:
         stops come from Request.check_stop, stop strings from the detokenizer (they win over length).
         ahead: the step's tokens before this one (speculative decoding), not appended yet.
         """
-        request = child.request
-        if not result.finite[row]:  # NaN/inf logits fail only their own request; the token is garbage
+        request, (sampled, logprobs, finite) = child.request, result.row_values
+        if not finite[row]:  # NaN/inf logits fail only their own request; the token is garbage
             return RequestStatus.FINISHED_ERROR, None
-        token_id = int(result.sampled_token_ids[row])
+        token_id = sampled[row]
         verdict = request.check_stop(token_id, ahead)
         # A completed grammar stops after its last token, whose text is kept (unlike an EOS / stop id's).
         grammar_verdict = self._grammar_verdict(child, token_id) if verdict is None else None
         if child.logprobs is not None:
             child.logprobs.append(self._logprob_entry(result, row, token_id, request.sampling_params.logprobs))
-        child.cumulative_logprob += float(result.logprobs[row])
+        child.cumulative_logprob += logprobs[row]
         if child.detokenizer is not None:
             stop_terminated = verdict is not None and verdict[0] is RequestStatus.FINISHED_STOPPED
             stop_str = child.detokenizer.update([token_id], stop_terminated=stop_terminated)
@@ -1051,16 +1051,18 @@ class LLMEngine:
 
     def _make_output(self, parent: _Parent, fresh: set[int]) -> RequestOutput | None:
         """The parent's output after a step in which its children `fresh` got a token (None: nothing due)."""
-        kind = parent.params.output_kind
-        finished = all(c.request.is_finished for c in parent.children)
-        metrics = parent.metrics
-        metrics.num_generation_tokens = sum(c.request.num_output_tokens for c in parent.children)
-        metrics.num_cached_tokens = max(c.request.num_cached_tokens for c in parent.children)
+        kind, children, metrics = parent.params.output_kind, parent.children, parent.metrics
+        finished, num_generated, num_cached = True, 0, 0
+        for child in children:  # one plain loop: this runs for every request every step
+            request = child.request
+            finished = finished and request.is_finished
+            num_generated += request.num_output_tokens
+            num_cached = max(num_cached, request.num_cached_tokens)
+        metrics.num_generation_tokens, metrics.num_cached_tokens = num_generated, num_cached
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind is RequestOutputKind.DELTA
-        children = [c for c in parent.children if c.index in fresh] if delta else parent.children
-        outputs = [_completion(c, delta) for c in children]
+        outputs = [_completion(c, delta) for c in children if not delta or c.index in fresh]
         if finished:
             metrics.finished_time = time.time()
             self._parents.pop(parent.request_id, None)

@@ -58,6 +58,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import os
@@ -246,6 +247,11 @@ class ModelRunnerOutput:
     @functools.cached_property
     def req_id_to_index(self) -> dict[str, int]:
         return {rid: r for r, rid in enumerate(self.req_ids)}
+
+    @functools.cached_property
+    def row_values(self) -> tuple[list[int], list[float], list[bool]]:
+        """(sampled_token_ids, logprobs, finite) as Python lists: the engine reads them row by row."""
+        return self.sampled_token_ids.tolist(), self.logprobs.tolist(), self.finite.tolist()
 
     def token_rows(self, request_id: str) -> tuple[int, ...]:
         """The rows of the tokens `request_id` emits this step, in order (more than one only when it
@@ -635,13 +641,12 @@ def _placeholder_sources(entries: Sequence[ScheduledRequest], step: StepInput,
     if previous is None:
         raise RuntimeError("placeholder tokens need the previous step, dispatched with its sampler")
     sources = np.full(len(step.token_ids), -1, np.int32)
-    for i, entry in enumerate(entries):
-        if entry.placeholder:
-            row = previous.rows.get(entry.request_id)
-            if row is None:
-                raise RuntimeError(f"request {entry.request_id!r} feeds a placeholder but sampled nothing "
-                                   "in the previous step")
-            sources[step.cu_q_lens[i]] = row
+    fed = [i for i, entry in enumerate(entries) if entry.placeholder]  # a placeholder is its entry's one token
+    rows = [previous.rows.get(entries[i].request_id) for i in fed]
+    if None in rows:
+        raise RuntimeError(f"request {entries[fed[rows.index(None)]].request_id!r} feeds a placeholder but sampled "
+                           "nothing in the previous step")
+    sources[step.cu_q_lens[fed]] = rows
     if not np.array_equal(sources >= 0, step.token_ids == PLACEHOLDER_TOKEN_ID):
         raise RuntimeError("placeholder tokens outside the placeholder entries' single token")
     return sources
@@ -1358,12 +1363,14 @@ class ModelRunner:
         """Pack one step's scheduled requests into padded host arrays. With the fused sampler, a verification
         step takes an S bucket with a row for each draft too, where one has (its drafts are then sampled and
         verified in the step's program: no second pass over the LM head, no other sampler call)."""
-        ps = self.config.page_size
-        num_tokens = sum(e.num_tokens for e in entries)
-        max_pages = max(len(e.page_ids) for e in entries)
-        rows = len(entries) + sum(len(e.spec_token_ids) for e in entries)  # logits rows: the entries', drafts'
-        num_slots = rows if self.fuse_sampler and rows <= self.config.max_num_seqs else len(entries)
-        t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, num_slots, max_pages)
+        ps, n = self.config.page_size, len(entries)
+        lens = np.fromiter((len(e.token_ids) for e in entries), np.int32, n)  # i32[n]: tokens fed per entry
+        starts = np.fromiter((e.start_position for e in entries), np.int32, n)  # i32[n]
+        num_pages = np.fromiter((len(e.page_ids) for e in entries), np.int32, n)  # i32[n]
+        num_tokens = int(lens.sum())
+        rows = n + sum(len(e.spec_token_ids) for e in entries)  # logits rows: the entries', drafts'
+        num_slots = rows if self.fuse_sampler and rows <= self.config.max_num_seqs else n
+        t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, num_slots, int(num_pages.max()))
         token_ids = np.zeros(t_bucket, np.int32)
         positions = np.zeros(t_bucket, np.int32)
         slots = np.zeros(t_bucket, np.int32)  # padding: slot 0, in the null page
@@ -1371,20 +1378,24 @@ class ModelRunner:
         kv_lens = np.zeros(s_bucket, np.int32)
         cu = np.zeros(s_bucket + 1, np.int32)
         last = np.zeros(self._logits_rows((t_bucket, s_bucket, p_bucket), rows), np.int32)  # i32[L]
-        offset = 0
-        for i, e in enumerate(entries):
-            n = e.num_tokens
-            pos = np.arange(e.start_position, e.start_position + n, dtype=np.int32)
-            pages = np.asarray(e.page_ids, np.int32)
-            token_ids[offset:offset + n] = e.token_ids
-            positions[offset:offset + n] = pos
-            slots[offset:offset + n] = pages[pos // ps] * ps + pos % ps
-            page_table[i, :len(pages)] = pages
-            kv_lens[i] = e.start_position + n
-            offset += n
-            cu[i + 1] = offset
-            last[i] = offset - 1
-        cu[len(entries) + 1:] = offset
+        np.cumsum(lens, out=cu[1:n + 1])
+        cu[n + 1:] = num_tokens
+        # the page table's filled cells, row by row: entry i's pages at [i, 0:num_pages[i])
+        page_rows = np.repeat(np.arange(n, dtype=np.int32), num_pages)
+        page_cols = np.arange(len(page_rows), dtype=np.int32) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
+        page_table[page_rows, page_cols] = np.fromiter(itertools.chain.from_iterable(e.page_ids for e in entries),
+                                                       np.int32, len(page_rows))
+        # per fed token t: its entry, position and slot (page_table[entry, position // ps] * ps + position % ps)
+        token_rows = np.repeat(np.arange(n, dtype=np.int32), lens)
+        pos = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - cu[:n], lens)
+        if num_tokens and (pos // ps >= num_pages[token_rows]).any():
+            raise ValueError("a scheduled entry feeds a position past its page table")
+        token_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(e.token_ids for e in entries), np.int32,
+                                             num_tokens)
+        positions[:num_tokens] = pos
+        slots[:num_tokens] = page_table[token_rows, pos // ps] * ps + pos % ps
+        kv_lens[:n] = starts + lens
+        last[:n] = cu[1:n + 1] - 1
         return StepInput(token_ids, positions, slots, page_table, kv_lens, cu, np.int32(len(entries)), last)
 
     def packs_drafts_in_tokens(self) -> bool:

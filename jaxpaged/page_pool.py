@@ -48,6 +48,9 @@ class CachedPrefix:
     num_tokens: int = 0  # len(page_ids) * page_size
 
 
+_NO_PREFIX = CachedPrefix()
+
+
 class PagePool:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
         if not isinstance(num_pages, int) or num_pages < 2:
@@ -141,6 +144,8 @@ class PagePool:
         while first > 0 and request.page_ids[first - 1] != NULL_PAGE_ID and \
                 self._page_hashes[request.page_ids[first - 1]] is None:
             first -= 1
+        if first == num_full:
+            return  # every full page already hashed (most steps)
         hashes = self._hashes(request, num_full)
         for i in range(first, num_full):
             page_id, page_hash = request.page_ids[i], hashes[i]
@@ -167,7 +172,10 @@ class PagePool:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens={num_new_tokens} must be >= 0")
-        prefix = prefix or CachedPrefix()
+        if prefix is None and request.page_ids and \
+                request.num_computed_tokens + num_new_tokens <= len(request.page_ids) * self.page_size:
+            return []  # its last page has room (most decode steps)
+        prefix = prefix or _NO_PREFIX
         if prefix.page_ids and (request.page_ids or request.num_computed_tokens):
             raise ValueError(
                 f"Request {request.request_id!r}: a cached prefix is only taken by a request holding no pages"

@@ -36,12 +36,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        return self._value_ in _FINISHED_VALUES  # by value: an Enum member hashes in Python (a hot path)
 
     @property
     def finish_reason(self) -> str | None:
         """The OpenAI-style finish reason: "stop", "length", "abort", "error" or None."""
-        return _FINISH_REASONS.get(self)
+        return _FINISHED_VALUES.get(self._value_)
 
     @classmethod
     def from_finish_reason(cls, finish_reason: str) -> RequestStatus:
@@ -57,6 +57,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+_FINISHED_VALUES = {status.value: reason for status, reason in _FINISH_REASONS.items()}
 
 
 # How a token ends a request: (finished status, stop_reason: the stop token id or stop string, or None).

@@ -65,6 +65,7 @@ GUMBEL_MAX = 17.0
 PREFILTER_K = 256  # candidates per row of the sort-free top_k / top_p / min_p cut
 GUMBEL_CANDIDATES = 4  # tokens the native whole-row pass names per row (cpu_sampler.gumbel_candidates_cpu)
 _U32_MASK = 0xFFFFFFFF
+_U64_MASK = 0xFFFFFFFFFFFFFFFF
 
 
 # ---- host side ---------------------------------------------------------------
@@ -82,7 +83,10 @@ class RowInfo:
     banned_token_ids: tuple[int, ...] = ()  # masked to -inf this step (e.g. EOS before min_tokens)
 
     def __post_init__(self):
-        object.__setattr__(self, "banned_token_ids", tuple(int(t) for t in self.banned_token_ids))
+        if self.banned_token_ids:
+            object.__setattr__(self, "banned_token_ids", tuple(int(t) for t in self.banned_token_ids))
+        else:
+            object.__setattr__(self, "banned_token_ids", ())
         if not isinstance(self.params, SamplingParams):
             raise TypeError(f"RowInfo.params must be a SamplingParams, got {type(self.params).__name__}")
         if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
@@ -163,14 +167,16 @@ def make_sampling_batch(rows: Sequence[RowInfo], num_rows: int, vocab_size: int,
     S, B = num_rows, max_bias_entries
     scalars = [_row_scalars(row.params, vocab_size) for row in rows] + [_PADDING_SCALARS] * (S - len(rows))
     temperature, top_k, top_p, min_p, presence, frequency, repetition = np.array(scalars, np.float64).T
-    key_data = np.zeros((S, 2), np.uint32)
+    seeds = np.zeros((S,), np.uint64)  # u64[S]: each seed mod 2**64 (`seed_key_data`)
+    seeds[:len(rows)] = [int(row.seed) & _U64_MASK for row in rows]
+    key_data = np.stack([seeds >> np.uint64(32), seeds & np.uint64(_U32_MASK)], axis=1).astype(np.uint32)
     steps = np.zeros((S,), np.uint32)
+    steps[:len(rows)] = [row.step for row in rows]
     bias_ids = np.full((S, B), -1, np.int32)
     bias_values = np.zeros((S, B), np.float32)
     for i, row in enumerate(rows):
-        key_data[i] = seed_key_data(row.seed)
-        steps[i] = row.step
-        _fill_bias_row(bias_ids[i], bias_values[i], row, vocab_size, i)
+        if row.banned_token_ids or row.params.logit_bias:
+            _fill_bias_row(bias_ids[i], bias_values[i], row, vocab_size, i)
     counts, prompt_mask = _penalty_arrays(rows, S, vocab_size)
     f32 = np.float32
     return SamplingBatch(

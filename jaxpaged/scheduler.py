@@ -325,8 +325,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._chunk_size(_num_known_and_placeholder_tokens(request) - request.num_computed_tokens,
-                                       budget)
+            num_left = _num_known_and_placeholder_tokens(request) - request.num_computed_tokens
+            num_new = self._chunk_size(num_left, budget)
             # 0: its sampled token hasn't come back yet; or its prefill waits for a free slot; or (async)
             # the placeholders in flight end it
             if num_new == 0 or not self._prefill_slot_free(num_new, scheduled) or _ends_in_flight(request):
@@ -340,8 +340,7 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 if victim is request:
                     return budget
-            is_decode = num_new == 1 and _num_known_and_placeholder_tokens(request) - request.num_computed_tokens == 1
-            if request.spec_token_ids and is_decode:
+            if request.spec_token_ids and num_new == num_left == 1:  # a decode
                 drafting.append((len(scheduled), request, tuple(request.spec_token_ids)))
             scheduled.append(self._advance(request, num_new))
             budget -= num_new
@@ -353,6 +352,8 @@ class Scheduler:
         step left: the token budget and the rows of `_draft_room` (drafts cut to them), a
         max_num_partial_prefills slot each (attention tiles a sequence fed several tokens as a prefill
         chunk) and free pages (none: no drafts)."""
+        if not drafting:
+            return budget
         room = self._draft_room(budget, scheduled, drafting)
         for index, request, drafts in drafting:
             drafts = drafts[:min(budget, room)]
@@ -431,7 +432,8 @@ class Scheduler:
                                f"{num_placeholders_fed} placeholders (at most its one in-flight token)")
         entry = ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.token_ids_slice(start, end)) + (PLACEHOLDER_TOKEN_ID,) * num_placeholders_fed,
+            # known tokens, or the one placeholder of the token in flight (async scheduling)
+            token_ids=(PLACEHOLDER_TOKEN_ID,) if num_placeholders_fed else tuple(request.token_ids_slice(start, end)),
             start_position=start,
             page_ids=tuple(request.page_ids),
             samples=end == _num_known_and_placeholder_tokens(request),

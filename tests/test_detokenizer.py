@@ -112,6 +112,36 @@ def test_decodes_a_bounded_window_per_token(tiny):
     assert max(seen) <= 8
 
 
+def test_fast_tokenizers_stream_without_a_python_decode_per_token(tiny, smol, monkeypatch):
+    """A fast tokenizer's tokens decode in tokenizers' DecodeStream: no Python decode call until the end."""
+    for tokenizer in (tiny, smol):
+        calls = []
+        decode = tokenizer.decode
+        monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: calls.append(ids) or decode(ids, **kw))
+        text = "αβγ 🎉 mixed " * 20
+        deltas, detok = stream(tokenizer, [[t] for t in encode(tokenizer, text)],
+                               prompt_token_ids=encode(tokenizer, "a prompt"))
+        assert "".join(deltas) == text and calls == []
+        monkeypatch.undo()
+
+
+def test_a_failing_decode_stream_falls_back_to_python(tiny):
+    """Where the DecodeStream fails (tokenizers refuses a window whose text does not extend its prefix's), the
+    request decodes its window in Python from there on: same text."""
+    class Failing:
+        def step(self, tokenizer, token_id):
+            raise Exception("invalid prefix")  # tokenizers raises plain Exceptions
+
+    text = "héllo 🎉 wörld"
+    detok = IncrementalDetokenizer(tiny, encode(tiny, "ctx"))
+    ids = encode(tiny, text)
+    detok.update(ids[:3])
+    detok._stream = Failing()
+    for t in ids[3:]:
+        detok.update([t])
+    assert detok._stream is None and detok.get_next_output_text(finished=True, delta=False) == text
+
+
 def test_non_incremental_text_reads_do_not_consume_deltas(tiny):
     detok = IncrementalDetokenizer(tiny, ())
     detok.update(encode(tiny, "hello"))

@@ -101,6 +101,9 @@ def test_prepare_packs_exact_arrays(tiny):
     assert step.cu_q_lens.tolist() == [0, 3, 4, 4, 4]
     assert step.logits_indices.tolist() == [2, 3, 0, 0]
     assert int(step.num_seqs) == 2
+    # an entry whose page table stops short of a position it feeds (a scheduler bug) is refused, not sent to page 0
+    with pytest.raises(ValueError, match="past its page table"):
+        runner.prepare([entry("a", [7, 8, 9], 14, [5, 2]), entry("b", [4], 16, [9])])
 
 
 def test_mixed_step_under_max_num_partial_prefills_matches_plain_forward(tiny):
@@ -466,6 +469,10 @@ def test_outputs_in_flight_are_what_the_host_counts_lack():
                      num_seqs=np.int32(2), logits_indices=np.array([1, 4, 2, 3, 0], np.int32))
     sources = _placeholder_sources(entries, step, PendingStep((ScheduledRequest("b", (9,), 10, (2,), True,
                                                                                 SamplingParams(), 3),), None, None, None))
+    assert sources.tolist() == [-1, -1, 0, -1, -1, -1, -1, -1]  # the placeholder: row 0 of the step before
+    with pytest.raises(RuntimeError, match="'b' feeds a placeholder but sampled nothing"):
+        _placeholder_sources(entries, step, PendingStep((ScheduledRequest("c", (9,), 10, (2,), True, SamplingParams(),
+                                                                          3),), None, None, None))
     count_from = _count_from(step, sources, 4)
     assert count_from.tolist() == [8, 2, 2, 2, 8]
     assert _count_from(step, sources, 2).tolist() == [8, 2, 8, 8, 8]

@@ -1,0 +1,223 @@
+"""The engine's host work per step at high concurrency, on any machine (issue 15's misses at 256 concurrent).
+
+    python scripts/bench_host_loop.py                          # 64 and 256 concurrent decodes, this tree
+    python scripts/bench_host_loop.py --tree /tmp/jp-base      # ... and another checkout, in one run
+    python scripts/bench_host_loop.py --served --phases        # DELTA outputs, detokenized; where the time goes
+
+On the H200 (session 35) a 256-row decode step took 22.3 ms against an 11.6 ms forward: the Python host loop
+(schedule, step inputs, launch, outputs for 256 requests) outran the device, so async scheduling could not hide
+it. This measures that host work on a CPU with a model so small (2 layers of width 64, random weights) that the
+device's part is a few ms: the GPU's engine (async scheduling with every step kept in flight, the sampler fused
+into the step program), N
+requests of --prompt-len random tokens, --output-len out each (EOS ignored, greedy), all added at once. Per
+steady decode step (every request feeding one token): the step's wall ms, the ms the host was blocked reading
+the device's tokens (`jax.device_get` waits timed), and the host's ms (wall - blocked), also per row, and the
+CPU time of the engine's thread in the step (steadier than wall time on a shared machine). The host
+figure is what a device whose step is longer hides (async scheduling) and what one whose step is shorter waits
+for. --served: outputs as the server asks for them (DELTA, detokenized with the default model's tokenizer; the
+model's vocabulary is then that tokenizer's). --phases: this tree's host ms split by engine method.
+
+--tree runs the same measurement with another checkout's jaxpaged (its own process, the same arguments), rounds
+alternating which side goes first, and prints both sides and this tree's speed-up (the other's host ms / ours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (object attribute path from the engine, method) timed by --phases; a name a tree lacks is skipped
+PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runner", "prepare"),
+          ("runner", "_sampling_batch"), ("runner", "_step_sampling"), ("runner", "_run_fused"),
+          ("runner", "dispatch"), ("", "_emit"), ("", "_outputs"))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="64,256", help="concurrent requests, comma-separated")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--served", action="store_true", help="DELTA outputs, detokenized (the default model's tokenizer)")
+    ap.add_argument("--phases", action="store_true", help="split this tree's host ms by engine method")
+    ap.add_argument("--tree", default=None, help="another checkout to measure beside this one")
+    ap.add_argument("--rounds", type=int, default=3, help="with --tree: runs a side, alternating the order")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # the checkout a worker process imports
+    return ap.parse_args(argv)
+
+
+# ---- one side: a worker process importing one checkout's jaxpaged ---------------------------------------
+
+
+def tiny_model(served: bool):
+    """A 2-layer width-64 Llama of random bf16 weights (bench_engine_gpu's layout); --served: with the default
+    model's tokenizer and its vocabulary."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxpaged.models.llama import LlamaConfig, init_params
+    from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
+    from jaxpaged.tokenizer import GenerationConfig
+    from jaxpaged.weight_layout import resolve_weight_layout, to_weight_layout
+    tokenizer = load_model(DEFAULT_MODEL).tokenizer if served else None
+    vocab = len(tokenizer) if tokenizer is not None else 2048
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
+    layout = resolve_weight_layout("auto", True, jax.default_backend())
+    params = to_weight_layout(config, init_params(config, jax.random.PRNGKey(0), jnp.bfloat16), layout, consume=True)
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer, generation_config=GenerationConfig(),
+                       source=Path("random-tiny"), dtype=np.dtype(jnp.bfloat16), load_seconds=0.0)
+
+
+class Clock:
+    """Accumulates the host's blocked time (jax.device_get's wait for the device) and, with phases, the time in
+    each PHASES method."""
+
+    def __init__(self):
+        self.blocked, self.phases = 0.0, collections.Counter()
+
+    def watch_device_get(self):
+        import jax
+        get = jax.device_get
+
+        def timed_get(x):
+            t0 = time.perf_counter()
+            jax.block_until_ready(x)
+            self.blocked += time.perf_counter() - t0
+            return get(x)
+        jax.device_get = timed_get
+
+    def watch_phases(self, engine) -> None:
+        for path, name in PHASES:
+            owner = getattr(engine, path) if path else engine
+            method = getattr(owner, name, None)
+            if method is not None:
+                setattr(owner, name, self._timed(method, f"{path}.{name}" if path else name))
+
+    def _timed(self, method, label: str):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.phases[label] += time.perf_counter() - t0
+        return timed
+
+
+def run_batch(engine, clock: Clock, batch: int, args, vocab: int, tag: str) -> dict:
+    """Generate batch x (prompt_len in, output_len out); the steady decode steps' medians and the run's tok/s."""
+    import numpy as np
+    from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+    kind = RequestOutputKind.DELTA if args.served else RequestOutputKind.CUMULATIVE
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=args.served,
+                            output_kind=kind)
+    rng = np.random.default_rng(batch)
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": rng.integers(0, vocab, args.prompt_len).tolist()},
+                           params)
+    steps, start, produced = [], time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        running = engine.scheduler.running
+        steady = len(running) == batch and all(r.num_output_tokens >= 2 for r in running)
+        blocked, phases = clock.blocked, dict(clock.phases)
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        outputs = engine.step()
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+        produced += sum(len(c.token_ids) for o in outputs for c in o.outputs) if args.served else \
+            sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
+        if steady:
+            steps.append((wall, clock.blocked - blocked, {k: v - phases.get(k, 0.0) for k, v in clock.phases.items()},
+                          cpu))
+    seconds = time.perf_counter() - start
+    steps = steps[2:-2]  # the first steady steps and the last (a request may finish there)
+    wall = statistics.median(s[0] for s in steps)
+    blocked = statistics.median(s[1] for s in steps)
+    host = statistics.median(s[0] - s[1] for s in steps)
+    cpu = statistics.median(s[3] for s in steps)
+    phases = {k: statistics.median(s[2].get(k, 0.0) for s in steps) for k in clock.phases}
+    return dict(batch=batch, steps=len(steps), wall_ms=1e3 * wall, blocked_ms=1e3 * blocked, host_ms=1e3 * host,
+                host_cpu_ms=1e3 * cpu, host_us_per_row=1e6 * host / batch, tok_s=produced / seconds, phases_ms={k: 1e3 * v for k, v in
+                                                                                       phases.items()})
+
+
+def worker(args) -> None:
+    """Measure every batch with the checkout at args.worker; one JSON line per batch on stdout."""
+    sys.path.insert(0, args.worker)
+    from jaxpaged.engine import EngineArgs, LLMEngine
+    loaded = tiny_model(args.served)
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = LLMEngine(EngineArgs(model="random", max_model_len=args.prompt_len + args.output_len + 16,
+                                  max_num_seqs=max(batches), max_num_batched_tokens=2048, kv_cache_memory=64 << 20,
+                                  fuse_sampler="on", async_scheduling=True, async_scheduling_max_tokens=2048),
+                       loaded=loaded)
+    clock = Clock()
+    clock.watch_device_get()
+    if args.phases:
+        clock.watch_phases(engine)
+    vocab = loaded.config.vocab_size
+    for batch in batches:
+        run_batch(engine, clock, batch, args, vocab, f"warm-{batch}")  # compiles what warm-up left, fills caches
+        print(json.dumps(run_batch(engine, clock, batch, args, vocab, f"run-{batch}")), flush=True)
+
+
+# ---- the driver: sides in their own processes ---------------------------------------------------------------
+
+
+def measure(root: str, args) -> list[dict]:
+    """One worker process over the checkout at `root`: its per-batch rows."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", root, "--batches", args.batches,
+            "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]
+    argv += ["--served"] * args.served + ["--phases"] * args.phases
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"the worker over {root} failed:\n{done.stderr[-4000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def print_rows(label: str, rows: list[dict], phases: bool) -> None:
+    for r in rows:
+        print(f"{label:6s} b={r['batch']:<4d} step {r['wall_ms']:6.2f} ms  blocked {r['blocked_ms']:6.2f} ms  "
+              f"host {r['host_ms']:6.2f} ms ({r['host_us_per_row']:5.1f} us/row; its thread's CPU {r['host_cpu_ms']:6.2f} "
+              f"ms)  {r['tok_s']:8.0f} output tok/s "
+              f"(whole run)  [{r['steps']} steady steps]", flush=True)
+        if phases and r["phases_ms"]:
+            print("         " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["phases_ms"].items(),
+                                                                          key=lambda kv: -kv[1])), flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    sides = [("this", str(ROOT))] + ([("other", str(Path(args.tree).resolve()))] if args.tree else [])
+    rounds = args.rounds if args.tree else 1
+    results: dict[str, list[list[dict]]] = {label: [] for label, _ in sides}
+    for i in range(rounds):
+        for label, root in (sides if i % 2 == 0 else sides[::-1]):
+            rows = measure(root, args)
+            results[label].append(rows)
+            print_rows(label, rows, args.phases and label == "this")
+    if args.tree:
+        print(f"\nmedian over {rounds} rounds: host ms per steady decode step (other = {args.tree})")
+        for j, batch in enumerate(int(b) for b in args.batches.split(",")):
+            med = {key: {label: statistics.median(run[j][key] for run in runs) for label, runs in results.items()}
+                   for key in ("host_ms", "host_cpu_ms", "tok_s")}
+            host, cpu, tok = med["host_ms"], med["host_cpu_ms"], med["tok_s"]
+            print(f"b={batch:<4d} host this {host['this']:6.2f} ms, other {host['other']:6.2f} ms: "
+                  f"{host['other'] / host['this']:.2f}x; the thread's CPU this {cpu['this']:6.2f} ms, other "
+                  f"{cpu['other']:6.2f} ms: {cpu['other'] / cpu['this']:.2f}x; output tok/s this {tok['this']:.0f}, "
+                  f"other {tok['other']:.0f}: {tok['this'] / tok['other']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
