@@ -29,7 +29,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import tokenizers
-from tokenizers.decoders import DecodeStream
+
+try:  # tokenizers >= 0.21; with an older one every request decodes its window in Python
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover  (the pinned environments have it)
+    DecodeStream = None
 
 # Prompt tokens decoded as context before the first output token (vLLM's
 # INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): enough for decoders whose output depends on the
@@ -126,8 +130,7 @@ class IncrementalDetokenizer:
         # A fast (Rust) tokenizer decodes the window in `tokenizers`' DecodeStream, the same algorithm without a
         # Python decode call per token (module docstring); None: decode in Python
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens) \
-            if isinstance(self._backend, tokenizers.Tokenizer) else None
+        self._stream = _decode_stream(self._backend, context, skip_special_tokens)
         self.output_token_ids: list[int] = []
         self.stop_reason: str | None = None  # the stop string that matched
         self._text = _TextBuffer()
@@ -252,6 +255,17 @@ class IncrementalDetokenizer:
         self._text.truncate(start + len(stop) if self.include_stop_str_in_output else start)
         self.stop_reason = stop
         return stop
+
+
+def _decode_stream(backend: Any, context: list[int], skip_special_tokens: bool):
+    """A DecodeStream over `backend` (a `tokenizers.Tokenizer`) after the decode context, or None where there is no
+    Rust tokenizer or no DecodeStream that takes context ids (tokenizers < 0.22)."""
+    if DecodeStream is None or not isinstance(backend, tokenizers.Tokenizer):
+        return None
+    try:
+        return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+    except TypeError:
+        return None
 
 
 def find_stop_string(text: str, new_from: int, stop: Sequence[str]) -> tuple[str, int] | None:

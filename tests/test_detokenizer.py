@@ -142,6 +142,20 @@ def test_a_failing_decode_stream_falls_back_to_python(tiny):
     assert detok._stream is None and detok.get_next_output_text(finished=True, delta=False) == text
 
 
+@pytest.mark.parametrize("old", ["no DecodeStream", "no context ids"])
+def test_an_older_tokenizers_decodes_in_python(tiny, monkeypatch, old):
+    """tokenizers before 0.21 has no DecodeStream, before 0.22 one without context ids: the window then decodes in
+    Python (the same text)."""
+    from jaxpaged import detokenizer
+
+    def without_ids(*, skip_special_tokens=False):
+        return object()
+    monkeypatch.setattr(detokenizer, "DecodeStream", None if old == "no DecodeStream" else without_ids)
+    text = "héllo 🎉 wörld"
+    deltas, detok = stream(tiny, [[t] for t in encode(tiny, text)], prompt_token_ids=encode(tiny, "ctx"))
+    assert detok._stream is None and "".join(deltas) == text
+
+
 def test_non_incremental_text_reads_do_not_consume_deltas(tiny):
     detok = IncrementalDetokenizer(tiny, ())
     detok.update(encode(tiny, "hello"))
