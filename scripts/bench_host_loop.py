@@ -73,7 +73,7 @@ def tiny_model(served: bool):
     tokenizer = load_model(DEFAULT_MODEL).tokenizer if served else None
     vocab = len(tokenizer) if tokenizer is not None else 2048
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
     layout = resolve_weight_layout("auto", True, jax.default_backend())
     params = to_weight_layout(config, init_params(config, jax.random.PRNGKey(0), jnp.bfloat16), layout, consume=True)
     return LoadedModel(config=config, params=params, tokenizer=tokenizer, generation_config=GenerationConfig(),
@@ -141,6 +141,8 @@ def run_batch(engine, clock: Clock, batch: int, args, vocab: int, tag: str) -> d
                           cpu))
     seconds = time.perf_counter() - start
     steps = steps[2:-2]  # the first steady steps and the last (a request may finish there)
+    if not steps:
+        raise SystemExit(f"b={batch}: no steady decode steps (every request decoding at once); raise --output-len")
     wall = statistics.median(s[0] for s in steps)
     blocked = statistics.median(s[1] for s in steps)
     host = statistics.median(s[0] - s[1] for s in steps)
@@ -157,8 +159,10 @@ def worker(args) -> None:
     from jaxpaged.engine import EngineArgs, LLMEngine
     loaded = tiny_model(args.served)
     batches = [int(b) for b in args.batches.split(",")]
-    engine = LLMEngine(EngineArgs(model="random", max_model_len=args.prompt_len + args.output_len + 16,
-                                  max_num_seqs=max(batches), max_num_batched_tokens=2048, kv_cache_memory=64 << 20,
+    max_model_len = args.prompt_len + args.output_len + 16
+    num_pages = max(batches) * -(-max_model_len // 16) + 64  # every request at once: no preemption
+    engine = LLMEngine(EngineArgs(model="random", max_model_len=max_model_len, max_num_seqs=max(batches),
+                                  max_num_batched_tokens=2048, num_pages=num_pages,
                                   fuse_sampler="on", async_scheduling=True, async_scheduling_max_tokens=2048),
                        loaded=loaded)
     clock = Clock()

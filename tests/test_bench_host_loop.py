@@ -1,0 +1,25 @@
+"""scripts/bench_host_loop.py end to end at smoke sizes: both sides measured, the side-by-side line printed."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_host_loop  # noqa: E402
+
+
+def test_side_by_side_run_prints_both_trees_and_the_ratio(capsys):
+    assert bench_host_loop.main(["--batches", "4", "--prompt-len", "8", "--output-len", "12", "--repeats", "1",
+                                 "--tree", str(ROOT), "--rounds", "1", "--phases"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^(this|other)\s+b=4\s+step\s+([\d.]+) ms.*host\s+([\d.]+) ms.*\[(\d+) steady steps\]", out,
+                      flags=re.M)
+    assert sorted(side for side, *_ in rows) == ["other", "this"]
+    assert all(float(host) > 0 and int(steps) > 0 for _, _, host, steps in rows)
+    assert "scheduler.schedule" in out  # this tree's phases
+    assert re.search(r"^b=4\s+host this\s+[\d.]+ ms, other\s+[\d.]+ ms: [\d.]+x", out, flags=re.M)
+
