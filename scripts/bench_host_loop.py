@@ -7,10 +7,9 @@
 On the H200 (session 35) a 256-row decode step took 22.3 ms against an 11.6 ms forward: the Python host loop
 (schedule, step inputs, launch, outputs for 256 requests) outran the device, so async scheduling could not hide
 it. This measures that host work on a CPU with a model so small (2 layers of width 64, random weights) that the
-device's part is a few ms: the GPU's engine (async scheduling with every step kept in flight, the sampler fused
-into the step program), N
-requests of --prompt-len random tokens, --output-len out each (EOS ignored, greedy), all added at once. Per
-steady decode step (every request feeding one token): the step's wall ms, the ms the host was blocked reading
+device's part is about a ms: the GPU's engine (async scheduling with every step kept in flight, the sampler fused
+into the step program), N requests of --prompt-len random tokens, --output-len out each (EOS ignored, greedy), all
+added at once, a KV pool that holds them all. Per steady decode step (every request feeding one token): the step's wall ms, the ms the host was blocked reading
 the device's tokens (`jax.device_get` waits timed), and the host's ms (wall - blocked), also per row, and the
 CPU time of the engine's thread in the step (steadier than wall time on a shared machine). The host
 figure is what a device whose step is longer hides (async scheduling) and what one whose step is shorter waits
@@ -27,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import statistics
 import subprocess
