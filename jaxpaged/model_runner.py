@@ -1388,12 +1388,13 @@ class ModelRunner:
         # per fed token t: its entry, position and slot (page_table[entry, position // ps] * ps + position % ps)
         token_rows = np.repeat(np.arange(n, dtype=np.int32), lens)
         pos = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - cu[:n], lens)
-        if num_tokens and (pos // ps >= num_pages[token_rows]).any():
+        page_index = pos // ps  # i32[num_tokens]: each fed token's place in its entry's page table
+        if num_tokens and (page_index >= num_pages[token_rows]).any():
             raise ValueError("a scheduled entry feeds a position past its page table")
         token_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(e.token_ids for e in entries), np.int32,
                                              num_tokens)
         positions[:num_tokens] = pos
-        slots[:num_tokens] = page_table[token_rows, pos // ps] * ps + pos % ps
+        slots[:num_tokens] = page_table[token_rows, page_index] * ps + pos % ps
         kv_lens[:n] = starts + lens
         last[:n] = cu[1:n + 1] - 1
         return StepInput(token_ids, positions, slots, page_table, kv_lens, cu, np.int32(len(entries)), last)

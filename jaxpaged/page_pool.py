@@ -172,9 +172,6 @@ class PagePool:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens={num_new_tokens} must be >= 0")
-        if prefix is None and request.page_ids and \
-                request.num_computed_tokens + num_new_tokens <= len(request.page_ids) * self.page_size:
-            return []  # its last page has room (most decode steps)
         prefix = prefix or _NO_PREFIX
         if prefix.page_ids and (request.page_ids or request.num_computed_tokens):
             raise ValueError(
@@ -183,6 +180,8 @@ class PagePool:
         end = request.num_computed_tokens + prefix.num_tokens + num_new_tokens
         num_needed = -(-end // self.page_size) - len(request.page_ids) - len(prefix.page_ids)
         num_needed = max(num_needed, 0)
+        if not num_needed and not prefix.page_ids and request.page_ids:
+            return []  # its last page has room (most decode steps): nothing to take, touch or count
         num_prefix_free = sum(1 for p in prefix.page_ids if self._ref_counts[p] == 0)
         if num_needed + num_prefix_free > self.num_free_pages:
             return None

@@ -83,10 +83,8 @@ class RowInfo:
     banned_token_ids: tuple[int, ...] = ()  # masked to -inf this step (e.g. EOS before min_tokens)
 
     def __post_init__(self):
-        if self.banned_token_ids:
-            object.__setattr__(self, "banned_token_ids", tuple(int(t) for t in self.banned_token_ids))
-        else:
-            object.__setattr__(self, "banned_token_ids", ())
+        banned = self.banned_token_ids
+        object.__setattr__(self, "banned_token_ids", tuple(int(t) for t in banned) if banned else ())
         if not isinstance(self.params, SamplingParams):
             raise TypeError(f"RowInfo.params must be a SamplingParams, got {type(self.params).__name__}")
         if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
@@ -141,8 +139,13 @@ jax.tree_util.register_dataclass(
 
 def seed_key_data(seed: int) -> np.ndarray:
     """u32[2]: threefry2x32 key data of `seed` mod 2**64; equals PRNGKey(seed) for 0 <= seed < 2**32."""
-    seed = int(seed)
-    return np.array([(seed >> 32) & _U32_MASK, seed & _U32_MASK], dtype=np.uint32)
+    return seeds_key_data([seed])[0]
+
+
+def seeds_key_data(seeds: Sequence[int]) -> np.ndarray:
+    """u32[N, 2]: `seed_key_data` of each seed (high 32 bits, low 32 bits of the seed mod 2**64)."""
+    wide = np.array([int(seed) & _U64_MASK for seed in seeds], np.uint64).reshape(-1)  # u64[N]
+    return np.stack([wide >> np.uint64(32), wide & np.uint64(_U32_MASK)], axis=1).astype(np.uint32)
 
 
 def step_key(seed: int, step: int) -> jax.Array:
@@ -167,9 +170,8 @@ def make_sampling_batch(rows: Sequence[RowInfo], num_rows: int, vocab_size: int,
     S, B = num_rows, max_bias_entries
     scalars = [_row_scalars(row.params, vocab_size) for row in rows] + [_PADDING_SCALARS] * (S - len(rows))
     temperature, top_k, top_p, min_p, presence, frequency, repetition = np.array(scalars, np.float64).T
-    seeds = np.zeros((S,), np.uint64)  # u64[S]: each seed mod 2**64 (`seed_key_data`)
-    seeds[:len(rows)] = [int(row.seed) & _U64_MASK for row in rows]
-    key_data = np.stack([seeds >> np.uint64(32), seeds & np.uint64(_U32_MASK)], axis=1).astype(np.uint32)
+    key_data = np.zeros((S, 2), np.uint32)
+    key_data[:len(rows)] = seeds_key_data([row.seed for row in rows])
     steps = np.zeros((S,), np.uint32)
     steps[:len(rows)] = [row.step for row in rows]
     bias_ids = np.full((S, B), -1, np.int32)

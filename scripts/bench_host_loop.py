@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def tiny_model(served: bool):
     """A 2-layer width-64 Llama of random bf16 weights (bench_engine_gpu's layout); --served: with the default
-    model's tokenizer and its vocabulary."""
+    model's tokenizer and its vocabulary. bench_engine_gpu.random_model's recipe, not imported: a worker may run an
+    older checkout, whose jaxpaged may lack names that script imports."""
     import jax
     import jax.numpy as jnp
     import numpy as np
