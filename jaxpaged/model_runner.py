@@ -61,6 +61,7 @@ import functools
 import itertools
 import logging
 import math
+import operator
 import os
 import sys
 import threading
@@ -73,6 +74,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpaged import parallel, sampler
+from jaxpaged.kept_rows import KeptRows
 from jaxpaged.host_memory import HugePageArena, advise_huge_pages, advise_zeroed_huge_pages, cpu_array_over
 from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
 
@@ -1306,6 +1308,10 @@ class ModelRunner:
         self._compiled: dict[tuple[int, int, int, int], jax.stages.Compiled] = {}  # (T, S, P, L) -> step; warmup()
         options = config.compiler_options()
         self._init_fused_sampler(options)
+        # the scheduled requests' sampler constants and page tables, kept across their steps (`_sampling_batch`,
+        # `prepare`; kept_rows)
+        self._row_constants = sampler.RowConstants(model_config.vocab_size, 2 * config.max_num_seqs)
+        self._page_tables = KeptRows(2 * config.max_num_seqs, config.max_pages_per_seq, np.int32)
         # the verify buckets this runner gives T logits rows (compiled at warm-up), none where it does not pack
         self._verify_buckets = frozenset(config.verify_buckets if self.packs_drafts_in_tokens() else ())
         if mesh is None:
@@ -1359,6 +1365,11 @@ class ModelRunner:
     def multi_process(self) -> bool:
         return self.mesh is not None and jax.process_count() > 1
 
+    def _release(self, request_ids: Sequence[str]) -> None:
+        """Forget the rows kept for these requests (finished)."""
+        self._row_constants.release(request_ids)
+        self._page_tables.release(request_ids)
+
     def prepare(self, entries: Sequence[ScheduledRequest]) -> StepInput:
         """Pack one step's scheduled requests into padded host arrays. With the fused sampler, a verification
         step takes an S bucket with a row for each draft too, where one has (its drafts are then sampled and
@@ -1374,17 +1385,14 @@ class ModelRunner:
         token_ids = np.zeros(t_bucket, np.int32)
         positions = np.zeros(t_bucket, np.int32)
         slots = np.zeros(t_bucket, np.int32)  # padding: slot 0, in the null page
-        page_table = np.zeros((s_bucket, p_bucket), np.int32)
+        page_table = np.zeros((s_bucket, p_bucket), np.int32)  # entry i's pages at [i, 0:num_pages[i]), then 0
+        page_table[:n] = self._page_tables.rows([e.request_id for e in entries], [e.page_ids for e in entries],
+                                                tuple, operator.eq, p_bucket)  # rows made again where pages changed
         kv_lens = np.zeros(s_bucket, np.int32)
         cu = np.zeros(s_bucket + 1, np.int32)
         last = np.zeros(self._logits_rows((t_bucket, s_bucket, p_bucket), rows), np.int32)  # i32[L]
         np.cumsum(lens, out=cu[1:n + 1])
         cu[n + 1:] = num_tokens
-        # the page table's filled cells, row by row: entry i's pages at [i, 0:num_pages[i])
-        page_rows = np.repeat(np.arange(n, dtype=np.int32), num_pages)
-        page_cols = np.arange(len(page_rows), dtype=np.int32) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
-        page_table[page_rows, page_cols] = np.fromiter(itertools.chain.from_iterable(e.page_ids for e in entries),
-                                                       np.int32, len(page_rows))
         # per fed token t: its entry, position and slot (page_table[entry, position // ps] * ps + position % ps)
         token_rows = np.repeat(np.arange(n, dtype=np.int32), lens)
         pos = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - cu[:n], lens)
@@ -1425,6 +1433,7 @@ class ModelRunner:
         if any(e.placeholder for e in entries):
             raise ValueError("a step with placeholder tokens (async scheduling) runs through dispatch(), "
                              "which fills them from the previous step")
+        self._release(scheduler_output.finished_request_ids)
         step = self.prepare(entries)
         layout = self._layout_drafts(entries, step) if any(e.spec_token_ids for e in entries) else None
         if self.fuse_sampler and self.fault_injector is None:
@@ -1468,9 +1477,20 @@ class ModelRunner:
         bitmask (`_check_bitmask`'s) has its rows in that order: packed drafts follow the entries in step order.
         history: `_in_flight_history`'s, for the entries' rows (the layout's rows already have it)."""
         S, V, history = len(step.logits_indices), self.model_config.vocab_size, history or {}
-        rows = [sampling_row(e, None, *history.get(e.request_id, ())) for e in entries] + \
-            list(layout.rows if layout is not None and layout.packed else ())
-        batch = make_sampling_batch(rows, S, V, token_bitmask=_pad_bitmask(grammar_bitmask, S, len(rows)))
+        # the entries' rows from their kept constants (`sampling_row`'s RowInfo only where a row needs more)
+        scalars, key_data = self._row_constants.gather([(e.request_id, e.sampling_params, e.seed) for e in entries])
+        steps = [e.num_output_tokens + len(e.spec_token_ids) for e in entries]
+        special = {i: sampling_row(e, None, *history.get(e.request_id, ())) for i, e in enumerate(entries)
+                   if e.banned_token_ids or e.spec_banned_token_ids or e.sampling_params.logit_bias or
+                   e.sampling_params.uses_penalties}
+        drafts = layout.rows if layout is not None and layout.packed else ()
+        if drafts:
+            more = sampler.row_constants(drafts, V)
+            scalars, key_data, steps = (np.concatenate([a, b]) for a, b in zip((scalars, key_data, steps), more))
+            special.update((len(entries) + j, row) for j, row in enumerate(drafts) if sampler.is_special_row(row))
+        rows = len(entries) + len(drafts)
+        batch = sampler.assemble_sampling_batch(scalars, key_data, steps, special, S, V,
+                                                token_bitmask=_pad_bitmask(grammar_bitmask, S, rows))
         return batch, num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
 
     def _step_sampling(self, batch: SamplingBatch, step: StepInput, *, layout: DraftRows | None = None,
@@ -1574,15 +1594,22 @@ class ModelRunner:
             raise RuntimeError("async scheduling needs the step's tokens on the host of every process: "
                                "multi-process runs take the synchronous loop")
         entries = scheduler_output.scheduled_requests
+        self._release(scheduler_output.finished_request_ids)
         step = self.prepare(entries)
         layout = self._layout_drafts(entries, step) if any(e.spec_token_ids for e in entries) else None
         sources = _placeholder_sources(entries, step, previous) if any(e.placeholder for e in entries) else None
         shifts = None if sources is None else _shift_rows(entries, step, previous)
-        carried = (None, None, None) if sources is None else previous.carry(self.config.seq_buckets[-1])
-        layout, redraft = self._redraft(entries, step, layout, previous, carried) if sources is not None else \
+
+        def carry() -> tuple:
+            """`PendingStep.carry` of previous: waits for its forward where it has random rows (their sampler
+            flags), so this step takes it once the host work that needs none of it is done."""
+            return (None, None, None) if sources is None else previous.carry(self.config.seq_buckets[-1])
+
+        layout, redraft = self._redraft(entries, step, layout, previous, carry) if sources is not None else \
             (layout, None)
         if self.fuse_sampler:
-            return self._dispatch_fused(entries, step, layout, sources, carried, shifts, redraft, previous)
+            return self._dispatch_fused(entries, step, layout, sources, carry, shifts, redraft, previous)
+        carried = carry()
         if shifts is not None or redraft is not None:  # positions moved back, drafts fed: a program per (T, S, P)
             filled = fill_in_flight_jit(
                 step.token_ids, step.positions, step.slot_mapping, step.page_table, step.kv_lens, step.cu_q_lens,
@@ -1597,11 +1624,11 @@ class ModelRunner:
                            rejected=carried[1])
 
     def _redraft(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
-                 previous: PendingStep, carried: tuple) -> tuple[DraftRows | None, Redraft | None]:
+                 previous: PendingStep, carry: Callable[[], tuple]) -> tuple[DraftRows | None, Redraft | None]:
         """With RunnerConfig.prompt_lookup: the drafts of `layout` proposed on a guess of `previous`' outcome (in
         flight; ScheduledRequest.spec_guess) proposed again on the device where the guess proves wrong
         (`redraft_in_flight`). Returns (the layout with the drafts it verifies, `redrafted`; the Redraft to feed), or
-        (layout, None) when no slot guessed."""
+        (layout, None) when no slot guessed. carry: `previous.carry` (called only when some slot guessed)."""
         lookup = self.config.prompt_lookup
         if layout is None or lookup is None:
             return layout, None
@@ -1625,7 +1652,7 @@ class ModelRunner:
             lengths[:, m] = len(tokens), len(drafts), step.cu_q_lens[index[e.request_id]]
             rows[m], previous_slots[m] = previous.rows[e.request_id], slot_before.get(e.request_id, previous_slots[m])
             guess[m] = (len(e.spec_guess) - 1, e.spec_guess[-1]) if e.spec_guess else (-1, -1)  # (): always anew
-        tokens, rejected, _ = carried
+        tokens, rejected, _ = carry()
         before = previous.redraft or self._no_redraft
         draft_ids, redraft = redraft_in_flight(layout.draft_ids, history, lengths[0], lengths[1], rows, guess, tokens,
                                                self._zeros_r if rejected is None else rejected, lengths[2], before,
@@ -1633,15 +1660,17 @@ class ModelRunner:
         return dataclasses.replace(layout, redrafted=draft_ids), redraft
 
     def _dispatch_fused(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
-                        sources: np.ndarray | None, carried: tuple, shifts: np.ndarray | None,
+                        sources: np.ndarray | None, carry: Callable[[], tuple], shifts: np.ndarray | None,
                         redraft: Redraft | None = None, previous: PendingStep | None = None) -> PendingStep:
         """`dispatch` as one program, its sampler rows known now (penalties count the tokens in flight on the
         device: `outputs_in_flight`). A step with a constrained row (its grammar mask needs the previous step's
         token on the host) or a fault injector runs the program's forward only; `dispatch_sample` then samples
-        separately."""
-        tokens, rejected, accepted = carried
+        separately. carry: `previous.carry`, called once the host's inputs are built: where the previous step has
+        random rows it waits for that step's forward (its sampler flags), so the host work before it overlaps the
+        device's."""
         if self.fault_injector is not None or any(
                 e.samples and e.sampling_params.structured_outputs is not None for e in entries):
+            tokens, rejected, _ = carry()
             logits, hidden = self._forward(step, sources, tokens, rejected, shifts, redraft)
             return PendingStep(entries, step, logits, hidden, layout=layout, redraft=redraft, shifts=shifts,
                                rejected=rejected)
@@ -1651,6 +1680,8 @@ class ModelRunner:
         batch, top = self._sampling_batch(entries, step, layout, None, history)
         num_rows = len(entries) + (len(layout.rows) if layout is not None and layout.packed else 0)
         count_from = None if sources is None else _count_from(step, sources, num_rows)
+        carried = carry()  # the wait, if any, after the sampler's rows are built
+        tokens, rejected, accepted = carried
         fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout, sources=sources,
                                                                   previous=tokens, rejected=rejected, shifts=shifts,
                                                                   redraft=redraft, accepted=accepted,

@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.kept_rows import KeptRows
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from pallas_kernels import cpu_sampler
 
@@ -160,32 +161,94 @@ def make_sampling_batch(rows: Sequence[RowInfo], num_rows: int, vocab_size: int,
     """Host arrays for one step: rows[i] fills slot i, slots len(rows).. are greedy padding.
 
     token_bitmask: i32[num_rows, ceil(vocab_size / 32)] of allowed tokens (structured outputs), or None."""
+    scalars, key_data, steps = row_constants(rows, vocab_size)
+    special = {i: row for i, row in enumerate(rows) if is_special_row(row)}
+    return assemble_sampling_batch(scalars, key_data, steps, special, num_rows, vocab_size,
+                                   max_bias_entries=max_bias_entries, token_bitmask=token_bitmask)
+
+
+def row_constants(rows: Sequence[RowInfo], vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(f64[n, 7] `row_scalars`, u32[n, 2] key data, i64[n] key steps) of n rows."""
+    scalars = np.array([row_scalars(row.params, vocab_size) for row in rows], np.float64).reshape(len(rows), 7)
+    return scalars, seeds_key_data([row.seed for row in rows]), np.array([row.step for row in rows], np.int64)
+
+
+def is_special_row(row: RowInfo) -> bool:
+    """Whether a row needs more than its constants: a logit bias, banned ids or penalties (`assemble_sampling_batch`)."""
+    return bool(row.banned_token_ids or row.params.logit_bias or row.uses_penalties)
+
+
+def assemble_sampling_batch(scalars: np.ndarray, key_data: np.ndarray, steps: Sequence[int] | np.ndarray,
+                            special: dict[int, RowInfo], num_rows: int, vocab_size: int, *,
+                            max_bias_entries: int = MAX_BIAS_ENTRIES,
+                            token_bitmask: np.ndarray | None = None) -> SamplingBatch:
+    """`make_sampling_batch` from n rows' constants: scalars f64[n, 7] (`row_scalars`), key data u32[n, 2]
+    (`seeds_key_data`) and key steps [n]; special {row i: its RowInfo} for every row `is_special_row` says needs
+    more (the rows not in it have no bias, banned ids or penalties). Slots n.. are greedy padding."""
+    n = len(scalars)
     _check_token_bitmask(token_bitmask, num_rows, vocab_size)
-    if not isinstance(num_rows, int) or num_rows < max(1, len(rows)):
-        raise ValueError(f"num_rows={num_rows!r}: must be an integer >= max(1, len(rows)={len(rows)})")
+    if not isinstance(num_rows, int) or num_rows < max(1, n):
+        raise ValueError(f"num_rows={num_rows!r}: must be an integer >= max(1, len(rows)={n})")
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size!r}: must be an integer >= 1")
     if not isinstance(max_bias_entries, int) or max_bias_entries < 1:
         raise ValueError(f"max_bias_entries={max_bias_entries!r}: must be an integer >= 1")
+    steps = np.asarray(steps, np.int64).reshape(-1)
+    if len(key_data) != n or len(steps) != n or (n and not (0 <= steps.min() and steps.max() <= _U32_MASK)):
+        raise ValueError(f"{n} rows need {n} key data rows and key steps in [0, 2**32), got {len(key_data)} "
+                         f"and {steps.tolist()}")
     S, B = num_rows, max_bias_entries
-    scalars = [_row_scalars(row.params, vocab_size) for row in rows] + [_PADDING_SCALARS] * (S - len(rows))
-    temperature, top_k, top_p, min_p, presence, frequency, repetition = np.array(scalars, np.float64).T
-    key_data = np.zeros((S, 2), np.uint32)
-    key_data[:len(rows)] = seeds_key_data([row.seed for row in rows])
-    steps = np.zeros((S,), np.uint32)
-    steps[:len(rows)] = [row.step for row in rows]
+    table = np.empty((S, 7), np.float64)  # the padding rows: greedy, neutral
+    table[:n], table[n:] = scalars, _PADDING_SCALARS
+    temperature, top_k, top_p, min_p, presence, frequency, repetition = table.T
+    padded_key_data = np.zeros((S, 2), np.uint32)
+    padded_key_data[:n] = key_data
+    padded_steps = np.zeros((S,), np.uint32)
+    padded_steps[:n] = steps
     bias_ids = np.full((S, B), -1, np.int32)
     bias_values = np.zeros((S, B), np.float32)
-    for i, row in enumerate(rows):
+    for i, row in special.items():
         if row.banned_token_ids or row.params.logit_bias:
             _fill_bias_row(bias_ids[i], bias_values[i], row, vocab_size, i)
-    counts, prompt_mask = _penalty_arrays(rows, S, vocab_size)
+    counts, prompt_mask = _penalty_arrays(special, S, vocab_size)
     f32 = np.float32
     return SamplingBatch(
         temperature=temperature.astype(f32), top_k=top_k.astype(np.int32), top_p=top_p.astype(f32),
         min_p=min_p.astype(f32), presence_penalty=presence.astype(f32), frequency_penalty=frequency.astype(f32),
-        repetition_penalty=repetition.astype(f32), key_data=key_data, steps=steps, bias_ids=bias_ids,
+        repetition_penalty=repetition.astype(f32), key_data=padded_key_data, steps=padded_steps, bias_ids=bias_ids,
         bias_values=bias_values, output_counts=counts, prompt_mask=prompt_mask, token_bitmask=token_bitmask)
+
+
+class RowConstants:
+    """Each scheduled request's sampler constants (its params' `row_scalars`, its seed's key data), kept across its
+    steps by request id (`kept_rows.KeptRows`): a step gathers them instead of reading every row's params again.
+    A request's row is made again whenever its params object or seed is not the one it was made from."""
+
+    def __init__(self, vocab_size: int, capacity: int):
+        self.vocab_size = vocab_size
+        self._kept = KeptRows(capacity, 9, np.float64)  # f64[C, 9]: row_scalars, then the key data's two words
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def gather(self, rows: Sequence[tuple[str, SamplingParams, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(f64[n, 7] scalars, u32[n, 2] key data) of n rows given as (request id, params, seed), distinct ids."""
+        table = self._kept.rows([rid for rid, _, _ in rows], [(params, seed) for _, params, seed in rows],
+                                self._make, _same_params_and_seed)
+        return table[:, :7], table[:, 7:].astype(np.uint32)
+
+    def _make(self, source: tuple[SamplingParams, int]) -> tuple:
+        params, seed = source
+        RowInfo(params, seed)  # validates
+        return (*row_scalars(params, self.vocab_size), *seed_key_data(seed).tolist())
+
+    def release(self, request_ids) -> None:
+        """Forget these requests (finished); an id not kept is ignored."""
+        self._kept.release(request_ids)
+
+
+def _same_params_and_seed(kept: tuple[SamplingParams, int], source: tuple[SamplingParams, int]) -> bool:
+    return kept[0] is source[0] and kept[1] == source[1]
 
 
 def _check_token_bitmask(bitmask: np.ndarray | None, S: int, V: int) -> None:
@@ -201,7 +264,7 @@ def _check_token_bitmask(bitmask: np.ndarray | None, S: int, V: int) -> None:
 _PADDING_SCALARS = (0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0)
 
 
-def _row_scalars(p: SamplingParams, vocab_size: int) -> tuple[float, ...]:
+def row_scalars(p: SamplingParams, vocab_size: int) -> tuple[float, ...]:
     """(temperature, top_k, top_p, min_p, presence, frequency, repetition), cuts off for greedy rows."""
     penalties = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
     if p.temperature < GREEDY_TEMPERATURE_EPS:
@@ -222,13 +285,14 @@ def _fill_bias_row(ids: np.ndarray, values: np.ndarray, row: RowInfo, vocab_size
         ids[j], values[j] = token_id, bias
 
 
-def _penalty_arrays(rows: Sequence[RowInfo], S: int, V: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Dense output counts i32[S, V] and prompt mask bool[S, V], or (None, None) when no row needs them."""
-    if not any(row.uses_penalties for row in rows):
+def _penalty_arrays(rows: dict[int, RowInfo], S: int, V: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Dense output counts i32[S, V] and prompt mask bool[S, V] of {slot: row}, or (None, None) when no row needs
+    them."""
+    if not any(row.uses_penalties for row in rows.values()):
         return None, None
     counts = np.zeros((S, V), np.int32)
     prompt_mask = np.zeros((S, V), np.bool_)
-    for i, row in enumerate(rows):
+    for i, row in rows.items():
         if not row.uses_penalties:
             continue  # its penalties are neutral: the counts are never read
         out = np.asarray(row.output_token_ids, np.int64).reshape(-1)

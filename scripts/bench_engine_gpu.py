@@ -51,8 +51,9 @@ program starts at its launch or when the step before it ends, whichever is later
 --emulate-row-ms per token fed past the first; reading a step's tokens waits for its end. The host's work (this
 machine's Python: schedule, propose, inputs, outputs) is real, so the rows say how much of it the overlap hides
 behind steps of an H200's length (session 35: 4.4 ms a batch-1 decode at the Llama-3-8B shape, ~4.6 ms a 4-row
-verification). The sampler is fused into the step program, as on a GPU (unless --fuse-sampler off). Only the
-outcome read is timed: the seeded rows' reads of sampler flags are not, so they are left out. A 2-layer bigram
+verification). The sampler is fused into the step program, as on a GPU (unless --fuse-sampler off). The
+outcome read is timed, and a plain step's read of its sampler flags, but not every read a seeded verification
+makes: the seeded rows are left out. A 2-layer bigram
 model falls into loops, so its "open" prompts copy its own output: the open and mixed-batch rows say nothing there.
 --json appends one JSON object per measurement (scripts/gpu_check.sh decides the targets from it).
 """
@@ -347,10 +348,12 @@ def copying_model(loaded: LoadedModel) -> LoadedModel:
 def emulate_device(runner, step_ms: float, row_ms: float) -> None:
     """--emulate-step-ms: give `runner` a device timeline. A step program (`_run_fused`, `_run`) occupies the
     device from its launch, or the end of the step before if later, for step_ms + row_ms per token the step feeds
-    past the first; reading the step's tokens (`PendingStep.result`, the end of `execute_model`) waits for its end.
+    past the first; reading the step's tokens (`PendingStep.result`, the end of `execute_model`) waits for its end,
+    and so does reading a fused step's sampler flags when it has random rows (its `finish_sample`: the next step's
+    dispatch reads them, `PendingStep.carry`; other reads of a verification's random rows are not modelled).
     The host's work before the launch (inputs) and after the read (outputs) stays exposed, as on a device; the real
     forward (a 2-layer model) runs meanwhile, well within a step."""
-    free_at, fed = [0.0], [1]
+    free_at, fed, ends = [0.0], [1], {}  # ends: {id(pending step): when its program ends}, until dispatch_sample
 
     def launch(program):
         def launched(*args, **kwargs):
@@ -360,17 +363,23 @@ def emulate_device(runner, step_ms: float, row_ms: float) -> None:
         return launched
 
     def wait(until: float) -> None:
-        if until > time.perf_counter():
-            time.sleep(until - time.perf_counter())
+        time.sleep(max(0.0, until - time.perf_counter()))
 
-    dispatch, execute = runner.dispatch, runner.execute_model
+    dispatch, execute, dispatch_sample = runner.dispatch, runner.execute_model, runner.dispatch_sample
 
     def dispatched(out, *rest):
         fed[0] = out.num_scheduled_tokens
         pending = dispatch(out, *rest)
         result, end = pending.result, free_at[0]
         pending.result = lambda: wait(end) or result()
+        ends[id(pending)] = end
         return pending
+
+    def sample_dispatched(pending, *rest):  # a fused step with random rows: its finish reads the sampler's flags
+        dispatch_sample(pending, *rest)
+        finish, end = pending.finish_sample, ends.pop(id(pending), 0.0)
+        if pending.fused is not None and pending.fused.sample.flags is not None:
+            pending.finish_sample = lambda: wait(end) or finish()
 
     def executed(out, *rest):
         fed[0] = out.num_scheduled_tokens
@@ -379,7 +388,7 @@ def emulate_device(runner, step_ms: float, row_ms: float) -> None:
         return output
 
     runner._run_fused, runner._run = launch(runner._run_fused), launch(runner._run)
-    runner.dispatch, runner.execute_model = dispatched, executed
+    runner.dispatch, runner.execute_model, runner.dispatch_sample = dispatched, executed, sample_dispatched
 
 
 def spec_sizes(args) -> tuple[int, int]:
@@ -629,7 +638,7 @@ def main(argv=None) -> int:
     if not (args.smoke or args.host_bound) and jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (backend is {jax.default_backend()!r}); use --smoke or --host-bound elsewhere")
     config = SMOKE if args.smoke else HOST_BOUND if args.host_bound else LLAMA3_8B
-    if args.emulate_step_ms:  # real forwards well within a step; seeded rows' flag reads are not timed
+    if args.emulate_step_ms:  # real forwards well within a step; not every read of seeded verifications is timed
         config, args.spec_temperature = dataclasses.replace(HOST_BOUND, num_hidden_layers=2), 0.0
         args.fuse_sampler = "on" if args.fuse_sampler == "auto" else args.fuse_sampler  # a GPU's step program
     if args.smoke:

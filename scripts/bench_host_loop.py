@@ -51,6 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tree", default=None, help="another checkout to measure beside this one")
     ap.add_argument("--rounds", type=int, default=3, help="with --tree: runs a side, alternating the order")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs a batch in each worker: the best is kept")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature, seeded (random rows: the sampler's flags are read back)")
+    ap.add_argument("--emulate-step-ms", type=float, default=0.0,
+                    help="time each step as a device's of this many ms (bench_engine_gpu.emulate_device)")
+    ap.add_argument("--emulate-row-ms", type=float, default=0.0, help="with --emulate-step-ms: ms a token past the first")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # the checkout a worker process imports
     return ap.parse_args(argv)
 
@@ -119,10 +124,10 @@ def run_batch(engine, clock: Clock, batch: int, args, vocab: int, tag: str) -> d
     import numpy as np
     from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
     kind = RequestOutputKind.DELTA if args.served else RequestOutputKind.CUMULATIVE
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=args.served,
-                            output_kind=kind)
     rng = np.random.default_rng(batch)
     for i in range(batch):
+        params = SamplingParams(temperature=args.temperature, seed=i if args.temperature else None,
+                                max_tokens=args.output_len, ignore_eos=True, detokenize=args.served, output_kind=kind)
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": rng.integers(0, vocab, args.prompt_len).tolist()},
                            params)
     steps, start, produced = [], time.perf_counter(), 0
@@ -164,6 +169,10 @@ def worker(args) -> None:
                                   max_num_batched_tokens=2048, num_pages=num_pages,
                                   fuse_sampler="on", async_scheduling=True, async_scheduling_max_tokens=2048),
                        loaded=loaded)
+    if args.emulate_step_ms:
+        sys.path.insert(1, str(ROOT / "scripts"))
+        from bench_engine_gpu import emulate_device
+        emulate_device(engine.runner, args.emulate_step_ms, args.emulate_row_ms)
     clock = Clock()
     clock.watch_device_get()
     if args.phases:
@@ -181,7 +190,9 @@ def worker(args) -> None:
 def measure(root: str, args) -> list[dict]:
     """One worker process over the checkout at `root`: its per-batch rows."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", root, "--batches", args.batches,
-            "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--repeats", str(args.repeats)]
+            "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--repeats", str(args.repeats),
+            "--temperature", str(args.temperature), "--emulate-step-ms", str(args.emulate_step_ms),
+            "--emulate-row-ms", str(args.emulate_row_ms)]
     argv += ["--served"] * args.served + ["--phases"] * args.phases
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode:

@@ -347,3 +347,20 @@ def test_cuda_lowering_holds_the_sampler(small_params):  # noqa: F811
     for marker in ("chlo.top_k", "stablehlo.xor", "stablehlo.is_finite"):
         assert marker in fused and marker not in plain, marker
     assert "stablehlo.case" not in fused and "stablehlo.if" not in fused
+
+
+def test_a_step_after_random_rows_builds_its_sampler_inputs_before_reading_their_flags(tiny, monkeypatch):
+    """Overlapped, a step after one with random rows waits for that step's forward (its sampler's flags say
+    whether a row needs the fallback) only once its own sampler inputs are built, so that host work overlaps
+    the device's: each step's build comes before the previous step's flags are read, not after."""
+    engine = make_engine(tiny, "on", True)
+    events = []
+    build, finish_random = engine.runner._sampling_batch, sampler._finish_random
+    monkeypatch.setattr(engine.runner, "_sampling_batch", lambda *a, **k: events.append("build") or build(*a, **k))
+    monkeypatch.setattr(sampler, "_finish_random", lambda *a: events.append("flags") or finish_random(*a))
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3, 4]}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    # step 1 built; step 2 built, then step 1's flags read (dispatching 2 after them); ...; the last step's flags
+    assert events == ["build"] + ["build", "flags"] * 5 + ["flags"]

@@ -20,7 +20,7 @@ from jaxpaged.model_runner import (CPU_COMPILER_OPTIONS, CPU_SMALL_STEP_OPTIONS,
 from jaxpaged.models.llama import PackedWeight, WeightLayout, forward_jit, unstack_layers
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import ScheduledRequest
+from jaxpaged.scheduler import ScheduledRequest, SchedulerOutput
 from pallas_kernels import cpu_build, cpu_matmul
 
 CONFIG = RunnerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128, page_size=16, num_pages=32,
@@ -449,6 +449,43 @@ def test_key_steps_move_back_by_the_drafts_rejected_in_flight():
     assert pending.key_steps(batch, token_index) is batch
     batch = make_sampling_batch(rows, 5, 260)
     assert PendingStep((), None, None, None).key_steps(batch, token_index) is batch
+
+
+def test_sampling_batch_from_kept_constants_is_the_batch_of_the_entries_rows(tiny):
+    """A step's sampler batch gathers each request's constants kept from earlier steps (`sampler.RowConstants`),
+    RowInfos only for rows with banned ids, a bias or penalties, then packed draft rows: the batch of the rows
+    `sampling_row` makes, row for row. A request id that comes back with other params gets them (made again), and
+    finished requests are forgotten."""
+    from jaxpaged.model_runner import sampling_row
+    from jaxpaged.sampler import make_sampling_batch
+    runner = ModelRunner(tiny.config, tiny.params, dataclasses.replace(CONFIG, num_speculative_tokens=2))
+    V = tiny.config.vocab_size
+    seeded, greedy = SamplingParams(temperature=0.7, top_k=3, top_p=0.8), SamplingParams(temperature=0.0)
+    biased = SamplingParams(temperature=0.9, logit_bias={5: 2.0}, presence_penalty=0.5)
+
+    def make(rid, params, seed, outputs, **fields):
+        return dataclasses.replace(entry(rid, [7], 20, [1, 2]), sampling_params=params, seed=seed,
+                                   num_output_tokens=outputs, output_token_ids=[4] * outputs, **fields)
+
+    entries = [make("a", seeded, 11, 3), make("b", greedy, 0, 1, banned_token_ids=(2, 9)),
+               make("c", biased, 5, 2, token_ids=(7, 8, 9), spec_token_ids=(8, 9), spec_banned_token_ids=((), (3,))),
+               make("d", seeded, 12, 0, token_ids=(7, 6), spec_token_ids=(6,), spec_banned_token_ids=((),))]
+    for order in (entries[::-1], entries):  # the second step reads what the first kept
+        step = runner.prepare(order)
+        layout = runner._layout_drafts(order, step)
+        assert layout.packed
+        batch, _ = runner._sampling_batch(order, step, layout, None)
+        rows = [sampling_row(e) for e in order] + list(layout.rows)
+        want = make_sampling_batch(rows, len(step.logits_indices), V)
+        for field in dataclasses.fields(want):
+            got, expected = getattr(batch, field.name), getattr(want, field.name)
+            assert (got is None) == (expected is None) and (got is None or np.array_equal(got, expected)), field.name
+    assert len(runner._row_constants) == 4
+    again = [make("a", greedy, 11, 4)]  # "a" came back with other params
+    step = runner.prepare(again)
+    assert runner._sampling_batch(again, step, None, None)[0].temperature.tolist() == [0.0] * 4
+    runner.execute_model(SchedulerOutput(tuple(again), 1, (), ("b", "c")))  # a step told b and c finished
+    assert len(runner._row_constants) == 2
 
 
 def test_outputs_in_flight_are_what_the_host_counts_lack():

@@ -5,6 +5,8 @@ Most tests share one shape (S=8, V=64) so they share `sample_jit`'s compiles.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from jaxpaged.sampler import (MAX_BIAS_ENTRIES, RowInfo, SamplerOutput, SamplingBatch, make_sampling_batch,
-                              process_logits, sample, sample_jit, seed_key_data, step_key)
+from jaxpaged.sampler import (MAX_BIAS_ENTRIES, RowConstants, RowInfo, SamplerOutput, SamplingBatch,
+                              assemble_sampling_batch, is_special_row, make_sampling_batch, process_logits, sample,
+                              sample_jit, seed_key_data, step_key)
 from jaxpaged.sampler import compiled_variants, warmup
 from jaxpaged.sampling_params import SamplingParams as SP
 
@@ -308,6 +311,38 @@ def test_bad_arguments_raise():
         sample(jnp.zeros((S, V)), batch, num_top_logprobs=V + 1)
 
 
+def test_row_constants_are_kept_by_request_and_made_again_when_its_params_or_seed_change():
+    table = RowConstants(V, capacity=3)
+    greedy, hot = SP(temperature=0.0, top_k=5), SP(temperature=0.5, top_k=V + 5, top_p=0.25, min_p=0.125)
+    scalars, keys = table.gather([("a", greedy, 1), ("b", hot, 2)])
+    # (temperature, top_k, top_p, min_p, presence, frequency, repetition): greedy rows cut nothing, top_k >= V is off
+    assert scalars.tolist() == [[0, 0, 1, 0, 0, 0, 1], [0.5, 0, 0.25, 0.125, 0, 0, 1]]
+    assert keys.tolist() == [seed_key_data(1).tolist(), seed_key_data(2).tolist()] and len(table) == 2
+    scalars, keys = table.gather([("b", hot, 2), ("a", hot, 1)])  # a's params are another object: made again
+    assert scalars[:, 0].tolist() == [0.5, 0.5] and keys.tolist() == [seed_key_data(2).tolist(),
+                                                                       seed_key_data(1).tolist()]
+    assert table.gather([("a", hot, 7)])[1].tolist() == [seed_key_data(7).tolist()] and len(table) == 2  # a new seed
+    table.release(["a", "never-seen"])
+    assert len(table) == 1
+    # a step needing more room than is free drops every entry first, then makes its own
+    scalars, _ = table.gather([("c", greedy, 0), ("d", hot, 0), ("e", greedy, 0)])
+    assert scalars[:, 0].tolist() == [0, 0.5, 0] and len(table) == 3
+    with pytest.raises(ValueError, match="capacity"):
+        table.gather([(str(i), greedy, 0) for i in range(4)])
+    with pytest.raises(ValueError, match="seed"):
+        table.gather([("f", greedy, 1.5)])
+    with pytest.raises(ValueError, match="capacity"):
+        RowConstants(V, capacity=0)
+
+
+def test_assembled_batch_checks_its_steps():
+    scalars, keys = RowConstants(V, 2).gather([("a", SP(), 0)])
+    assert assemble_sampling_batch(scalars, keys, [2**32 - 1], {}, S, V).steps.tolist() == [2**32 - 1] + [0] * 7
+    for steps in ([-1], [2**32], []):
+        with pytest.raises(ValueError, match="key steps"):
+            assemble_sampling_batch(scalars, keys, steps, {}, S, V)
+
+
 # ---- random params -------------------------------------------------------------------
 
 
@@ -344,6 +379,26 @@ def test_random_params_outputs_are_sane(data):
         assert np.isfinite(processed[i, tokens[i]])
         if row.params.temperature == 0.0:
             assert tokens[i] == np.argmax(processed[i])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_kept_row_constants_give_the_batch_of_the_rows(data):
+    """A batch from the constants a RowConstants kept (over steps in another order) and RowInfos only for the rows
+    that need more (`is_special_row`) is the batch of the rows themselves."""
+    rows = [data.draw(random_row()) for _ in range(data.draw(st.integers(0, S)))]
+    table = RowConstants(V, capacity=2 * S)
+    kept = [(f"r{i}", row.params, row.seed) for i, row in enumerate(rows)]
+    table.gather(data.draw(st.permutations(kept)))  # an earlier step's order
+    scalars, keys = table.gather(kept)
+    batch = assemble_sampling_batch(scalars, keys, [row.step for row in rows],
+                                    {i: row for i, row in enumerate(rows) if is_special_row(row)}, S, V)
+    want = make_sampling_batch(rows, S, V)
+    for field in dataclasses.fields(SamplingBatch):
+        got, expected = getattr(batch, field.name), getattr(want, field.name)
+        assert (got is None) == (expected is None), field.name
+        if got is not None:
+            assert got.dtype == expected.dtype and np.array_equal(got, expected), field.name
 
 
 # ---- compiles ------------------------------------------------------------------
