@@ -44,6 +44,9 @@ class KeptRows:
         n = len(request_ids)
         if n > self.capacity:
             raise ValueError(f"{n} rows exceed the capacity of {self.capacity}")
+        if len(set(request_ids)) != n:  # one slot per id: a repeated id would read its last source's row
+            repeated = sorted({rid for rid in request_ids if request_ids.count(rid) > 1})
+            raise ValueError(f"request ids repeat in one step: {repeated}")
         if n > len(self._free) and sum(rid not in self._kept for rid in request_ids) > len(self._free):
             self.release(list(self._kept))
         slots = np.fromiter((self._slot(rid, source, make, same) for rid, source in zip(request_ids, sources)),

@@ -4,6 +4,9 @@ Host side, once per step: `make_sampling_batch(rows, num_rows, vocab_size)`
 turns one `RowInfo` per live slot into a `SamplingBatch`, a pytree of fixed
 shape numpy arrays (S = num_rows, the padded batch bucket). Rows beyond
 `len(rows)` are padding: greedy and neutral, their results are garbage.
+The runner builds the same batch from constants it keeps per request across
+steps (`RowConstants`: its params' scalars, its seed's key data) and RowInfos
+only for the rows that need more (`assemble_sampling_batch`).
 
 Device side: `sample(logits, batch)` (its parts jitted; the host picks which
 run from the batch and a few flags) processes each row like vLLM does:

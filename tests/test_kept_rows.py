@@ -39,6 +39,8 @@ def test_bad_rows_and_sizes_raise_and_keep_nothing():
     kept = KeptRows(capacity=2, width=2, dtype=np.int32)
     with pytest.raises(ValueError, match="capacity of 2"):
         kept.rows(["a", "b", "c"], [(1,)] * 3, tuple, operator.eq)
+    with pytest.raises(ValueError, match="request ids repeat"):
+        kept.rows(["a", "a"], [(1,), (2,)], tuple, operator.eq)
     with pytest.raises(ValueError, match="wider than 2"):
         kept.rows(["a"], [(1, 2, 3)], tuple, operator.eq)
     assert len(kept) == 0
