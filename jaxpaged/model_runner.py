@@ -680,9 +680,15 @@ def sampling_row(entry: ScheduledRequest, position: int | None = None, before: S
     history = entry.output_token_ids  # the request's own list, by reference, unless more is counted
     if entry.sampling_params.uses_penalties and (before or drafts[:j]):
         history = list(history) + list(before) + [t for t in drafts[:j] if t >= 0]
-    banned = entry.banned_token_ids if j == 0 else entry.spec_banned_token_ids[j - 1]
     return RowInfo(params=entry.sampling_params, seed=entry.seed, step=entry.num_output_tokens + j,
-                   prompt_token_ids=entry.prompt_token_ids, output_token_ids=history, banned_token_ids=banned)
+                   prompt_token_ids=entry.prompt_token_ids, output_token_ids=history,
+                   banned_token_ids=banned_at(entry, j))
+
+
+def banned_at(entry: ScheduledRequest, j: int) -> tuple[int, ...]:
+    """The banned ids of the entry's row at fed position j in 0..d (`sampling_row`): its own, or those of the output
+    after its first j drafts."""
+    return entry.banned_token_ids if j == 0 else entry.spec_banned_token_ids[j - 1]
 
 
 _PADDING_ROW = RowInfo(params=SamplingParams(temperature=0.0), seed=0)  # a draft slot nobody fed: never accepted
@@ -1481,13 +1487,13 @@ class ModelRunner:
         scalars, key_data = self._row_constants.gather([(e.request_id, e.sampling_params, e.seed) for e in entries])
         steps = [e.num_output_tokens + len(e.spec_token_ids) for e in entries]
         special = {i: sampling_row(e, None, *history.get(e.request_id, ())) for i, e in enumerate(entries)
-                   if e.banned_token_ids or e.spec_banned_token_ids or e.sampling_params.logit_bias or
-                   e.sampling_params.uses_penalties}
+                   if sampler.needs_row_info(e.sampling_params, banned_at(e, len(e.spec_token_ids)))}
         drafts = layout.rows if layout is not None and layout.packed else ()
         if drafts:
             more = sampler.row_constants(drafts, V)
             scalars, key_data, steps = (np.concatenate([a, b]) for a, b in zip((scalars, key_data, steps), more))
-            special.update((len(entries) + j, row) for j, row in enumerate(drafts) if sampler.is_special_row(row))
+            special.update((len(entries) + j, row) for j, row in enumerate(drafts)
+                           if sampler.needs_row_info(row.params, row.banned_token_ids))
         rows = len(entries) + len(drafts)
         batch = sampler.assemble_sampling_batch(scalars, key_data, steps, special, S, V,
                                                 token_bitmask=_pad_bitmask(grammar_bitmask, S, rows))

@@ -165,7 +165,7 @@ def make_sampling_batch(rows: Sequence[RowInfo], num_rows: int, vocab_size: int,
 
     token_bitmask: i32[num_rows, ceil(vocab_size / 32)] of allowed tokens (structured outputs), or None."""
     scalars, key_data, steps = row_constants(rows, vocab_size)
-    special = {i: row for i, row in enumerate(rows) if is_special_row(row)}
+    special = {i: row for i, row in enumerate(rows) if needs_row_info(row.params, row.banned_token_ids)}
     return assemble_sampling_batch(scalars, key_data, steps, special, num_rows, vocab_size,
                                    max_bias_entries=max_bias_entries, token_bitmask=token_bitmask)
 
@@ -176,9 +176,10 @@ def row_constants(rows: Sequence[RowInfo], vocab_size: int) -> tuple[np.ndarray,
     return scalars, seeds_key_data([row.seed for row in rows]), np.array([row.step for row in rows], np.int64)
 
 
-def is_special_row(row: RowInfo) -> bool:
-    """Whether a row needs more than its constants: a logit bias, banned ids or penalties (`assemble_sampling_batch`)."""
-    return bool(row.banned_token_ids or row.params.logit_bias or row.uses_penalties)
+def needs_row_info(params: SamplingParams, banned_token_ids: Sequence[int]) -> bool:
+    """Whether a row of these params and banned ids needs more than its constants (its RowInfo, a special row of
+    `assemble_sampling_batch`): a logit bias, banned ids or penalties."""
+    return bool(banned_token_ids or params.logit_bias or params.uses_penalties)
 
 
 def assemble_sampling_batch(scalars: np.ndarray, key_data: np.ndarray, steps: Sequence[int] | np.ndarray,
@@ -186,7 +187,7 @@ def assemble_sampling_batch(scalars: np.ndarray, key_data: np.ndarray, steps: Se
                             max_bias_entries: int = MAX_BIAS_ENTRIES,
                             token_bitmask: np.ndarray | None = None) -> SamplingBatch:
     """`make_sampling_batch` from n rows' constants: scalars f64[n, 7] (`row_scalars`), key data u32[n, 2]
-    (`seeds_key_data`) and key steps [n]; special {row i: its RowInfo} for every row `is_special_row` says needs
+    (`seeds_key_data`) and key steps [n]; special {row i: its RowInfo} for every row `needs_row_info` says needs
     more (the rows not in it have no bias, banned ids or penalties). Slots n.. are greedy padding."""
     n = len(scalars)
     _check_token_bitmask(token_bitmask, num_rows, vocab_size)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from jaxpaged.sampler import (MAX_BIAS_ENTRIES, RowConstants, RowInfo, SamplerOutput, SamplingBatch,
-                              assemble_sampling_batch, is_special_row, make_sampling_batch, process_logits, sample,
+                              assemble_sampling_batch, make_sampling_batch, needs_row_info, process_logits, sample,
                               sample_jit, seed_key_data, step_key)
 from jaxpaged.sampler import compiled_variants, warmup
 from jaxpaged.sampling_params import SamplingParams as SP
@@ -385,14 +385,14 @@ def test_random_params_outputs_are_sane(data):
 @given(data=st.data())
 def test_kept_row_constants_give_the_batch_of_the_rows(data):
     """A batch from the constants a RowConstants kept (over steps in another order) and RowInfos only for the rows
-    that need more (`is_special_row`) is the batch of the rows themselves."""
+    that need more (`needs_row_info`) is the batch of the rows themselves."""
     rows = [data.draw(random_row()) for _ in range(data.draw(st.integers(0, S)))]
     table = RowConstants(V, capacity=2 * S)
     kept = [(f"r{i}", row.params, row.seed) for i, row in enumerate(rows)]
     table.gather(data.draw(st.permutations(kept)))  # an earlier step's order
     scalars, keys = table.gather(kept)
-    batch = assemble_sampling_batch(scalars, keys, [row.step for row in rows],
-                                    {i: row for i, row in enumerate(rows) if is_special_row(row)}, S, V)
+    special = {i: row for i, row in enumerate(rows) if needs_row_info(row.params, row.banned_token_ids)}
+    batch = assemble_sampling_batch(scalars, keys, [row.step for row in rows], special, S, V)
     want = make_sampling_batch(rows, S, V)
     for field in dataclasses.fields(SamplingBatch):
         got, expected = getattr(batch, field.name), getattr(want, field.name)
