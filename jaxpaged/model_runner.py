@@ -1363,7 +1363,8 @@ class ModelRunner:
         self._zeros_r = jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)  # i32[R]: no tokens, no drafts rejected
         # a Redraft's slots (one shape for every step: `Redraft`)
         self._redraft_slots = self.config.draft_seq_buckets[-1] if self.config.num_speculative_tokens else 1
-        self._no_redraft = Redraft.none(self._redraft_slots, self.config.num_speculative_tokens)  # nothing anew
+        # nothing anew, on the device (the arrays every step without redrafts takes: no transfer each step)
+        self._no_redraft = jax.device_put(Redraft.none(self._redraft_slots, self.config.num_speculative_tokens))
         # i32[R, k]: no drafts accepted in flight
         self._no_accepted = jnp.full((self.config.seq_buckets[-1], self.config.num_speculative_tokens), -1, jnp.int32)
 

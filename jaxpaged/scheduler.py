@@ -143,9 +143,13 @@ class SchedulerConfig:
             bad("memory_bound_tokens", "must be an integer >= 0")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step; the runner builds positions and slot mapping from it."""
+    """One request's share of a step; the runner builds positions and slot mapping from it.
+
+    Read-only by contract, derived with `dataclasses.replace`, but not frozen: the scheduler makes one for every
+    running request every step, and a frozen dataclass's __init__ (a guarded setattr per field) took 4x as long
+    (1.96 us against 0.46 with slots, 17 fields; ~0.4 ms of a 256-request step)."""
 
     request_id: str
     token_ids: tuple[int, ...]  # the tokens at positions [start_position, start_position + len)

@@ -231,6 +231,29 @@ def replay_ms(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float, 
     return 1e3 * best_fwd, 1e3 * best_sample[0], 1e3 * best_sample[1]
 
 
+def launch_us(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float, int]:
+    """(host us per call with the inputs as the host builds them, with the same inputs already on the device,
+    the number of host arrays): the step programs of `steps` called one at a time on an idle device, timed
+    until each call returns (enqueued). Each host (numpy) input is a transfer of its own; the difference is
+    what sending them as one buffer could save a step (the `packed-inputs` branch)."""
+    runner = engine.runner
+    programs = [runner.step_program(step) for step in steps]
+    host = [(step, runner.neutral_sampling(step)) if runner.fuse_sampler else (step,) for step in steps]
+    on_device = [jax.device_put(args) for args in host]
+    num_host = sum(isinstance(x, (np.ndarray, np.generic)) for x in jax.tree_util.tree_leaves(host[0]))
+    best = {}
+    for name, inputs in (("host", host), ("device", on_device)):
+        for _ in range(rounds):
+            total = 0.0
+            for program, args in zip(programs, inputs):
+                t0 = time.perf_counter()
+                out, _, runner.kv = program(runner.params, runner.kv, *args)
+                total += time.perf_counter() - t0
+                jax.block_until_ready(out)
+            best[name] = min(best.get(name, float("inf")), 1e6 * total / len(steps))
+    return best["host"], best["device"], num_host
+
+
 def profile(engine: LLMEngine, report: Report, num_seqs: int, timed, bandwidth: float, weight_bytes: int) -> None:
     """One batch size's steady decode: step wall, replayed forward and sampler, roofline, unhidden host."""
     steps = decode_steps(timed, num_seqs, limit=16)
@@ -239,6 +262,7 @@ def profile(engine: LLMEngine, report: Report, num_seqs: int, timed, bandwidth: 
         return
     wall = 1e3 * float(np.median([s for s, _ in steps]))
     fwd, sample, sample_top_p = replay_ms(engine, [step for _, step in steps])
+    launch_host, launch_device, num_host = launch_us(engine, [step for _, step in steps])
     c = engine.model.config
     kv_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * engine.runner.kv.k.dtype.itemsize
     kv_bytes = float(np.mean([int(np.sum(step.kv_lens)) for _, step in steps])) * kv_token
@@ -251,10 +275,12 @@ def profile(engine: LLMEngine, report: Report, num_seqs: int, timed, bandwidth: 
                f"t0.8/top_p0.95 ({sample_top_p / sample:.2f}x); "
                f"weight read {weight_ms:.2f} ms + KV {kv_ms:.2f} ms "
                f"= {(weight_ms + kv_ms) / fwd:.0%} of roofline; host not hidden {unhidden:.2f} ms "
-               f"({unhidden / wall:.1%} of the step); HLO " + " ".join(f"{k}={v}" for k, v in counts.items()),
+               f"({unhidden / wall:.1%} of the step); launch {launch_host:.0f} us with {num_host} host arrays, "
+               f"{launch_device:.0f} us with them on the device; HLO " + " ".join(f"{k}={v}" for k, v in counts.items()),
                batch=num_seqs, forward_ms=fwd, step_ms=wall, sampler_ms=sample, sampler_top_p_ms=sample_top_p, weight_ms=weight_ms, kv_ms=kv_ms,
                roofline_pct=100 * (weight_ms + kv_ms) / fwd, unhidden_host_ms=unhidden,
-               unhidden_host_pct=100 * unhidden / wall, hlo=counts)
+               unhidden_host_pct=100 * unhidden / wall, launch_host_us=launch_host, launch_device_us=launch_device,
+               launch_host_arrays=num_host, hlo=counts)
 
 
 def forward_ms(engine: LLMEngine, lowered, params, step, options: dict | None, iters: int) -> float:
