@@ -200,6 +200,12 @@ def decode_steps(timed, num_seqs: int, limit: int):
     return decodes[-limit:]
 
 
+def program_args(runner, step) -> tuple:
+    """What `runner.step_program(step)` takes after (params, kv): the step, and for the fused program (the GPU
+    default, which samples too) its greedy sampler inputs, so its time is forward + sampler."""
+    return (step, runner.neutral_sampling(step)) if runner.fuse_sampler else (step,)
+
+
 def replay_ms(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float, float]:
     """(forward, greedy sampler, sampled sampler) device ms per step: the recorded step inputs run back to
     back through the warm compiled programs (dispatch hidden), then the sampler alone on their logits with
@@ -212,12 +218,11 @@ def replay_ms(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float, 
     settings = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.95))
     logits = [None] * len(steps)
     best_fwd, best_sample = float("inf"), [float("inf")] * len(settings)
-    # the fused program (the GPU default) samples too: its greedy rows here, so its time is forward + sampler
-    extra = [(runner.neutral_sampling(step),) if runner.fuse_sampler else () for step in steps]
+    args = [program_args(runner, step) for step in steps]
     for _ in range(rounds):
         t0 = time.perf_counter()
-        for i, (program, step) in enumerate(zip(programs, steps)):
-            logits[i], _, runner.kv = program(runner.params, runner.kv, step, *extra[i])
+        for i, program in enumerate(programs):
+            logits[i], _, runner.kv = program(runner.params, runner.kv, *args[i])
         jax.block_until_ready(logits)
         best_fwd = min(best_fwd, (time.perf_counter() - t0) / len(steps))
         if runner.fuse_sampler:
@@ -238,7 +243,7 @@ def launch_us(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float, 
     what sending them as one buffer could save a step (the `packed-inputs` branch)."""
     runner = engine.runner
     programs = [runner.step_program(step) for step in steps]
-    host = [(step, runner.neutral_sampling(step)) if runner.fuse_sampler else (step,) for step in steps]
+    host = [program_args(runner, step) for step in steps]
     on_device = [jax.device_put(args) for args in host]
     num_host = sum(isinstance(x, (np.ndarray, np.generic)) for x in jax.tree_util.tree_leaves(host[0]))
     best = {}
