@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from jaxpaged import parallel
+from jaxpaged.worker import parallel
 from jaxpaged.models.llama import Llama3RopeScaling, LlamaConfig, Params, param_shapes
 
 CONFIG_FILE = "jaxpaged_config.json"

@@ -38,7 +38,7 @@ class StructuredOutputsParams:
     json: a JSON schema (dict or its JSON text); regex: a regular expression (Rust
     `regex` syntax); choice: the output is one of these strings; grammar: a Lark
     grammar (or GBNF/EBNF, recognized by `::=`); json_object: any JSON object.
-    Compiled by jaxpaged.structured_outputs (off the engine thread).
+    Compiled by jaxpaged.sample.structured_outputs (off the engine thread).
     """
 
     json: str | dict[str, Any] | None = None

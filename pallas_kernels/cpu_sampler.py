@@ -5,10 +5,10 @@ threshold f32[R] of logits x f32[R, V] (tempered, min_p-cut: -inf where cut), to
 off) and top_p f32[R] (1: off): per row, the smallest logit kept by the top_k cut (the k-th largest,
 ties all kept), then by the top_p cut over the top_k survivors (the shortest head, in descending
 order, whose probability mass reaches top_p, ended with its ties); -inf when both are off. Tokens
-with logits >= the threshold are kept. This is what jaxpaged.sampler's fallback needs for the rows
+with logits >= the threshold are kept. This is what jaxpaged.sample.sampler's fallback needs for the rows
 whose 256 largest logits do not decide the cut (flat distributions).
 
-XLA:CPU finds it by bisection (`jaxpaged.sampler._bisect_threshold`: 32 passes over the row, 24 ms at
+XLA:CPU finds it by bisection (`jaxpaged.sample.sampler._bisect_threshold`: 32 passes over the row, 24 ms at
 32 x 49k); the native call does a radix select per row (three histogram passes, the last two over a
 small fraction of the row). Its sums are in double, XLA's in float32, so the two agree except where
 a row's mass reaches top_p within float32 rounding at a token. Compiled on first use and
@@ -150,7 +150,7 @@ def gumbel_candidates_cpu(x, threshold, keys, need, num_candidates: int = 4):
   """(ids i32[R, C], ok bool[R]) naming, for each row r where need[r], the C = num_candidates tokens with the
   best Gumbel-max scores x[r, t] + noise(keys[r], t) over the tokens kept (x >= threshold[r]); x f32[R, V],
   threshold f32[R], keys u32[R, 2] (each row's Threefry key, after fold_in of its step), need bool[R]
-  (jit-traceable). The noise is jaxpaged.sampler's stream: the same Threefry bits, then -log(-log(u)) with
+  (jit-traceable). The noise is jaxpaged.sample.sampler's stream: the same Threefry bits, then -log(-log(u)) with
   float32 polynomials, so the scores are approximate (~1e-6). ok: every other kept token scores below the
   best by more than a margin far above that error, so the exact argmax is among the C ids (the caller scores
   them exactly); False where need is False, no token is kept, or the margin does not hold (rows are then

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
 from jaxpaged.models.loader import DEFAULT_MODEL, load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 

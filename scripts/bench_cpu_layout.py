@@ -91,8 +91,8 @@ def run_stack(args) -> None:
 
 
 def make_engine(loaded, layout: str, small_steps: int):
-    from jaxpaged import model_runner
-    from jaxpaged.engine import EngineArgs, LLMEngine
+    from jaxpaged.worker import model_runner
+    from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
 
     saved = model_runner.CPU_SMALL_STEP_TOKENS
     model_runner.CPU_SMALL_STEP_TOKENS = small_steps  # read by warm-up (cpu_compiler_options), restored below

@@ -63,10 +63,10 @@ sys.path.insert(1, str(SCRIPTS))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxpaged import model_runner  # noqa: E402
-from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
+from jaxpaged.worker import model_runner  # noqa: E402
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
 from jaxpaged.models import llama  # noqa: E402
-from jaxpaged.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
+from jaxpaged.sample.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
 
 SETTINGS = {"greedy": SamplingParams(temperature=0.0), "t0.8 top_p0.95": SamplingParams(temperature=0.8, top_p=0.95),

@@ -76,16 +76,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import copy_bandwidth  # noqa: E402  (one definition for both GPU scripts)
-from jaxpaged import hlo_stats  # noqa: E402
-from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
-from jaxpaged.model_runner import command_buffer_options, count_dispatches, paged_forward  # noqa: E402
+from jaxpaged.worker import hlo_stats  # noqa: E402
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
+from jaxpaged.worker.model_runner import command_buffer_options, count_dispatches, paged_forward  # noqa: E402
 from jaxpaged.models.llama import LlamaConfig, WeightLayout, init_params  # noqa: E402
 from jaxpaged.models.loader import LoadedModel  # noqa: E402
-from jaxpaged.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
+from jaxpaged.sample.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
-from jaxpaged.scheduler import ScheduledRequest  # noqa: E402
+from jaxpaged.core.scheduler import ScheduledRequest  # noqa: E402
 from jaxpaged.tokenizer import GenerationConfig  # noqa: E402
-from jaxpaged.weight_layout import resolve_weight_layout, to_weight_layout  # noqa: E402
+from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout  # noqa: E402
 
 LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,

@@ -14,9 +14,9 @@ import time
 
 import jax
 
-from jaxpaged import sampler
-from jaxpaged.engine import EngineArgs, LLMEngine
-from jaxpaged.model_runner import empty_step
+from jaxpaged.sample import sampler
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpaged.worker.model_runner import empty_step
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 

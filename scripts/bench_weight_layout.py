@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The step's weight layouts side by side: compile seconds and decode-step ms (SmolLM2-135M by default).
 
-Layouts (jaxpaged/weight_layout.py): the stacked scan or per-layer arrays, each with the checkpoint's
+Layouts (jaxpaged/worker/weight_layout.py): the stacked scan or per-layer arrays, each with the checkpoint's
 separate projections or fused ones (wqkv, w_gate_up). For each batch size, every layout's runner
 compiles the same decode step (T = S = batch bucket, context ~--context) and the forwards are timed
 interleaved, round after round (one machine load for all), best and median of --rounds.
@@ -24,11 +24,11 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from jaxpaged.engine import EngineArgs, LLMEngine  # noqa: E402
-from jaxpaged.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
+from jaxpaged.worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from jaxpaged.models.loader import load_model  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
-from jaxpaged.scheduler import ScheduledRequest  # noqa: E402
+from jaxpaged.core.scheduler import ScheduledRequest  # noqa: E402
 
 LAYOUTS = {"stacked": ("stacked", False), "stacked+fused": ("stacked", True),
            "per_layer": ("per_layer", False), "per_layer+fused": ("per_layer", True)}

@@ -349,7 +349,7 @@ def parse_args(argv=None):
 
 
 def spec_config(args, adaptive: bool = True):
-    from jaxpaged.spec_decode import SpeculativeConfig
+    from jaxpaged.spec_decode.ngram import SpeculativeConfig
 
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min,
@@ -361,7 +361,7 @@ def spec_config(args, adaptive: bool = True):
 
 def make_engines(args, loaded, max_num_seqs: int = 4) -> dict:
     """{"plain": engine, then one speculating engine per --draft-length side} over the same loaded weights."""
-    from jaxpaged.engine import EngineArgs, LLMEngine
+    from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
 
     base = EngineArgs(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=512, kv_cache_memory=(32 << 20) * max_num_seqs,

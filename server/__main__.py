@@ -11,11 +11,11 @@ import os
 import sys
 from pathlib import Path
 
-from jaxpaged.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
-from jaxpaged.engine import CPU_ASYNC_MAX_TOKENS, EngineArgs
-from jaxpaged.model_runner import QUANTIZATIONS
+from jaxpaged.engine.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
+from jaxpaged.engine.llm_engine import CPU_ASYNC_MAX_TOKENS, EngineArgs
+from jaxpaged.worker.model_runner import QUANTIZATIONS
 from jaxpaged.models.loader import DEFAULT_MODEL
-from jaxpaged.spec_decode import SpeculativeConfig
+from jaxpaged.spec_decode.ngram import SpeculativeConfig
 from server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig
 from server.lifecycle import ShutdownConfig
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn  # imported late so --help stays fast
 
-    from jaxpaged.async_engine import AsyncLLM
+    from jaxpaged.engine.async_llm import AsyncLLM
     from server.app import build_app
     from server.lifecycle import FLUSH_SECONDS, GracefulServer
 
@@ -230,7 +230,7 @@ def configure_logging(level: str) -> None:
 
 def follow(args: EngineArgs) -> int:
     """Processes other than 0: no HTTP; run the steps process 0 broadcasts until it shuts down."""
-    from jaxpaged.engine import LLMEngine
+    from jaxpaged.engine.llm_engine import LLMEngine
 
     steps = LLMEngine(args).follow()
     logging.getLogger("server").info("process %d followed %d steps; exiting", args.process_id, steps)

@@ -8,8 +8,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 import jaxpaged
-from jaxpaged.async_engine import AsyncLLM
-from jaxpaged.validation import check_token_ids
+from jaxpaged.engine.async_llm import AsyncLLM
+from jaxpaged.engine.validation import check_token_ids
 from server.chat import create_chat_completion, render_chat
 from server.chat_page import add_chat_page
 from server.completions import create_completion

@@ -6,9 +6,9 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from jaxpaged.async_engine import AsyncLLM
+from jaxpaged.engine.async_llm import AsyncLLM
 from jaxpaged.sampling_params import StructuredOutputsParams
-from jaxpaged.structured_outputs import GrammarError
+from jaxpaged.sample.structured_outputs import GrammarError
 from server.config import ServerConfig
 from server.errors import OpenAIError, bad_request
 from server.metrics import ServerMetrics

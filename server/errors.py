@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxpaged.async_engine import EngineShutdownError, QueueFullError
+from jaxpaged.engine.async_llm import EngineShutdownError, QueueFullError
 from jaxpaged.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import time
 
 import uvicorn
 
-from jaxpaged.async_engine import AsyncLLM
+from jaxpaged.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from server.errors import bad_request, from_invalid_request
 from server.protocol import SamplingFields
 
 # Request-shape caps of the HTTP API. The engine checks token ids against the vocabulary and the sampler's
-# room for biased + banned ids (jaxpaged/validation.py); these keep a request well inside that room.
+# room for biased + banned ids (jaxpaged/engine/validation.py); these keep a request well inside that room.
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's cap; the sampler has room for 320 (the rest: banned ids)
 MAX_STOP_TOKEN_IDS = 16  # banned until min_tokens, together with logit_bias and EOS ids
 MAX_STOP_STRINGS = 16

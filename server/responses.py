@@ -25,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxpaged.async_engine import EngineShutdownError
+from jaxpaged.engine.async_llm import EngineShutdownError
 from jaxpaged.outputs import RequestOutput
 from server.chat import render_chat
 from server.choices import ChoiceStream

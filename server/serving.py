@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
-from jaxpaged.async_engine import AsyncLLM, EngineShutdownError
+from jaxpaged.engine.async_llm import AsyncLLM, EngineShutdownError
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.errors import InvalidRequestError

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.sampler import GREEDY_TEMPERATURE_EPS, _PRNG_IMPL, SamplingBatch, process_logits
+from jaxpaged.sample.sampler import GREEDY_TEMPERATURE_EPS, _PRNG_IMPL, SamplingBatch, process_logits
 
 
 def oracle_token_ids(logits: jax.Array, batch: SamplingBatch) -> jax.Array:

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged.engine import CPU_ASYNC_MAX_TOKENS, EngineArgs, LLMEngine
+from jaxpaged.engine.llm_engine import CPU_ASYNC_MAX_TOKENS, EngineArgs, LLMEngine
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from tests.test_engine import count_traces, mixed_prompts

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxpaged.async_engine import AsyncLLM
-from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.engine.async_llm import AsyncLLM
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
 from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, serve

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxpaged.detokenizer import IncrementalDetokenizer, detokenize, find_stop_string
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer, detokenize, find_stop_string
 from tests.conftest import tiny_tokenizer
 
 MULTIBYTE_TEXTS = [
@@ -146,7 +146,7 @@ def test_a_failing_decode_stream_falls_back_to_python(tiny):
 def test_an_older_tokenizers_decodes_in_python(tiny, monkeypatch, old):
     """tokenizers before 0.21 has no DecodeStream, before 0.22 one without context ids: the window then decodes in
     Python (the same text)."""
-    from jaxpaged import detokenizer
+    from jaxpaged.engine.llm_engine import detokenizer
 
     def without_ids(*, skip_special_tokens=False):
         return object()

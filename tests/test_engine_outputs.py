@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from jaxpaged import detokenizer
-from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.engine.llm_engine import detokenizer
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 

@@ -19,9 +19,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged import sampler
-from jaxpaged.engine import EngineArgs, LLMEngine
-from jaxpaged.model_runner import FUSE_SAMPLER, ModelRunner, RunnerConfig, count_dispatches
+from jaxpaged.sample import sampler
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpaged.worker.model_runner import FUSE_SAMPLER, ModelRunner, RunnerConfig, count_dispatches
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from pallas_kernels import cuda_compile

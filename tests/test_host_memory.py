@@ -1,4 +1,4 @@
-"""Huge pages for the CPU engine's weights and KV pool (jaxpaged/host_memory.py)."""
+"""Huge pages for the CPU engine's weights and KV pool (jaxpaged/worker/host_memory.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.host_memory import HUGE_PAGE, HugePageArena, advise_huge_pages, advise_zeroed_huge_pages, cpu_array_over
+from jaxpaged.worker.host_memory import HUGE_PAGE, HugePageArena, advise_huge_pages, advise_zeroed_huge_pages, cpu_array_over
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's host buffers")

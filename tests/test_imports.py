@@ -24,13 +24,13 @@ def test_importing_jaxpaged_leaves_the_root_logger_alone():
     """A library must not configure logging: the server's (or a user's) basicConfig must still take effect."""
     proc = run_python(
         "import logging\n"
-        "import jaxpaged, jaxpaged.async_engine, server.app, server.__main__\n"
+        "import jaxpaged, jaxpaged.engine.async_llm, server.app, server.__main__\n"
         "from jaxpaged import checkpoint\n"
         "with checkpoint._orbax() as ocp:\n"  # Orbax logs through absl, which would call basicConfig
         "    import absl.logging; absl.logging.info('absl speaks')\n"
         "assert logging.getLogger().handlers == [], logging.getLogger().handlers\n"
         "logging.basicConfig(level='INFO')\n"
-        "logging.getLogger('jaxpaged.engine').info('an INFO line reaches stderr')\n")
+        "logging.getLogger('jaxpaged.engine.llm_engine').info('an INFO line reaches stderr')\n")
     assert "an INFO line reaches stderr" in proc.stderr
 
 
@@ -41,6 +41,6 @@ def test_no_pytorch_advice_from_transformers():
 
 def test_engine_imports_leave_out_orbax_and_flax():
     """Orbax (~1 s) and Flax (~0.5 s) are imported only when a checkpoint or the NNX module is used."""
-    proc = run_python("import jaxpaged, jaxpaged.async_engine, server.app, server.__main__\n"
+    proc = run_python("import jaxpaged, jaxpaged.engine.async_llm, server.app, server.__main__\n"
                       "print(sorted({m.split('.')[0] for m in sys.modules} & {'orbax', 'flax', 'torch'}))\n")
     assert proc.stdout.strip() == "['torch']"  # the hidden placeholder only

@@ -7,7 +7,7 @@ import operator
 import numpy as np
 import pytest
 
-from jaxpaged.kept_rows import KeptRows
+from jaxpaged.worker.kept_rows import KeptRows
 
 
 def test_rows_are_made_once_per_source_and_gathered_in_step_order():

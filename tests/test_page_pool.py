@@ -3,8 +3,8 @@ import sys
 
 import pytest
 
-from jaxpaged.page_pool import NULL_PAGE_ID, CachedPrefix, PagePool, hash_page
-from jaxpaged.request import Request
+from jaxpaged.core.page_pool import NULL_PAGE_ID, CachedPrefix, PagePool, hash_page
+from jaxpaged.core.request import Request
 
 PAGE = 4
 
@@ -253,6 +253,6 @@ def test_page_hash_is_chained_and_stable_across_processes():
     h1 = hash_page(b"", [1, 2, 3, 4])
     assert h1 != hash_page(b"", [1, 2, 3, 5])
     assert hash_page(h1, [5, 6, 7, 8]) != hash_page(b"", [5, 6, 7, 8])
-    code = "from jaxpaged.page_pool import hash_page; print(hash_page(b'', [1, 2, 3, 4]).hex())"
+    code = "from jaxpaged.core.page_pool import hash_page; print(hash_page(b'', [1, 2, 3, 4]).hex())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == h1.hex()

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged import parallel
-from jaxpaged.engine import EngineArgs
+from jaxpaged.worker import parallel
+from jaxpaged.engine.llm_engine import EngineArgs
 from jaxpaged.models.llama import LlamaConfig, WeightLayout, init_params, param_shapes
-from jaxpaged.weight_layout import to_weight_layout
+from jaxpaged.worker.weight_layout import to_weight_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged import model_runner
-from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.worker import model_runner
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
 from jaxpaged.models import llama
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams

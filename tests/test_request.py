@@ -1,6 +1,6 @@
 import pytest
 
-from jaxpaged.request import Request, RequestStatus
+from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 
 

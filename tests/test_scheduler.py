@@ -4,9 +4,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from jaxpaged.request import Request, RequestStatus
+from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxpaged.core.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig, SchedulerOutput
 
 VOCAB = 32
 EOS = 0

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from jaxpaged.page_pool import hash_page
-from jaxpaged.request import Request
+from jaxpaged.core.page_pool import hash_page
+from jaxpaged.core.request import Request
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tests.test_scheduler import EOS, VOCAB, FakeRunner, config, make, next_token, reference_output
 
 

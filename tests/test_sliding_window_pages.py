@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpaged.page_pool import NULL_PAGE_ID, PagePool
-from jaxpaged.request import Request
+from jaxpaged.core.page_pool import NULL_PAGE_ID, PagePool
+from jaxpaged.core.request import Request
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 
 PAGE = 4
 

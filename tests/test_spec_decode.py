@@ -18,15 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
-from jaxpaged import sampler
-from jaxpaged.engine import BLANK_DRAFT_STEPS, EngineArgs, LLMEngine
-from jaxpaged.model_runner import RunnerConfig, count_dispatches
+from jaxpaged.sample import sampler
+from jaxpaged.engine.llm_engine import BLANK_DRAFT_STEPS, EngineArgs, LLMEngine
+from jaxpaged.worker.model_runner import RunnerConfig, count_dispatches
 from jaxpaged.generate import greedy_generate
 from jaxpaged.models.llama import forward
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from jaxpaged.request import Request
-from jaxpaged.spec_decode import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
+from jaxpaged.core.request import Request
+from jaxpaged.spec_decode.ngram import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
                                   drafts_past, max_drafts_for, ngram_drafts)
 from tests.test_async_scheduling import fail_results_when, run_through_failures
 from tests.test_engine import count_traces, mixed_prompts

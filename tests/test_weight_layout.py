@@ -10,15 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged import hlo_stats
-from jaxpaged.engine import EngineArgs, LLMEngine
-from jaxpaged.model_runner import (GPU_COMMAND_BUFFERS, ModelRunner, RunnerConfig, command_buffer_options,
+from jaxpaged.worker import hlo_stats
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpaged.worker.model_runner import (GPU_COMMAND_BUFFERS, ModelRunner, RunnerConfig, command_buffer_options,
                                    gpu_compiler_options, packs_weights)
 from jaxpaged.models.llama import LlamaConfig, WeightLayout, forward_jit, init_params, param_shapes
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import ScheduledRequest
-from jaxpaged.weight_layout import resolve_weight_layout, to_weight_layout
+from jaxpaged.core.scheduler import ScheduledRequest
+from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout
 from pallas_kernels import cpu_matmul, cuda_compile
 
 STACKED, PER_LAYER = WeightLayout(), WeightLayout(per_layer=True)

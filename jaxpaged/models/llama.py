@@ -451,7 +451,7 @@ def untie_lm_head(config: LlamaConfig, params: Params) -> Params:
 def forward(config: LlamaConfig, params: Params, token_ids: jax.Array) -> jax.Array:
     """Plain full-causal forward: token_ids [B, T] -> logits [B, T, V] (float32). params["layers"] is the
     stack ({name: [L, ...]}, scanned) or a list of L per-layer dicts (the engine's layout on CPU and GPU,
-    jaxpaged/weight_layout.py)."""
+    jaxpaged/worker/weight_layout.py)."""
     positions = jnp.arange(token_ids.shape[-1], dtype=jnp.int32)
     cos_table, sin_table = rope_tables(config, positions)  # [U, T, D]
 
@@ -547,7 +547,7 @@ def fuse_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
 def unstack_layers(params: Params) -> Params:
     """The same params with "layers" as a list of per-layer dicts (copies every layer weight).
 
-    The engine's step takes either layout (jaxpaged.model_runner.paged_forward): stacked layers are
+    The engine's step takes either layout (jaxpaged.worker.model_runner.paged_forward): stacked layers are
     scanned, per-layer ones looped over, so no weight is sliced out of a stack."""
     stacked = params["layers"]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged import sampler
+from jaxpaged.sample import sampler
 from pallas_kernels import cpu_sampler
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel is XLA:CPU's")
@@ -125,7 +125,7 @@ def test_scale_is_the_samplers_xla_scale_bit_for_bit():
   """scale_cpu against its reference and the sampler's XLA `_scale` (the path off the CPU): tempered rows, a
   greedy row (temperature 1), min_p on and off, an infinite maximum, signed zeros; a NaN row (the sampler fails
   it) only runs."""
-  from jaxpaged.sampler import RowInfo, make_sampling_batch
+  from jaxpaged.sample.sampler import RowInfo, make_sampling_batch
   from jaxpaged.sampling_params import SamplingParams
   S, V = 8, 1003
   x = (np.random.default_rng(5).standard_normal((S, V)) * 3).astype(np.float32)

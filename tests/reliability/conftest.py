@@ -15,9 +15,9 @@ import time
 import jax.numpy as jnp
 import pytest
 
-from jaxpaged.async_engine import AsyncLLM, AsyncLLMConfig
-from jaxpaged.engine import EngineArgs, LLMEngine
-from jaxpaged.request import RequestStatus
+from jaxpaged.engine.async_llm import AsyncLLM, AsyncLLMConfig
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpaged.core.request import RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 from server.app import build_app
 from server.config import ServerConfig

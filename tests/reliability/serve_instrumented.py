@@ -18,7 +18,7 @@ import time
 
 
 def _slow_steps(delay: float) -> None:
-    from jaxpaged.engine import LLMEngine
+    from jaxpaged.engine.llm_engine import LLMEngine
 
     step = LLMEngine.step
 

@@ -10,7 +10,7 @@ import httpx
 import psutil
 import pytest
 
-from jaxpaged.async_engine import AsyncLLM, AsyncLLMConfig
+from jaxpaged.engine.async_llm import AsyncLLM, AsyncLLMConfig
 from server.app import build_app
 from server.config import ServerConfig
 from tests.reliability.conftest import MODEL_NAME, SLOW_MARKER, FaultInjector, make_engine

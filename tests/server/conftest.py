@@ -12,8 +12,8 @@ import httpx
 import pytest
 import uvicorn
 
-from jaxpaged.async_engine import AsyncLLM
-from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.engine.async_llm import AsyncLLM
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jaxpaged.async_engine import AsyncLLM, EngineShutdownError
+from jaxpaged.engine.async_llm import AsyncLLM, EngineShutdownError
 from jaxpaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
 from jaxpaged.sampling_params import SamplingParams
 from tests.server.conftest import ENGINE_ARGS, MODEL_NAME
 

@@ -16,8 +16,8 @@ import jsonschema
 import pydantic
 import pytest
 
-from jaxpaged.async_engine import AsyncLLM
-from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.engine.async_llm import AsyncLLM
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
 from tests.server.conftest import LiveServer, serve

@@ -90,7 +90,7 @@ class Request:
     # The finish record: `status` (finish_reason derives from it) and this, the stop token id or stop string.
     stop_reason: int | str | None = None
     # Speculative decoding: draft tokens to verify after the last token in the next step (set by the engine's
-    # proposer, consumed by Scheduler.schedule; see jaxpaged/spec_decode.py). Never part of all_token_ids.
+    # proposer, consumed by Scheduler.schedule; see jaxpaged/spec_decode/ngram.py). Never part of all_token_ids.
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     # ... of which the leading ones its grammar forces (structured outputs): not guesses, so the adaptive draft
     # length keeps them and does not learn acceptance from them

@@ -29,7 +29,7 @@ step, the KV of every scheduled token is written to its slot before attention
 reads the pages (per layer), as paged attention does in vLLM and nano-vllm.
 `update_from_output()` only appends the sampled tokens and finishes requests.
 
-Speculative decoding (jaxpaged/spec_decode.py): a decoding request may carry draft tokens
+Speculative decoding (jaxpaged/spec_decode/ngram.py): a decoding request may carry draft tokens
 (`Request.spec_token_ids`, set by the engine's proposer before `schedule()`). It is then fed its
 last token and the drafts in one chunk, and num_computed_tokens counts them all until
 `update_from_output` learns how many were accepted: it rolls back to the accepted ones and frees
@@ -78,8 +78,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from jaxpaged.errors import InvalidRequestError
-from jaxpaged.page_pool import CachedPrefix, PagePool
-from jaxpaged.request import Request, RequestStatus, StopVerdict
+from jaxpaged.core.page_pool import CachedPrefix, PagePool
+from jaxpaged.core.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1  # in ScheduledRequest.token_ids: a token the previous step sampled, still on the device

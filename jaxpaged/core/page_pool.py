@@ -28,7 +28,7 @@ import dataclasses
 import hashlib
 import struct
 
-from jaxpaged.request import Request
+from jaxpaged.core.request import Request
 
 NULL_PAGE_ID = 0
 _ROOT_HASH = b""  # the parent of a request's first page

@@ -65,25 +65,25 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpaged import parallel
-from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.worker import parallel
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import InvalidRequestError
-from jaxpaged.model_runner import (GPU_COMMAND_BUFFERS, FaultInjector, ModelRunner, ModelRunnerOutput,
+from jaxpaged.worker.model_runner import (GPU_COMMAND_BUFFERS, FaultInjector, ModelRunner, ModelRunnerOutput,
                                    PendingStep, PromptLogprobs, RunnerConfig, build_native_kernels, check_fuse_sampler,
                                    check_kv_cache_dtype, check_quantization, kv_bytes_per_page, packs_weights,
                                    resolve_kv_cache_dtype)
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxpaged.request import Request, RequestStatus, StopVerdict
+from jaxpaged.core.request import Request, RequestStatus, StopVerdict
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxpaged.spec_decode import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
+from jaxpaged.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxpaged.spec_decode.ngram import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
                                   max_drafts_for)
-from jaxpaged.structured_outputs import GrammarMatcher, StructuredOutputManager
-from jaxpaged.structured_outputs import available as structured_outputs_available  # noqa: I001
-from jaxpaged.validation import validate_request
-from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
+from jaxpaged.sample.structured_outputs import GrammarMatcher, StructuredOutputManager
+from jaxpaged.sample.structured_outputs import available as structured_outputs_available  # noqa: I001
+from jaxpaged.engine.validation import validate_request
+from jaxpaged.worker.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class EngineArgs:
     # vLLM's `quantization`: the weight dots' weights as int8, a scale per column and 32 rows (model_runner.QUANTIZATIONS;
     # CPU, float32 weights on one device, the native matmul): "int8" (weight-only), "w8a8" (x quantised too) or None
     quantization: str | None = None
-    # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays, read in place, where the
+    # The step's weight layout (jaxpaged/worker/weight_layout.py): "auto" (per-layer arrays, read in place, where the
     # weights are not packed for the native CPU matmul, whose packed stack a scan reads in place; the stacked
     # scan compiles faster), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up one gemm each
     weight_layout: str = "auto"
@@ -150,7 +150,7 @@ class EngineArgs:
     # The sampler inside the step's jitted program, one executable call per step (model_runner.FUSE_SAMPLER):
     # "auto" (on with a GPU backend, off on CPU: docs/benchmarks.md, "The fused sampler"), "on" or "off"
     fuse_sampler: str = "auto"
-    tensor_parallel_size: int = 1  # devices in the "tp" mesh (see jaxpaged/parallel.py)
+    tensor_parallel_size: int = 1  # devices in the "tp" mesh (see jaxpaged/worker/parallel.py)
     distributed_coordinator: str | None = None  # multi-host: "host:port" of process 0
     num_processes: int = 1  # multi-host: processes in jax.distributed
     process_id: int = 0  # multi-host: this process (0 schedules, the others `follow`)
@@ -442,7 +442,7 @@ class LLMEngine:
         """Tokenize, validate and queue a request.
 
         InvalidRequestError (a ValueError naming the parameter; nothing queued) if it can never be
-        served: see jaxpaged/validation.py and the scheduler's admission. ValueError for an id in use.
+        served: see jaxpaged/engine/validation.py and the scheduler's admission. ValueError for an id in use.
         """
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -32,7 +32,7 @@ import functools
 import jax
 from jax.sharding import Mesh
 
-from jaxpaged import parallel
+from jaxpaged.worker import parallel
 from jaxpaged.models.llama import UNFUSED, LlamaConfig, Params, WeightLayout, fuse_gate_up, fuse_qkv
 
 WEIGHT_LAYOUTS = ("auto", "stacked", "per_layer")

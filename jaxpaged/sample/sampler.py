@@ -40,7 +40,7 @@ their own, run only when some row asks: `num_top_logprobs_for`), the fallback
 token-bitmask pass (run only when some row is constrained: an unconstrained
 batch pays nothing for it). Parameter values never cause a recompile.
 
-The fused step (jaxpaged/model_runner.py, `fuse_sampler`) traces `sample_in_step` into the step's own
+The fused step (jaxpaged/worker/model_runner.py, `fuse_sampler`) traces `sample_in_step` into the step's own
 program instead: the same operations as the parts above (so the same samples), every optional array present
 (`neutral_arrays` when absent), in two programs the host picks between as above (greedy-only batches:
 argmax; else the candidate pass); `finish_in_step` runs the fallback when its flags ask and
@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.kept_rows import KeptRows
+from jaxpaged.worker.kept_rows import KeptRows
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from pallas_kernels import cpu_sampler
 

@@ -46,7 +46,7 @@ verification in a `RunnerConfig.verify_buckets` shape whose drafts do not fit in
 KV pool (stacked over layers, scanned with the params):
     k, v: [L, K, N, page_size, D]   N pages, page 0 the null page
 
-With a mesh (tensor parallelism, see jaxpaged/parallel.py) the params and the
+With a mesh (tensor parallelism, see jaxpaged/worker/parallel.py) the params and the
 pool are sharded over it, attention runs per shard under shard_map, and the
 logits come back replicated.
 """
@@ -73,19 +73,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpaged import parallel, sampler
-from jaxpaged.kept_rows import KeptRows
-from jaxpaged.host_memory import HugePageArena, advise_huge_pages, advise_zeroed_huge_pages, cpu_array_over
-from jaxpaged.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
+from jaxpaged.worker import parallel
+from jaxpaged.sample import sampler
+from jaxpaged.worker.kept_rows import KeptRows
+from jaxpaged.worker.host_memory import HugePageArena, advise_huge_pages, advise_zeroed_huge_pages, cpu_array_over
+from jaxpaged.worker.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
 
 from jaxpaged.models.llama import (LlamaConfig, Matmul, PackedWeight, Params, WeightLayout, decoder_layer,
                                    embed_tokens, layer_constants, lm_logits, pack_weights, rope_frequencies,
                                    rope_tables, untie_lm_head, with_live_rows)
-from jaxpaged.sampler import (RowInfo, SamplerOutput, SamplingBatch, make_sampling_batch, num_top_logprobs_for,
+from jaxpaged.sample.sampler import (RowInfo, SamplerOutput, SamplingBatch, make_sampling_batch, num_top_logprobs_for,
                               sample_deferred, sample_jit)
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
-from jaxpaged.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
-from jaxpaged.spec_decode import ngram_drafts
+from jaxpaged.core.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from jaxpaged.spec_decode.ngram import ngram_drafts
 from pallas_kernels import ragged_paged_attention, write_kv_inner
 from pallas_kernels import cpu_attention, cpu_build, cpu_matmul, cpu_rope, cpu_sampler
 from pallas_kernels.cpu_attention import load_cpu_attention
@@ -757,7 +758,7 @@ def draft_logits(config: LlamaConfig, params: Params, hidden: jax.Array, rows: j
 def accept_drafts(sampled: jax.Array, sample_rows: jax.Array, draft_ids: jax.Array) -> jax.Array:
     """sampled i32[N] (a sampler call's tokens), sample_rows i32[M, k] (the row of each draft position),
     draft_ids i32[M, k] (-1: no draft) -> i32[M], the accepted drafts of each slot: the leading positions
-    whose sample is the draft. Rejection sampling of a point-mass draft (see jaxpaged/spec_decode.py)."""
+    whose sample is the draft. Rejection sampling of a point-mass draft (see jaxpaged/spec_decode/ngram.py)."""
     match = (sampled[sample_rows] == draft_ids).astype(jnp.int32)  # i32[M, k]
     return jnp.sum(jnp.cumprod(match, axis=1), axis=1)
 
@@ -913,7 +914,7 @@ class RunnerConfig:
     # in flight (async scheduling) to be proposed again on the device where it proves wrong (`redraft_in_flight`);
     # None: they are verified as they are
     prompt_lookup: tuple[int, int] | None = None
-    # The step's weight layout (jaxpaged/weight_layout.py): "auto" (per-layer arrays on GPU, and on CPU where
+    # The step's weight layout (jaxpaged/worker/weight_layout.py): "auto" (per-layer arrays on GPU, and on CPU where
     # the weights are not packed; the stacked scan compiles faster), "stacked" or "per_layer"; fuse_projections:
     # q/k/v and gate/up as one gemm each.
     weight_layout: str = "auto"
@@ -1100,7 +1101,7 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     stack each, are read at the layer's index in place) or a list of L per-layer dicts (a Python loop of L
     calls of one traced layer: XLA inlines them, so L layers compiled, but no weight is sliced out of a
     stack, which XLA:GPU may copy before each gemm), with fused projections or not
-    (jaxpaged/weight_layout.py). With a mesh, attention runs per tensor-parallel shard
+    (jaxpaged/worker/weight_layout.py). With a mesh, attention runs per tensor-parallel shard
     (local heads, local pool slice).
     """
     attend_paged = functools.partial(_attend_paged, sm_scale=config.attn_scale, attention=attention)
@@ -1989,7 +1990,7 @@ def count_dispatches(runner: ModelRunner):
     """Count the device programs launched while inside: yields a Counter {program: calls}, the step programs
     as "fused_step" / "paged_forward", the others by function name. Test and benchmark instrumentation: it
     wraps the runner's compiled and jitted step programs and every jitted function of this module and of
-    jaxpaged.sampler (called through their module globals), and restores them on exit."""
+    jaxpaged.sample.sampler (called through their module globals), and restores them on exit."""
     counts: collections.Counter = collections.Counter()
     modules = (sys.modules[__name__], sampler)
     saved = [(m, name, f) for m in modules for name, f in vars(m).items() if hasattr(f, "_cache_size")]

@@ -1,0 +1,1 @@
+"""Speculative decoding: the n-gram proposer, its config and statistics, and draft verification."""
