@@ -8,7 +8,7 @@ order, whose probability mass reaches top_p, ended with its ties); -inf when bot
 with logits >= the threshold are kept. This is what jaxpaged.sample.sampler's fallback needs for the rows
 whose 256 largest logits do not decide the cut (flat distributions).
 
-XLA:CPU finds it by bisection (`jaxpaged.sample.sampler._bisect_threshold`: 32 passes over the row, 24 ms at
+XLA:CPU finds it by bisection (`jaxpaged.sample.ops._bisect_threshold`: 32 passes over the row, 24 ms at
 32 x 49k); the native call does a radix select per row (three histogram passes, the last two over a
 small fraction of the row). Its sums are in double, XLA's in float32, so the two agree except where
 a row's mass reaches top_p within float32 rounding at a token. Compiled on first use and

@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
-from jaxpaged.worker.model_runner import cpu_compiler_options  # noqa: E402
+from jaxpaged.worker.runner_config import cpu_compiler_options  # noqa: E402
 from pallas_kernels import xla_attention  # noqa: E402
 from pallas_kernels.kv_write import write_kv_inner  # noqa: E402
 

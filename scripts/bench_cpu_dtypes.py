@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from jaxpaged.worker.model_runner import (ModelRunner, RunnerConfig, kv_bytes_per_page,  # noqa: E402
-                                   resolve_kv_cache_dtype)
+from jaxpaged.worker.model_runner import ModelRunner  # noqa: E402
+from jaxpaged.worker.runner_config import RunnerConfig, resolve_kv_cache_dtype  # noqa: E402
+from jaxpaged.worker.step_input import kv_bytes_per_page  # noqa: E402
 from jaxpaged.models.llama import LlamaConfig, init_params  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
-from jaxpaged.core.scheduler import ScheduledRequest  # noqa: E402
+from jaxpaged.core.scheduler_output import ScheduledRequest  # noqa: E402
 
 SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                            num_attention_heads=9, num_key_value_heads=3, head_dim=64,

@@ -8,7 +8,7 @@
   --engine  the engine's own step (the smollm2-135m-instruct GGUF dequantised to f32, the 32-slot server's
             shapes): decode with 1, 4, 16 and 32 requests in flight (prompts of 160 tokens) and the
             256-token prefill chunks of 32 prompts, per engine variant: weight layout x the largest step
-            (T) compiled without YNNPACK (`model_runner.CPU_SMALL_STEP_TOKENS`; 0: none).
+            (T) compiled without YNNPACK (`runner_config.CPU_SMALL_STEP_TOKENS`; 0: none).
 
 Each round runs every variant once in turn (a busy machine slows all alike); the fastest round is
 printed, with each engine's start-up (compile) time. The figures behind docs/benchmarks.md,
@@ -91,12 +91,13 @@ def run_stack(args) -> None:
 
 
 def make_engine(loaded, layout: str, small_steps: int):
-    from jaxpaged.worker import model_runner
-    from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+    from jaxpaged.worker import runner_config
+    from jaxpaged.engine.args import EngineArgs
+    from jaxpaged.engine.llm_engine import LLMEngine
 
-    saved = model_runner.CPU_SMALL_STEP_TOKENS
-    model_runner.CPU_SMALL_STEP_TOKENS = small_steps  # read by warm-up (cpu_compiler_options), restored below
-    model_runner.cpu_compiler_options.cache_clear()
+    saved = runner_config.CPU_SMALL_STEP_TOKENS
+    runner_config.CPU_SMALL_STEP_TOKENS = small_steps  # read by warm-up (cpu_compiler_options), restored below
+    runner_config.cpu_compiler_options.cache_clear()
     try:
         start = time.perf_counter()
         engine = LLMEngine(EngineArgs(model="smollm2-135m-instruct", dtype="float32", max_model_len=1024,
@@ -104,8 +105,8 @@ def make_engine(loaded, layout: str, small_steps: int):
                            loaded=loaded)
         return engine, time.perf_counter() - start
     finally:
-        model_runner.CPU_SMALL_STEP_TOKENS = saved
-        model_runner.cpu_compiler_options.cache_clear()
+        runner_config.CPU_SMALL_STEP_TOKENS = saved
+        runner_config.cpu_compiler_options.cache_clear()
 
 
 def time_round(engine, prompts, tag: str) -> dict[str, float]:

@@ -22,7 +22,7 @@ timed on that same batch: the fastest of --steps rounds, each round calling ever
 --prefill N [N ...] adds prefill steps: N // 128 fresh 128-token prompts (distinct, so no prefix is
 shared) scheduled as one step of N tokens; only the forward's parts are timed there (the engine is
 not stepped, the same step input is run each round: it rewrites the same KV slots).
-All jitted parts are compiled with the engine's XLA:CPU options (`model_runner.cpu_compiler_options`).
+All jitted parts are compiled with the engine's XLA:CPU options (`runner_config.cpu_compiler_options`).
 Parts are separate programs timed alone, so they need not add up exactly on a busy machine.
 
 At batch 1 the weight-read roofline (scripts/roofline.py: a read-bandwidth probe in the same
@@ -63,10 +63,12 @@ sys.path.insert(1, str(SCRIPTS))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxpaged.worker import model_runner  # noqa: E402
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
+from jaxpaged.worker import runner_config, step_program  # noqa: E402
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpaged.models import llama  # noqa: E402
-from jaxpaged.sample.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
+from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch
+from jaxpaged.sample.sampler import sample_jit  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
 
 SETTINGS = {"greedy": SamplingParams(temperature=0.0), "t0.8 top_p0.95": SamplingParams(temperature=0.8, top_p=0.95),
@@ -82,7 +84,7 @@ PARTS = ("step", "forward", "matmuls", "attention", "kv write", "rest", "sampler
 
 
 def _write_only(q, k, v, k_pool, v_pool, step, layer, *args, **kwargs):
-    kp, vp = model_runner.write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer)
+    kp, vp = step_program.write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer)
     return q, kp, vp
 
 
@@ -92,12 +94,12 @@ def _no_kv(q, k, v, k_pool, v_pool, step, layer, *args, **kwargs):
 
 
 def _patched_forward(attend, *args):
-    saved = model_runner._attend_paged
-    model_runner._attend_paged = attend  # read by paged_forward at trace time
+    saved = step_program._attend_paged
+    step_program._attend_paged = attend  # read by paged_forward at trace time
     try:
-        return model_runner.paged_forward(*args)
+        return step_program.paged_forward(*args)
     finally:
-        model_runner._attend_paged = saved
+        step_program._attend_paged = saved
 
 
 def _dot(x, w):
@@ -157,7 +159,7 @@ def _options(runner=None, step=None):
             return runner.config.compiler_options(num_tokens=len(step.token_ids))
         except TypeError:  # a runner before per-size options
             return runner.config.compiler_options()
-    return getattr(model_runner, "cpu_compiler_options", dict)()
+    return getattr(runner_config, "cpu_compiler_options", dict)()
 
 
 def decode_batch(engine: LLMEngine, batch: int, context: int):
@@ -254,7 +256,7 @@ def measure(engine: LLMEngine, steps: int, sampling: bool, xla_options: bool, hl
 
 def _option_forward(runner, step, opts):
     """The runner's forward compiled with other XLA options, the pool threaded through (donated)."""
-    compiled = jax.jit(model_runner.paged_forward, static_argnums=(0, 1), donate_argnums=(3,),
+    compiled = jax.jit(step_program.paged_forward, static_argnums=(0, 1), donate_argnums=(3,),
                        compiler_options=opts).lower(runner.model_config, runner.config.attention, runner.params,
                                                     runner.kv, step).compile()
 

@@ -77,13 +77,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import copy_bandwidth  # noqa: E402  (one definition for both GPU scripts)
 from jaxpaged.worker import hlo_stats  # noqa: E402
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
-from jaxpaged.worker.model_runner import command_buffer_options, count_dispatches, paged_forward  # noqa: E402
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxpaged.worker.runner_config import command_buffer_options
+from jaxpaged.worker.model_runner import count_dispatches
+from jaxpaged.worker.step_program import paged_forward  # noqa: E402
 from jaxpaged.models.llama import LlamaConfig, WeightLayout, init_params  # noqa: E402
 from jaxpaged.models.loader import LoadedModel  # noqa: E402
-from jaxpaged.sample.sampler import RowInfo, make_sampling_batch, sample_jit  # noqa: E402
+from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch
+from jaxpaged.sample.sampler import sample_jit  # noqa: E402
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
-from jaxpaged.core.scheduler import ScheduledRequest  # noqa: E402
+from jaxpaged.core.scheduler_output import ScheduledRequest  # noqa: E402
 from jaxpaged.tokenizer import GenerationConfig  # noqa: E402
 from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout  # noqa: E402
 

@@ -160,7 +160,8 @@ def run_batch(engine, clock: Clock, batch: int, args, vocab: int, tag: str) -> d
 def worker(args) -> None:
     """Measure every batch with the checkout at args.worker; one JSON line per batch on stdout."""
     sys.path.insert(0, args.worker)
-    from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+    from jaxpaged.engine.args import EngineArgs
+    from jaxpaged.engine.llm_engine import LLMEngine
     loaded = tiny_model(args.served)
     batches = [int(b) for b in args.batches.split(",")]
     max_model_len = args.prompt_len + args.output_len + 16

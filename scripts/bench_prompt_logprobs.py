@@ -15,8 +15,9 @@ import time
 import jax
 
 from jaxpaged.sample import sampler
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
-from jaxpaged.worker.model_runner import empty_step
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.worker.step_input import empty_step
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 

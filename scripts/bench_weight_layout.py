@@ -24,11 +24,13 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
-from jaxpaged.worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.runner_config import RunnerConfig  # noqa: E402
 from jaxpaged.models.loader import load_model  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
-from jaxpaged.core.scheduler import ScheduledRequest  # noqa: E402
+from jaxpaged.core.scheduler_output import ScheduledRequest  # noqa: E402
 
 LAYOUTS = {"stacked": ("stacked", False), "stacked+fused": ("stacked", True),
            "per_layer": ("per_layer", False), "per_layer+fused": ("per_layer", True)}

@@ -361,7 +361,8 @@ def spec_config(args, adaptive: bool = True):
 
 def make_engines(args, loaded, max_num_seqs: int = 4) -> dict:
     """{"plain": engine, then one speculating engine per --draft-length side} over the same loaded weights."""
-    from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+    from jaxpaged.engine.args import EngineArgs
+    from jaxpaged.engine.llm_engine import LLMEngine
 
     base = EngineArgs(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=512, kv_cache_memory=(32 << 20) * max_num_seqs,

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from jaxpaged.engine.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
-from jaxpaged.engine.llm_engine import CPU_ASYNC_MAX_TOKENS, EngineArgs
-from jaxpaged.worker.model_runner import QUANTIZATIONS
+from jaxpaged.engine.args import CPU_ASYNC_MAX_TOKENS, EngineArgs
+from jaxpaged.worker.runner_config import QUANTIZATIONS
 from jaxpaged.models.loader import DEFAULT_MODEL
 from jaxpaged.spec_decode.ngram import SpeculativeConfig
 from server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig

@@ -45,7 +45,7 @@ def prefill_logits(engine, tokens) -> list[float]:
     """Logits at the last of `tokens`, fed as one chunk into fresh pages 1.."""
     import numpy as np
     from jaxpaged.sampling_params import SamplingParams
-    from jaxpaged.core.scheduler import ScheduledRequest
+    from jaxpaged.core.scheduler_output import ScheduledRequest
     pages = tuple(range(1, len(tokens) // engine.runner.config.page_size + 2))
     entry = ScheduledRequest("p", tuple(tokens), 0, pages, True, SamplingParams(), len(tokens))
     return np.asarray(engine.runner.execute(engine.runner.prepare([entry]))[0]).tolist()
@@ -69,7 +69,8 @@ def load(model: str):
 
 
 def serve(args: dict) -> dict:
-    from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+    from jaxpaged.engine.args import EngineArgs
+    from jaxpaged.engine.llm_engine import LLMEngine
     results = {}
     loaded = None if args.get("checkpoint") else load(args["model"])
     for tp in args["tps"]:
@@ -93,7 +94,8 @@ def serve(args: dict) -> dict:
 
 
 def error(args: dict) -> dict:
-    from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+    from jaxpaged.engine.args import EngineArgs
+    from jaxpaged.engine.llm_engine import LLMEngine
     try:
         LLMEngine(EngineArgs(model=args["model"], dtype="float32", tensor_parallel_size=args["tp"], **ENGINE),
                   loaded=load(args["model"]))
@@ -103,7 +105,8 @@ def error(args: dict) -> dict:
 
 
 def multihost(args: dict) -> dict:
-    from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+    from jaxpaged.engine.args import EngineArgs
+    from jaxpaged.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineArgs(
         model=args["model"], dtype="float32", tensor_parallel_size=args["tp"],
         distributed_coordinator=args["coordinator"], num_processes=args["num_processes"],

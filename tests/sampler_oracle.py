@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.sample.sampler import GREEDY_TEMPERATURE_EPS, _PRNG_IMPL, SamplingBatch, process_logits
+from jaxpaged.sample.sampling_batch import GREEDY_TEMPERATURE_EPS, _PRNG_IMPL, SamplingBatch
+from jaxpaged.sample.ops import process_logits
 
 
 def oracle_token_ids(logits: jax.Array, batch: SamplingBatch) -> jax.Array:

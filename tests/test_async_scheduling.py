@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged.engine.llm_engine import CPU_ASYNC_MAX_TOKENS, EngineArgs, LLMEngine
+from jaxpaged.engine.args import CPU_ASYNC_MAX_TOKENS, EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from tests.test_engine import count_traces, mixed_prompts

@@ -12,7 +12,8 @@ import pytest
 
 from jaxpaged import checkpoint
 from jaxpaged.convert import main as convert_main
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.models.llama import forward_jit
 from jaxpaged.models.loader import load_model
 from tests.parallel_worker import ENGINE, prefill_logits

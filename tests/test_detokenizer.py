@@ -146,7 +146,7 @@ def test_a_failing_decode_stream_falls_back_to_python(tiny):
 def test_an_older_tokenizers_decodes_in_python(tiny, monkeypatch, old):
     """tokenizers before 0.21 has no DecodeStream, before 0.22 one without context ids: the window then decodes in
     Python (the same text)."""
-    from jaxpaged.engine.llm_engine import detokenizer
+    from jaxpaged.engine import detokenizer
 
     def without_ids(*, skip_special_tokens=False):
         return object()

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.generate import greedy_generate
 from jaxpaged.models.llama import UNFUSED, PackedWeight, forward_jit

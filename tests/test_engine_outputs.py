@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from jaxpaged.engine.llm_engine import detokenizer
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpaged.engine import detokenizer
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 

@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 
 from jaxpaged.sample import sampler
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
-from jaxpaged.worker.model_runner import FUSE_SAMPLER, ModelRunner, RunnerConfig, count_dispatches
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.worker.runner_config import FUSE_SAMPLER, RunnerConfig
+from jaxpaged.worker.model_runner import ModelRunner, count_dispatches
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from pallas_kernels import cuda_compile

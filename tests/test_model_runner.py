@@ -14,14 +14,16 @@ import pytest
 
 from jaxpaged.worker import hlo_stats
 from jaxpaged.worker import parallel
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
-from jaxpaged.worker.model_runner import (CPU_COMPILER_OPTIONS, CPU_SMALL_STEP_OPTIONS, CPU_SMALL_STEP_TOKENS, ModelRunner,
-                                   RunnerConfig, build_native_kernels, cpu_compiler_options,
-                                   kv_bytes_per_page, paged_forward, resolve_kv_cache_dtype)
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.worker.runner_config import (CPU_COMPILER_OPTIONS, CPU_SMALL_STEP_OPTIONS, CPU_SMALL_STEP_TOKENS, RunnerConfig, build_native_kernels, cpu_compiler_options, resolve_kv_cache_dtype)
+from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.step_input import kv_bytes_per_page
+from jaxpaged.worker.step_program import paged_forward
 from jaxpaged.models.llama import PackedWeight, WeightLayout, forward_jit, unstack_layers
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.core.scheduler import ScheduledRequest, SchedulerOutput
+from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from pallas_kernels import cpu_build, cpu_matmul
 
 CONFIG = RunnerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128, page_size=16, num_pages=32,
@@ -347,7 +349,7 @@ def test_bf16_model_on_cpu_gets_an_f32_pool_written_in_place(tiny):
 
 def test_pack_weights_packs_stacked_and_per_layer_params_and_consumes_only_what_it_packed(tiny):
     from jaxpaged.worker.host_memory import HugePageArena
-    from jaxpaged.worker.model_runner import _pack_for_cpu_matmul
+    from jaxpaged.worker.step_program import _pack_for_cpu_matmul
     from jaxpaged.models.llama import pack_weights
     from jaxpaged.worker.weight_layout import to_weight_layout
     arena = HugePageArena(1 << 22)
@@ -386,7 +388,7 @@ def test_build_native_kernels_starts_the_kernels_the_step_will_ask_for_in_that_o
 def test_carry_tokens_takes_each_verifications_first_rejection_or_bonus():
     """A step of 3 entries (rows 0-2) whose entries 0 and 2 verified 3 and 2 drafts, packed in rows 3-5 and 6-7:
     entry 0 accepted 1 (its next token: row 4's sample, 2 rejected), entry 2 all (its bonus row 2, none)."""
-    from jaxpaged.worker.model_runner import carry_tokens
+    from jaxpaged.worker.in_flight import carry_tokens
     sampled = jnp.array([10, 11, 12, 13, 14, 15, 16, 17, 0, 0], jnp.int32)  # i32[N]: entries', then draft rows
     entry_rows = np.array([0, 2, 8, 8], np.int32)  # M = 4 slots; 8 = size: padding
     sample_rows = np.array([[3, 4, 5], [6, 7, 0], [0, 0, 0], [0, 0, 0]], np.int32)
@@ -403,7 +405,8 @@ def test_fill_in_flight_moves_a_sequence_back_by_its_rejected_drafts():
     verification in flight as if its 3 drafts were accepted: a placeholder and 2 drafts at positions 11-13.
     2 were rejected: positions 9-11, slots through its page table (page size 4), kv_lens 14 -> 12, and the
     placeholder takes the carried token."""
-    from jaxpaged.worker.model_runner import StepInput, fill_in_flight
+    from jaxpaged.worker.step_input import StepInput
+    from jaxpaged.worker.in_flight import fill_in_flight
     step = StepInput(token_ids=np.array([5, 6, -1, 7, 8, 0, 0, 0], np.int32),
                      positions=np.array([3, 4, 11, 12, 13, 0, 0, 0], np.int32),
                      slot_mapping=np.array([7, 8, 31, 36, 37, 0, 0, 0], np.int32),
@@ -429,8 +432,8 @@ def test_key_steps_move_back_by_the_drafts_rejected_in_flight():
     the others keep theirs; a padding row at step 0 stays at 0. Host (numpy) and device (in the fused step: jax)
     alike. `PendingStep.key_steps` moves a host batch's steps so; a greedy batch (no key read) or a step packed
     with nothing in flight comes back as is."""
-    from jaxpaged.worker.model_runner import PendingStep, steps_moved_back
-    from jaxpaged.sample.sampler import RowInfo, make_sampling_batch
+    from jaxpaged.worker.in_flight import PendingStep, steps_moved_back
+    from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch
     shifts = np.array([-1, -1, 1, 1, 1, -1, -1, -1], np.int32)
     rejected = np.array([0, 2, 0, 0], np.int32)
     token_index = np.array([1, 4, 2, 3, 0], np.int32)
@@ -453,12 +456,12 @@ def test_key_steps_move_back_by_the_drafts_rejected_in_flight():
 
 
 def test_sampling_batch_from_kept_constants_is_the_batch_of_the_entries_rows(tiny):
-    """A step's sampler batch gathers each request's constants kept from earlier steps (`sampler.RowConstants`),
+    """A step's sampler batch gathers each request's constants kept from earlier steps (`sampling_batch.RowConstants`),
     RowInfos only for rows with banned ids, a bias or penalties, then packed draft rows: the batch of the rows
     `sampling_row` makes, row for row. A request id that comes back with other params gets them (made again), and
     finished requests are forgotten."""
-    from jaxpaged.worker.model_runner import sampling_row
-    from jaxpaged.sample.sampler import make_sampling_batch
+    from jaxpaged.worker.in_flight import sampling_row
+    from jaxpaged.sample.sampling_batch import make_sampling_batch
     runner = ModelRunner(tiny.config, tiny.params, dataclasses.replace(CONFIG, num_speculative_tokens=2))
     V = tiny.config.vocab_size
     seeded, greedy = SamplingParams(temperature=0.7, top_k=3, top_p=0.8), SamplingParams(temperature=0.0)
@@ -496,7 +499,8 @@ def test_outputs_in_flight_are_what_the_host_counts_lack():
     padding row. Each row of entry 1 lacks the accepted draft, the placeholder's token and the drafts fed before
     it; the others lack nothing (without the packed draft rows, rows 2-3 are padding: nothing). The sampler adds
     them to the counts."""
-    from jaxpaged.worker.model_runner import PendingStep, StepInput, _count_from, _placeholder_sources, outputs_in_flight
+    from jaxpaged.worker.in_flight import PendingStep, _count_from, _placeholder_sources, outputs_in_flight
+    from jaxpaged.worker.step_input import StepInput
     from jaxpaged.sample.sampler import _count_fed_tokens
     entries = [ScheduledRequest("a", (5, 6), 3, (1,), True, SamplingParams(), 3),
                ScheduledRequest("b", (-1, 7, 8), 11, (2, 3, 4), True, SamplingParams(), 3, placeholder=True,
@@ -535,8 +539,8 @@ def test_penalised_draft_rows_count_the_outputs_in_flight_and_the_drafts_fed():
     fed before j; before (the fused step's unpacked rows: they wait for its outcome, accepted 40 then token 30),
     that outcome first; the fused step's own rows: the list itself (by reference: the device counts the rest).
     Key steps stay those of the position; a's rows stay as they were."""
-    from jaxpaged.worker.model_runner import (DraftRows, PendingStep, _draft_rows, _in_flight_history, _outcome_in_flight,
-                                       _with_history)
+    from jaxpaged.spec_decode.verify import DraftRows
+    from jaxpaged.worker.in_flight import (PendingStep, _draft_rows, _in_flight_history, _outcome_in_flight, _with_history)
     penalised = SamplingParams(temperature=0.0, frequency_penalty=0.5)
     outputs = [1, 2]
     entries = [ScheduledRequest("a", (-1, 5), 9, (1,), True, SamplingParams(temperature=0.0), 3, placeholder=True,
@@ -585,7 +589,9 @@ def test_redraft_in_flight_proposes_again_where_the_guess_was_wrong():
     its 2 drafts become [1, 2] (the -1 past them stays). Slot 1 guessed right (1 accepted, token 4):
     kept. Slot 2 was not guessed (row -1): kept. Slot 3 is padding. The Redraft carries the changed slot and its
     fed token's index; `fill_in_flight` feeds those drafts after it, and the fused step's accept reads them."""
-    from jaxpaged.worker.model_runner import Redraft, StepInput, fill_in_flight, merge_redrafts, redraft_in_flight
+    from jaxpaged.spec_decode.verify import Redraft, merge_redrafts, redraft_in_flight
+    from jaxpaged.worker.step_input import StepInput
+    from jaxpaged.worker.in_flight import fill_in_flight
     draft_ids = np.array([[3, 3, -1], [4, 4, 4], [6, -1, -1], [-1, -1, -1]], np.int32)  # i32[M, k]: the host's
     history = np.zeros((4, 16), np.int32)
     history[0, :8] = [1, 2, 7, 9, 1, 2, 7, 8]  # known (6), then the 2 drafts in flight

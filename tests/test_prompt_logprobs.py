@@ -9,8 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged.worker import model_runner
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpaged.worker import step_program
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.models import llama
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -106,13 +107,13 @@ def test_not_asked_none_and_one_token_prompt(engine):
 
 def test_batched_with_others_and_no_compile_after_warmup(engine, reference):
     """Requests that ask share a step with ones that don't; every shape was compiled at warm-up."""
-    size = model_runner.prompt_logprobs_step._cache_size()
+    size = step_program.prompt_logprobs_step._cache_size()
     engine.add_request("other", {"prompt_token_ids": PROMPT[:40][::-1]}, SamplingParams(max_tokens=5))
     engine.add_request("short", {"prompt_token_ids": PROMPT[:9]},
                        SamplingParams(max_tokens=4, prompt_logprobs=1, output_kind=RequestOutputKind.FINAL_ONLY))
     (out,) = run(engine, SamplingParams(max_tokens=4, prompt_logprobs=1, output_kind=RequestOutputKind.FINAL_ONLY))
     check_against_reference(out.prompt_logprobs, reference, 1)
-    assert model_runner.prompt_logprobs_step._cache_size() == size
+    assert step_program.prompt_logprobs_step._cache_size() == size
 
 
 def test_prompt_logprobs_on_a_mesh_are_a_clear_error(engine, monkeypatch):

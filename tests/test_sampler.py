@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from jaxpaged.sample.sampler import (MAX_BIAS_ENTRIES, RowConstants, RowInfo, SamplerOutput, SamplingBatch,
-                              assemble_sampling_batch, make_sampling_batch, needs_row_info, process_logits, sample,
-                              sample_jit, seed_key_data, step_key)
+from jaxpaged.sample.sampling_batch import (MAX_BIAS_ENTRIES, RowConstants, RowInfo, SamplingBatch, assemble_sampling_batch, make_sampling_batch, needs_row_info, seed_key_data, step_key)
+from jaxpaged.sample.sampler import SamplerOutput, sample, sample_jit
+from jaxpaged.sample.ops import process_logits
 from jaxpaged.sample.sampler import compiled_variants, warmup
 from jaxpaged.sampling_params import SamplingParams as SP
 
@@ -502,7 +502,7 @@ def test_threefry2x32_is_jax_primitive_bit_for_bit():
     """The sampler's written-out Threefry-2x32 equals JAX's primitive (the noise stream is unchanged)."""
     from jax.extend.random import threefry2x32_p
 
-    from jaxpaged.sample.sampler import threefry2x32
+    from jaxpaged.sample.ops import threefry2x32
 
     rng = np.random.default_rng(7)
     keys = rng.integers(0, 2**32, size=(4, 2), dtype=np.uint64).astype(np.uint32)

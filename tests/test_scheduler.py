@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.core.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxpaged.core.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 32
 EOS = 0

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from jaxpaged.core.page_pool import hash_page
 from jaxpaged.core.request import Request
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.core.scheduler_output import SchedulerOutput
 from tests.test_scheduler import EOS, VOCAB, FakeRunner, config, make, next_token, reference_output
 
 

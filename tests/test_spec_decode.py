@@ -19,8 +19,11 @@ from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
 from jaxpaged.sample import sampler
-from jaxpaged.engine.llm_engine import BLANK_DRAFT_STEPS, EngineArgs, LLMEngine
-from jaxpaged.worker.model_runner import RunnerConfig, count_dispatches
+from jaxpaged.engine.drafting import BLANK_DRAFT_STEPS
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.worker.runner_config import RunnerConfig
+from jaxpaged.worker.model_runner import count_dispatches
 from jaxpaged.generate import greedy_generate
 from jaxpaged.models.llama import forward
 from jaxpaged.models.loader import load_model

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.sample.sampler import RowInfo, apply_token_bitmask, compiled_variants, make_sampling_batch, sample_jit
+from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch
+from jaxpaged.sample.ops import apply_token_bitmask
+from jaxpaged.sample.sampler import compiled_variants, sample_jit
 from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxpaged.sample.structured_outputs import (GrammarError, StructuredOutputManager, StructuredOutputsConfig,
                                          bitmask_width, unpack_bitmask)
@@ -227,7 +229,8 @@ import re  # noqa: E402
 
 import jsonschema  # noqa: E402
 
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpaged.models.loader import load_model  # noqa: E402
 from tests.test_engine import count_traces  # noqa: E402
 
@@ -362,7 +365,7 @@ def test_no_compilation_after_warmup_with_constrained_requests(tiny_engine):
 
 
 def test_a_token_the_grammar_rejects_fails_only_its_request(manager):
-    from jaxpaged.engine.llm_engine import _Child
+    from jaxpaged.engine.output_processor import _Child
     from jaxpaged.core.request import Request, RequestStatus
 
     def child(rid: str) -> _Child:

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from jaxpaged.worker import hlo_stats
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
-from jaxpaged.worker.model_runner import (GPU_COMMAND_BUFFERS, ModelRunner, RunnerConfig, command_buffer_options,
-                                   gpu_compiler_options, packs_weights)
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.worker.runner_config import (GPU_COMMAND_BUFFERS, RunnerConfig, command_buffer_options, gpu_compiler_options, packs_weights)
+from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.models.llama import LlamaConfig, WeightLayout, forward_jit, init_params, param_shapes
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.core.scheduler import ScheduledRequest
+from jaxpaged.core.scheduler_output import ScheduledRequest
 from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout
 from pallas_kernels import cpu_matmul, cuda_compile
 

@@ -77,12 +77,10 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-from jaxpaged.errors import InvalidRequestError
 from jaxpaged.core.page_pool import CachedPrefix, PagePool
 from jaxpaged.core.request import Request, RequestStatus, StopVerdict
-from jaxpaged.sampling_params import SamplingParams
-
-PLACEHOLDER_TOKEN_ID = -1  # in ScheduledRequest.token_ids: a token the previous step sampled, still on the device
+from jaxpaged.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from jaxpaged.errors import InvalidRequestError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,58 +139,6 @@ class SchedulerConfig:
         if not isinstance(self.memory_bound_tokens, int) or isinstance(self.memory_bound_tokens, bool) or \
                 self.memory_bound_tokens < 0:
             bad("memory_bound_tokens", "must be an integer >= 0")
-
-
-@dataclasses.dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step; the runner builds positions and slot mapping from it.
-
-    Read-only by contract, derived with `dataclasses.replace`, but not frozen: the scheduler makes one for every
-    running request every step, and a frozen dataclass's __init__ (a guarded setattr per field) took 4x as long
-    (1.96 us against 0.46 with slots, 17 fields; ~0.4 ms of a 256-request step)."""
-
-    request_id: str
-    token_ids: tuple[int, ...]  # the tokens at positions [start_position, start_position + len)
-    start_position: int  # num_computed_tokens before this step
-    page_ids: tuple[int, ...]  # the whole page table after allocation (covers every position fed)
-    samples: bool  # the chunk reaches the end of the known tokens: sample a next token
-    sampling_params: SamplingParams
-    num_prompt_tokens: int  # tokens below this position are prompt (outputs follow after preemption)
-    # The sampler's per-request state (read by ModelRunner.execute_model when `samples`):
-    seed: int = 0  # PRNG seed; the key of this token is fold_in(PRNGKey(seed), num_output_tokens)
-    num_output_tokens: int = 0  # outputs before this step's sampled token
-    banned_token_ids: tuple[int, ...] = ()  # masked to -inf (EOS / stop token ids before min_tokens)
-    # The request's own lists, by reference (no copy per step; read only while this step runs), for penalties:
-    prompt_token_ids: Sequence[int] = dataclasses.field(default=(), compare=False, repr=False)
-    output_token_ids: Sequence[int] = dataclasses.field(default=(), compare=False, repr=False)
-    # async scheduling: the chunk is one token, the one the previous step sampled for this request; token_ids
-    # holds PLACEHOLDER_TOKEN_ID and the runner gathers the value on the device
-    placeholder: bool = False
-    # Speculative decoding: the d drafts fed after the last token (they end token_ids), to verify this step;
-    # spec_banned_token_ids[j]: banned_token_ids of the output after the first j + 1 drafts.
-    spec_token_ids: tuple[int, ...] = ()
-    spec_banned_token_ids: tuple[tuple[int, ...], ...] = ()
-    # ... fed after a placeholder: the outcome of the step in flight they were proposed after (its accepted drafts,
-    # then its token: Request.spec_guess), None if not guessed; the runner proposes them again on the device
-    # where that step emits otherwise (`model_runner.redraft_in_flight`); (): blank drafts, proposed there always
-    spec_guess: tuple[int, ...] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens fed this step (drafts included)."""
-        return len(self.token_ids)
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled_requests: tuple[ScheduledRequest, ...]  # in scheduling order
-    num_scheduled_tokens: int
-    preempted_request_ids: tuple[str, ...]  # preempted by this schedule() call
-    finished_request_ids: tuple[str, ...]  # finished (any reason) since the previous schedule()
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled_requests
 
 
 class Scheduler:

@@ -27,7 +27,8 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 

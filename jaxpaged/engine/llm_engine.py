@@ -57,7 +57,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -65,185 +64,37 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpaged.worker import parallel
+from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.core.scheduler_output import SchedulerOutput
+from jaxpaged.engine.args import (
+    _CPU_DEFAULT_MAX_MODEL_LEN,
+    _CPU_KV_CACHE_BYTES,
+    CPU_ASYNC_MAX_TOKENS,
+    GPU_MEMORY_BOUND_TOKENS,
+    EngineArgs,
+    _configure_compilation_cache,
+)
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
-from jaxpaged.errors import InvalidRequestError
-from jaxpaged.worker.model_runner import (GPU_COMMAND_BUFFERS, FaultInjector, ModelRunner, ModelRunnerOutput,
-                                   PendingStep, PromptLogprobs, RunnerConfig, build_native_kernels, check_fuse_sampler,
-                                   check_kv_cache_dtype, check_quantization, kv_bytes_per_page, packs_weights,
-                                   resolve_kv_cache_dtype)
-from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
-from jaxpaged.models.model_cache import default_model_cache_dir
-from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxpaged.core.request import Request, RequestStatus, StopVerdict
-from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxpaged.spec_decode.ngram import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
-                                  max_drafts_for)
-from jaxpaged.sample.structured_outputs import GrammarMatcher, StructuredOutputManager
-from jaxpaged.sample.structured_outputs import available as structured_outputs_available  # noqa: I001
+from jaxpaged.engine.drafting import NO_ROOM_MAX_WAIT, Drafting
+from jaxpaged.engine.grammar import GrammarSupport
+from jaxpaged.engine.output_processor import OutputProcessor, _Child, _Parent, _record_token_time
 from jaxpaged.engine.validation import validate_request
-from jaxpaged.worker.weight_layout import check_weight_layout, resolve_weight_layout, to_weight_layout
+from jaxpaged.errors import InvalidRequestError
+from jaxpaged.models.loader import LoadedModel, load_model
+from jaxpaged.outputs import RequestMetrics, RequestOutput
+from jaxpaged.sample.structured_outputs import StructuredOutputManager
+from jaxpaged.sample.structured_outputs import available as structured_outputs_available  # noqa: I001
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.spec_decode.ngram import DraftLengthPolicy, NgramProposer, SpecDecodingStats
+from jaxpaged.worker import parallel
+from jaxpaged.worker.in_flight import PendingStep
+from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.runner_config import RunnerConfig, build_native_kernels, packs_weights, resolve_kv_cache_dtype
+from jaxpaged.worker.step_input import FaultInjector, kv_bytes_per_page
+from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout
 
 logger = logging.getLogger(__name__)
-
-_CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU when no size is given
-_CPU_DEFAULT_MAX_MODEL_LEN = 2048  # keeps the CPU warm-up (one compile per step shape) short
-# On CPU async scheduling keeps only steps of at most this many tokens in flight: there the host's work for
-# the next step runs beside the step's own threads on the same cores, which pays while a step is bound by
-# reading the weights (a few rows) and costs once its matmuls are compute-bound (docs/benchmarks.md,
-# "Session 16")
-CPU_ASYNC_MAX_TOKENS = 8
-# Speculative decoding on GPU: steps of up to this many tokens cost about the same (bf16 weights on an H200:
-# ~200 FLOP a byte before the matmuls turn compute-bound), so drafts beside a request without drafts may fill a
-# step up to it (SchedulerConfig.memory_bound_tokens; an estimate from the roofline, not yet measured). On CPU
-# every row adds compute: 0.
-GPU_MEMORY_BOUND_TOKENS = 128
-# Overlapped verification: a request whose draft was accepted lately but whose lookup finds nothing before its token
-# in flight reserves blank draft rows (BLANK_DRAFT_TOKEN, fed and proposed again on the device from that token on)
-# for up to this many steps without a match; the host's lookup lags the device's by that token, so after a copy
-# breaks the device finds the match again a step sooner (docs/benchmarks.md, "Session 37")
-BLANK_DRAFT_STEPS = 3
-BLANK_DRAFT_TOKEN = 0
-# Speculation with async scheduling: after drafts proposed for a token in flight found no room in the step (a
-# mixed batch's padding, the partial-prefill slots), the engine overlaps 2, 4, ... up to this many steps of the
-# same batch before it waits for a token in flight to propose again (each wait costs the step's host time).
-NO_ROOM_MAX_WAIT = 32
-
-
-def default_compilation_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxpaged", "xla")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineArgs:
-    """vLLM's engine arguments, by the same names."""
-
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    revision: str | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None  # default: the model's context length (capped at 2048 on CPU)
-    max_num_seqs: int | None = None  # default: 256 on GPU, 64 on CPU
-    max_num_batched_tokens: int | None = None  # default: 8192 on GPU (vLLM's serving budget), 512 on CPU
-    # requests fed a prefill chunk in one step; default 16 on GPU, 4 on CPU (bounds attention's prefill tiles)
-    max_num_partial_prefills: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # bytes for the KV pool
-    num_pages: int | None = None  # KV pool size in pages (incl. the null page); overrides the above
-    attention_backend: str = "auto"
-    kv_cache_dtype: str = "auto"  # the KV pool's dtype (see model_runner.resolve_kv_cache_dtype)
-    # vLLM's `quantization`: the weight dots' weights as int8, a scale per column and 32 rows (model_runner.QUANTIZATIONS;
-    # CPU, float32 weights on one device, the native matmul): "int8" (weight-only), "w8a8" (x quantised too) or None
-    quantization: str | None = None
-    # The step's weight layout (jaxpaged/worker/weight_layout.py): "auto" (per-layer arrays, read in place, where the
-    # weights are not packed for the native CPU matmul, whose packed stack a scan reads in place; the stacked
-    # scan compiles faster), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up one gemm each
-    weight_layout: str = "auto"
-    fuse_projections: bool = True
-    # XLA:GPU command buffers (CUDA graphs) over the step: "auto", "xla", "off" or "full" (model_runner)
-    command_buffers: str = "auto"
-    # The sampler inside the step's jitted program, one executable call per step (model_runner.FUSE_SAMPLER):
-    # "auto" (on with a GPU backend, off on CPU: docs/benchmarks.md, "The fused sampler"), "on" or "off"
-    fuse_sampler: str = "auto"
-    tensor_parallel_size: int = 1  # devices in the "tp" mesh (see jaxpaged/worker/parallel.py)
-    distributed_coordinator: str | None = None  # multi-host: "host:port" of process 0
-    num_processes: int = 1  # multi-host: processes in jax.distributed
-    process_id: int = 0  # multi-host: this process (0 schedules, the others `follow`)
-    chat_template: str | None = None
-    generation_config: str | None = None  # path to a generation_config.json
-    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
-    # programs compiling faster than this are not persisted (JAX's default, 1 s, leaves most step shapes of a
-    # small model out of the cache, so every start compiled them again); 0: persist every program
-    compilation_cache_min_compile_secs: float = 0.0
-    # a GGUF model's dequantised params and tokenizer, cached for the next start (None: no cache)
-    model_cache_dir: str | None = dataclasses.field(default_factory=default_model_cache_dir)
-    warmup: bool = True
-    # vLLM's speculative_config: a SpeculativeConfig, or its dict / JSON text (converted here); None: off.
-    # Only the n-gram (prompt lookup) method: {"method": "ngram", "num_speculative_tokens": k, ...}
-    speculative_config: SpeculativeConfig | None = None
-
-    # vLLM v1's async scheduling: dispatch step N+1 before step N's tokens reach the host (module docstring);
-    # None: on (one process; with speculative decoding, steps that verify drafts run synchronously)
-    async_scheduling: bool | None = None
-    # Which steps async scheduling keeps in flight: those feeding at most this many tokens; a larger step is
-    # handled before the next one is scheduled (the synchronous order). None: every step with a GPU; on CPU,
-    # where the host's work shares the cores with the step's matmuls, CPU_ASYNC_MAX_TOKENS
-    async_scheduling_max_tokens: int | None = None
-    # Speculative decoding under async scheduling: greedy requests' verification steps overlap the next step
-    # (module docstring). None: on with a GPU, where a synchronous step exposes the host's whole work (H200: a
-    # verification step 7.3 ms against 4.4 ms overlapped); off on CPU, where the host time is a few % of a step:
-    # SmolLM2 at batch 1 gained nothing from it (docs/benchmarks.md, "Session 36" and "Session 37")
-    overlap_verification: bool | None = None
-
-    def __post_init__(self):
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None (auto)")
-        if self.overlap_verification is not None and not isinstance(self.overlap_verification, bool):
-            raise ValueError(f"overlap_verification={self.overlap_verification!r} must be a bool or None (auto)")
-        spec = self.speculative_config
-        if spec is not None and not isinstance(spec, SpeculativeConfig):
-            if not isinstance(spec, (dict, str)):
-                raise ValueError(f"speculative_config must be a dict, its JSON text or a SpeculativeConfig, "
-                                 f"got {type(spec).__name__}")
-            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))  # frozen: set once
-        if self.speculative_config is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
-            raise ValueError("speculative_config is not supported with tensor parallelism or several processes yet")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
-        _ = self.distributed  # validates the multi-host fields
-        check_kv_cache_dtype(self.kv_cache_dtype)  # before the model loads
-        check_quantization(self.quantization)
-        if self.quantization is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
-            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor parallelism or several "
-                             "processes (it runs on the native CPU matmul, one device)")
-        check_weight_layout(self.weight_layout)
-        if self.command_buffers not in ("auto", *GPU_COMMAND_BUFFERS):
-            raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
-                             f"{('auto', *GPU_COMMAND_BUFFERS)}")
-        check_fuse_sampler(self.fuse_sampler)
-        if self.fuse_sampler == "on" and (self.tensor_parallel_size > 1 or self.num_processes > 1):
-            raise ValueError("fuse_sampler='on' is not supported with tensor parallelism or several processes: "
-                             "leave it 'auto' (off there) or 'off'")
-        if not isinstance(self.compilation_cache_min_compile_secs, (int, float)) or \
-                not 0 <= self.compilation_cache_min_compile_secs < math.inf:
-            raise ValueError(f"compilation_cache_min_compile_secs={self.compilation_cache_min_compile_secs!r} "
-                             "must be a number >= 0")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",
-                     "kv_cache_memory", "num_pages", "async_scheduling_max_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-
-    @property
-    def distributed(self) -> parallel.DistributedConfig:
-        return parallel.DistributedConfig(self.distributed_coordinator, self.num_processes, self.process_id)
-
-
-def _configure_compilation_cache(args: EngineArgs) -> None:
-    """JAX's persistent compilation cache (process-wide JAX settings) from the engine's arguments."""
-    if args.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", args.compilation_cache_min_compile_secs)
-
-
-@dataclasses.dataclass
-class _Child:
-    """Engine-side state of one sample (one scheduler Request, which holds the finish record)."""
-
-    index: int
-    request: Request
-    detokenizer: IncrementalDetokenizer | None  # None when params.detokenize is False
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float = 0.0
-    num_sent_tokens: int = 0  # DELTA: output tokens already handed out
-    matcher: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
 
 
 @dataclasses.dataclass
@@ -256,20 +107,7 @@ class _InFlightStep:
     dispatched_at: float  # time.perf_counter() when its forward was dispatched
 
 
-@dataclasses.dataclass
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    children: list[_Child]
-    metrics: RequestMetrics
-    # params.prompt_logprobs: entry per prompt token (index 0: None), filled from the first child's steps
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    prompt_logprobs_sent: bool = False  # DELTA: they went out with the first output
-
-
-class LLMEngine:
+class LLMEngine(Drafting, GrammarSupport, OutputProcessor):
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None,
                  fault_injector: FaultInjector | None = None):
         # fault_injector: a test hook handed to the ModelRunner (runner.fault_injector), called every step
@@ -498,71 +336,6 @@ class LLMEngine:
         return _Child(index, request, detok, [] if params.logprobs is not None else None)
 
     # ---- structured outputs -----------------------------------------------
-
-    def _compile_grammar(self, params: SamplingParams) -> concurrent.futures.Future | None:
-        if params.structured_outputs is None:
-            return None
-        if self.structured_outputs is None:
-            raise InvalidRequestError("structured outputs need the model's tokenizer and the llguidance package",
-                                      "structured_outputs")
-        return self.structured_outputs.compile(params.structured_outputs)
-
-    def _attach_matchers(self, parent: _Parent, compiled) -> None:
-        for child in parent.children:
-            child.matcher = self.structured_outputs.matcher(compiled)
-
-    def _admit_grammar_ready(self) -> list[RequestOutput]:
-        """Queue the requests whose grammar compiled; fail (finish_reason "error") those whose did not."""
-        failed = []
-        for rid, (parent, future) in list(self._awaiting_grammar.items()):
-            if not future.done():
-                continue
-            del self._awaiting_grammar[rid]
-            try:
-                self._attach_matchers(parent, future.result())
-                self._queue(parent)
-            except (ValueError, concurrent.futures.CancelledError) as err:
-                logger.warning("request %s failed before it ran: %s", rid, err)
-                for child in parent.children:
-                    child.request.finish(RequestStatus.FINISHED_ERROR)
-                failed.append(self._make_output(parent, {c.index for c in parent.children}))
-        return [o for o in failed if o is not None]
-
-    def _wait_for_grammars(self, timeout: float = 0.01) -> None:
-        """Nothing to run but requests awaiting their grammar: sleep until one is ready (or a moment)."""
-        futures = [future for _, future in self._awaiting_grammar.values()]
-        if futures:
-            concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
-
-    def _grammar_bitmask(self, entries: Sequence[ScheduledRequest]) -> np.ndarray | None:
-        """i32[len(entries) + D, W]: the allowed tokens of each constrained row (others all ones); None if none.
-        Rows (ModelRunner.execute_model's layout): each entry's last fed token, then the D draft positions of
-        the entries that fed drafts, in step order (position j samples the token after the first j drafts)."""
-        rows, draft_row = [], len(entries)
-        for i, entry in enumerate(entries):
-            # .get: with async scheduling the step may hold a request that finished since it was scheduled
-            pair = self._child_to_parent.get(entry.request_id) if entry.samples else None
-            matcher = pair[1].matcher if pair is not None else None
-            d = len(entry.spec_token_ids)
-            if matcher is not None:  # the mask after its first j drafts: row draft_row + j, the last one's: row i
-                rows.append((matcher, entry.spec_token_ids, [*range(draft_row, draft_row + d), i]))
-            draft_row += d
-        if not rows:
-            return None
-        bitmask = np.full((draft_row, self.structured_outputs.mask_width), -1, np.int32)
-        self.structured_outputs.fill_bitmask_with_drafts(rows, bitmask)
-        return bitmask[:, :self.structured_outputs.sampler_width]
-
-    @staticmethod
-    def _grammar_verdict(child: _Child, token_id: int):
-        """Advance the child's grammar by its sampled token: (status, None) when that ends it, else None."""
-        if child.matcher is None:
-            return None
-        if not child.matcher.accept(token_id):
-            logger.warning("request %s: token %d broke its grammar (%s)", child.request.request_id, token_id,
-                           child.matcher.error)
-            return RequestStatus.FINISHED_ERROR, None
-        return (RequestStatus.FINISHED_STOPPED, None) if child.matcher.is_terminated else None
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -805,20 +578,6 @@ class LLMEngine:
         self._observe_step(out, max(flight.dispatched_at, self._last_handled), timed=bool(entries))
         return outputs
 
-    def _note_redrafts(self, following: SchedulerOutput, wrong: set[str]) -> None:
-        """The drafts the device fed in `following` (in flight) for the requests in `wrong`, whose guess of the
-        step just handled proved wrong: proposed again from its real outcome (`model_runner.redraft_in_flight`,
-        this lookup on the device; -1 where it found none), kept in Request.spec_redrafts for the next guess and
-        for the policy."""
-        for entry in following.scheduled_requests:
-            request = self.scheduler.get_request(entry.request_id)
-            if entry.request_id in wrong and entry.spec_guess is not None and request is not None:
-                d = len(entry.spec_token_ids)
-                drafts = self._device_lookup.continuation(request.all_token_ids, d)
-                request.spec_redrafts = drafts + [-1] * (d - len(drafts))
-                if entry.spec_guess == () and not drafts:  # blank drafts that found nothing
-                    request.spec_blanks_left -= 1
-
     def _outputs(self, touched: dict[str, tuple[_Parent, set[int]]]) -> list[RequestOutput]:
         """The outputs of the parents whose children got tokens this step (their token times recorded)."""
         now = time.time()
@@ -845,249 +604,8 @@ class LLMEngine:
         for request in self.scheduler.waiting:
             request.num_output_placeholders = request.num_draft_placeholders = 0
 
-    def _propose_drafts(self) -> None:
-        """Speculative decoding: n-gram drafts for every decoding request (under a grammar, `_grammar_drafts`;
-        none while more requests are enqueued than speculative_config.disable_by_batch_size)."""
-        disabled = self._drafting_disabled()
-        decoding = self.scheduler.decoding_requests()
-        for request in decoding:
-            request.spec_num_forced, request.spec_guess, request.spec_redrafts = 0, None, None  # nothing in flight
-            room = max_drafts_for(request.num_tokens, request.num_output_tokens, request.max_tokens,
-                                  request.max_model_len)
-            if room < 1 or disabled:
-                request.spec_token_ids = []
-                continue
-            matcher = self._child_to_parent[request.request_id][1].matcher
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room) if matcher is None else \
-                self._grammar_drafts(request, matcher, room)
-        if self.draft_policy is not None:
-            self.draft_policy.trim(decoding)
-
-    def _verifies_overlapped(self, request: Request) -> bool:
-        """Whether the request's verification steps may overlap the next step (async scheduling, with
-        EngineArgs.overlap_verification): its next step's tokens then depend on the outcome only through what the
-        device moves (`fill_in_flight`: the token fed, the positions; `steps_moved_back`: a random row's key) or
-        counts (`outputs_in_flight`: penalties). Rows without min_tokens bans or a grammar: a grammar's mask and
-        min_tokens' bans follow the tokens in flight on the host."""
-        return self.overlap_verification and request.num_output_tokens >= request.sampling_params.min_tokens and \
-            self._child_to_parent[request.request_id][1].matcher is None
-
-    def _in_flight_decodes(self) -> list[Request]:
-        """Running requests whose next token (and drafts' outcome) is in flight: one step, fed their last token."""
-        return [r for r in self.scheduler.running if r.num_output_placeholders == 1 and
-                r.num_computed_tokens == r.num_tokens + r.num_draft_placeholders]
-
-    def _propose_past_in_flight(self, in_flight: SchedulerOutput, waiting: Sequence[Request]) -> None:
-        """Speculative decoding with a step in flight (`in_flight`) whose requests `waiting` for its tokens
-        (`_in_flight_decodes`) all verify overlapped (`_verifies_overlapped`): drafts for every decoding request
-        that may have them, those in flight guessing that step's outcome (`NgramProposer.propose_past`, its guess
-        kept to check when the outcome arrives; room as if all its drafts were accepted), the others from their
-        tokens; the adaptive policy trims them. Nothing waits for the device."""
-        disabled = self._drafting_disabled()
-        fed = {e.request_id: e.spec_token_ids for e in in_flight.scheduled_requests}
-        decoding, waiting_for = [], {id(r) for r in waiting}
-        for request in self.scheduler.running:
-            request.spec_token_ids, request.spec_num_forced, request.spec_guess = [], 0, None
-            known = not request.num_output_placeholders and request.num_tokens - request.num_computed_tokens == 1
-            if id(request) not in waiting_for and not known:
-                continue  # prefilling, or two steps in flight
-            decoding.append(request)
-            ahead = 0 if known else request.num_draft_placeholders + 1  # in flight, if all its drafts are accepted
-            room = max_drafts_for(request.num_tokens + ahead, request.num_output_tokens + ahead, request.max_tokens,
-                                  request.max_model_len)
-            if disabled or room < 1 or not self._verifies_overlapped(request):
-                continue
-            if known:
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
-                continue
-            fed_now = fed.get(request.request_id, ()) if request.spec_redrafts is None else request.spec_redrafts
-            drafts, guess = self.proposer.propose_past(request.all_token_ids, fed_now, room)
-            request.spec_token_ids, request.spec_guess = drafts, (guess or None) if drafts else None
-            if not drafts and request.spec_blanks_left > 0 and self.runner_config.prompt_lookup is not None:
-                request.spec_token_ids = [BLANK_DRAFT_TOKEN] * min(room, self.runner_config.num_speculative_tokens)
-                request.spec_guess = ()  # no guess: the device proposes them whatever the outcome
-        if self.draft_policy is not None:
-            self.draft_policy.trim(decoding)
-
-    def _drafting_disabled(self) -> bool:
-        """speculative_config.disable_by_batch_size: more requests enqueued than it allows draft nothing."""
-        limit = self.args.speculative_config.disable_by_batch_size
-        return limit is not None and self.scheduler.num_running + self.scheduler.num_waiting > limit
-
-    def _drafts_likely(self) -> bool:
-        """Async scheduling, a step in flight, some request in it not verifying overlapped (`_verifies_overlapped`):
-        whether drafts would likely follow a request's token in flight,
-        guessed from the tokens known (the n-gram proposal after that token; under a grammar, also the tokens
-        it forces after it), those the adaptive policy would keep. Then that step is waited for, not overlapped.
-        While drafts recently found no room in this batch, False (counting down `_no_room_wait`)."""
-        if self._drafting_disabled():
-            return False
-        if self._no_room_wait and self._no_room_batch == self._batch_key():
-            self._no_room_wait -= 1
-            return False
-        in_flight = [r for r in self.scheduler.running
-                     if r.num_output_placeholders == 1 and r.num_computed_tokens == r.num_tokens]
-        guesses = []  # (request, its guessed drafts after the token in flight)
-        for request in in_flight:
-            room = max_drafts_for(request.num_tokens + 1, request.num_output_tokens + 1, request.max_tokens,
-                                  request.max_model_len)
-            if room < 1:
-                continue
-            matcher = self._child_to_parent[request.request_id][1].matcher
-            if matcher is not None and len(matcher.forced_tokens()) > 1:
-                return True  # forced drafts are always verified
-            drafts = self.proposer.propose(request.all_token_ids, room, skip=1)
-            if drafts:
-                guesses.append((request, drafts))
-        if not guesses or self.draft_policy is None:
-            return bool(guesses)
-        rates = self.draft_policy.position_rates()
-        keep = self.draft_policy.plan(len(in_flight), [self.draft_policy.gains(r, len(d), rates) for r, d in guesses],
-                                      without_drafts=len(in_flight) - len(guesses))
-        return any(keep)
-
-    def _batch_key(self) -> tuple[frozenset[str], int, int]:
-        """What decides whether a step has room for drafts: the requests running, those of them decoding, those
-        waiting."""
-        running = self.scheduler.running
-        decoding = sum(r.num_tokens - r.num_computed_tokens <= 1 for r in running)
-        return frozenset(r.request_id for r in running), decoding, self.scheduler.num_waiting
-
-    def _grammar_drafts(self, request: Request, matcher: GrammarMatcher, room: int) -> list[int]:
-        """A constrained request's drafts: the tokens its grammar forces next (a schema's keys and punctuation,
-        which the prompt rarely holds), then the n-gram drafts after them, cut to the leading ones the grammar
-        allows (a draft it forbids is never accepted: not worth its row)."""
-        room = min(room, self.args.speculative_config.num_speculative_tokens)
-        drafts = matcher.forced_tokens()[:room]
-        forced = len(drafts)
-        if forced < room:
-            drafts += self.proposer.propose(request.all_token_ids + drafts, room - forced)
-        del drafts[matcher.valid_prefix(drafts):]
-        request.spec_num_forced = min(forced, len(drafts))
-        return drafts
-
-    def _observe_drafts(self, entries: Sequence[ScheduledRequest], result: ModelRunnerOutput,
-                        redrafted: dict[str, list[int]] | None = None) -> None:
-        """Count the step's verifications (metrics) and teach the adaptive policy; `redrafted`: the drafts the
-        device proposed again in place of an entry's (`_note_redrafts`), of which those it found count."""
-        for entry in entries:
-            num_accepted = result.num_accepted_drafts.get(entry.request_id)
-            if num_accepted is None:  # verified nothing
-                continue
-            request = self._child_to_parent[entry.request_id][1].request
-            if num_accepted:  # a copy runs: blank drafts may follow a break in it (`_propose_past_in_flight`)
-                request.spec_blanks_left = BLANK_DRAFT_STEPS
-            drafts = (redrafted or {}).get(entry.request_id, entry.spec_token_ids)
-            num_drafts = sum(t >= 0 for t in drafts)
-            if num_drafts:
-                self.spec_decoding_stats.observe(num_drafts, num_accepted)
-                if self.draft_policy is not None:
-                    self.draft_policy.observe_verification(request, num_drafts, num_accepted,
-                                                           min(request.spec_num_forced, num_drafts))
-
-    def _emit(self, child: _Child, result: ModelRunnerOutput,
-              rows: Sequence[int]) -> tuple[list[int], StopVerdict | None]:
-        """The tokens a request emits this step (its rows' samples, cut after the first that ends it) and
-        the last one's verdict (see `_stop_verdict`)."""
-        tokens, verdict, sampled = [], None, result.row_values[0]
-        for ahead, row in enumerate(rows):
-            tokens.append(sampled[row])
-            verdict = self._stop_verdict(child, result, row, ahead)
-            if verdict is not None:
-                break
-        return tokens, verdict
-
-    def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int, ahead: int = 0) -> StopVerdict | None:
-        """Record one sampled token (logprobs, text) and decide whether it ends the request.
-
-        None: it goes on; else (status, stop_reason) for Scheduler.update_from_output. Token-level
-        stops come from Request.check_stop, stop strings from the detokenizer (they win over length).
-        ahead: the step's tokens before this one (speculative decoding), not appended yet.
-        """
-        request, (sampled, logprobs, finite) = child.request, result.row_values
-        if not finite[row]:  # NaN/inf logits fail only their own request; the token is garbage
-            return RequestStatus.FINISHED_ERROR, None
-        token_id = sampled[row]
-        verdict = request.check_stop(token_id, ahead)
-        # A completed grammar stops after its last token, whose text is kept (unlike an EOS / stop id's).
-        grammar_verdict = self._grammar_verdict(child, token_id) if verdict is None else None
-        if child.logprobs is not None:
-            child.logprobs.append(self._logprob_entry(result, row, token_id, request.sampling_params.logprobs))
-        child.cumulative_logprob += logprobs[row]
-        if child.detokenizer is not None:
-            stop_terminated = verdict is not None and verdict[0] is RequestStatus.FINISHED_STOPPED
-            stop_str = child.detokenizer.update([token_id], stop_terminated=stop_terminated)
-            if stop_str is None and (verdict or grammar_verdict) is not None:
-                stop_str = child.detokenizer.flush()
-            if stop_str is not None:
-                return RequestStatus.FINISHED_STOPPED, stop_str
-        return verdict or grammar_verdict
-
-    def _record_prompt_logprobs(self, parent: _Parent, child: _Child, chunk: PromptLogprobs) -> None:
-        """Store one step's prompt log-probs by position (a recomputed chunk, after preemption or of another
-        child, overwrites): every child computes its whole prompt, so the first to sample has them all."""
-        k = parent.params.prompt_logprobs
-        for j, lp in enumerate(chunk.token_logprobs):
-            position = chunk.first_index + j
-            token_id = parent.prompt_token_ids[position]
-            entry = {int(t): Logprob(float(chunk.top_logprobs[j, r]), r + 1, self._decode_token(int(t)))
-                     for r, t in enumerate(chunk.top_token_ids[j, :k])}
-            if token_id not in entry:
-                entry[token_id] = Logprob(float(lp), int(chunk.ranks[j]), self._decode_token(token_id))
-            parent.prompt_logprobs[position] = entry
-
-    def _logprob_entry(self, result: ModelRunnerOutput, row: int, token_id: int, k: int) -> dict[int, Logprob]:
-        top_ids = result.top_token_ids[row]
-        entry = {int(t): Logprob(float(result.top_logprobs[row, r]), r + 1, self._decode_token(int(t)))
-                 for r, t in enumerate(top_ids[:k])}
-        if token_id not in entry:
-            ranks = np.nonzero(top_ids == token_id)[0]
-            rank = int(ranks[0]) + 1 if len(ranks) else None
-            entry[token_id] = Logprob(float(result.logprobs[row]), rank, self._decode_token(token_id))
-        return entry
-
-    def _decode_token(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
-
-    def _make_output(self, parent: _Parent, fresh: set[int]) -> RequestOutput | None:
-        """The parent's output after a step in which its children `fresh` got a token (None: nothing due)."""
-        kind, children, metrics = parent.params.output_kind, parent.children, parent.metrics
-        finished, num_generated, num_cached = True, 0, 0
-        for child in children:  # one plain loop: this runs for every request every step
-            request = child.request
-            finished = finished and request.is_finished
-            num_generated += request.num_output_tokens
-            num_cached = max(num_cached, request.num_cached_tokens)
-        metrics.num_generation_tokens, metrics.num_cached_tokens = num_generated, num_cached
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        delta = kind is RequestOutputKind.DELTA
-        outputs = [_completion(c, delta) for c in children if not delta or c.index in fresh]
-        if finished:
-            metrics.finished_time = time.time()
-            self._parents.pop(parent.request_id, None)
-            for child in parent.children:
-                self._child_to_parent.pop(child.request.request_id, None)
-        prompt_logprobs = parent.prompt_logprobs
-        if delta and parent.prompt_logprobs_sent:
-            prompt_logprobs = None
-        parent.prompt_logprobs_sent = True
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             metrics, metrics.num_cached_tokens, prompt_logprobs)
-
     # ---- stats ------------------------------------------------------------
 
-    def stats(self) -> dict[str, float]:
-        pool = self.scheduler.pool
-        return {
-            "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": self.scheduler.num_waiting,
-            "kv_cache_usage": pool.usage,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": pool.prefix_cache_queries,
-            "prefix_cache_hits": pool.prefix_cache_hits,
-            **({} if self.spec_decoding_stats is None else self.spec_decoding_stats.as_stats()),
-        }
 
 
 def _as_ids(ids) -> list[int]:
@@ -1095,28 +613,6 @@ def _as_ids(ids) -> list[int]:
         return [int(i) for i in ids]
     except (TypeError, ValueError):
         raise InvalidRequestError("prompt token ids must be integers", "prompt") from None
-
-
-def _record_token_time(metrics: RequestMetrics, now: float) -> None:
-    if metrics.first_token_time is None:
-        metrics.first_token_time = now
-    else:
-        metrics.inter_token_latencies.append(now - metrics.last_token_time)
-    metrics.last_token_time = now
-
-
-def _completion(child: _Child, delta: bool) -> CompletionOutput:
-    """One child's CompletionOutput: everything so far, or (delta) only what is new since the last one."""
-    request = child.request
-    finished = request.is_finished
-    start = child.num_sent_tokens if delta else 0
-    token_ids = request.output_token_ids[start:]  # a copy of the new part only, in DELTA
-    logprobs = None if child.logprobs is None else child.logprobs[start:]
-    child.num_sent_tokens = request.num_output_tokens
-    text = "" if child.detokenizer is None else child.detokenizer.get_next_output_text(finished, delta=delta)
-    return CompletionOutput(index=child.index, text=text, token_ids=token_ids,
-                            cumulative_logprob=child.cumulative_logprob, logprobs=logprobs,
-                            finish_reason=request.finish_reason, stop_reason=request.stop_reason)
 
 
 __all__ = ["EngineArgs", "LLMEngine", "RequestStatus"]

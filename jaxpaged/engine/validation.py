@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from jaxpaged.errors import InvalidRequestError
-from jaxpaged.sample.sampler import MAX_BIAS_ENTRIES
+from jaxpaged.sample.sampling_batch import MAX_BIAS_ENTRIES
 from jaxpaged.sampling_params import SamplingParams
 
 

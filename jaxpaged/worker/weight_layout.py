@@ -32,8 +32,8 @@ import functools
 import jax
 from jax.sharding import Mesh
 
-from jaxpaged.worker import parallel
 from jaxpaged.models.llama import UNFUSED, LlamaConfig, Params, WeightLayout, fuse_gate_up, fuse_qkv
+from jaxpaged.worker import parallel
 
 WEIGHT_LAYOUTS = ("auto", "stacked", "per_layer")
 PER_LAYER_PLATFORMS = ("cpu", "gpu", "cuda", "rocm")  # where "auto" picks per-layer weights

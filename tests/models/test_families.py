@@ -156,7 +156,9 @@ def test_mixed_window_paged_step_lowers_for_cuda(backend):
     """The Gemma 3 shaped paged step (per-layer windows and RoPE bases scanned) lowers for the GPU
     from this CPU, with the Triton kernel or the XLA path."""
     import jax
-    from jaxpaged.worker.model_runner import AttentionConfig, KVPool, StepInput, paged_forward
+    from jaxpaged.worker.runner_config import AttentionConfig
+    from jaxpaged.worker.step_input import KVPool, StepInput
+    from jaxpaged.worker.step_program import paged_forward
     from jaxpaged.models.llama import param_shapes
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=1, head_dim=64, architecture="gemma3",

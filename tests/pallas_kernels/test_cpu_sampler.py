@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.sample import sampler
+from jaxpaged.sample import ops
+from jaxpaged.sample import sampling_batch
 from pallas_kernels import cpu_sampler
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel is XLA:CPU's")
@@ -70,7 +72,7 @@ def test_agrees_with_the_sort_reference_and_the_bisection():
   top_p = rng.choice([1.0, 0.95, 0.8, 0.5], size=64).astype(np.float32)
   got = native(x, top_k, top_p)
   ref = np.asarray(cpu_sampler.reference_threshold(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))
-  bisect = np.asarray(jax.jit(sampler._bisect_threshold)(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))
+  bisect = np.asarray(jax.jit(ops._bisect_threshold)(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))
   assert (ref == bisect).sum() >= 63 and (got == ref).sum() >= 63
   only_k = top_p == 1.0
   assert (got[only_k] == ref[only_k]).all()  # counts are exact
@@ -125,7 +127,7 @@ def test_scale_is_the_samplers_xla_scale_bit_for_bit():
   """scale_cpu against its reference and the sampler's XLA `_scale` (the path off the CPU): tempered rows, a
   greedy row (temperature 1), min_p on and off, an infinite maximum, signed zeros; a NaN row (the sampler fails
   it) only runs."""
-  from jaxpaged.sample.sampler import RowInfo, make_sampling_batch
+  from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch
   from jaxpaged.sampling_params import SamplingParams
   S, V = 8, 1003
   x = (np.random.default_rng(5).standard_normal((S, V)) * 3).astype(np.float32)
@@ -139,7 +141,7 @@ def test_scale_is_the_samplers_xla_scale_bit_for_bit():
   xj = jnp.asarray(x)
   want = jax.jit(lambda a, b: sampler._scale(a, b))(xj, batch)
   got = jax.jit(lambda a, b: sampler._scale(a, b, native=True))(xj, batch)
-  inverse = 1.0 / jnp.where(jnp.asarray(batch.temperature) < sampler.GREEDY_TEMPERATURE_EPS, 1.0,
+  inverse = 1.0 / jnp.where(jnp.asarray(batch.temperature) < sampling_batch.GREEDY_TEMPERATURE_EPS, 1.0,
                             jnp.asarray(batch.temperature))
   ref = jax.jit(cpu_sampler.reference_scale)(xj, inverse, jnp.log(jnp.asarray(batch.min_p)))
   rows = np.arange(S) != 3
@@ -191,7 +193,7 @@ def test_row_stats_bad_arguments():
 def test_the_greedy_sampler_takes_the_native_row_stats():
   """The sampler's greedy part with the native row stats: the XLA part's tokens, log-probs within rounding."""
   logits = jnp.asarray((np.random.default_rng(3).standard_normal((4, 3000)) * 5).astype(np.float32))
-  batch = sampler.make_sampling_batch([], 4, 3000)
+  batch = sampling_batch.make_sampling_batch([], 4, 3000)
   native = sampler._greedy_sample(logits, batch, True)
   xla = sampler._greedy_sample(logits, batch, False)
   np.testing.assert_array_equal(native.token_ids, xla.token_ids)
@@ -204,7 +206,7 @@ def test_the_greedy_sampler_takes_the_native_row_stats():
 
 def test_gumbel_candidates_hold_the_exact_argmax():
   """Over flat and peaked rows, cuts and none: where the call says ok, XLA's exact full-row Gumbel-max
-  (sampler._gumbel_argmax over every token) is among its candidates, so scoring them exactly draws the
+  (ops._gumbel_argmax over every token) is among its candidates, so scoring them exactly draws the
   same token; ok nearly everywhere; rows not needed get ok False and ids 0."""
   R, V = 48, 5000
   rng = np.random.default_rng(3)
@@ -214,12 +216,12 @@ def test_gumbel_candidates_hold_the_exact_argmax():
   steps = rng.integers(0, 1000, R).astype(np.int32)
   need = np.arange(R) % 7 != 3
   args = [jnp.asarray(a) for a in (x, threshold, key_data, steps)]
-  keys = jax.jit(sampler._row_keys)(args[2], args[3])
+  keys = jax.jit(ops._row_keys)(args[2], args[3])
   ids, ok = map(np.asarray, jax.jit(cpu_sampler.gumbel_candidates_cpu)(args[0], args[1], keys, jnp.asarray(need)))
   all_ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (R, V))
-  want, _ = jax.jit(sampler._gumbel_argmax)(args[0], all_ids, args[1], args[2], args[3])
+  want, _ = jax.jit(ops._gumbel_argmax)(args[0], all_ids, args[1], args[2], args[3])
   want = np.asarray(want)
-  noise = jax.jit(sampler._gumbel_noise_at)(args[2], args[3], all_ids)  # the exact stream, every token
+  noise = jax.jit(ops._gumbel_noise_at)(args[2], args[3], all_ids)  # the exact stream, every token
   ref_ids, ref_ok = map(np.asarray, jax.jit(cpu_sampler.reference_gumbel_candidates)(
       args[0], args[1], noise, jnp.asarray(need)))
   np.testing.assert_array_equal(ref_ids[need, 0], want[need])  # the readable version's best: the exact argmax
@@ -231,7 +233,7 @@ def test_gumbel_candidates_hold_the_exact_argmax():
     assert want[r] in ids[r], r
     assert (x[r, ids[r]] >= threshold[r]).all()  # only kept tokens are named
   values = jnp.take_along_axis(args[0], jnp.asarray(ids), axis=-1)
-  got, _ = jax.jit(sampler._gumbel_argmax)(values, jnp.asarray(ids), args[1], args[2], args[3])
+  got, _ = jax.jit(ops._gumbel_argmax)(values, jnp.asarray(ids), args[1], args[2], args[3])
   np.testing.assert_array_equal(np.asarray(got)[ok], want[ok])
 
 

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpaged.engine.async_llm import AsyncLLM, AsyncLLMConfig
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.core.request import RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 from server.app import build_app

@@ -83,7 +83,7 @@ def test_a_step_failing_before_the_forward_resets_the_prefix_cache(tiny_path, no
     request with the same prefix that took those pages would read NaN and fail. After the reset it is
     computed afresh and equals the answer computed without prefix caching."""
     from jaxpaged.engine.async_llm import AsyncLLM
-    from jaxpaged.worker.model_runner import KVPool
+    from jaxpaged.worker.step_input import KVPool
     from jaxpaged.sampling_params import SamplingParams
 
     engine = make_engine(tiny_path, warmup=False)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.worker.model_runner import KVPool
+from jaxpaged.worker.step_input import KVPool
 from jaxpaged.sampling_params import SamplingParams
 from tests.reliability.conftest import MODEL_NAME, greedy_outputs, make_engine
 from tests.reliability.sse import assert_error_shape

@@ -13,7 +13,8 @@ import pytest
 import uvicorn
 
 from jaxpaged.engine.async_llm import AsyncLLM
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpaged.engine.args import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
 

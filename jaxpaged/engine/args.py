@@ -1,0 +1,160 @@
+"""EngineArgs: everything an engine is built from (vLLM's engine arguments), frozen and validated.
+
+The defaults that depend on the machine (the CPU's context cap and KV budget, the persistent compilation cache's
+folder) are named here; the engine resolves each "auto" from them once, at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+
+from jaxpaged.models.loader import DEFAULT_MODEL
+from jaxpaged.models.model_cache import default_model_cache_dir
+from jaxpaged.spec_decode.ngram import SpeculativeConfig
+from jaxpaged.worker import parallel
+from jaxpaged.worker.runner_config import (
+    GPU_COMMAND_BUFFERS,
+    check_fuse_sampler,
+    check_kv_cache_dtype,
+    check_quantization,
+)
+from jaxpaged.worker.weight_layout import check_weight_layout
+
+_CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU when no size is given
+_CPU_DEFAULT_MAX_MODEL_LEN = 2048  # keeps the CPU warm-up (one compile per step shape) short
+# On CPU async scheduling keeps only steps of at most this many tokens in flight: there the host's work for
+# the next step runs beside the step's own threads on the same cores, which pays while a step is bound by
+# reading the weights (a few rows) and costs once its matmuls are compute-bound (docs/benchmarks.md,
+# "Session 16")
+CPU_ASYNC_MAX_TOKENS = 8
+# Speculative decoding on GPU: steps of up to this many tokens cost about the same (bf16 weights on an H200:
+# ~200 FLOP a byte before the matmuls turn compute-bound), so drafts beside a request without drafts may fill a
+# step up to it (SchedulerConfig.memory_bound_tokens; an estimate from the roofline, not yet measured). On CPU
+# every row adds compute: 0.
+GPU_MEMORY_BOUND_TOKENS = 128
+
+
+def default_compilation_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxpaged", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    """vLLM's engine arguments, by the same names."""
+
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's context length (capped at 2048 on CPU)
+    max_num_seqs: int | None = None  # default: 256 on GPU, 64 on CPU
+    max_num_batched_tokens: int | None = None  # default: 8192 on GPU (vLLM's serving budget), 512 on CPU
+    # requests fed a prefill chunk in one step; default 16 on GPU, 4 on CPU (bounds attention's prefill tiles)
+    max_num_partial_prefills: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes for the KV pool
+    num_pages: int | None = None  # KV pool size in pages (incl. the null page); overrides the above
+    attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # the KV pool's dtype (see model_runner.resolve_kv_cache_dtype)
+    # vLLM's `quantization`: the weight dots' weights as int8, a scale per column and 32 rows (model_runner.QUANTIZATIONS;
+    # CPU, float32 weights on one device, the native matmul): "int8" (weight-only), "w8a8" (x quantised too) or None
+    quantization: str | None = None
+    # The step's weight layout (jaxpaged/worker/weight_layout.py): "auto" (per-layer arrays, read in place, where the
+    # weights are not packed for the native CPU matmul, whose packed stack a scan reads in place; the stacked
+    # scan compiles faster), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up one gemm each
+    weight_layout: str = "auto"
+    fuse_projections: bool = True
+    # XLA:GPU command buffers (CUDA graphs) over the step: "auto", "xla", "off" or "full" (model_runner)
+    command_buffers: str = "auto"
+    # The sampler inside the step's jitted program, one executable call per step (model_runner.FUSE_SAMPLER):
+    # "auto" (on with a GPU backend, off on CPU: docs/benchmarks.md, "The fused sampler"), "on" or "off"
+    fuse_sampler: str = "auto"
+    tensor_parallel_size: int = 1  # devices in the "tp" mesh (see jaxpaged/worker/parallel.py)
+    distributed_coordinator: str | None = None  # multi-host: "host:port" of process 0
+    num_processes: int = 1  # multi-host: processes in jax.distributed
+    process_id: int = 0  # multi-host: this process (0 schedules, the others `follow`)
+    chat_template: str | None = None
+    generation_config: str | None = None  # path to a generation_config.json
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
+    # programs compiling faster than this are not persisted (JAX's default, 1 s, leaves most step shapes of a
+    # small model out of the cache, so every start compiled them again); 0: persist every program
+    compilation_cache_min_compile_secs: float = 0.0
+    # a GGUF model's dequantised params and tokenizer, cached for the next start (None: no cache)
+    model_cache_dir: str | None = dataclasses.field(default_factory=default_model_cache_dir)
+    warmup: bool = True
+    # vLLM's speculative_config: a SpeculativeConfig, or its dict / JSON text (converted here); None: off.
+    # Only the n-gram (prompt lookup) method: {"method": "ngram", "num_speculative_tokens": k, ...}
+    speculative_config: SpeculativeConfig | None = None
+
+    # vLLM v1's async scheduling: dispatch step N+1 before step N's tokens reach the host (module docstring);
+    # None: on (one process; with speculative decoding, steps that verify drafts run synchronously)
+    async_scheduling: bool | None = None
+    # Which steps async scheduling keeps in flight: those feeding at most this many tokens; a larger step is
+    # handled before the next one is scheduled (the synchronous order). None: every step with a GPU; on CPU,
+    # where the host's work shares the cores with the step's matmuls, CPU_ASYNC_MAX_TOKENS
+    async_scheduling_max_tokens: int | None = None
+    # Speculative decoding under async scheduling: greedy requests' verification steps overlap the next step
+    # (module docstring). None: on with a GPU, where a synchronous step exposes the host's whole work (H200: a
+    # verification step 7.3 ms against 4.4 ms overlapped); off on CPU, where the host time is a few % of a step:
+    # SmolLM2 at batch 1 gained nothing from it (docs/benchmarks.md, "Session 36" and "Session 37")
+    overlap_verification: bool | None = None
+
+    def __post_init__(self):
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None (auto)")
+        if self.overlap_verification is not None and not isinstance(self.overlap_verification, bool):
+            raise ValueError(f"overlap_verification={self.overlap_verification!r} must be a bool or None (auto)")
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            if not isinstance(spec, (dict, str)):
+                raise ValueError(f"speculative_config must be a dict, its JSON text or a SpeculativeConfig, "
+                                 f"got {type(spec).__name__}")
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))  # frozen: set once
+        if self.speculative_config is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
+            raise ValueError("speculative_config is not supported with tensor parallelism or several processes yet")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
+        _ = self.distributed  # validates the multi-host fields
+        check_kv_cache_dtype(self.kv_cache_dtype)  # before the model loads
+        check_quantization(self.quantization)
+        if self.quantization is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
+            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor parallelism or several "
+                             "processes (it runs on the native CPU matmul, one device)")
+        check_weight_layout(self.weight_layout)
+        if self.command_buffers not in ("auto", *GPU_COMMAND_BUFFERS):
+            raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
+                             f"{('auto', *GPU_COMMAND_BUFFERS)}")
+        check_fuse_sampler(self.fuse_sampler)
+        if self.fuse_sampler == "on" and (self.tensor_parallel_size > 1 or self.num_processes > 1):
+            raise ValueError("fuse_sampler='on' is not supported with tensor parallelism or several processes: "
+                             "leave it 'auto' (off there) or 'off'")
+        if not isinstance(self.compilation_cache_min_compile_secs, (int, float)) or \
+                not 0 <= self.compilation_cache_min_compile_secs < math.inf:
+            raise ValueError(f"compilation_cache_min_compile_secs={self.compilation_cache_min_compile_secs!r} "
+                             "must be a number >= 0")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",
+                     "kv_cache_memory", "num_pages", "async_scheduling_max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+
+    @property
+    def distributed(self) -> parallel.DistributedConfig:
+        return parallel.DistributedConfig(self.distributed_coordinator, self.num_processes, self.process_id)
+
+
+def _configure_compilation_cache(args: EngineArgs) -> None:
+    """JAX's persistent compilation cache (process-wide JAX settings) from the engine's arguments."""
+    if args.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", args.compilation_cache_min_compile_secs)

@@ -1,0 +1,176 @@
+"""Output processing: a step's sampled tokens -> detokenized text, stop verdicts, log-probs -> RequestOutputs.
+
+Outputs follow vLLM's RequestOutputKind: CUMULATIVE (everything so far), DELTA (only what is new: token ids,
+log-probs and text; a step costs O(new tokens)) or FINAL_ONLY (one output at the end). The finish record is the
+scheduler Request's (status, stop_reason); outputs read it from there. `_Child` and `_Parent` are the engine-side
+state of one sample and of one request (n samples).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxpaged.core.request import Request, RequestStatus, StopVerdict
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxpaged.sample.structured_outputs import GrammarMatcher
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.worker.runner_output import ModelRunnerOutput, PromptLogprobs
+
+
+@dataclasses.dataclass
+class _Child:
+    """Engine-side state of one sample (one scheduler Request, which holds the finish record)."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer | None  # None when params.detokenize is False
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+    num_sent_tokens: int = 0  # DELTA: output tokens already handed out
+    matcher: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
+
+
+@dataclasses.dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_Child]
+    metrics: RequestMetrics
+    # params.prompt_logprobs: entry per prompt token (index 0: None), filled from the first child's steps
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # DELTA: they went out with the first output
+
+
+def _record_token_time(metrics: RequestMetrics, now: float) -> None:
+    if metrics.first_token_time is None:
+        metrics.first_token_time = now
+    else:
+        metrics.inter_token_latencies.append(now - metrics.last_token_time)
+    metrics.last_token_time = now
+
+
+def _completion(child: _Child, delta: bool) -> CompletionOutput:
+    """One child's CompletionOutput: everything so far, or (delta) only what is new since the last one."""
+    request = child.request
+    finished = request.is_finished
+    start = child.num_sent_tokens if delta else 0
+    token_ids = request.output_token_ids[start:]  # a copy of the new part only, in DELTA
+    logprobs = None if child.logprobs is None else child.logprobs[start:]
+    child.num_sent_tokens = request.num_output_tokens
+    text = "" if child.detokenizer is None else child.detokenizer.get_next_output_text(finished, delta=delta)
+    return CompletionOutput(index=child.index, text=text, token_ids=token_ids,
+                            cumulative_logprob=child.cumulative_logprob, logprobs=logprobs,
+                            finish_reason=request.finish_reason, stop_reason=request.stop_reason)
+
+
+class OutputProcessor:
+    """ModelRunner's methods for this: they share its state (see ModelRunner.__init__)."""
+
+    def _emit(self, child: _Child, result: ModelRunnerOutput,
+              rows: Sequence[int]) -> tuple[list[int], StopVerdict | None]:
+        """The tokens a request emits this step (its rows' samples, cut after the first that ends it) and
+        the last one's verdict (see `_stop_verdict`)."""
+        tokens, verdict, sampled = [], None, result.row_values[0]
+        for ahead, row in enumerate(rows):
+            tokens.append(sampled[row])
+            verdict = self._stop_verdict(child, result, row, ahead)
+            if verdict is not None:
+                break
+        return tokens, verdict
+
+    def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int, ahead: int = 0) -> StopVerdict | None:
+        """Record one sampled token (logprobs, text) and decide whether it ends the request.
+
+        None: it goes on; else (status, stop_reason) for Scheduler.update_from_output. Token-level
+        stops come from Request.check_stop, stop strings from the detokenizer (they win over length).
+        ahead: the step's tokens before this one (speculative decoding), not appended yet.
+        """
+        request, (sampled, logprobs, finite) = child.request, result.row_values
+        if not finite[row]:  # NaN/inf logits fail only their own request; the token is garbage
+            return RequestStatus.FINISHED_ERROR, None
+        token_id = sampled[row]
+        verdict = request.check_stop(token_id, ahead)
+        # A completed grammar stops after its last token, whose text is kept (unlike an EOS / stop id's).
+        grammar_verdict = self._grammar_verdict(child, token_id) if verdict is None else None
+        if child.logprobs is not None:
+            child.logprobs.append(self._logprob_entry(result, row, token_id, request.sampling_params.logprobs))
+        child.cumulative_logprob += logprobs[row]
+        if child.detokenizer is not None:
+            stop_terminated = verdict is not None and verdict[0] is RequestStatus.FINISHED_STOPPED
+            stop_str = child.detokenizer.update([token_id], stop_terminated=stop_terminated)
+            if stop_str is None and (verdict or grammar_verdict) is not None:
+                stop_str = child.detokenizer.flush()
+            if stop_str is not None:
+                return RequestStatus.FINISHED_STOPPED, stop_str
+        return verdict or grammar_verdict
+
+    def _record_prompt_logprobs(self, parent: _Parent, child: _Child, chunk: PromptLogprobs) -> None:
+        """Store one step's prompt log-probs by position (a recomputed chunk, after preemption or of another
+        child, overwrites): every child computes its whole prompt, so the first to sample has them all."""
+        k = parent.params.prompt_logprobs
+        for j, lp in enumerate(chunk.token_logprobs):
+            position = chunk.first_index + j
+            token_id = parent.prompt_token_ids[position]
+            entry = {int(t): Logprob(float(chunk.top_logprobs[j, r]), r + 1, self._decode_token(int(t)))
+                     for r, t in enumerate(chunk.top_token_ids[j, :k])}
+            if token_id not in entry:
+                entry[token_id] = Logprob(float(lp), int(chunk.ranks[j]), self._decode_token(token_id))
+            parent.prompt_logprobs[position] = entry
+
+    def _logprob_entry(self, result: ModelRunnerOutput, row: int, token_id: int, k: int) -> dict[int, Logprob]:
+        top_ids = result.top_token_ids[row]
+        entry = {int(t): Logprob(float(result.top_logprobs[row, r]), r + 1, self._decode_token(int(t)))
+                 for r, t in enumerate(top_ids[:k])}
+        if token_id not in entry:
+            ranks = np.nonzero(top_ids == token_id)[0]
+            rank = int(ranks[0]) + 1 if len(ranks) else None
+            entry[token_id] = Logprob(float(result.logprobs[row]), rank, self._decode_token(token_id))
+        return entry
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _make_output(self, parent: _Parent, fresh: set[int]) -> RequestOutput | None:
+        """The parent's output after a step in which its children `fresh` got a token (None: nothing due)."""
+        kind, children, metrics = parent.params.output_kind, parent.children, parent.metrics
+        finished, num_generated, num_cached = True, 0, 0
+        for child in children:  # one plain loop: this runs for every request every step
+            request = child.request
+            finished = finished and request.is_finished
+            num_generated += request.num_output_tokens
+            num_cached = max(num_cached, request.num_cached_tokens)
+        metrics.num_generation_tokens, metrics.num_cached_tokens = num_generated, num_cached
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        outputs = [_completion(c, delta) for c in children if not delta or c.index in fresh]
+        if finished:
+            metrics.finished_time = time.time()
+            self._parents.pop(parent.request_id, None)
+            for child in parent.children:
+                self._child_to_parent.pop(child.request.request_id, None)
+        prompt_logprobs = parent.prompt_logprobs
+        if delta and parent.prompt_logprobs_sent:
+            prompt_logprobs = None
+        parent.prompt_logprobs_sent = True
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
+                             metrics, metrics.num_cached_tokens, prompt_logprobs)
+
+    def stats(self) -> dict[str, float]:
+        pool = self.scheduler.pool
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": pool.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": pool.prefix_cache_queries,
+            "prefix_cache_hits": pool.prefix_cache_hits,
+            **({} if self.spec_decoding_stats is None else self.spec_decoding_stats.as_stats()),
+        }

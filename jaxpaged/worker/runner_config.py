@@ -1,0 +1,411 @@
+"""RunnerConfig: the model runner's frozen configuration and every choice it resolves.
+
+The step's buckets (token count T, sequence slots S, page-table width P, verification and draft shapes), the
+attention backend, the KV cache dtype, the fused sampler, quantized CPU dots and the XLA compiler options per
+device and step shape: each "auto" is resolved here, once, from the config and the backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.models.llama import WeightLayout
+from jaxpaged.worker.weight_layout import check_weight_layout, resolve_weight_layout
+from pallas_kernels import cpu_attention, cpu_build, cpu_matmul, cpu_rope, cpu_sampler
+from pallas_kernels.cpu_attention import load_cpu_attention
+
+logger = logging.getLogger(__name__)
+
+_MAX_COMPILE_THREADS = 8  # warm-up compiles its programs in parallel on up to this many threads (half the cores)
+_WARMUP_BARRIER_SECONDS = 1800.0  # multi-host: how long a process waits for the others to finish warming up
+ATTENTION_BACKENDS = ("auto", "reference", "xla", "cpu", "pallas")
+FUSE_SAMPLER = ("auto", "on", "off")  # RunnerConfig.fuse_sampler: the sampler inside the step program
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: choose one of {tuple(KV_CACHE_DTYPES)}")
+
+
+def check_fuse_sampler(fuse_sampler: str) -> None:
+    if fuse_sampler not in FUSE_SAMPLER:
+        raise ValueError(f"fuse_sampler={fuse_sampler!r}: choose one of {FUSE_SAMPLER}")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype, platform: str) -> np.dtype:
+    """The KV pool's dtype. "auto" is the model's, except bf16 on CPU, which gets f32.
+
+    XLA:CPU has no bf16 scatter: it converts the whole pool to f32 and back around
+    each layer's KV write, so a decode step costs two passes over the pool per layer
+    (over 100x an f32 pool's step: docs/benchmarks.md, "the KV cache dtype"). The CPU attention
+    path computes in f32 anyway; the price is half as many pages for the same bytes.
+    """
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype != "auto":
+        return np.dtype(KV_CACHE_DTYPES[kv_cache_dtype])
+    if np.dtype(model_dtype) == np.dtype(jnp.bfloat16) and platform == "cpu":
+        return np.dtype(np.float32)
+    return np.dtype(model_dtype)
+    # RunnerConfig.verify_buckets); padding rows read token 0
+
+
+# XLA:CPU library fusions for dots (YNNPACK, a dot with its elementwise neighbours). jaxlib 0.10.2's
+# default already sends each dot and reduction to YNNPACK one by one; this setting fused the step's
+# dots with their neighbours and was the fastest set measured (docs/benchmarks.md, "XLA:CPU options").
+# 512-bit vectors where the CPU has them (XLA:CPU prefers 256): a one-row decode's matrix-vector products
+# are XLA's own reductions, not library calls, and ran ~10% faster (batch-1 step 17.4 -> 15.6 ms with
+# per-layer weights, SmolLM2 f32, AVX-512 machine; no change at batch 32 or in prefill; docs/benchmarks.md).
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+                        "xla_cpu_prefer_vector_width": "512"}
+# Steps of at most CPU_SMALL_STEP_TOKENS tokens (a few decodes, a speculative verification) compile without
+# YNNPACK: XLA's own dots ran a 2-16-row matmul stack 5-30% faster than YNNPACK's, which wins from ~32 rows
+# on (docs/benchmarks.md, "XLA:CPU options per step shape").
+CPU_SMALL_STEP_TOKENS = 16
+CPU_SMALL_STEP_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_prefer_vector_width": "512"}
+# Speculative decoding without the fused sampler: a verification step of at most this many tokens (T bucket)
+# whose drafts do not fit in its S logits rows takes T rows, all from its own LM head, instead of a second
+# LM-head pass over the draft positions (`draft_logits`). Above it the T-row head would cost more than that
+# pass (a long prefill chunk beside the drafts); each such bucket is one more program at warm-up.
+VERIFY_LOGITS_MAX_TOKENS = 64
+
+
+@functools.cache
+def cpu_compiler_options(platform: str | None = None, num_tokens: int | None = None) -> dict[str, str]:
+    """XLA options the runner compiles a step of `num_tokens` tokens (T; None: any) with: on CPU,
+    CPU_SMALL_STEP_OPTIONS up to CPU_SMALL_STEP_TOKENS, else CPU_COMPILER_OPTIONS, when this jaxlib accepts
+    them (checked once on a tiny program; else none, with a warning); none on other platforms."""
+    if (platform or jax.default_backend()) != "cpu":
+        return {}
+    options = CPU_SMALL_STEP_OPTIONS if num_tokens is not None and num_tokens <= CPU_SMALL_STEP_TOKENS else \
+        CPU_COMPILER_OPTIONS
+    return dict(options) if _xla_cpu_accepts(tuple(sorted(options.items()))) else {}
+
+
+@functools.cache
+def _xla_cpu_accepts(options: tuple[tuple[str, str], ...]) -> bool:
+    """Whether this jaxlib compiles a tiny program with `options` (once per option set, not per step shape)."""
+    try:
+        x = np.ones((2, 2), np.float32)
+        jax.jit(lambda a: a @ a, compiler_options=dict(options)).lower(x).compile()
+    except Exception as err:  # an XLA that does not know the option
+        logger.warning("XLA:CPU does not take %s (%s); compiling with its defaults", dict(options), err)
+        return False
+    return True
+
+
+# XLA:GPU command buffers (CUDA graphs): the kinds of work XLA records into graphs that replay with one
+# launch (`xla_gpu_enable_command_buffer`). "xla": XLA's own default set; "off": every kernel launched one
+# by one (the baseline that shows the launch overhead); "full": also while loops and conditionals, so a
+# step's layer loop and attention's branches sit inside graphs too. RunnerConfig.command_buffers picks one;
+# scripts/bench_engine_gpu.py times the batch-1 forward under each.
+GPU_COMMAND_BUFFERS: dict[str, str | None] = {
+    "xla": None, "off": "", "full": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+DEFAULT_GPU_COMMAND_BUFFERS = "full"  # "auto"; unmeasured on a GPU so far (docs/benchmarks.md, issue 15)
+
+
+def command_buffer_options(command_buffers: str) -> dict[str, str]:
+    """The XLA:GPU option of a GPU_COMMAND_BUFFERS choice ("auto": DEFAULT_GPU_COMMAND_BUFFERS)."""
+    value = GPU_COMMAND_BUFFERS[DEFAULT_GPU_COMMAND_BUFFERS if command_buffers == "auto" else command_buffers]
+    return {} if value is None else {"xla_gpu_enable_command_buffer": value}
+
+
+@functools.cache
+def gpu_compiler_options(command_buffers: str = "auto", platform: str | None = None) -> dict[str, str]:
+    """XLA options the runner compiles its step with on GPU: the command-buffer choice, checked once on a
+    tiny program (an XLA that refuses it gets its defaults, with a warning); none on other platforms."""
+    if (platform or jax.default_backend()) != "gpu":
+        return {}
+    options = command_buffer_options(command_buffers)
+    try:
+        x = np.ones((2, 2), np.float32)
+        jax.jit(lambda a: a @ a, compiler_options=options).lower(x).compile()
+    except Exception as err:  # an XLA that does not know the option or the value
+        logger.warning("XLA:GPU does not take %s (%s); compiling with its defaults", options, err)
+        return {}
+    return options
+
+
+def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
+    """lo, lo*ratio, ... below hi, then hi itself."""
+    buckets, b = [], lo
+    while b < hi:
+        buckets.append(b)
+        b *= ratio
+    return tuple(buckets) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Static kernel settings of the jitted step: attention's (see ragged_paged_attention), and whether its
+    weight dots take the native CPU matmul (pallas_kernels/cpu_matmul.py) and, in the fused step, the
+    sampler's candidates the native top-k (pallas_kernels/cpu_sampler.py; the same result as XLA's)."""
+    backend: str
+    max_num_partial_prefills: int | None = None  # most sequences fed > 1 token in a step (RunnerConfig's)
+    native_matmul: bool = False
+
+
+def resolve_attention_backend(attention_backend: str) -> str:
+    """The attention backend an "auto" choice runs on JAX's default backend: the Pallas kernel on GPU, the
+    native CPU kernel where it builds, else the XLA path."""
+    if attention_backend != "auto":
+        return attention_backend
+    if jax.default_backend() == "gpu":
+        return "pallas"
+    return "cpu" if load_cpu_attention() else "xla"
+
+
+def build_native_kernels(attention_backend: str) -> threading.Thread | None:
+    """On a CPU backend, start building the native kernels a runner with `attention_backend` may call, in the
+    background and in the order a start first asks for them (cpu_build.build_in_background): the step's matmul,
+    attention and RoPE tables (unless the backend is another one), then the sampler's. A cold start's C++
+    compiles (~3-4 s each on 2 cores) then overlap the model's loading instead of queueing on the main thread.
+    Returns the build thread (None elsewhere)."""
+    if jax.default_backend() != "cpu":
+        return None
+    step = (cpu_matmul, cpu_attention, cpu_rope) if attention_backend in ("auto", "cpu") else ()
+    return cpu_build.build_in_background([module.SOURCE for module in (*step, cpu_sampler)])
+
+
+def uses_native_matmul(backend: str) -> bool:
+    """Whether a step with attention `backend` takes the native CPU matmul for its weight dots: it goes with
+    the native attention (both are the CPU's C++ build)."""
+    return backend == "cpu" and jax.default_backend() == "cpu" and cpu_matmul.load_cpu_matmul()
+
+
+# Quantisation of the weight dots (vLLM's `quantization` argument), both with the weights as int8 and a float32 scale
+# per output column and run of 32 rows (pallas_kernels/cpu_matmul.py: quantize_int8), on the native CPU matmul:
+# "int8": weight-only, every product float32 (matmul_cpu); "w8a8": each dot's x quantised too, per row and run of 32
+# values, integer dots times both scales (matmul_w8a8; llama.cpp's Q8_0 dots): ~1.7-2.1x int8's speed from 8 rows
+# where AVX-512 VNNI runs them; elsewhere the same results ~10-20% slower than int8; at some quality
+# (docs/benchmarks.md, "W8A8")
+QUANTIZATIONS = ("int8", "w8a8")
+INT8_DOTS = {"int8": cpu_matmul.matmul_cpu, "w8a8": cpu_matmul.matmul_w8a8}  # each's product over the int8 blocks
+
+
+def check_quantization(quantization: str | None) -> None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: choose one of {QUANTIZATIONS} or None (the checkpoint's "
+                         "weights as loaded)")
+
+
+def packs_weights(attention_backend: str, dtype, sharded: bool = False) -> bool:
+    """Whether a runner holds the weight dots' weights packed as the native CPU matmul's blocks (float32
+    weights on one device; `ModelRunner`, `_pack_for_cpu_matmul`). The weight layout follows it: a layer scan
+    reads packed weights in place (`resolve_weight_layout`)."""
+    return not sharded and np.dtype(dtype) == np.float32 and \
+        uses_native_matmul(resolve_attention_backend(attention_backend))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """The runner's limits and the bucket rules of its step shapes (T tokens, S sequence slots, P pages).
+
+    Buckets, each list ending at its limit:
+      token_buckets  T: min_token_bucket, x2, ... up to max_num_batched_tokens (matmul work grows with T),
+                        and from mid_token_buckets_from on also each bucket x1.5 (less padding, more programs)
+      seq_buckets    S: min_seq_bucket, x4, ... up to max_num_seqs (the CPU attention path's work: S * P)
+      page_buckets   P: one width, max_pages_per_seq (Pallas and blocked XLA loop over live pages only);
+                        the reference backend gathers whole rows: min_page_bucket, x2, ... up to that width
+      decode_seq_buckets: S buckets that are no T bucket also serve as T (T = S: a decode-only call)
+    An S bucket of 1 (min_seq_bucket=1, CPU: one request's LM head on one row) serves only T = 1, one
+    decode; one sequence fed more tokens takes the next S bucket, so S = 1 adds no shape ((1, 1) replaces (1, 4)).
+    `buckets` lists every (T, S, P) shape compiled at warm-up; `bucket_for(tokens, seqs, pages)` picks
+    the smallest that fits (always one of `buckets`). A step's logits rows L are its S slots, or its T
+    tokens for a speculative verification in a `verify_buckets` shape (compiled too when the runner packs
+    drafts that way: `ModelRunner.packs_drafts_in_tokens`).
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    page_size: int
+    num_pages: int
+    attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # see resolve_kv_cache_dtype
+    min_token_bucket: int = 16
+    min_seq_bucket: int = 4
+    min_page_bucket: int = 8
+    # T buckets halfway between doublings (48, 96, 192, ...) from this T on; None: doublings only. On CPU a padded
+    # token cost about what a real one did (SmolLM2, 32-256 rows: ~0.8 ms each), and a serving mix of decodes
+    # and short prefills filled its 64- and 128-token steps only 63-76% (docs/benchmarks.md, "Session 15").
+    # Since session 29 the packed weights' dots skip padding rows (`with_live_rows`); the rest still pays.
+    mid_token_buckets_from: int | None = None
+    # Most requests fed more than one token in a step; None: no cap. The scheduler enforces it (the engine
+    # builds its SchedulerConfig from this config); attention sizes its prefill tiles for it and trusts it.
+    max_num_partial_prefills: int | None = None
+    # Speculative decoding: drafts verified per request and step (SpeculativeConfig's k); 0: off
+    num_speculative_tokens: int = 0
+    # ... and (prompt_lookup_min, prompt_lookup_max) of its n-gram lookup, for drafts proposed on a guess of the step
+    # in flight (async scheduling) to be proposed again on the device where it proves wrong (`redraft_in_flight`);
+    # None: they are verified as they are
+    prompt_lookup: tuple[int, int] | None = None
+    # The step's weight layout (jaxpaged/worker/weight_layout.py): "auto" (per-layer arrays on GPU, and on CPU where
+    # the weights are not packed; the stacked scan compiles faster), "stacked" or "per_layer"; fuse_projections:
+    # q/k/v and gate/up as one gemm each.
+    weight_layout: str = "auto"
+    fuse_projections: bool = True
+    # XLA:GPU command buffers over the step: "auto" or a GPU_COMMAND_BUFFERS key (ignored off GPU)
+    command_buffers: str = "auto"
+    # The sampler inside the step's jitted program (`fused_step`): "auto" (on with a GPU backend; off on CPU,
+    # where it measured slower: docs/benchmarks.md, "The fused sampler"), "on" or "off". One device only.
+    fuse_sampler: str = "auto"
+    # Quantisation of the weight dots (QUANTIZATIONS: int8 weight-only, w8a8 with x too) or None. It needs the native
+    # CPU matmul's packed weights (`packs_weights`: float32 on one device), which the ModelRunner checks.
+    quantization: str | None = None
+
+    def __post_init__(self):
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.page_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"page_size (block_size)={self.page_size}: choose 8, 16, 32, 64 or 128")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_pages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.mid_token_buckets_from is not None and self.mid_token_buckets_from < 2:
+            raise ValueError(f"mid_token_buckets_from={self.mid_token_buckets_from} must be >= 2 or None")
+        if self.max_num_partial_prefills is not None and self.max_num_partial_prefills < 1:
+            raise ValueError(f"max_num_partial_prefills={self.max_num_partial_prefills} must be >= 1 or None")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 0")
+        if self.prompt_lookup is not None and not (
+                isinstance(self.prompt_lookup, tuple) and len(self.prompt_lookup) == 2 and
+                all(isinstance(n, int) and not isinstance(n, bool) for n in self.prompt_lookup) and
+                1 <= self.prompt_lookup[0] <= self.prompt_lookup[1]):
+            raise ValueError(f"prompt_lookup={self.prompt_lookup!r}: must be None or (min, max) with 1 <= min <= max")
+        check_weight_layout(self.weight_layout)
+        if self.command_buffers not in ("auto", *GPU_COMMAND_BUFFERS):
+            raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
+                             f"{('auto', *GPU_COMMAND_BUFFERS)}")
+        check_fuse_sampler(self.fuse_sampler)
+        check_quantization(self.quantization)
+
+    def sampler_fused(self, platform: str | None = None) -> bool:
+        """Whether the step program samples too (fuse_sampler; "auto": on a GPU backend only)."""
+        if self.fuse_sampler != "auto":
+            return self.fuse_sampler == "on"
+        return (platform or jax.default_backend()) == "gpu"
+
+    @property
+    def backend(self) -> str:
+        return resolve_attention_backend(self.attention_backend)
+
+    def kv_dtype(self, model_dtype) -> np.dtype:
+        """The pool's dtype for a model of `model_dtype` on the default backend."""
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, model_dtype, jax.default_backend())
+
+    def layout(self, platform: str | None = None, packed: bool = False) -> WeightLayout:
+        """The step's weight layout on `platform` (default: JAX's default backend) when the runner packs its
+        weights (`packs_weights`) or not."""
+        return resolve_weight_layout(self.weight_layout, self.fuse_projections, platform or jax.default_backend(),
+                                     packed=packed)
+
+    def compiler_options(self, platform: str | None = None, num_tokens: int | None = None) -> dict[str, str]:
+        """XLA options of a step of num_tokens (T bucket; None: any): XLA:CPU's dot settings for that size
+        on CPU (see cpu_compiler_options), command buffers on GPU."""
+        return {**cpu_compiler_options(platform, num_tokens), **gpu_compiler_options(self.command_buffers, platform)}
+
+    @property
+    def attention(self) -> AttentionConfig:
+        return AttentionConfig(self.backend, self.max_num_partial_prefills, uses_native_matmul(self.backend))
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.page_size)
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        doublings = _geometric_buckets(min(self.min_token_bucket, self.max_num_batched_tokens),
+                                       self.max_num_batched_tokens, 2)
+        if self.mid_token_buckets_from is None:
+            return doublings
+        mids = (b * 3 // 2 for b in doublings if b >= self.mid_token_buckets_from)
+        return tuple(sorted(set(doublings) | {m for m in mids if m < self.max_num_batched_tokens}))
+
+    @property
+    def seq_buckets(self) -> tuple[int, ...]:
+        return _geometric_buckets(min(self.min_seq_bucket, self.max_num_seqs), self.max_num_seqs, 4)
+
+    @property
+    def page_buckets(self) -> tuple[int, ...]:
+        # The Pallas kernel and the blocked XLA path loop only over live pages, so
+        # one width suffices; the reference gathers whole rows, so it gets narrow
+        # tables for short contexts.
+        if self.backend != "reference":
+            return (self.max_pages_per_seq,)
+        return _geometric_buckets(min(self.min_page_bucket, self.max_pages_per_seq), self.max_pages_per_seq, 2)
+
+    @property
+    def decode_seq_buckets(self) -> tuple[int, ...]:
+        """S buckets that are no T bucket (on GPU: 4, below the smallest T bucket 16).
+
+        A step of at most s tokens over s slots runs at T = s: attention then tiles it as
+        one decode-like call (T <= S), where T = 16 > S = 4 would add a prefill call.
+        """
+        return tuple(s for s in self.seq_buckets
+                     if s not in self.token_buckets and s <= self.max_num_batched_tokens)
+
+    @property
+    def buckets(self) -> tuple[tuple[int, int, int], ...]:
+        """Every (T, S, P) step shape `bucket_for` can return.
+
+        S bucket s serves num_seqs in (previous S bucket, s]; as num_seqs <= num_tokens,
+        it pairs with a T bucket t only if that range starts below t. Decode S buckets
+        also pair with T = s.
+        """
+        lower = dict(zip(self.seq_buckets, (0,) + self.seq_buckets[:-1]))
+        shapes = [(t, s) for t in self.token_buckets for s in self.seq_buckets
+                  if lower[s] < t and (s > 1 or t == 1 or len(self.seq_buckets) == 1)]
+        shapes += [(s, s) for s in self.decode_seq_buckets]
+        return tuple((t, s, p) for t, s in sorted(shapes) for p in self.page_buckets)
+
+    @property
+    def verify_buckets(self) -> tuple[tuple[int, int, int], ...]:
+        """Speculative decoding: the (T, S, P) buckets with S < T <= VERIFY_LOGITS_MAX_TOKENS, whose
+        verification steps may take T logits rows (L = T, a row for every fed token: room for each entry's row
+        and all its drafts') when the drafts do not fit in S; () when speculation is off."""
+        if not self.num_speculative_tokens:
+            return ()
+        return tuple((t, s, p) for t, s, p in self.buckets if s < t <= VERIFY_LOGITS_MAX_TOKENS)
+
+    @property
+    def draft_seq_buckets(self) -> tuple[int, ...]:
+        """Speculative decoding: slot counts M of a step's draft verification (M x num_speculative_tokens
+        rows): 1, x4, ... up to the most requests fed several tokens a step (each feeds >= 2); () when off."""
+        if not self.num_speculative_tokens:
+            return ()
+        return _geometric_buckets(1, max(1, min(self.max_num_partial_prefills or self.max_num_seqs,
+                                                self.max_num_seqs, self.max_num_batched_tokens // 2)), 4)
+
+    @property
+    def history_buckets(self) -> tuple[int, ...]:
+        """Speculative decoding with `prompt_lookup`: the widths H of the token histories `redraft_in_flight` takes
+        (a sequence and the drafts in flight, and the token after them): 256, x4, ... up to max_model_len + 1."""
+        if not self.num_speculative_tokens or self.prompt_lookup is None:
+            return ()
+        return _geometric_buckets(min(256, self.max_model_len + 1), self.max_model_len + 1, 4)
+
+    @property
+    def draft_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every (T, M) a draft verification runs at: M slots need a T bucket of >= 2 tokens a slot."""
+        lower = dict(zip(self.draft_seq_buckets, (0,) + self.draft_seq_buckets[:-1]))
+        return tuple((t, m) for t in self.token_buckets for m in self.draft_seq_buckets if 2 * (lower[m] + 1) <= t)
+
+    def bucket_for(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
+        t = next(b for b in self.token_buckets if b >= num_tokens)
+        s = next(b for b in self.seq_buckets if b >= num_seqs)
+        if s == 1 and t > 1 and len(self.seq_buckets) > 1:  # S = 1 serves one decode only (see buckets)
+            s = self.seq_buckets[1]
+        p = next(b for b in self.page_buckets if b >= num_pages)
+        if num_tokens <= s < t:  # s is then a decode S bucket
+            t = s
+        return t, s, p

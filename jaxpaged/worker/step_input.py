@@ -1,0 +1,116 @@
+"""The records a step program takes and returns: its input arrays, the KV pool, the fused sampler's pieces.
+
+Shapes, as made by `ModelRunner.prepare` (T tokens, S sequence slots, P pages per sequence):
+    StepInput: token_ids, positions, slot_mapping i32[T]; page_table i32[S, P]; kv_lens i32[S]; cu_q_lens i32[S + 1]
+    KVPool: k, v [L, K, N, page_size, D] (stacked over layers; N pages, page 0 the null page)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxpaged.core.scheduler_output import ScheduledRequest
+from jaxpaged.models.llama import LlamaConfig
+from jaxpaged.sample import sampler
+from jaxpaged.sample.sampling_batch import SamplingBatch
+from jaxpaged.spec_decode.verify import Redraft
+from jaxpaged.worker import parallel
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVPool:
+    k: jax.Array  # [L, K, N, page_size, D]
+    v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """One padded step. Padding tokens write to the null page and are not attended."""
+
+    token_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    slot_mapping: jax.Array  # i32[T]  page * page_size + offset
+    page_table: jax.Array  # i32[S, P]  padded with the null page 0
+    kv_lens: jax.Array  # i32[S]  tokens in the cache after this step
+    cu_q_lens: jax.Array  # i32[S + 1]
+    num_seqs: jax.Array  # i32[]
+    logits_indices: jax.Array  # i32[L]  each sequence's last fed token, then draft positions (L = S, or T: see
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepSampling:
+    """The sampler's inputs of a fused step (`fused_step`): S rows, T tokens, R = max_num_seqs, k drafts a row.
+
+    Every field is present in every step (absent optional sampler arrays are `sampler.neutral_arrays`), so
+    two programs per (T, S, P) bucket serve every batch: greedy-only, and with random rows."""
+
+    batch: SamplingBatch  # S rows, every optional array present (sampler.with_neutral_arrays)
+    previous_tokens: jax.Array  # i32[R]: the previous step's sampled tokens (async scheduling), zero-padded
+    sources: np.ndarray  # i32[T]: the row of previous_tokens each placeholder position takes, else -1
+    previous_rejected: jax.Array  # i32[R]: the previous step's rejected drafts per row (`PendingStep.carry`)
+    shifts: np.ndarray  # i32[T]: the row of previous_rejected each position moves back by, else -1 (fill_in_flight)
+    previous_accepted: jax.Array  # i32[R, k]: the previous step's accepted drafts per row, -1 past them (its carry)
+    count_from: np.ndarray  # i32[S]: each row's first fed token its penalty counts lack (`_count_from`; T: none)
+    draft_rows: np.ndarray  # i32[S, k]: speculative decoding (packed drafts): slot m's draft rows (else 0)
+    draft_ids: np.ndarray  # i32[S, k]: slot m's drafts, -1 for none (never accepted)
+    redraft: Redraft  # the drafts the device proposes again (async scheduling; `Redraft.none` otherwise)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FusedStep:
+    """A fused step's sampling results, on device."""
+
+    sample: sampler.StepSample  # the sampler's output before its rare fallbacks (`sampler.finish_in_step`)
+    num_accepted: jax.Array  # i32[S]: slot m's accepted drafts, valid when no fallback changed a token
+    next_tokens: jax.Array  # i32[R]: sample.out.token_ids zero-padded, the next step's previous_tokens
+
+
+def has_random_rows(batch: SamplingBatch) -> bool:
+    """Whether some row of a host batch samples at random (the fused step's static choice of program)."""
+    return bool(np.any(np.asarray(batch.temperature) >= sampler.GREEDY_TEMPERATURE_EPS))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def pad_sampled_tokens(token_ids: jax.Array, size: int) -> jax.Array:
+    """i32[size]: token_ids i32[S] (S <= size) followed by zeros (a fused step's previous_tokens)."""
+    return jnp.zeros((size,), jnp.int32).at[:token_ids.shape[0]].set(token_ids)
+
+
+def allocate_kv_pool(config: LlamaConfig, num_pages: int, page_size: int, dtype,
+                     mesh: Mesh | None = None) -> KVPool:
+    """Zeroed pool; with a mesh, sharded on K (each device allocates only its heads)."""
+    shape = (config.num_hidden_layers, config.num_key_value_heads, num_pages, page_size, config.head_dim)
+    if mesh is None:
+        return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    sharding = parallel.kv_pool_sharding(mesh)
+    return KVPool(parallel.zeros_sharded(shape, dtype, sharding), parallel.zeros_sharded(shape, dtype, sharding))
+
+
+def kv_bytes_per_page(config: LlamaConfig, page_size: int, dtype) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * page_size * config.head_dim * \
+        np.dtype(dtype).itemsize
+
+
+def empty_step(t: int, s: int, p: int, num_logits: int | None = None) -> StepInput:
+    """An all-padding step of shape (T, S, P) with L = num_logits logits rows (default S): warm-up, and the
+    receive buffer of followers."""
+    return StepInput(np.zeros(t, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32),
+                     np.zeros((s, p), np.int32), np.zeros(s, np.int32), np.zeros(s + 1, np.int32),
+                     np.int32(0), np.zeros(s if num_logits is None else num_logits, np.int32))
+
+
+# The runner's test hook (`fault_injector(entries, logits) -> logits`) and a step's grammar bitmask, or a
+# callable filling it (ModelRunner.execute_model).
+FaultInjector = Callable[[Sequence[ScheduledRequest], jax.Array], jax.Array]
+GrammarBitmask = np.ndarray | Callable[[], np.ndarray | None]  # see ModelRunner.execute_model
