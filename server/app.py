@@ -16,7 +16,6 @@ from server.completions import create_completion
 from server.config import ServerConfig
 from server.context import ServingContext
 from server.errors import bad_request, install_handlers
-from server.metrics import ServerMetrics
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.responses import ResponsesRequest, create_response
@@ -25,7 +24,7 @@ from server.responses import ResponsesRequest, create_response
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncLLM; the caller owns (and shuts down) the engine."""
     app = FastAPI(title="jaxpaged", version=jaxpaged.__version__, docs_url=None, redoc_url=None)
-    ctx = ServingContext(engine, config, ServerMetrics(engine, config.model_name))
+    ctx = ServingContext.create(engine, config)
     app.state.ctx = ctx
     install_handlers(app)
     _openai_routes(app, ctx)

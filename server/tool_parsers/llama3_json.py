@@ -27,7 +27,7 @@ def _drop_tag(text: str) -> str:
 
 def parse_all(text: str) -> list[dict[str, str]]:
     """Every call of a whole output; [] unless all of it is calls."""
-    rest, calls = _drop_tag(text), []
+    rest, calls = _drop_tag(text.strip()), []
     if not rest.startswith("{"):
         return []
     while rest:
