@@ -88,10 +88,11 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if spec is not None and plan.constraint is not None:
         raise bad_request(f"{param} cannot be combined with tool_choice {plan.mode!r} (it constrains the "
                           "output to the tool call)", param)
-    if plan.constraint is not None:
-        spec, param = plan.constraint, "tool_choice"
     prompt = render_chat(ctx, body.messages, body.add_generation_prompt, plan.tools, body.chat_template_kwargs)
     output = OutputPlan.create(plan, ctx.config.reasoning_parser, prompt["prompt"])
+    spec = output.constraint(spec)
+    if plan.constraint is not None:
+        spec, param = plan.constraint, "tool_choice"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = build_sampling_params(body, ctx.defaults, max_tokens=max_tokens,
                                    logprobs=(body.top_logprobs or 0) if body.logprobs else None,

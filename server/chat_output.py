@@ -11,7 +11,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from server.reasoning import ReasoningParser, ReasoningStream, reasoning_token_count
+from jaxpaged.sampling_params import StructuredOutputsParams
+from server.reasoning import ReasoningParser, ReasoningStream, after_reasoning, reasoning_token_count
 from server.tool_parsers import CallStream
 from server.tools import (ToolPlan, arguments_delta, call_deltas, call_head_delta, message_calls, parse_calls,
                           required_calls)
@@ -26,6 +27,12 @@ class OutputPlan:
     def create(cls, tools: ToolPlan, reasoning_parser: str | None, prompt: str) -> OutputPlan:
         use = reasoning_parser is not None and not tools.forced
         return cls(tools, ReasoningParser.for_prompt(reasoning_parser, prompt) if use else None)
+
+    def constraint(self, spec: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """The request's own output constraint as applied: to the answer after the reasoning."""
+        if spec is None or self.reasoning is None:
+            return spec
+        return after_reasoning(spec, self.reasoning)
 
     def message(self, text: str) -> tuple[dict[str, Any], list[dict[str, str]]]:
         """The non-streamed message of a finished output, and its calls."""

@@ -12,12 +12,20 @@ part is dropped (the models write "<think>\\n" and "</think>\\n\\n").
 
 `split(text, final)` reads an output whole or, without `final`, only what later text cannot change,
 so streamed reasoning and content deltas always reassemble to the non-streamed reply.
+
+Structured outputs apply to the answer, after the reasoning ends (vLLM's behaviour): a JSON schema,
+json_object or choice constraint becomes a Lark grammar (llguidance's) of the free reasoning span, then
+the constraint (`after_reasoning`). A regex or grammar stays a pattern of the whole output, so a client
+can shape the reasoning itself too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
+from jaxpaged.sampling_params import StructuredOutputsParams
+from jaxpaged.structured_outputs import JSON_COMPILE_OPTIONS
 from server.tool_parsers.base import held_from
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -98,3 +106,25 @@ def reasoning_token_count(decode, token_ids: list[int], parser: ReasoningParser,
         else:
             low = mid + 1
     return low
+
+
+# Free text up to and including the close tag (llguidance's `suffix`: the text ends at its first
+# </think>, which stays in the output), then the whitespace the models put before the answer.
+_THOUGHT = 'thought[suffix="</think>"]: /(.|\\n)*/\nGAP: /[ \\n]*/\n'
+
+
+def after_reasoning(spec: StructuredOutputsParams, parser: ReasoningParser) -> StructuredOutputsParams:
+    """`spec` applied to the answer after the reasoning span (which may be absent when the output does not
+    start inside it); regexes and grammars are returned as they are (whole-output patterns)."""
+    if spec.kind in ("json", "json_object"):
+        schema = {"type": "object"} if spec.kind == "json_object" else \
+            json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+        schema = {} if schema is True else {"not": {}} if schema is False else schema
+        # the JSON layout the engine gives a schema of its own (x-guidance: llguidance's options key)
+        answer = f"answer: %json {json.dumps({**schema, 'x-guidance': JSON_COMPILE_OPTIONS})}"
+    elif spec.kind == "choice":
+        answer = "answer: " + " | ".join(json.dumps(c) for c in spec.choice)
+    else:
+        return spec
+    span = "thought GAP" if parser.starts_open else f"({json.dumps(OPEN)} thought GAP)?"
+    return StructuredOutputsParams(grammar=f"start: {span} answer\n{_THOUGHT}{answer}\n")

@@ -267,3 +267,36 @@ def test_responses_put_the_reasoning_in_its_own_output_item(servers):
 def test_reasoning_parser_leaves_answers_without_a_think_span_alone(servers):
     choice = chat(servers["reasoning"], messages=ASK, temperature=0, max_tokens=12)["choices"][0]
     assert choice["message"]["reasoning_content"] is None and choice["message"]["content"]
+
+
+POINT = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"],
+         "additionalProperties": False}
+
+
+def test_structured_outputs_apply_after_the_reasoning(servers):
+    """The schema constrains the answer; the <think> span before it is free (the engine's own matcher)."""
+    live = servers["reasoning"]
+    manager = live.engine.engine.structured_outputs
+    from server.reasoning import ReasoningParser, after_reasoning
+    from jaxpaged.sampling_params import StructuredOutputsParams
+    spec = after_reasoning(StructuredOutputsParams(json=POINT), ReasoningParser("qwen3", False))
+    tokenizer = live.engine.tokenizer
+
+    def accepts(text: str) -> tuple[bool, bool]:
+        matcher = manager.matcher(manager.compile_blocking(spec))
+        ok = all(matcher.accept(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"])
+        return ok, ok and matcher.ll_matcher.is_accepting()
+
+    assert accepts('<think>\nAny {text} at all, "x": "no"\n</think>\n\n{"x": 1, "y": 2}') == (True, True)
+    assert accepts('{"x": 1, "y": 2}') == (True, True)  # no reasoning span: the answer alone
+    assert accepts('<think>free</think>{"x": "1"') == (False, False)  # the answer still obeys the schema
+    assert accepts('<think>a</think> b</think>{"x": 1, "y": 2}') == (False, False)  # the span ends at </think>
+    body = dict(messages=[{"role": "user", "content": "Give a point."}], temperature=0, max_tokens=40,
+                response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": POINT}})
+    message = chat(live, **body)["choices"][0]["message"]
+    jsonschema.validate(json.loads(message["content"]), POINT)
+    less_than = tokenizer("<", add_special_tokens=False)["input_ids"]
+    assert len(less_than) == 1
+    forced = chat(live, **{**body, "max_tokens": 12, "logit_bias": {str(less_than[0]): 100}})["choices"][0]
+    assert forced["finish_reason"] == "length" and forced["message"]["content"] is None  # cut inside the span
+    assert forced["message"]["reasoning_content"]  # free text: not the schema's
