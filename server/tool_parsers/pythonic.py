@@ -24,7 +24,7 @@ def may_start(text: str) -> bool:
 def _unwrap(text: str) -> str:
     if text.startswith(START):
         text = text[len(START):]
-        text = text[:-len(END)] if text.endswith(END) else text
+        text = text.removesuffix(END)
     return text.strip()
 
 

@@ -21,8 +21,8 @@ from typing import Any
 from server.tool_parsers.base import Parsed, ToolCallParser, dumps, scan_marked
 from server.tool_parsers.hermes import OPEN, read_tagged
 
-_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.S)
+_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
 
 
 class Qwen3CoderParser(ToolCallParser):
@@ -51,10 +51,8 @@ class Qwen3CoderParser(ToolCallParser):
 
 def _trim_newline(raw: str) -> str:
     """The value without the one newline the format puts on each side of it."""
-    if raw.startswith("\n"):
-        raw = raw[1:]
-    if raw.endswith("\n"):
-        raw = raw[:-1]
+    raw = raw.removeprefix("\n")
+    raw = raw.removesuffix("\n")
     return raw
 
 

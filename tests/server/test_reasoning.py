@@ -54,7 +54,10 @@ def test_qwen3_starts_inside_the_reasoning_when_the_prompt_opened_it():
 
 def test_reasoning_tokens_are_those_up_to_the_close_tag():
     tokens = ["<think>", "\nI", " think", "</", "think>", "\n\n", "Yes", "."]
-    decode = lambda ids: "".join(tokens[i] for i in ids)  # noqa: E731
+
+    def decode(ids: list[int]) -> str:
+        return "".join(tokens[i] for i in ids)
+
     text = decode(list(range(len(tokens))))
     assert reasoning_token_count(decode, list(range(len(tokens))), QWEN3, text) == 5
     assert reasoning_token_count(decode, [6, 7], QWEN3, "Yes.") == 0

@@ -20,11 +20,13 @@ import pytest
 
 from jaxpaged.async_engine import AsyncLLM
 from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.sampling_params import StructuredOutputsParams
 from server.app import build_app
 from server.chat import render_chat
 from server.config import ServerConfig
 from server.errors import OpenAIError
 from server.protocol import ChatMessage
+from server.reasoning import ReasoningParser, after_reasoning
 from tests.server.conftest import LiveServer, serve
 from tests.server.test_structured_outputs import ASK, TIME_TOOL, WEATHER_TOOL, _reassemble
 
@@ -277,8 +279,6 @@ def test_structured_outputs_apply_after_the_reasoning(servers):
     """The schema constrains the answer; the <think> span before it is free (the engine's own matcher)."""
     live = servers["reasoning"]
     manager = live.engine.engine.structured_outputs
-    from server.reasoning import ReasoningParser, after_reasoning
-    from jaxpaged.sampling_params import StructuredOutputsParams
     spec = after_reasoning(StructuredOutputsParams(json=POINT), ReasoningParser("qwen3", False))
     tokenizer = live.engine.tokenizer
 
