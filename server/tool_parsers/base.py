@@ -54,7 +54,7 @@ def make_call(name: Any, arguments: Any) -> dict[str, str] | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested too deep to read
             return None
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
         return None

@@ -29,7 +29,7 @@ def read_tagged(text: str, start: int, final: bool, body_call) -> tuple[list | N
 def json_body_call(body: str) -> dict[str, str] | None:
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deep to read
         return None
     if not isinstance(value, dict):
         return None

@@ -33,7 +33,7 @@ def parse_all(text: str) -> list[dict[str, str]]:
     while rest:
         try:
             value, end = _DECODER.raw_decode(rest)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested too deep to read
             return []
         if not isinstance(value, dict) or "parameters" not in value and "arguments" not in value:
             return []

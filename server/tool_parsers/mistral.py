@@ -33,7 +33,7 @@ def _read_block(text: str, start: int, final: bool) -> tuple[list | None, int] |
     if text.startswith("[", pos) and not text.startswith(ARGS, pos):
         try:
             value, end = _DECODER.raw_decode(text, pos)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested too deep to read
             return _unread(final, text)
         return _array_calls(value), end
     named = _NAME.match(text, start)
@@ -41,7 +41,7 @@ def _read_block(text: str, start: int, final: bool) -> tuple[list | None, int] |
         return _unread(final, text)
     try:
         value, end = _DECODER.raw_decode(text, named.end())
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deep to read
         return _unread(final, text)
     call = make_call(named.group(1), value)
     return ([call] if call else None), end
@@ -55,7 +55,7 @@ def _unread(final: bool, text: str) -> tuple[None, int] | None:
 def _bare_array(text: str) -> list[dict[str, str]]:
     try:
         value, end = _DECODER.raw_decode(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deep to read
         return []
     return (_array_calls(value) or []) if not text[end:].strip() else []
 

@@ -62,5 +62,5 @@ def _value(raw: str, schema: dict[str, Any] | None) -> Any:
         return raw
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deep to read
         return raw

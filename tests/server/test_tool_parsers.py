@@ -145,3 +145,21 @@ def test_auto_refuses_to_guess_and_unknown_names_are_refused():
         resolve_parser_name("hermes2", None, "qwen3")
     assert resolve_parser_name("pythonic", None, "gemma3") == "pythonic"
     assert resolve_parser_name(None, None, "llama") is None
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}</tool_call>"),
+    ("mistral", "[TOOL_CALLS]" + "[" * 100_000 + "]" * 100_000),
+    ("llama3_json", '{"name": "f", "parameters": ' + '{"a": ' * 50_000 + "1" + "}" * 50_001),
+    ("pythonic", "[f(a=" + "[" * 100_000 + "]" * 100_000 + ")]"),
+])
+def test_text_nested_too_deep_is_content_not_an_error(name, text):
+    content, calls = parse_output(make_parser(name, TOOLS), text)
+    assert content == text and calls == []
+
+
+def test_qwen3_coder_keeps_a_value_it_cannot_read_as_text():
+    deep = "[" * 100_000 + "]" * 100_000
+    text = f"<tool_call><function=get_weather><parameter=days>{deep}</parameter></function></tool_call>"
+    content, calls = parse_output(make_parser("qwen3_coder", TOOLS), text)
+    assert content is None and _calls(calls) == [("get_weather", {"days": deep})]
