@@ -115,7 +115,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
 
 
 async def _compile_tool_schemas(ctx: ServingContext, plan: ToolPlan) -> None:
-    """Every tool's parameters schema must compile (a 400 naming the tool), whatever tool_choice uses."""
+    """Every tool's parameters schema must compile (a 400 naming the tool), whatever tool_choice uses;
+    without structured outputs (no llguidance) there is nothing to compile them with."""
+    if ctx.engine.engine.structured_outputs is None:
+        return
     for i, tool in enumerate(plan.tools):
         schema = tool["function"].get("parameters")
         if schema:
