@@ -80,7 +80,8 @@ def _utility_routes(app: FastAPI, ctx: ServingContext) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = render_chat(ctx, body.messages, body.add_generation_prompt)["prompt_token_ids"]
+            ids = render_chat(ctx, body.messages, body.add_generation_prompt,
+                              template_kwargs=body.chat_template_kwargs)["prompt_token_ids"]
         else:
             ids = list(ctx.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}

@@ -226,6 +226,9 @@ def test_chat_template_kwargs_reach_the_template(servers):
     assert render_chat(ctx, messages, template_kwargs={"enable_thinking": False})["prompt"].startswith("<think>")
     with pytest.raises(OpenAIError, match="add_generation_prompt"):
         render_chat(ctx, messages, template_kwargs={"add_generation_prompt": False})
+    r = httpx.post(servers["hermes"].url + "/tokenize", json={"model": MODEL, "messages": [{"role": "user",
+                   "content": "hi"}], "chat_template_kwargs": {"tools": []}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def _events(live: LiveServer, body: dict) -> list[dict]:
