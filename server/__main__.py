@@ -18,6 +18,7 @@ from jaxpaged.models.loader import DEFAULT_MODEL
 from jaxpaged.spec_decode.ngram import SpeculativeConfig
 from server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig
 from server.lifecycle import ShutdownConfig
+from server.reasoning import REASONING_PARSERS
 
 API_KEY_ENV = "JAXPAGED_API_KEY"
 
@@ -120,7 +121,13 @@ def _add_tool_flags(t: argparse._ArgumentGroup) -> None:
     t.add_argument("--enable-auto-tool-choice", action="store_true", help='serve tool_choice "auto": the model '
                    "decides whether to call a tool, and its output is parsed by --tool-call-parser")
     t.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS), help="how tool calls are "
-                   'read from "auto" output (llama3_json: Llama 3.x\'s {"name": ..., "parameters": ...})')
+                   'read from "auto" output: hermes (Qwen2.5/Qwen3\'s <tool_call> JSON), mistral ([TOOL_CALLS]), '
+                   'llama3_json (Llama 3.x\'s {"name": ..., "parameters": ...}), pythonic ([f(a=1)], Llama 3.2/4), '
+                   "qwen3_coder (Qwen3-Coder's <function=...> XML), or auto: the one the model's chat template or "
+                   "family shows")
+    t.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS), help="return the "
+                   "model's <think> span as reasoning_content (chat) and reasoning items (responses): qwen3 or "
+                   "deepseek_r1")
 
 
 def _add_server_flags(s: argparse._ArgumentGroup) -> None:
@@ -181,7 +188,8 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     return ServerConfig(served_model_names=names, api_key=api_key, max_request_bytes=ns.max_request_bytes,
                         enable_chat_page=not ns.disable_chat_page,
-                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+                        reasoning_parser=ns.reasoning_parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,7 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving %s as %s on http://%s:%d (API key %s)", ns.model, ", ".join(config.served_model_names),
              ns.host, ns.port, "required" if config.api_key else "not required")
     try:
-        uvicorn_config = uvicorn.Config(build_app(engine, config), host=ns.host, port=ns.port,
+        try:
+            app = build_app(engine, config)
+        except ValueError as err:  # e.g. --tool-call-parser auto on a model whose format it cannot tell
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        uvicorn_config = uvicorn.Config(app, host=ns.host, port=ns.port,
                                         log_level=ns.log_level, timeout_graceful_shutdown=FLUSH_SECONDS)
         GracefulServer(uvicorn_config, engine, shutdown).run()
     finally:

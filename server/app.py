@@ -16,7 +16,6 @@ from server.completions import create_completion
 from server.config import ServerConfig
 from server.context import ServingContext
 from server.errors import bad_request, install_handlers
-from server.metrics import ServerMetrics
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.responses import ResponsesRequest, create_response
@@ -25,7 +24,7 @@ from server.responses import ResponsesRequest, create_response
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncLLM; the caller owns (and shuts down) the engine."""
     app = FastAPI(title="jaxpaged", version=jaxpaged.__version__, docs_url=None, redoc_url=None)
-    ctx = ServingContext(engine, config, ServerMetrics(engine, config.model_name))
+    ctx = ServingContext.create(engine, config)
     app.state.ctx = ctx
     install_handlers(app)
     _openai_routes(app, ctx)
@@ -81,7 +80,8 @@ def _utility_routes(app: FastAPI, ctx: ServingContext) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = render_chat(ctx, body.messages, body.add_generation_prompt)["prompt_token_ids"]
+            ids = render_chat(ctx, body.messages, body.add_generation_prompt,
+                              template_kwargs=body.chat_template_kwargs)["prompt_token_ids"]
         else:
             ids = list(ctx.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}

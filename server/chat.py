@@ -12,17 +12,20 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.sampling_params import StructuredOutputsParams
+from server.chat_output import OutputPlan, StreamReader
 from server.choices import ChoiceStream, chat_logprobs, prompt_logprobs_json
 from server.context import ServingContext
-from server.errors import bad_request
+from server.errors import OpenAIError, bad_request
 from server.params import (build_sampling_params, check_stream_options, stream_usage_requested,
                            structured_outputs_of)
 from server.protocol import ChatCompletionRequest, ChatMessage
 from server.serving import Submitted, check_finished_ok, sse_stream, until_disconnect, usage
-from server.tools import (ToolPlan, arguments_delta, call_deltas, call_head_delta, history_fields,
-                          looks_like_call, message_calls, parse_calls, plan_tools)
+from server.tools import ToolPlan, history_fields, plan_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+_TEMPLATE_ARGUMENTS = ("conversation", "tools", "tokenize", "add_generation_prompt", "return_dict",
+                       "chat_template")  # set by render_chat itself, not by chat_template_kwargs
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -48,12 +51,20 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                tools: tuple[dict, ...] = ()) -> dict:
-    """The engine prompt: the template's text and its token ids (the template wrote any BOS itself)."""
+                tools: tuple[dict, ...] = (), template_kwargs: dict[str, Any] | None = None) -> dict:
+    """The engine prompt: the template's text and its token ids (the template wrote any BOS itself).
+
+    `template_kwargs`: the request's chat_template_kwargs, extra variables for the template (e.g.
+    Qwen3's enable_thinking)."""
+    template_kwargs = template_kwargs or {}
+    reserved = sorted(set(template_kwargs) & set(_TEMPLATE_ARGUMENTS))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
     try:
         text = ctx.tokenizer.apply_chat_template(conversation(messages), tools=list(tools) or None,
-                                                 tokenize=False, add_generation_prompt=add_generation_prompt)
-    except (jinja2.TemplateError, ValueError) as err:
+                                                 tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 **template_kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError) as err:
         raise bad_request(f"cannot apply the chat template: {err}", "messages") from None
     ids = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
     return {"prompt": text, "prompt_token_ids": list(ids)}
@@ -72,44 +83,71 @@ def _validate(body: ChatCompletionRequest, ctx: ServingContext) -> None:
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
     model = ctx.model_name(body.model)
     _validate(body, ctx)
-    plan = plan_tools(body, ctx.config.auto_tool_choice)
+    plan = plan_tools(body, ctx.tool_parser)
     spec, param = structured_outputs_of(body)
     if spec is not None and plan.constraint is not None:
         raise bad_request(f"{param} cannot be combined with tool_choice {plan.mode!r} (it constrains the "
                           "output to the tool call)", param)
+    prompt = render_chat(ctx, body.messages, body.add_generation_prompt, plan.tools, body.chat_template_kwargs)
+    output = OutputPlan.create(plan, ctx.config.reasoning_parser, prompt["prompt"])
+    spec = output.constraint(spec)
     if plan.constraint is not None:
         spec, param = plan.constraint, "tool_choice"
-    prompt = render_chat(ctx, body.messages, body.add_generation_prompt, plan.tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = build_sampling_params(body, ctx.defaults, max_tokens=max_tokens,
                                    logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                                    structured_outputs=spec)
+    await _compile_tool_schemas(ctx, plan)
     await ctx.compile_constraint(spec, param)
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     submitted = ctx.submitted()
     await submitted.add(response_id, prompt, params, "messages")
     head = {"id": response_id, "object": "chat.completion", "created": created, "model": model}
     if body.stream:
-        chunks = _chunks(body, plan, submitted, {**head, "object": "chat.completion.chunk"})
+        chunks = _chunks(ctx, body, output, submitted, {**head, "object": "chat.completion.chunk"})
         return StreamingResponse(sse_stream(chunks, submitted), media_type="text/event-stream")
     (out,) = await until_disconnect(request, submitted.final_outputs(), submitted.abort)
     check_finished_ok([out])
-    choices = [_choice(body, plan, comp) for comp in out.outputs]
+    choices = [_choice(body, output, comp) for comp in out.outputs]
     extra = {} if body.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
-    return {**head, "choices": choices, "usage": usage([out]), "system_fingerprint": None, **extra}
+    counted = _usage(ctx, output, out, [(c.token_ids, c.text) for c in out.outputs], params.skip_special_tokens)
+    return {**head, "choices": choices, "usage": counted, "system_fingerprint": None, **extra}
 
 
-def _choice(body: ChatCompletionRequest, plan: ToolPlan, comp: CompletionOutput) -> dict:
+async def _compile_tool_schemas(ctx: ServingContext, plan: ToolPlan) -> None:
+    """Every tool's parameters schema must compile (a 400 naming the tool), whatever tool_choice uses;
+    without structured outputs (no llguidance) there is nothing to compile them with."""
+    if ctx.engine.engine.structured_outputs is None:
+        return
+    for i, tool in enumerate(plan.tools):
+        schema = tool["function"].get("parameters")
+        if schema:
+            try:
+                await ctx.compile_constraint(StructuredOutputsParams(json=schema), "tools")
+            except OpenAIError as err:
+                raise bad_request(f"tools[{i}].function.parameters: {err.message}", "tools") from None
+
+
+def _usage(ctx: ServingContext, output: OutputPlan, out: RequestOutput, texts: list[tuple[list[int], str]],
+           skip_special_tokens: bool) -> dict:
+    """usage, with completion_tokens_details.reasoning_tokens when a reasoning parser is on."""
+    counts = usage([out])
+    if ctx.config.reasoning_parser is None:
+        return counts
+
+    def decode(ids: list[int]) -> str:
+        return ctx.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    reasoning = sum(output.reasoning_tokens(decode, ids, text) for ids, text in texts)
+    return {**counts, "completion_tokens_details": {"reasoning_tokens": reasoning}}
+
+
+def _choice(body: ChatCompletionRequest, output: OutputPlan, comp: CompletionOutput) -> dict:
     logprobs = None
     if comp.logprobs is not None:
         logprobs = chat_logprobs(comp.token_ids, comp.logprobs, body.top_logprobs or 0)
-    text = comp.text
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    finish_reason = comp.finish_reason
-    if plan.calls_tools:
-        content, calls = parse_calls(plan, text)
-        message = {"role": "assistant", "content": content, "tool_calls": message_calls(calls)}
-        finish_reason = _tool_finish_reason(comp.finish_reason, calls)
+    message, calls = output.message(comp.text)
+    finish_reason = _tool_finish_reason(comp.finish_reason, calls) if output.tools.calls_tools else comp.finish_reason
     return {"index": comp.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": comp.stop_reason}
 
@@ -127,12 +165,12 @@ def _chunk(head: dict, index: int, delta: dict, logprobs: Any = None, finish_rea
     return {**head, "system_fingerprint": None, "choices": [choice]}
 
 
-async def _chunks(body: ChatCompletionRequest, plan: ToolPlan, submitted: Submitted,
+async def _chunks(ctx: ServingContext, body: ChatCompletionRequest, output: OutputPlan, submitted: Submitted,
                   head: dict) -> AsyncIterator[dict]:
     for index in range(body.n):
-        yield _chunk(head, index, {"role": "assistant", "content": None if plan.forced else ""})
+        yield _chunk(head, index, {"role": "assistant", "content": None if output.tools.forced else ""})
     states = [ChoiceStream() for _ in range(body.n)]
-    tool_states = [_ToolStream(plan) for _ in range(body.n)]
+    readers = [_ChoiceChunks(StreamReader(output)) for _ in range(body.n)]
     final: RequestOutput | None = None
     async for _, out in submitted.outputs():
         for comp in out.outputs:
@@ -142,72 +180,40 @@ async def _chunks(body: ChatCompletionRequest, plan: ToolPlan, submitted: Submit
             logprobs = None
             if delta.logprobs is not None:
                 logprobs = chat_logprobs(delta.token_ids, delta.logprobs, body.top_logprobs or 0)
-            if plan.calls_tools:
-                for chunk in tool_states[comp.index].chunks(head, comp.index, delta, logprobs):
-                    yield chunk
-                continue
-            content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
-            yield _chunk(head, comp.index, content, logprobs, delta.finish_reason, delta.stop_reason)
+            for chunk in readers[comp.index].chunks(head, comp.index, delta, logprobs):
+                yield chunk
         final = out if out.finished else final
     if stream_usage_requested(body) and final is not None:
-        yield {**head, "system_fingerprint": None, "choices": [], "usage": usage([final])}
+        texts = [(r.reader.token_ids, r.reader.text) for r in readers]
+        counted = _usage(ctx, output, final, texts, body.skip_special_tokens)
+        yield {**head, "system_fingerprint": None, "choices": [], "usage": counted}
 
 
-class _ToolStream:
-    """One choice's streamed tool calls.
+class _ChoiceChunks:
+    """One streamed choice's chunks: its reader's deltas, with the logprobs of the tokens behind them
+    (held while a reader holds text back) and the finish reason on the last one."""
 
-    named: the generated text is the arguments: a head delta, then each text delta as a fragment.
-    required: the JSON array is held until it is complete, then sent as calls.
-    auto: held while the output may still be a call (starts with "{" or <|python_tag|>); plain text streams as
-    content once it clearly is not one.
-    """
-
-    def __init__(self, plan: ToolPlan):
-        self.plan = plan
-        self.text = ""
+    def __init__(self, reader: StreamReader):
+        self.reader = reader
         self.held_logprobs: list | None = None
-        self.is_call: bool | None = True if plan.forced else None
-        self.head_sent = False
 
     def chunks(self, head: dict, index: int, delta, logprobs) -> list[dict]:
-        self.text += delta.text
-        if self.plan.mode == "named":
-            return self._named(head, index, delta, logprobs)
-        if self.is_call is None:
-            self.is_call = looks_like_call(self.text)
-        if self.is_call is False:  # auto, plain content: stream what was held and what comes
-            text, self.text = self.text, ""
-            content = {"content": text} if text or not delta.finish_reason else {}
-            return [_chunk(head, index, content, self._take_logprobs(logprobs), delta.finish_reason,
-                           delta.stop_reason)]
-        self._hold_logprobs(logprobs)
-        if not delta.finish_reason:
-            return []
-        content, calls = parse_calls(self.plan, self.text)
-        out = [_chunk(head, index, {"content": content})] if content else []
-        out += [_chunk(head, index, d) for d in call_deltas(0, calls)]
-        out.append(_chunk(head, index, {}, self._take_logprobs(None),
-                          _tool_finish_reason(delta.finish_reason, calls), delta.stop_reason))
-        return out
-
-    def _named(self, head: dict, index: int, delta, logprobs) -> list[dict]:
-        out = []
-        if not self.head_sent:
-            out.append(_chunk(head, index, call_head_delta(0, self.plan.name)))
-            self.head_sent = True
-        if delta.text:
-            out.append(_chunk(head, index, arguments_delta(0, delta.text), logprobs))
-            logprobs = None
-        if delta.finish_reason:
-            out.append(_chunk(head, index, {}, logprobs, _tool_finish_reason(delta.finish_reason, [self.plan.name]),
-                              delta.stop_reason))
-        return out
-
-    def _hold_logprobs(self, logprobs) -> None:
         if logprobs is not None:
             self.held_logprobs = (self.held_logprobs or []) + logprobs["content"]
+        pieces = self.reader.feed(delta.text, delta.token_ids, delta.finish_reason is not None)
+        out = []
+        for piece in pieces:
+            out.append(_chunk(head, index, piece, self._take_logprobs()))
+        if delta.finish_reason:
+            finish_reason = delta.finish_reason
+            if self.reader.tools.calls_tools:
+                finish_reason = _tool_finish_reason(finish_reason, [None] * self.reader.num_calls)
+            if pieces and "tool_calls" not in pieces[-1]:  # the last content delta carries the finish
+                out[-1]["choices"][0].update(finish_reason=finish_reason, stop_reason=delta.stop_reason)
+            else:
+                out.append(_chunk(head, index, {}, self._take_logprobs(), finish_reason, delta.stop_reason))
+        return out
 
-    def _take_logprobs(self, logprobs):
-        self._hold_logprobs(logprobs)
+    def _take_logprobs(self):
         held, self.held_logprobs = self.held_logprobs, None
         return None if held is None else {"content": held}

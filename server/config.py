@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-TOOL_CALL_PARSERS = ("llama3_json",)  # --tool-call-parser choices (server/tools.py reads them)
+from server.reasoning import REASONING_PARSERS
+from server.tool_parsers import AUTO, PARSERS
+
+TOOL_CALL_PARSERS = (AUTO, *PARSERS)  # --tool-call-parser choices (auto: by the model's template or family)
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB: a long chat with many messages fits; a runaway upload does not
 
 
@@ -20,6 +23,7 @@ class ServerConfig:
     enable_chat_page: bool = True  # the chat page at / (server/chat_page.py)
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice: tool_choice "auto" is served
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser: how "auto" output is read as calls
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: the <think> span as reasoning_content
 
     def __post_init__(self):
         names = tuple(self.served_model_names)
@@ -33,6 +37,9 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"ServerConfig.tool_call_parser={self.tool_call_parser!r}: choose one of "
                              f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"ServerConfig.reasoning_parser={self.reasoning_parser!r}: choose one of "
+                             f"{', '.join(REASONING_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("ServerConfig.enable_auto_tool_choice needs a tool_call_parser "
                              "(--tool-call-parser)")

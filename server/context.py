@@ -13,6 +13,7 @@ from server.config import ServerConfig
 from server.errors import OpenAIError, bad_request
 from server.metrics import ServerMetrics
 from server.serving import Submitted
+from server.tool_parsers import resolve_parser_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +21,16 @@ class ServingContext:
     engine: AsyncLLM
     config: ServerConfig
     metrics: ServerMetrics
+    tool_parser: str | None = None  # the format "auto" tool choice reads (--tool-call-parser, auto resolved)
+
+    @classmethod
+    def create(cls, engine: AsyncLLM, config: ServerConfig) -> ServingContext:
+        """The context of an app; ValueError when --tool-call-parser auto cannot tell the model's format."""
+        parser = None
+        if config.auto_tool_choice:
+            family = engine.engine.model.config.architecture
+            parser = resolve_parser_name(config.tool_call_parser, engine.tokenizer.chat_template, family)
+        return cls(engine, config, ServerMetrics(engine, config.model_name), parser)
 
     @property
     def tokenizer(self):

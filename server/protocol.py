@@ -134,6 +134,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None  # "none", "auto", "required" or {"type": "function", ...}
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking)
 
 
 class TokenizeRequest(_Body):
@@ -142,6 +143,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

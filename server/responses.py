@@ -10,6 +10,11 @@ response.output_item.added, response.content_part.added, response.output_text.de
 response.output_text.done, response.content_part.done, response.output_item.done, and
 response.completed (response.incomplete when max_output_tokens cut it), each an SSE `event:` with
 a `sequence_number`.
+
+With --reasoning-parser, the model's <think> span becomes a `reasoning` output item (its text a
+`reasoning_text` content part) before the message; streamed, it opens with its own
+response.output_item.added, then response.reasoning_text.delta... and response.reasoning_text.done, and
+closes before the message item opens. usage.output_tokens_details.reasoning_tokens counts its tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from server.context import ServingContext
 from server.errors import OpenAIError, bad_request, error_body
 from server.params import build_sampling_params
 from server.protocol import ChatMessage, SamplingFields, TextPart
+from server.reasoning import ReasoningParser, ReasoningStream, reasoning_token_count
 from server.serving import Submitted, check_finished_ok, until_disconnect
 
 logger = logging.getLogger(__name__)
@@ -102,6 +108,8 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, request: 
     model = ctx.model_name(body.model)
     _validate(body)
     prompt = render_chat(ctx, _messages(body))
+    parser = ctx.config.reasoning_parser
+    reasoning = ReasoningParser.for_prompt(parser, prompt["prompt"]) if parser is not None else None
     fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, seed=body.seed, stream=body.stream)
     params = build_sampling_params(fields, ctx.defaults, max_tokens=body.max_output_tokens, logprobs=None)
     rid = f"resp_{uuid.uuid4().hex}"
@@ -110,12 +118,24 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, request: 
     shell = _Shell(rid, f"msg_{uuid.uuid4().hex}", model, int(time.time()), body, params.max_tokens,
                    params.temperature, params.top_p)
     if body.stream:
-        return StreamingResponse(_event_stream(_events(submitted, shell), submitted),
+        return StreamingResponse(_event_stream(_events(ctx, submitted, shell, reasoning), submitted),
                                  media_type="text/event-stream")
     (out,) = await until_disconnect(request, submitted.final_outputs(), submitted.abort)
     check_finished_ok([out])
     comp = out.outputs[0]
-    return shell.response(comp.text, comp.finish_reason, out)
+    thought, text = "", comp.text
+    if reasoning is not None:
+        split = reasoning.split(comp.text, True)
+        thought, text = split.reasoning, split.content
+    tokens = _reasoning_tokens(ctx, reasoning, comp.token_ids, comp.text)
+    return shell.response(text, comp.finish_reason, out, thought, tokens)
+
+
+def _reasoning_tokens(ctx: ServingContext, reasoning: ReasoningParser | None, token_ids: list[int], text: str) -> int:
+    if reasoning is None:
+        return 0
+    return reasoning_token_count(lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True), token_ids,
+                                 reasoning, text)
 
 
 class _Shell:
@@ -124,6 +144,7 @@ class _Shell:
     def __init__(self, rid: str, msg_id: str, model: str, created: int, body: ResponsesRequest,
                  max_output_tokens: int | None, temperature: float, top_p: float):
         self.rid, self.msg_id, self.model, self.created, self.body = rid, msg_id, model, created, body
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.max_output_tokens, self.temperature, self.top_p = max_output_tokens, temperature, top_p
 
     def message(self, text: str, status: str) -> dict:
@@ -134,18 +155,27 @@ class _Shell:
     def part(text: str) -> dict:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def response(self, text: str | None, finish_reason: str | None, out: RequestOutput | None) -> dict:
+    def reasoning(self, text: str, status: str) -> dict:
+        content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content,
+                "encrypted_content": None, "status": status}
+
+    def output(self, text: str, thought: str) -> list[dict]:
+        return ([self.reasoning(thought, "completed")] if thought else []) + [self.message(text, "completed")]
+
+    def response(self, text: str | None, finish_reason: str | None, out: RequestOutput | None, thought: str = "",
+                 reasoning_tokens: int = 0) -> dict:
         """status in_progress (text None), completed, or incomplete (max_output_tokens reached)."""
         status = "in_progress" if text is None else "incomplete" if finish_reason == "length" else "completed"
         usage = None
         if out is not None:
             prompt, generated = len(out.prompt_token_ids), out.metrics.num_generation_tokens
             usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
-                     "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                      "total_tokens": prompt + generated}
         return {
             "id": self.rid, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": [] if text is None else [self.message(text, "completed")],
+            "model": self.model, "output": [] if text is None else self.output(text, thought),
             "usage": usage, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": self.body.instructions, "max_output_tokens": self.max_output_tokens,
@@ -156,26 +186,95 @@ class _Shell:
         }
 
 
-async def _events(submitted: Submitted, shell: _Shell) -> AsyncIterator[dict]:
-    at = {"item_id": shell.msg_id, "output_index": 0, "content_index": 0}
+async def _events(ctx: ServingContext, submitted: Submitted, shell: _Shell,
+                  reasoning: ReasoningParser | None) -> AsyncIterator[dict]:
     yield {"type": "response.created", "response": shell.response(None, None, None)}
     yield {"type": "response.in_progress", "response": shell.response(None, None, None)}
-    yield {"type": "response.output_item.added", "output_index": 0, "item": shell.message("", "in_progress")}
-    yield {"type": "response.content_part.added", **at, "part": shell.part("")}
-    state, text, final = ChoiceStream(), [], None
+    items = _ItemEvents(shell)
+    state, split = ChoiceStream(), ReasoningStream(reasoning) if reasoning is not None else None
+    final, token_ids = None, []
+    if split is None:  # no reasoning item can come: the message opens at once
+        for event in items.text("", opening=True):
+            yield event
     async for _, out in submitted.outputs():
         delta = state.take(out.outputs[0])
-        if delta is not None and delta.text:
-            text.append(delta.text)
-            yield {"type": "response.output_text.delta", **at, "delta": delta.text, "logprobs": []}
+        if delta is not None:
+            token_ids += delta.token_ids
+            thought, text = split.feed(delta.text, delta.finish_reason is not None) if split else ("", delta.text)
+            for event in items.reasoning(thought) + items.text(text):
+                yield event
         if out.finished:
             final = out
-    text = "".join(text)
-    yield {"type": "response.output_text.done", **at, "text": text, "logprobs": []}
-    yield {"type": "response.content_part.done", **at, "part": shell.part(text)}
-    yield {"type": "response.output_item.done", "output_index": 0, "item": shell.message(text, "completed")}
-    response = shell.response(text, final.outputs[0].finish_reason, final)
+    for event in items.close():
+        yield event
+    comp = final.outputs[0]
+    tokens = _reasoning_tokens(ctx, reasoning, token_ids, split.text if split is not None else "")
+    response = shell.response(items.full_text, comp.finish_reason, final, items.full_thought, tokens)
     yield {"type": f"response.{response['status']}", "response": response}
+
+
+class _ItemEvents:
+    """The output items' events: a reasoning item while reasoning text comes, then the message item."""
+
+    def __init__(self, shell: _Shell):
+        self.shell, self.thoughts, self.texts = shell, [], []
+        self.reasoning_open, self.message_open = False, False
+
+    @property
+    def full_thought(self) -> str:
+        return "".join(self.thoughts)
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.texts)
+
+    def reasoning(self, delta: str) -> list[dict]:
+        if not delta:
+            return []
+        events = []
+        if not self.reasoning_open:
+            self.reasoning_open = True
+            events.append({"type": "response.output_item.added", "output_index": 0,
+                           "item": self.shell.reasoning("", "in_progress")})
+        self.thoughts.append(delta)
+        return events + [{"type": "response.reasoning_text.delta", "item_id": self.shell.reasoning_id,
+                          "output_index": 0, "content_index": 0, "delta": delta}]
+
+    def _close_reasoning(self) -> list[dict]:
+        if not self.reasoning_open:
+            return []
+        self.reasoning_open, thought = False, self.full_thought
+        return [{"type": "response.reasoning_text.done", "item_id": self.shell.reasoning_id, "output_index": 0,
+                 "content_index": 0, "text": thought},
+                {"type": "response.output_item.done", "output_index": 0,
+                 "item": self.shell.reasoning(thought, "completed")}]
+
+    def _at(self) -> dict:
+        return {"item_id": self.shell.msg_id, "output_index": 1 if self.thoughts else 0, "content_index": 0}
+
+    def text(self, delta: str, opening: bool = False) -> list[dict]:
+        if not delta and not opening:
+            return []
+        events = []
+        if not self.message_open:
+            events = self._close_reasoning()
+            self.message_open = True
+            events += [{"type": "response.output_item.added", "output_index": self._at()["output_index"],
+                        "item": self.shell.message("", "in_progress")},
+                       {"type": "response.content_part.added", **self._at(), "part": self.shell.part("")}]
+        if delta:
+            self.texts.append(delta)
+            events.append({"type": "response.output_text.delta", **self._at(), "delta": delta, "logprobs": []})
+        return events
+
+    def close(self) -> list[dict]:
+        events = self.text("", opening=True) if not self.message_open else []
+        text, at = self.full_text, self._at()
+        return events + [
+            {"type": "response.output_text.done", **at, "text": text, "logprobs": []},
+            {"type": "response.content_part.done", **at, "part": self.shell.part(text)},
+            {"type": "response.output_item.done", "output_index": at["output_index"],
+             "item": self.shell.message(text, "completed")}]
 
 
 def _sse(event: dict, sequence_number: int) -> str:

@@ -1,16 +1,18 @@
-"""OpenAI tool calling: tool_choice -> an output constraint, history turns, parsing and streaming calls.
+"""OpenAI tool calling: tool_choice -> an output constraint, history turns, tool calls as deltas.
 
     tool_choice "none"      -> plain generation (the tools are still rendered, as vLLM does)
-    tool_choice "auto"      -> plain generation; the output is parsed (--tool-call-parser llama3_json:
-                               Llama 3.x's `{"name": ..., "parameters": ...}`, optionally after
-                               <|python_tag|>, several separated by ";") into calls, else it is content
+    tool_choice "auto"      -> plain generation (or the request's own structured output); the output is read
+                               by the --tool-call-parser format (server/tool_parsers) into content and calls
     tool_choice "required"  -> constrained to a JSON array of {"name", "parameters"} (one item unless
                                parallel_tool_calls), each item's parameters by that tool's schema
     tool_choice {function}  -> constrained to the named function's parameters schema
 
-A call's `arguments` is a JSON string. Streaming sends each call as OpenAI does: first its index, id,
-type and name with empty arguments, then argument fragments (a named call's arguments stream as they are
-generated; "required" and "auto" calls once their JSON is complete).
+Forced calls ("required", named) are the same JSON whatever the parser: the constraint, not the model's
+own format, shapes them, so they are schema-true with every parser. A function with `strict: true` must
+have a closed schema, as OpenAI requires (every object's additionalProperties false, all its properties
+required). A call's `arguments` is a JSON string. Streaming sends each call as OpenAI does: first its index,
+id, type and name with empty arguments, then argument fragments (a named call's arguments stream as they
+are generated; "required" calls once their JSON is complete, "auto" calls once the parser has read them).
 """
 
 from __future__ import annotations
@@ -22,11 +24,10 @@ import uuid
 from typing import Any
 
 from jaxpaged.sampling_params import StructuredOutputsParams
-from server.config import TOOL_CALL_PARSERS  # noqa: F401  (re-exported: the parsers this module implements)
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, ChatMessage
+from server.tool_parsers import ToolCallParser, make_parser, parse_output
 
-PYTHON_TAG = "<|python_tag|>"
 ARGUMENT_FRAGMENT_CHARS = 16  # a completed call's arguments stream in pieces of this many characters
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -41,6 +42,7 @@ class ToolPlan:
     name: str | None = None  # the named function
     constraint: StructuredOutputsParams | None = None
     parallel: bool = True  # parallel_tool_calls: False keeps one call (the schema's, or auto's first)
+    parser: ToolCallParser | None = None  # "auto": the --tool-call-parser format, for these tools
 
     @property
     def calls_tools(self) -> bool:
@@ -52,8 +54,10 @@ class ToolPlan:
         return self.mode in ("required", "named")
 
 
-def plan_tools(body: ChatCompletionRequest, auto_enabled: bool) -> ToolPlan:
-    """Check tools and tool_choice (400s naming the field) and build the constraint they need."""
+def plan_tools(body: ChatCompletionRequest, parser: str | None) -> ToolPlan:
+    """Check tools and tool_choice (400s naming the field) and build the constraint they need.
+
+    `parser`: the served --tool-call-parser (None: "auto" is not served)."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
@@ -79,10 +83,10 @@ def plan_tools(body: ChatCompletionRequest, auto_enabled: bool) -> ToolPlan:
         return ToolPlan("required", tools, None, StructuredOutputsParams(json=_required_schema(
             list(by_name.values()), body.parallel_tool_calls)))
     if choice == "auto":
-        if not auto_enabled:
+        if parser is None:
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser',
                               "tool_choice")
-        return ToolPlan("auto", tools, parallel=body.parallel_tool_calls)
+        return ToolPlan("auto", tools, parallel=body.parallel_tool_calls, parser=make_parser(parser, tools))
     raise bad_request(f"tool_choice={choice!r}: must be none, auto, required or a named function", "tool_choice")
 
 
@@ -98,9 +102,37 @@ def _check_tools(body: ChatCompletionRequest) -> tuple[dict[str, Any], ...]:
             raise bad_request(f"tools[{i}]: the function name {name!r} is used twice", "tools")
         if tool.function.parameters is not None and tool.function.parameters.get("type", "object") != "object":
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema of type object", "tools")
+        if tool.function.strict:
+            _check_closed(tool.function.parameters or {}, f"tools[{i}].function.parameters")
         seen.add(name)
         tools.append({"type": "function", "function": tool.function.model_dump(exclude_none=True)})
     return tuple(tools)
+
+
+def _check_closed(schema: Any, where: str) -> None:
+    """strict: true, as OpenAI: every object schema closed (additionalProperties false) and all its
+    properties required; a 400 naming the first place that is not."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            _check_closed(item, f"{where}[{i}]")
+        return
+    if not isinstance(schema, dict):
+        return
+    properties = schema.get("properties")
+    if schema.get("type") == "object" or isinstance(properties, dict):
+        if schema.get("additionalProperties") is not False:
+            raise bad_request(f"{where}: strict function schemas must set additionalProperties: false on every "
+                              "object", "tools")
+        missing = sorted(set(properties or {}) - set(schema.get("required") or ()))
+        if missing:
+            raise bad_request(f"{where}: strict function schemas must list every property in required "
+                              f"(missing {', '.join(missing)})", "tools")
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+            for name, sub in value.items():
+                _check_closed(sub, f"{where}.{key}.{name}")
+        elif key in ("items", "anyOf", "oneOf", "allOf", "prefixItems", "not", "additionalProperties"):
+            _check_closed(value, f"{where}.{key}")
 
 
 def _required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -159,50 +191,19 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, s
     if plan.mode == "named":
         return None, [{"name": plan.name, "arguments": text}]
     if plan.mode == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:  # cut short (finish_reason "length"): no complete call
-            return text, []
-        return None, [{"name": it["name"], "arguments": _dumps(it["parameters"])} for it in items]
+        return required_calls(text)
     if plan.mode == "auto":
-        calls = parse_llama3_json(text)
-        return (None, calls if plan.parallel else calls[:1]) if calls else (text, [])
+        return parse_output(plan.parser, text, plan.parallel)
     return text, []
 
 
-def parse_llama3_json(text: str) -> list[dict[str, str]]:
-    """Llama 3.x JSON tool calls: `[<|python_tag|>]{"name": ..., "parameters": {...}}[; {...}]*`; [] if not."""
-    rest = text.strip()
-    if rest.startswith(PYTHON_TAG):
-        rest = rest[len(PYTHON_TAG):].lstrip()
-    if not rest.startswith("{"):
-        return []
-    decoder, calls = json.JSONDecoder(), []
-    while rest:
-        try:
-            value, end = decoder.raw_decode(rest)
-        except ValueError:
-            return []
-        arguments = value.get("parameters", value.get("arguments")) if isinstance(value, dict) else None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(arguments, dict):
-            return []
-        calls.append({"name": value["name"], "arguments": _dumps(arguments)})
-        rest = rest[end:].strip()
-        if rest.startswith(";"):
-            rest = rest[1:].strip()
-        if rest.startswith(PYTHON_TAG):
-            rest = rest[len(PYTHON_TAG):].lstrip()
-    return calls
-
-
-def looks_like_call(text: str) -> bool | None:
-    """Streaming "auto": True/False once the output's start tells; None while it is only whitespace."""
-    rest = text.lstrip()
-    if not rest:
-        return None
-    if PYTHON_TAG.startswith(rest[:len(PYTHON_TAG)]) and len(rest) < len(PYTHON_TAG):
-        return None
-    return rest.startswith("{") or rest.startswith(PYTHON_TAG)
+def required_calls(text: str) -> tuple[str | None, list[dict[str, str]]]:
+    """"required"'s JSON array as calls; cut short (finish_reason "length"): no call, the text as content."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return text, []
+    return None, [{"name": it["name"], "arguments": _dumps(it["parameters"])} for it in items]
 
 
 def _dumps(value: Any) -> str:

@@ -13,7 +13,7 @@ FLAGS = ["--model", "--served-model-name", "--tokenizer", "--revision", "--dtype
          "--tensor-parallel-size", "--api-key", "--host", "--port", "--seed", "--chat-template",
          "--generation-config", "--attention-backend", "--kv-cache-dtype", "--log-level", "--max-request-bytes",
          "--enable-auto-tool-choice", "--tool-call-parser", "--weight-layout", "--fuse-projections",
-         "--no-fuse-projections", "--command-buffers", "--quantization"]
+         "--no-fuse-projections", "--command-buffers", "--quantization", "--reasoning-parser"]
 
 
 def test_help_lists_the_flags():
@@ -49,3 +49,14 @@ def test_tool_calling_flags():
     assert not server_config(build_parser().parse_args([])).auto_tool_choice
     from server.__main__ import main
     assert main(["--enable-auto-tool-choice"]) == 2  # no parser: refused before anything loads
+    for parser in ("hermes", "mistral", "llama3_json", "pythonic", "qwen3_coder", "auto"):
+        assert server_config(build_parser().parse_args(["--tool-call-parser", parser])).tool_call_parser == parser
+    ns = build_parser().parse_args(["--reasoning-parser", "deepseek_r1"])
+    assert server_config(ns).reasoning_parser == "deepseek_r1"
+
+
+def test_unknown_parser_names_are_refused_naming_the_flag():
+    for flag in ("--tool-call-parser", "--reasoning-parser"):
+        out = subprocess.run([sys.executable, "-m", "server", flag, "nope"], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and flag in out.stderr and "invalid choice" in out.stderr

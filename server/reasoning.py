@@ -1,0 +1,130 @@
+"""Reasoning parsers (vLLM's `--reasoning-parser qwen3|deepseek_r1`): the <think> span of an output.
+
+The reasoning is the text inside <think> ... </think>; the answer (`content`) is what follows the
+close tag. An output cut short before </think> is all reasoning. Whitespace at the start of either
+part is dropped (the models write "<think>\\n" and "</think>\\n\\n").
+
+    qwen3        the output's reasoning opens with <think>, or in the prompt when the chat template
+                 ended it with an open <think> (Qwen3's thinking-only templates); otherwise there is
+                 none (enable_thinking=False leaves an empty, closed span in the prompt).
+    deepseek_r1  the output starts inside the reasoning (R1's template opens <think> in the prompt);
+                 a leading <think> the model writes anyway is dropped.
+
+`split(text, final)` reads an output whole or, without `final`, only what later text cannot change,
+so streamed reasoning and content deltas always reassemble to the non-streamed reply.
+
+Structured outputs apply to the answer, after the reasoning ends (vLLM's behaviour): a JSON schema,
+json_object or choice constraint becomes a Lark grammar (llguidance's) of the free reasoning span, then
+the constraint (`after_reasoning`). A regex or grammar stays a pattern of the whole output, so a client
+can shape the reasoning itself too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from jaxpaged.sampling_params import StructuredOutputsParams
+from jaxpaged.structured_outputs import JSON_COMPILE_OPTIONS
+from server.tool_parsers.base import held_from
+
+OPEN, CLOSE = "<think>", "</think>"
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+def opens_in_prompt(prompt: str) -> bool:
+    """Whether the prompt ends inside an open <think> span (the output continues the reasoning)."""
+    return prompt.rfind(OPEN) > prompt.rfind(CLOSE) and not prompt[prompt.rfind(OPEN) + len(OPEN):].strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    reasoning: str  # "" when there is none
+    content: str
+    has_reasoning: bool  # the output has a reasoning span (even an empty one)
+    closed: bool = False  # its </think> was read
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    starts_open: bool  # the output begins inside the reasoning
+
+    def __post_init__(self):
+        if self.name not in REASONING_PARSERS:
+            raise ValueError(f"reasoning parser {self.name!r}: choose one of {', '.join(REASONING_PARSERS)}")
+
+    @classmethod
+    def for_prompt(cls, name: str, prompt: str) -> ReasoningParser:
+        return cls(name, name == "deepseek_r1" or opens_in_prompt(prompt))
+
+    def split(self, text: str, final: bool) -> Split:
+        body = text
+        stripped = text.lstrip()
+        if stripped.startswith(OPEN):
+            body = stripped[len(OPEN):]
+        elif not final and OPEN.startswith(stripped):  # may still open a span: wait
+            return Split("", "", False)
+        elif not self.starts_open:
+            return Split("", text, False)
+        end = body.find(CLOSE)
+        if end < 0:
+            kept = body if final else body[:held_from(body, (CLOSE,))]
+            return Split(kept.lstrip(), "", True)
+        return Split(body[:end].lstrip(), body[end + len(CLOSE):].lstrip(), True, True)
+
+
+class ReasoningStream:
+    """One streamed output: `feed` each text delta, get (new reasoning text, new content text)."""
+
+    def __init__(self, parser: ReasoningParser):
+        self.parser, self.text, self.sent_reasoning, self.sent_content = parser, "", 0, 0
+        self.split = Split("", "", False)
+
+    def feed(self, delta: str, final: bool) -> tuple[str, str]:
+        self.text += delta
+        self.split = self.parser.split(self.text, final)
+        reasoning = self.split.reasoning[self.sent_reasoning:]
+        content = self.split.content[self.sent_content:]
+        self.sent_reasoning, self.sent_content = len(self.split.reasoning), len(self.split.content)
+        return reasoning, content
+
+
+def reasoning_token_count(decode, token_ids: list[int], parser: ReasoningParser, text: str) -> int:
+    """How many of the output's tokens are reasoning: those up to the one completing </think> (all of
+    them when the output ended inside the reasoning). `decode(ids)` is the request's detokenization."""
+    split = parser.split(text, True)
+    if not split.has_reasoning:
+        return 0
+    if not split.closed:
+        return len(token_ids)
+    low, high = 1, len(token_ids)  # the fewest tokens whose text holds the close tag
+    while low < high:
+        mid = (low + high) // 2
+        if CLOSE in decode(token_ids[:mid]):
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+# Free text up to and including the close tag (llguidance's `suffix`: the text ends at its first
+# </think>, which stays in the output), then the whitespace the models put before the answer.
+_THOUGHT = 'thought[suffix="</think>"]: /(.|\\n)*/\nGAP: /[ \\n]*/\n'
+
+
+def after_reasoning(spec: StructuredOutputsParams, parser: ReasoningParser) -> StructuredOutputsParams:
+    """`spec` applied to the answer after the reasoning span (which may be absent when the output does not
+    start inside it); regexes and grammars are returned as they are (whole-output patterns)."""
+    if spec.kind in ("json", "json_object"):
+        schema = {"type": "object"} if spec.kind == "json_object" else \
+            json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+        schema = {} if schema is True else {"not": {}} if schema is False else schema
+        # the JSON layout the engine gives a schema of its own (x-guidance: llguidance's options key)
+        answer = f"answer: %json {json.dumps({**schema, 'x-guidance': JSON_COMPILE_OPTIONS})}"
+    elif spec.kind == "choice":
+        answer = "answer: " + " | ".join(json.dumps(c) for c in spec.choice)
+    else:
+        return spec
+    span = "thought GAP" if parser.starts_open else f"({json.dumps(OPEN)} thought GAP)?"
+    return StructuredOutputsParams(grammar=f"start: {span} answer\n{_THOUGHT}{answer}\n")
