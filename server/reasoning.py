@@ -25,7 +25,7 @@ import dataclasses
 import json
 
 from jaxpaged.sampling_params import StructuredOutputsParams
-from jaxpaged.structured_outputs import JSON_COMPILE_OPTIONS
+from jaxpaged.sample.structured_outputs import JSON_COMPILE_OPTIONS
 from server.tool_parsers.base import held_from
 
 OPEN, CLOSE = "<think>", "</think>"

@@ -18,8 +18,8 @@ import httpx
 import jsonschema
 import pytest
 
-from jaxpaged.async_engine import AsyncLLM
-from jaxpaged.engine import EngineArgs, LLMEngine
+from jaxpaged.engine.async_llm import AsyncLLM
+from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
 from jaxpaged.sampling_params import StructuredOutputsParams
 from server.app import build_app
 from server.chat import render_chat
