@@ -5,7 +5,7 @@
     outs = llm.generate(["Hello"], SamplingParams(temperature=0.8, max_tokens=64))
 """
 
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.llm import LLM

@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.models.loader import DEFAULT_MODEL
 from jaxpaged.outputs import RequestOutput

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.models.loader import DEFAULT_MODEL, load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams

@@ -92,7 +92,7 @@ def run_stack(args) -> None:
 
 def make_engine(loaded, layout: str, small_steps: int):
     from jaxpaged.worker import runner_config
-    from jaxpaged.engine.args import EngineArgs
+    from jaxpaged.config import EngineArgs
     from jaxpaged.engine.llm_engine import LLMEngine
 
     saved = runner_config.CPU_SMALL_STEP_TOKENS

@@ -64,7 +64,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxpaged.worker import runner_config, step_program  # noqa: E402
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpaged.models import llama  # noqa: E402
 from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch

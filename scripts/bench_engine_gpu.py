@@ -77,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import copy_bandwidth  # noqa: E402  (one definition for both GPU scripts)
 from jaxpaged.worker import hlo_stats  # noqa: E402
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpaged.worker.runner_config import command_buffer_options
 from jaxpaged.worker.model_runner import count_dispatches

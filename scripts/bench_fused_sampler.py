@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpaged.models.loader import load_model  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402

@@ -73,7 +73,10 @@ def tiny_model(served: bool):
     from jaxpaged.models.llama import LlamaConfig, init_params
     from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
     from jaxpaged.tokenizer import GenerationConfig
-    from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout
+    try:
+        from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout
+    except ImportError:  # a checkout from before the package layout
+        from jaxpaged.weight_layout import resolve_weight_layout, to_weight_layout
     tokenizer = load_model(DEFAULT_MODEL).tokenizer if served else None
     vocab = len(tokenizer) if tokenizer is not None else 2048
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -160,8 +163,7 @@ def run_batch(engine, clock: Clock, batch: int, args, vocab: int, tag: str) -> d
 def worker(args) -> None:
     """Measure every batch with the checkout at args.worker; one JSON line per batch on stdout."""
     sys.path.insert(0, args.worker)
-    from jaxpaged.engine.args import EngineArgs
-    from jaxpaged.engine.llm_engine import LLMEngine
+    from jaxpaged import EngineArgs, LLMEngine  # the public names: a worker may import an older checkout
     loaded = tiny_model(args.served)
     batches = [int(b) for b in args.batches.split(",")]
     max_model_len = args.prompt_len + args.output_len + 16

@@ -15,7 +15,7 @@ import time
 import jax
 
 from jaxpaged.sample import sampler
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.worker.step_input import empty_step
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams

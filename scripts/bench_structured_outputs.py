@@ -73,7 +73,7 @@ async def run_load(url: str, model: str, concurrency: int, max_tokens: int, cons
 
 def start_server(args):
     from jaxpaged.engine.async_llm import AsyncLLM
-    from jaxpaged.engine.args import EngineArgs
+    from jaxpaged.config import EngineArgs
     from jaxpaged.engine.llm_engine import LLMEngine
     from server.app import build_app
     from server.config import ServerConfig

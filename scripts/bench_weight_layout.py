@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.worker.runner_config import RunnerConfig  # noqa: E402

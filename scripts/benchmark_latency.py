@@ -361,7 +361,7 @@ def spec_config(args, adaptive: bool = True):
 
 def make_engines(args, loaded, max_num_seqs: int = 4) -> dict:
     """{"plain": engine, then one speculating engine per --draft-length side} over the same loaded weights."""
-    from jaxpaged.engine.args import EngineArgs
+    from jaxpaged.config import EngineArgs
     from jaxpaged.engine.llm_engine import LLMEngine
 
     base = EngineArgs(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from jaxpaged.engine.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
-from jaxpaged.engine.args import CPU_ASYNC_MAX_TOKENS, EngineArgs
+from jaxpaged.config import CPU_ASYNC_MAX_TOKENS, EngineArgs
 from jaxpaged.worker.runner_config import QUANTIZATIONS
 from jaxpaged.models.loader import DEFAULT_MODEL
 from jaxpaged.spec_decode.ngram import SpeculativeConfig

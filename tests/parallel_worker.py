@@ -69,7 +69,7 @@ def load(model: str):
 
 
 def serve(args: dict) -> dict:
-    from jaxpaged.engine.args import EngineArgs
+    from jaxpaged.config import EngineArgs
     from jaxpaged.engine.llm_engine import LLMEngine
     results = {}
     loaded = None if args.get("checkpoint") else load(args["model"])
@@ -94,7 +94,7 @@ def serve(args: dict) -> dict:
 
 
 def error(args: dict) -> dict:
-    from jaxpaged.engine.args import EngineArgs
+    from jaxpaged.config import EngineArgs
     from jaxpaged.engine.llm_engine import LLMEngine
     try:
         LLMEngine(EngineArgs(model=args["model"], dtype="float32", tensor_parallel_size=args["tp"], **ENGINE),
@@ -105,7 +105,7 @@ def error(args: dict) -> dict:
 
 
 def multihost(args: dict) -> dict:
-    from jaxpaged.engine.args import EngineArgs
+    from jaxpaged.config import EngineArgs
     from jaxpaged.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineArgs(
         model=args["model"], dtype="float32", tensor_parallel_size=args["tp"],

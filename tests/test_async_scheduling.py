@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged.engine.args import CPU_ASYNC_MAX_TOKENS, EngineArgs
+from jaxpaged.config import CPU_ASYNC_MAX_TOKENS, EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams

@@ -12,7 +12,7 @@ import pytest
 
 from jaxpaged import checkpoint
 from jaxpaged.convert import main as convert_main
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.models.llama import forward_jit
 from jaxpaged.models.loader import load_model

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.generate import greedy_generate

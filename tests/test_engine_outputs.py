@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from jaxpaged.engine import detokenizer
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams

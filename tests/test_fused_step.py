@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.sample import sampler
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.worker.runner_config import FUSE_SAMPLER, RunnerConfig
 from jaxpaged.worker.model_runner import ModelRunner, count_dispatches

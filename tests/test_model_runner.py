@@ -14,9 +14,11 @@ import pytest
 
 from jaxpaged.worker import hlo_stats
 from jaxpaged.worker import parallel
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
-from jaxpaged.worker.runner_config import (CPU_COMPILER_OPTIONS, CPU_SMALL_STEP_OPTIONS, CPU_SMALL_STEP_TOKENS, RunnerConfig, build_native_kernels, cpu_compiler_options, resolve_kv_cache_dtype)
+from jaxpaged.worker.runner_config import (CPU_COMPILER_OPTIONS, CPU_SMALL_STEP_OPTIONS, CPU_SMALL_STEP_TOKENS,
+                                           RunnerConfig, build_native_kernels, cpu_compiler_options,
+                                           resolve_kv_cache_dtype)
 from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.worker.step_input import kv_bytes_per_page
 from jaxpaged.worker.step_program import paged_forward
@@ -456,7 +458,7 @@ def test_key_steps_move_back_by_the_drafts_rejected_in_flight():
 
 
 def test_sampling_batch_from_kept_constants_is_the_batch_of_the_entries_rows(tiny):
-    """A step's sampler batch gathers each request's constants kept from earlier steps (`sampling_batch.RowConstants`),
+    """A step's sampler batch gathers each request's constants kept from earlier steps (`kept_rows.RowConstants`),
     RowInfos only for rows with banned ids, a bias or penalties, then packed draft rows: the batch of the rows
     `sampling_row` makes, row for row. A request id that comes back with other params gets them (made again), and
     finished requests are forgotten."""
@@ -540,7 +542,8 @@ def test_penalised_draft_rows_count_the_outputs_in_flight_and_the_drafts_fed():
     that outcome first; the fused step's own rows: the list itself (by reference: the device counts the rest).
     Key steps stay those of the position; a's rows stay as they were."""
     from jaxpaged.spec_decode.verify import DraftRows
-    from jaxpaged.worker.in_flight import (PendingStep, _draft_rows, _in_flight_history, _outcome_in_flight, _with_history)
+    from jaxpaged.worker.in_flight import (PendingStep, _draft_rows, _in_flight_history, _outcome_in_flight,
+                                           _with_history)
     penalised = SamplingParams(temperature=0.0, frequency_penalty=0.5)
     outputs = [1, 2]
     entries = [ScheduledRequest("a", (-1, 5), 9, (1,), True, SamplingParams(temperature=0.0), 3, placeholder=True,

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.worker import parallel
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.models.llama import LlamaConfig, WeightLayout, init_params, param_shapes
 from jaxpaged.worker.weight_layout import to_weight_layout
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.worker import step_program
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.models import llama
 from jaxpaged.models.loader import load_model

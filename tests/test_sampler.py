@@ -15,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from jaxpaged.sample.sampling_batch import (MAX_BIAS_ENTRIES, RowConstants, RowInfo, SamplingBatch, assemble_sampling_batch, make_sampling_batch, needs_row_info, seed_key_data, step_key)
+from jaxpaged.sample.sampling_batch import (MAX_BIAS_ENTRIES, RowInfo, SamplingBatch, assemble_sampling_batch,
+                                           make_sampling_batch, needs_row_info, seed_key_data, step_key)
+from jaxpaged.worker.kept_rows import RowConstants
 from jaxpaged.sample.sampler import SamplerOutput, sample, sample_jit
 from jaxpaged.sample.ops import process_logits
 from jaxpaged.sample.sampler import compiled_variants, warmup

@@ -20,7 +20,7 @@ from scipy import stats as scipy_stats
 
 from jaxpaged.sample import sampler
 from jaxpaged.engine.drafting import BLANK_DRAFT_STEPS
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.worker.runner_config import RunnerConfig
 from jaxpaged.worker.model_runner import count_dispatches

@@ -229,7 +229,7 @@ import re  # noqa: E402
 
 import jsonschema  # noqa: E402
 
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpaged.models.loader import load_model  # noqa: E402
 from tests.test_engine import count_traces  # noqa: E402

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from jaxpaged.worker import hlo_stats
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
-from jaxpaged.worker.runner_config import (GPU_COMMAND_BUFFERS, RunnerConfig, command_buffer_options, gpu_compiler_options, packs_weights)
+from jaxpaged.worker.runner_config import (GPU_COMMAND_BUFFERS, RunnerConfig, command_buffer_options,
+                                           gpu_compiler_options, packs_weights)
 from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.models.llama import LlamaConfig, WeightLayout, forward_jit, init_params, param_shapes
 from jaxpaged.models.loader import load_model

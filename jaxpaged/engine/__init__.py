@@ -4,7 +4,7 @@ The engine owns the step loop: it asks the scheduler (jaxpaged/core) what to run
 model runner (jaxpaged/worker), and turns the sampled tokens into `RequestOutput`s.
 """
 
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 
 __all__ = ["EngineArgs", "LLMEngine"]

@@ -27,7 +27,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import SamplingParams

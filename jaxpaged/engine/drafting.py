@@ -3,6 +3,27 @@
 Before each schedule the engine proposes drafts for decoding requests (NgramProposer); under async scheduling it
 proposes past the step in flight, on a guess of its outcome that the device corrects (redraft_in_flight). Requests
 whose drafts are rarely accepted stop drafting for a while (DraftLengthPolicy).
+
+Speculative decoding with async scheduling: drafts follow a request's last token, which
+is in flight. Requests without min_tokens bans or a grammar
+(`_verifies_overlapped`; `EngineArgs.overlap_verification`, on with a GPU) verify
+overlapped too: with step N in flight (a verification of d drafts, or a decode), step
+N+1 is scheduled as if all d were accepted (the scheduler's `num_draft_placeholders`),
+its drafts proposed on a guess of N's outcome (`NgramProposer.propose_past`: the same
+lookup's continuation decides which drafts N accepts), and the device moves N+1's token,
+positions and random rows' key steps to N's real outcome (`model_runner.fill_in_flight`,
+`steps_moved_back`: seeded outputs stay those of the synchronous loop); when N's tokens reach
+the host its rejected drafts are rolled back. Where the guess proves wrong, the device
+proposes N+1's drafts again from N's real outcome (`model_runner.redraft_in_flight`; the
+host keeps their twin, `_note_redrafts`); a request whose lookup finds nothing before its
+token in flight but that copied lately reserves blank drafts the device fills; penalty
+counts add the tokens in flight on the device (`outputs_in_flight`). Other requests
+(grammar masks and min_tokens bans follow the tokens in flight on the host): a step
+that verifies their drafts runs synchronously (scheduled after the
+step in flight is handled, handled before the next is scheduled), and the others
+stay overlapped; with a step in flight the engine guesses whether drafts would
+follow the token in flight (`_drafts_likely`), and only then waits for that step and
+proposes.
 """
 
 from __future__ import annotations
@@ -12,7 +33,8 @@ from collections.abc import Sequence
 from jaxpaged.core.request import Request
 from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.sample.structured_outputs import GrammarMatcher
-from jaxpaged.spec_decode.ngram import max_drafts_for
+from jaxpaged.spec_decode.ngram import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
+                                        max_drafts_for)
 from jaxpaged.worker.runner_output import ModelRunnerOutput
 
 # Overlapped verification: a request whose draft was accepted lately but whose lookup finds nothing before its token
@@ -28,7 +50,17 @@ NO_ROOM_MAX_WAIT = 32
 
 
 class Drafting:
-    """ModelRunner's methods for this: they share its state (see ModelRunner.__init__)."""
+    """LLMEngine's methods for n-gram drafting: they share its state (see LLMEngine.__init__)."""
+
+    def _init_drafting(self, spec: SpeculativeConfig | None) -> None:
+        self.proposer = None if spec is None else NgramProposer(spec)  # speculative decoding (n-gram)
+        self._device_lookup = None if spec is None else NgramProposer(spec)  # the host twin of redraft_in_flight's
+        self.spec_decoding_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
+        self.draft_policy = None if spec is None or not spec.adaptive_draft_length else \
+            DraftLengthPolicy(spec.num_speculative_tokens)  # which drafts pay for their rows
+        # with async scheduling: after drafts found no room in a step, the batch (_batch_key) then, the steps left
+        # that do not wait to propose again while it stays the same, and the no-room steps in a row
+        self._no_room_batch, self._no_room_wait, self._no_room_streak = None, 0, 0
 
     def _note_redrafts(self, following: SchedulerOutput, wrong: set[str]) -> None:
         """The drafts the device fed in `following` (in flight) for the requests in `wrong`, whose guess of the

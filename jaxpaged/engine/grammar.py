@@ -15,13 +15,23 @@ from jaxpaged.core.scheduler_output import ScheduledRequest
 from jaxpaged.engine.output_processor import _Child, _Parent
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.sample.structured_outputs import StructuredOutputManager
+from jaxpaged.sample.structured_outputs import available as structured_outputs_available
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class GrammarSupport:
-    """ModelRunner's methods for this: they share its state (see ModelRunner.__init__)."""
+    """LLMEngine's methods for structured outputs: they share its state (see LLMEngine.__init__)."""
+
+    def _init_structured_outputs(self) -> None:
+        # Grammars compile off the engine thread; a request waits for its grammar (vLLM's WAITING_FOR_FSM) in
+        # _awaiting_grammar, outside the scheduler, while the others run.
+        self.structured_outputs = None if self.tokenizer is None or not structured_outputs_available() else \
+            StructuredOutputManager(self.tokenizer, self.model.config.vocab_size,
+                                    self.model.generation_config.eos_token_ids)
+        self._awaiting_grammar: dict[str, tuple[_Parent, concurrent.futures.Future]] = {}
 
     def _compile_grammar(self, params: SamplingParams) -> concurrent.futures.Future | None:
         if params.structured_outputs is None:

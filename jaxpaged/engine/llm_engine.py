@@ -24,26 +24,7 @@ in flight). Only steps of at most `async_scheduling_max_tokens` tokens stay in f
 next is scheduled. Falls back to the synchronous loop: multi-process runs (followers
 take each step's tokens from the host).
 
-Speculative decoding with async scheduling: drafts follow a request's last token, which
-is in flight. Requests without min_tokens bans or a grammar
-(`_verifies_overlapped`; `EngineArgs.overlap_verification`, on with a GPU) verify
-overlapped too: with step N in flight (a verification of d drafts, or a decode), step
-N+1 is scheduled as if all d were accepted (the scheduler's `num_draft_placeholders`),
-its drafts proposed on a guess of N's outcome (`NgramProposer.propose_past`: the same
-lookup's continuation decides which drafts N accepts), and the device moves N+1's token,
-positions and random rows' key steps to N's real outcome (`model_runner.fill_in_flight`,
-`steps_moved_back`: seeded outputs stay those of the synchronous loop); when N's tokens reach
-the host its rejected drafts are rolled back. Where the guess proves wrong, the device
-proposes N+1's drafts again from N's real outcome (`model_runner.redraft_in_flight`; the
-host keeps their twin, `_note_redrafts`); a request whose lookup finds nothing before its
-token in flight but that copied lately reserves blank drafts the device fills; penalty
-counts add the tokens in flight on the device (`outputs_in_flight`). Other requests
-(grammar masks and min_tokens bans follow the tokens in flight on the host): a step
-that verifies their drafts runs synchronously (scheduled after the
-step in flight is handled, handled before the next is scheduled), and the others
-stay overlapped; with a step in flight the engine guesses whether drafts would
-follow the token in flight (`_drafts_likely`), and only then waits for that step and
-proposes.
+Speculative decoding under async scheduling: jaxpaged/engine/drafting.py.
 
 A request with n > 1 becomes n child requests (`<id>#<i>`, seeds seed + i) that
 share the prompt's pages through prefix caching, aggregated back into one
@@ -52,29 +33,19 @@ RequestOutput (in DELTA mode it holds only the children that got new tokens).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxpaged.core.request import Request, RequestStatus
-from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.scheduler_output import SchedulerOutput
-from jaxpaged.engine.args import (
-    _CPU_DEFAULT_MAX_MODEL_LEN,
-    _CPU_KV_CACHE_BYTES,
-    CPU_ASYNC_MAX_TOKENS,
-    GPU_MEMORY_BOUND_TOKENS,
-    EngineArgs,
-    _configure_compilation_cache,
-)
+from jaxpaged.config import EngineArgs, _configure_compilation_cache, make_mesh, resolve_engine_config, weight_layout_for
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.drafting import NO_ROOM_MAX_WAIT, Drafting
 from jaxpaged.engine.grammar import GrammarSupport
@@ -83,16 +54,13 @@ from jaxpaged.engine.validation import validate_request
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.outputs import RequestMetrics, RequestOutput
-from jaxpaged.sample.structured_outputs import StructuredOutputManager
-from jaxpaged.sample.structured_outputs import available as structured_outputs_available  # noqa: I001
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.spec_decode.ngram import DraftLengthPolicy, NgramProposer, SpecDecodingStats
 from jaxpaged.worker import parallel
 from jaxpaged.worker.in_flight import PendingStep
 from jaxpaged.worker.model_runner import ModelRunner
-from jaxpaged.worker.runner_config import RunnerConfig, build_native_kernels, packs_weights, resolve_kv_cache_dtype
-from jaxpaged.worker.step_input import FaultInjector, kv_bytes_per_page
-from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout
+from jaxpaged.worker.runner_config import build_native_kernels
+from jaxpaged.worker.step_input import FaultInjector
+from jaxpaged.worker.weight_layout import to_weight_layout
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +85,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor):
         _configure_compilation_cache(args)
         parallel.initialize_distributed(args.distributed)  # before any JAX computation
         build_native_kernels(args.attention_backend)  # a cold start's C++ builds, beside the loading below
-        self.mesh = self._make_mesh()
+        self.mesh = make_mesh(args)
         self.model = loaded or load_model(args.model, dtype=args.dtype, tokenizer=args.tokenizer,
                                           revision=args.revision, chat_template=args.chat_template,
                                           generation_config=args.generation_config, mesh=self.mesh,
@@ -125,56 +93,29 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor):
         self.tokenizer = self.model.tokenizer
         # The step's weight layout, before the KV pool is sized from free memory: weights this engine
         # loaded are converted in place (one group of tensors at a time); a caller's `loaded` is left usable.
-        layout = resolve_weight_layout(args.weight_layout, args.fuse_projections, jax.default_backend(),
-                                       packed=self._packs_weights())
         self.model = dataclasses.replace(self.model, params=to_weight_layout(
-            self.model.config, self.model.params, layout, self.mesh, consume=loaded is None))
+            self.model.config, self.model.params, weight_layout_for(args, self.model, self.mesh), self.mesh,
+            consume=loaded is None))
         phases = {"load": time.perf_counter() - start}  # seconds per start-up phase, for the ready line
-        self.overlap_verification = (jax.default_backend() == "gpu" if args.overlap_verification is None
-                                     else args.overlap_verification)
-        self.runner_config = self._runner_config()
-        # async scheduling runs on one process (followers take each step's tokens from the host)
-        requested = args.async_scheduling is not False
-        self.async_scheduling = requested and args.num_processes == 1
-        if requested and not self.async_scheduling:
+        self.config = resolve_engine_config(args, self.model, self.mesh)
+        self.runner_config = self.config.runner
+        self.overlap_verification = self.config.overlap_verification
+        self.async_scheduling = self.config.async_scheduling
+        if args.async_scheduling is not False and not self.async_scheduling:
             logger.info("async scheduling: off with num_processes=%d (the synchronous loop runs)", args.num_processes)
-        self.async_max_tokens = args.async_scheduling_max_tokens  # the steps kept in flight (None: all)
-        if self.async_max_tokens is None and jax.default_backend() == "cpu":
-            self.async_max_tokens = CPU_ASYNC_MAX_TOKENS
+        self.async_max_tokens = self.config.async_max_tokens  # the steps kept in flight (None: all)
         self._in_flight: _InFlightStep | None = None  # async scheduling: the step dispatched, not yet handled
         self._last_handled = 0.0  # time.perf_counter() when the last step's outputs were handled
-        # speculation with async scheduling: after drafts found no room in a step, the batch (_batch_key) then, the
-        # steps left that do not wait to propose again while it stays the same, and the no-room steps in a row
-        self._no_room_batch, self._no_room_wait, self._no_room_streak = None, 0, 0
         self._deferred_error: BaseException | None = None  # async: a dispatch failure, raised by the next step()
-        self.scheduler = Scheduler(SchedulerConfig(
-            async_scheduling=self.async_scheduling,
-            num_pages=self.runner_config.num_pages, page_size=args.block_size,
-            max_num_seqs=self.runner_config.max_num_seqs,
-            max_num_batched_tokens=self.runner_config.max_num_batched_tokens,
-            max_model_len=self.runner_config.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-            max_num_partial_prefills=self.runner_config.max_num_partial_prefills,
-            token_buckets=self.runner_config.token_buckets,
-            memory_bound_tokens=GPU_MEMORY_BOUND_TOKENS if jax.default_backend() == "gpu" else 0,
-            sliding_window=self.model.config.sliding_window if self.model.config.all_layers_windowed else None))
+        self.scheduler = Scheduler(self.config.scheduler)
         mark = time.perf_counter()
         self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh,
                                   fault_injector=fault_injector, consume_params=loaded is None)
         # the engine's model holds the runner's form of the weights (on CPU the native matmul's blocks): one copy
         self.model = dataclasses.replace(self.model, params=self.runner.params)
         phases["kv_pool"] = time.perf_counter() - mark
-        # Structured outputs: grammars compile off this thread; a request waits for its grammar (vLLM's
-        # WAITING_FOR_FSM) in _awaiting_grammar, outside the scheduler, while the others run.
-        self.structured_outputs = None if self.tokenizer is None or not structured_outputs_available() else \
-            StructuredOutputManager(self.tokenizer, self.model.config.vocab_size,
-                                    self.model.generation_config.eos_token_ids)
-        self._awaiting_grammar: dict[str, tuple[_Parent, concurrent.futures.Future]] = {}
-        spec = args.speculative_config
-        self.proposer = None if spec is None else NgramProposer(spec)  # speculative decoding (n-gram)
-        self._device_lookup = None if spec is None else NgramProposer(spec)  # the host twin of redraft_in_flight's
-        self.spec_decoding_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
-        self.draft_policy = None if spec is None or not spec.adaptive_draft_length else \
-            DraftLengthPolicy(spec.num_speculative_tokens)  # which drafts pay for their rows
+        self._init_structured_outputs()
+        self._init_drafting(args.speculative_config)
         self._rng = np.random.default_rng(args.seed)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
@@ -182,89 +123,15 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor):
             phases.update(self.warmup())
         self.startup_seconds = time.perf_counter() - start
         self.startup_phases = phases
-        rc = self.runner_config
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        rc, phases = self.runner_config, self.startup_phases
         quantized = "" if rc.quantization is None else f", weight dots {rc.quantization}"
         logger.info("jaxpaged ready in %.1f s (%s): %s (%s%s), KV pool %d pages x %d tokens = %d tokens (%s), "
                     "backend %s", self.startup_seconds, ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
                     self.model.source, self.model.dtype, quantized, rc.num_pages - 1, rc.page_size,
                     (rc.num_pages - 1) * rc.page_size, self.runner.kv_dtype, rc.backend)
-
-    # ---- configuration ----------------------------------------------------
-
-    def _make_mesh(self):
-        """None for one device in one process; else the "tp" mesh over the global devices."""
-        tp, procs = self.args.tensor_parallel_size, self.args.num_processes
-        if tp == 1 and procs == 1:
-            return None
-        if procs > 1 and tp != jax.device_count():
-            raise ValueError(f"with num_processes={procs}, tensor_parallel_size={tp} must equal the global "
-                             f"device count {jax.device_count()} (every process serves a shard)")
-        return parallel.make_mesh(tp)
-
-    def _packs_weights(self) -> bool:
-        """Whether the runner will hold the weight dots' weights packed (`model_runner.packs_weights`)."""
-        return packs_weights(self.args.attention_backend, self.model.dtype, sharded=self.mesh is not None)
-
-    def _runner_config(self) -> RunnerConfig:
-        args, config = self.args, self.model.config
-        on_gpu = jax.default_backend() == "gpu"
-        max_model_len = args.max_model_len or (config.max_position_embeddings if on_gpu else
-                                               min(config.max_position_embeddings, _CPU_DEFAULT_MAX_MODEL_LEN))
-        if max_model_len > config.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length "
-                             f"{config.max_position_embeddings}")
-        max_num_seqs = args.max_num_seqs or (256 if on_gpu else 64)
-        max_tokens = args.max_num_batched_tokens or max(8192 if on_gpu else 512, max_num_seqs)
-        num_pages = args.num_pages or self._pages_from_memory(on_gpu)
-        needed = math.ceil(max_model_len / args.block_size) + 1
-        if num_pages < needed:
-            raise ValueError(f"the KV pool ({num_pages} pages of {args.block_size} tokens) cannot hold one "
-                             f"sequence of max_model_len={max_model_len}; give more memory or a smaller "
-                             "max_model_len")
-        return RunnerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-                            max_model_len=max_model_len, page_size=args.block_size, num_pages=num_pages,
-                            attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-                            quantization=args.quantization,
-                            weight_layout=args.weight_layout, fuse_projections=args.fuse_projections,
-                            command_buffers=args.command_buffers, fuse_sampler=args.fuse_sampler,
-                            # CPU step time grows with padded tokens (all of it with XLA's dots, the non-dot part
-                            # with packed weights): decode batches of 1-8 get their own shapes
-                            min_token_bucket=16 if on_gpu else 1,
-                            # and where XLA's dots compute every padding row, steps of decodes plus short
-                            # prefills pad less (x1.5 buckets from 32 tokens on); packed weights' dots skip
-                            # padding rows (`with_live_rows`), so there the doublings alone compile a third less
-                            mid_token_buckets_from=None if on_gpu or self._packs_weights() else 32,
-                            # and one request alone gets S = 1: its LM head is one row, not 4 (3 of them padding)
-                            min_seq_bucket=4 if on_gpu else 1,
-                            max_num_partial_prefills=min(args.max_num_partial_prefills or (16 if on_gpu else 4),
-                                                         max_num_seqs),
-                            num_speculative_tokens=0 if args.speculative_config is None else
-                            args.speculative_config.num_speculative_tokens,
-                            # drafts proposed on a wrong guess of a verification in flight: proposed again on the
-                            # device (overlap_verification)
-                            prompt_lookup=self._prompt_lookup())
-
-    def _prompt_lookup(self) -> tuple[int, int] | None:
-        """RunnerConfig.prompt_lookup: the n-gram bounds when verifications may overlap the next step (drafts then
-        proposed on a wrong guess of their outcome are proposed again on the device), else None."""
-        spec = self.args.speculative_config
-        if spec is None or not self.overlap_verification:
-            return None
-        return spec.prompt_lookup_min, spec.prompt_lookup_max
-
-    def _pages_from_memory(self, on_gpu: bool) -> int:
-        # Each device holds 1/tp of every page (its KV heads); the budget is per device.
-        kv_dtype = resolve_kv_cache_dtype(self.args.kv_cache_dtype, self.model.dtype, jax.default_backend())
-        per_page = kv_bytes_per_page(self.model.config, self.args.block_size, kv_dtype) // \
-            self.args.tensor_parallel_size
-        budget = self.args.kv_cache_memory
-        if budget is None and on_gpu:
-            stats = jax.local_devices()[0].memory_stats() or {}
-            limit = stats.get("bytes_limit", 0)
-            budget = int(limit * self.args.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
-        if budget is None:
-            budget = _CPU_KV_CACHE_BYTES
-        return max(2, budget // per_page)
 
     def warmup(self) -> dict[str, float]:
         """Compile every step shape and every sampler shape now; none are compiled later.

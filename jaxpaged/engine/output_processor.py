@@ -71,7 +71,7 @@ def _completion(child: _Child, delta: bool) -> CompletionOutput:
 
 
 class OutputProcessor:
-    """ModelRunner's methods for this: they share its state (see ModelRunner.__init__)."""
+    """LLMEngine's methods for its outputs: they share its state (see LLMEngine.__init__)."""
 
     def _emit(self, child: _Child, result: ModelRunnerOutput,
               rows: Sequence[int]) -> tuple[list[int], StopVerdict | None]:

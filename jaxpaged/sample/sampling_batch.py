@@ -3,7 +3,7 @@
 `make_sampling_batch(rows, num_rows, vocab_size)` turns one `RowInfo` per live slot into a `SamplingBatch`, a
 pytree of fixed-shape numpy arrays (S = num_rows, the padded batch bucket; rows past `len(rows)` are greedy,
 neutral padding). The runner builds the same batch from constants it keeps per request across steps
-(`RowConstants`: its params' scalars, its seed's key data) and RowInfos only for the rows that need more
+(`worker.kept_rows.RowConstants`: its params' scalars, its seed's key data) and RowInfos only for the rows that need more
 (`assemble_sampling_batch`). Shapes are documented on `SamplingBatch`.
 """
 
@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.worker.kept_rows import KeptRows
 
 MAX_BIAS_ENTRIES = 320  # OpenAI allows 300 logit_bias entries; the rest is room for banned ids
 GREEDY_TEMPERATURE_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it sample greedily
@@ -175,38 +174,6 @@ def assemble_sampling_batch(scalars: np.ndarray, key_data: np.ndarray, steps: Se
         min_p=min_p.astype(f32), presence_penalty=presence.astype(f32), frequency_penalty=frequency.astype(f32),
         repetition_penalty=repetition.astype(f32), key_data=padded_key_data, steps=padded_steps, bias_ids=bias_ids,
         bias_values=bias_values, output_counts=counts, prompt_mask=prompt_mask, token_bitmask=token_bitmask)
-
-
-class RowConstants:
-    """Each scheduled request's sampler constants (its params' `row_scalars`, its seed's key data), kept across its
-    steps by request id (`kept_rows.KeptRows`): a step gathers them instead of reading every row's params again.
-    A request's row is made again whenever its params object or seed is not the one it was made from."""
-
-    def __init__(self, vocab_size: int, capacity: int):
-        self.vocab_size = vocab_size
-        self._kept = KeptRows(capacity, 9, np.float64)  # f64[C, 9]: row_scalars, then the key data's two words
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-    def gather(self, rows: Sequence[tuple[str, SamplingParams, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """(f64[n, 7] scalars, u32[n, 2] key data) of n rows given as (request id, params, seed), distinct ids."""
-        table = self._kept.rows([rid for rid, _, _ in rows], [(params, seed) for _, params, seed in rows],
-                                self._make, _same_params_and_seed)
-        return table[:, :7], table[:, 7:].astype(np.uint32)
-
-    def _make(self, source: tuple[SamplingParams, int]) -> tuple:
-        params, seed = source
-        RowInfo(params, seed)  # validates
-        return (*row_scalars(params, self.vocab_size), *seed_key_data(seed).tolist())
-
-    def release(self, request_ids) -> None:
-        """Forget these requests (finished); an id not kept is ignored."""
-        self._kept.release(request_ids)
-
-
-def _same_params_and_seed(kept: tuple[SamplingParams, int], source: tuple[SamplingParams, int]) -> bool:
-    return kept[0] is source[0] and kept[1] == source[1]
 
 
 def _check_token_bitmask(bitmask: np.ndarray | None, S: int, V: int) -> None:

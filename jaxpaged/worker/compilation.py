@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class StepCompilation:
-    """ModelRunner's methods for this: they share its state (see ModelRunner.__init__)."""
+    """ModelRunner's methods for compiling its programs: they share its state (see ModelRunner.__init__)."""
 
     def lower(self, step: StepInput, params: Params | None = None,
               platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:

@@ -1,8 +1,16 @@
 """Async scheduling's dispatch: a step packed and launched before the previous step's tokens reach the host.
 
-`dispatch(scheduler_output, previous)` packs the step, fills its placeholder tokens from the previous step's
-sampled tokens on the device and launches the forward (or the fused step); `dispatch_sample(pending)` launches
-the sampler once the host has handled the previous step's outputs; `PendingStep.result()` brings the tokens back.
+Async scheduling (the engine's overlapped loop) splits `ModelRunner.execute_model` in three:
+`dispatch(scheduler_output, previous)` packs the step, fills its placeholder tokens
+from the previous step's sampled tokens ON THE DEVICE (`pad_sampled_tokens`, then
+`merge_sampled_tokens`'s gather; no host round trip) and dispatches the forward; `dispatch_sample(pending)`
+dispatches the sampler once the host has handled the previous step's outputs (so
+penalties and grammar masks see its tokens); `pending.result()` brings the sampled
+tokens to the host. Same programs, same results as `execute_model`. Speculative decoding: a dispatched
+step may verify drafts, and the next one be packed before their outcome is known, as if all were accepted:
+`PendingStep.carry` gives, per row, the token fed next (the sample at the first rejected draft, or the
+bonus token) and the drafts rejected, by which `fill_in_flight` moves that request's positions, slots and
+KV length back on the device.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from jaxpaged.worker.step_program import prompt_logprobs_step
 
 
 class AsyncDispatch:
-    """ModelRunner's methods for this: they share its state (see ModelRunner.__init__)."""
+    """ModelRunner's methods for async dispatch: they share its state (see ModelRunner.__init__)."""
 
     def dispatch(self, scheduler_output: SchedulerOutput, previous: PendingStep | None) -> PendingStep:
         """Pack the step, fill its placeholder tokens on the device from `previous` (the step dispatched just

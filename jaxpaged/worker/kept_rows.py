@@ -10,7 +10,8 @@ the table in one indexing, instead of a Python pass over every request's whole d
 A row is never stale: an id whose source is not the one its row was made from (the same id reused, a request
 preempted and back with other pages) gets its row made again. Slots go back with `release` (finished requests);
 one that is never released costs room only: when a step's new requests need more free slots than there are,
-every row is dropped first and made again as its request comes.
+every row is dropped first and made again as its request comes. `RowConstants` keeps each request's sampler
+constants this way.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
+
+from jaxpaged.sample.sampling_batch import RowInfo, row_scalars, seed_key_data
+from jaxpaged.sampling_params import SamplingParams
 
 
 class KeptRows:
@@ -72,3 +76,35 @@ class KeptRows:
             kept = self._kept.pop(request_id, None)
             if kept is not None:
                 self._free.append(kept[1])
+
+
+class RowConstants:
+    """Each scheduled request's sampler constants (its params' `row_scalars`, its seed's key data), kept across its
+    steps by request id (`KeptRows`): a step gathers them instead of reading every row's params again.
+    A request's row is made again whenever its params object or seed is not the one it was made from."""
+
+    def __init__(self, vocab_size: int, capacity: int):
+        self.vocab_size = vocab_size
+        self._kept = KeptRows(capacity, 9, np.float64)  # f64[C, 9]: row_scalars, then the key data's two words
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def gather(self, rows: Sequence[tuple[str, SamplingParams, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(f64[n, 7] scalars, u32[n, 2] key data) of n rows given as (request id, params, seed), distinct ids."""
+        table = self._kept.rows([rid for rid, _, _ in rows], [(params, seed) for _, params, seed in rows],
+                                self._make, _same_params_and_seed)
+        return table[:, :7], table[:, 7:].astype(np.uint32)
+
+    def _make(self, source: tuple[SamplingParams, int]) -> tuple:
+        params, seed = source
+        RowInfo(params, seed)  # validates
+        return (*row_scalars(params, self.vocab_size), *seed_key_data(seed).tolist())
+
+    def release(self, request_ids) -> None:
+        """Forget these requests (finished); an id not kept is ignored."""
+        self._kept.release(request_ids)
+
+
+def _same_params_and_seed(kept: tuple[SamplingParams, int], source: tuple[SamplingParams, int]) -> bool:
+    return kept[0] is source[0] and kept[1] == source[1]

@@ -7,32 +7,8 @@ row that samples (the per-request sampler state rides on each `ScheduledRequest`
 seed, num_output_tokens, banned ids, prompt/output ids) and returns a host-side
 `ModelRunnerOutput`.
 
-Async scheduling (the engine's overlapped loop) splits that call in three:
-`dispatch(scheduler_output, previous)` packs the step, fills its placeholder tokens
-from the previous step's sampled tokens ON THE DEVICE (`pad_sampled_tokens`, then
-`merge_sampled_tokens`'s gather; no host round trip) and dispatches the forward; `dispatch_sample(pending)`
-dispatches the sampler once the host has handled the previous step's outputs (so
-penalties and grammar masks see its tokens); `pending.result()` brings the sampled
-tokens to the host. Same programs, same results as `execute_model`. Speculative decoding: a dispatched
-step may verify drafts, and the next one be packed before their outcome is known, as if all were accepted:
-`PendingStep.carry` gives, per row, the token fed next (the sample at the first rejected draft, or the
-bonus token) and the drafts rejected, by which `fill_in_flight` moves that request's positions, slots and
-KV length back on the device.
-
-The fused sampler (`RunnerConfig.fuse_sampler`; on with a GPU by default): one jitted program per step,
-`fused_step`, gathers the placeholder tokens, runs the forward, samples every row (sampler.sample_in_step:
-grammar bitmask, logit_bias, penalties, greedy and candidate sampling, the sampled ids' raw log-probs) and
-counts the accepted packed drafts, so a step is one executable call. The sampler's inputs are then built
-before the dispatch: the grammar bitmask is filled first (execute_model), and in `dispatch` the rows are
-known at once (penalties count the token in flight on the device); a step with a constrained row under
-async scheduling, or with a fault injector, takes the fused program's logits and samples in separate
-programs as before. What only some steps need stays in separate programs, run only then: the sampler's
-exact fallbacks (bisection, full-vocabulary noise), the top log-probs (a vocabulary top-k: a sort on
-XLA:GPU), unpacked drafts and prompt log-probs. Two fused programs per (T, S, P) bucket, the host picking
-as the separate sampler does: greedy-only batches (argmax) and batches with random rows (the candidate
-pass); no lax.cond (XLA:GPU reads a conditional's predicate back to the host unless the branches fit a
-command buffer, which would stall async scheduling; XLA:CPU pays for untaken branches). Absent optional
-sampler arrays (penalty counts, prompt mask, grammar bitmask) are device-resident neutral ones.
+Async scheduling (`dispatch`, jaxpaged/worker/dispatch.py) and the fused sampler (`fused_step`,
+jaxpaged/worker/step_program.py) are described where they live.
 
 The step is a pure function of (params, KV pool, step input) returning the
 logits of each sequence's last fed token and the updated pool (donated, so it
@@ -88,7 +64,7 @@ from jaxpaged.worker.compilation import StepCompilation
 from jaxpaged.worker.dispatch import AsyncDispatch
 from jaxpaged.worker.host_memory import HugePageArena, advise_huge_pages, advise_zeroed_huge_pages
 from jaxpaged.worker.in_flight import PendingStep, _draft_rows, banned_at, sampling_row
-from jaxpaged.worker.kept_rows import KeptRows
+from jaxpaged.worker.kept_rows import KeptRows, RowConstants
 from jaxpaged.worker.runner_config import RunnerConfig, packs_weights
 from jaxpaged.worker.runner_output import ModelRunnerOutput, PromptLogprobs, prompt_logprob_spans
 from jaxpaged.worker.step_input import (
@@ -154,7 +130,7 @@ class ModelRunner(AsyncDispatch, StepCompilation):
         self._init_fused_sampler(options)
         # the scheduled requests' sampler constants and page tables, kept across their steps (`_sampling_batch`,
         # `prepare`; kept_rows)
-        self._row_constants = sampling_batch.RowConstants(model_config.vocab_size, 2 * config.max_num_seqs)
+        self._row_constants = RowConstants(model_config.vocab_size, 2 * config.max_num_seqs)
         self._page_tables = KeptRows(2 * config.max_num_seqs, config.max_pages_per_seq, np.int32)
         # the verify buckets this runner gives T logits rows (compiled at warm-up), none where it does not pack
         self._verify_buckets = frozenset(config.verify_buckets if self.packs_drafts_in_tokens() else ())

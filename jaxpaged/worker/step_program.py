@@ -3,6 +3,21 @@
 `paged_forward` is the forward over the donated, page-indexed KV pool, returning the logits of each sequence's
 last fed token and the updated pool; `fused_step` runs the sampler in the same program (and fills the tokens of a
 step in flight on the device); `prompt_logprobs_step` scores prompt tokens. Shapes: jaxpaged/worker/step_input.py.
+
+The fused sampler (`RunnerConfig.fuse_sampler`; on with a GPU by default): one jitted program per step,
+`fused_step`, gathers the placeholder tokens, runs the forward, samples every row (sampler.sample_in_step:
+grammar bitmask, logit_bias, penalties, greedy and candidate sampling, the sampled ids' raw log-probs) and
+counts the accepted packed drafts, so a step is one executable call. The sampler's inputs are then built
+before the dispatch: the grammar bitmask is filled first (execute_model), and in `dispatch` the rows are
+known at once (penalties count the token in flight on the device); a step with a constrained row under
+async scheduling, or with a fault injector, takes the fused program's logits and samples in separate
+programs as before. What only some steps need stays in separate programs, run only then: the sampler's
+exact fallbacks (bisection, full-vocabulary noise), the top log-probs (a vocabulary top-k: a sort on
+XLA:GPU), unpacked drafts and prompt log-probs. Two fused programs per (T, S, P) bucket, the host picking
+as the separate sampler does: greedy-only batches (argmax) and batches with random rows (the candidate
+pass); no lax.cond (XLA:GPU reads a conditional's predicate back to the host unless the branches fit a
+command buffer, which would stall async scheduling; XLA:CPU pays for untaken branches). Absent optional
+sampler arrays (penalty counts, prompt mask, grammar bitmask) are device-resident neutral ones.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpaged.engine.async_llm import AsyncLLM, AsyncLLMConfig
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.core.request import RequestStatus
 from jaxpaged.sampling_params import SamplingParams

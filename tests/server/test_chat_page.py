@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.engine.async_llm import AsyncLLM
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig

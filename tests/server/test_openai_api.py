@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from jaxpaged.engine.args import EngineArgs
+from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.sampling_params import SamplingParams
 from tests.server.conftest import ENGINE_ARGS, MODEL_NAME

@@ -1,7 +1,10 @@
-"""EngineArgs: everything an engine is built from (vLLM's engine arguments), frozen and validated.
+"""The engine's configuration: `EngineArgs` as given, and `EngineConfig`, every "auto" in them resolved.
 
-The defaults that depend on the machine (the CPU's context cap and KV budget, the persistent compilation cache's
-folder) are named here; the engine resolves each "auto" from them once, at construction.
+`EngineArgs` holds vLLM's engine arguments, frozen and validated; None or "auto" leaves a choice to the model and
+the machine. `resolve_engine_config(args, model, mesh)` makes every such choice, once, at the engine's
+construction: the context length and batch limits, the KV pool's size, the step buckets (`RunnerConfig`), the
+scheduler's limits (`SchedulerConfig`), async scheduling and overlapped verification. The machine-dependent
+defaults are the constants below; nothing else in the engine picks a default.
 """
 
 from __future__ import annotations
@@ -11,18 +14,24 @@ import math
 import os
 
 import jax
+from jax.sharding import Mesh
 
-from jaxpaged.models.loader import DEFAULT_MODEL
+from jaxpaged.core.scheduler import SchedulerConfig
+from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel
 from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.spec_decode.ngram import SpeculativeConfig
 from jaxpaged.worker import parallel
 from jaxpaged.worker.runner_config import (
     GPU_COMMAND_BUFFERS,
+    RunnerConfig,
     check_fuse_sampler,
     check_kv_cache_dtype,
     check_quantization,
+    packs_weights,
+    resolve_kv_cache_dtype,
 )
-from jaxpaged.worker.weight_layout import check_weight_layout
+from jaxpaged.worker.step_input import kv_bytes_per_page
+from jaxpaged.worker.weight_layout import check_weight_layout, resolve_weight_layout
 
 _CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU when no size is given
 _CPU_DEFAULT_MAX_MODEL_LEN = 2048  # keeps the CPU warm-up (one compile per step shape) short
@@ -158,3 +167,111 @@ def _configure_compilation_cache(args: EngineArgs) -> None:
     if args.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", args.compilation_cache_min_compile_secs)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What an engine runs with: its `EngineArgs` with every "auto" resolved for its model and machine."""
+
+    runner: RunnerConfig
+    scheduler: SchedulerConfig
+    async_scheduling: bool  # the overlapped loop (one process only: followers take each step's tokens from the host)
+    async_max_tokens: int | None  # async scheduling keeps steps of at most this many tokens in flight (None: all)
+    overlap_verification: bool  # verification steps overlap the next step (speculative decoding)
+
+
+def make_mesh(args: EngineArgs) -> Mesh | None:
+    """None for one device in one process; else the "tp" mesh over the global devices."""
+    tp, procs = args.tensor_parallel_size, args.num_processes
+    if tp == 1 and procs == 1:
+        return None
+    if procs > 1 and tp != jax.device_count():
+        raise ValueError(f"with num_processes={procs}, tensor_parallel_size={tp} must equal the global "
+                         f"device count {jax.device_count()} (every process serves a shard)")
+    return parallel.make_mesh(tp)
+
+
+def weight_layout_for(args: EngineArgs, model: LoadedModel, mesh: Mesh | None):
+    """The step's weight layout (jaxpaged/worker/weight_layout.py) for this model and backend."""
+    return resolve_weight_layout(args.weight_layout, args.fuse_projections, jax.default_backend(),
+                                 packed=_packs_weights(args, model, mesh))
+
+
+def resolve_engine_config(args: EngineArgs, model: LoadedModel, mesh: Mesh | None) -> EngineConfig:
+    """Every choice `args` leaves open, made for `model` (its weights already in their layout: the KV pool is
+    sized from the memory left) on this machine."""
+    on_gpu = jax.default_backend() == "gpu"
+    overlap = on_gpu if args.overlap_verification is None else args.overlap_verification
+    runner = _runner_config(args, model, mesh, on_gpu, overlap)
+    config = model.config
+    scheduler = SchedulerConfig(
+        async_scheduling=args.async_scheduling is not False and args.num_processes == 1,
+        num_pages=runner.num_pages, page_size=args.block_size, max_num_seqs=runner.max_num_seqs,
+        max_num_batched_tokens=runner.max_num_batched_tokens, max_model_len=runner.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching, max_num_partial_prefills=runner.max_num_partial_prefills,
+        token_buckets=runner.token_buckets, memory_bound_tokens=GPU_MEMORY_BOUND_TOKENS if on_gpu else 0,
+        sliding_window=config.sliding_window if config.all_layers_windowed else None)
+    max_tokens = args.async_scheduling_max_tokens
+    if max_tokens is None and not on_gpu:
+        max_tokens = CPU_ASYNC_MAX_TOKENS
+    return EngineConfig(runner, scheduler, scheduler.async_scheduling, max_tokens, overlap)
+
+
+def _packs_weights(args: EngineArgs, model: LoadedModel, mesh: Mesh | None) -> bool:
+    """Whether the runner will hold the weight dots' weights packed (`runner_config.packs_weights`)."""
+    return packs_weights(args.attention_backend, model.dtype, sharded=mesh is not None)
+
+
+def _runner_config(args: EngineArgs, model: LoadedModel, mesh: Mesh | None, on_gpu: bool,
+                   overlap: bool) -> RunnerConfig:
+    config = model.config
+    max_model_len = args.max_model_len or (config.max_position_embeddings if on_gpu else
+                                           min(config.max_position_embeddings, _CPU_DEFAULT_MAX_MODEL_LEN))
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length "
+                         f"{config.max_position_embeddings}")
+    max_num_seqs = args.max_num_seqs or (256 if on_gpu else 64)
+    max_tokens = args.max_num_batched_tokens or max(8192 if on_gpu else 512, max_num_seqs)
+    num_pages = args.num_pages or _pages_from_memory(args, model, on_gpu)
+    needed = math.ceil(max_model_len / args.block_size) + 1
+    if num_pages < needed:
+        raise ValueError(f"the KV pool ({num_pages} pages of {args.block_size} tokens) cannot hold one "
+                         f"sequence of max_model_len={max_model_len}; give more memory or a smaller "
+                         "max_model_len")
+    spec = args.speculative_config
+    return RunnerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+                        max_model_len=max_model_len, page_size=args.block_size, num_pages=num_pages,
+                        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+                        quantization=args.quantization,
+                        weight_layout=args.weight_layout, fuse_projections=args.fuse_projections,
+                        command_buffers=args.command_buffers, fuse_sampler=args.fuse_sampler,
+                        # CPU step time grows with padded tokens (all of it with XLA's dots, the non-dot part
+                        # with packed weights): decode batches of 1-8 get their own shapes
+                        min_token_bucket=16 if on_gpu else 1,
+                        # and where XLA's dots compute every padding row, steps of decodes plus short
+                        # prefills pad less (x1.5 buckets from 32 tokens on); packed weights' dots skip
+                        # padding rows (`with_live_rows`), so there the doublings alone compile a third less
+                        mid_token_buckets_from=None if on_gpu or _packs_weights(args, model, mesh) else 32,
+                        # and one request alone gets S = 1: its LM head is one row, not 4 (3 of them padding)
+                        min_seq_bucket=4 if on_gpu else 1,
+                        max_num_partial_prefills=min(args.max_num_partial_prefills or (16 if on_gpu else 4),
+                                                     max_num_seqs),
+                        num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+                        # drafts proposed on a wrong guess of a verification in flight are proposed again on the
+                        # device: the n-gram bounds, when verifications overlap the next step
+                        prompt_lookup=None if spec is None or not overlap else
+                        (spec.prompt_lookup_min, spec.prompt_lookup_max))
+
+
+def _pages_from_memory(args: EngineArgs, model: LoadedModel, on_gpu: bool) -> int:
+    # Each device holds 1/tp of every page (its KV heads); the budget is per device.
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype, jax.default_backend())
+    per_page = kv_bytes_per_page(model.config, args.block_size, kv_dtype) // args.tensor_parallel_size
+    budget = args.kv_cache_memory
+    if budget is None and on_gpu:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit", 0)
+        budget = int(limit * args.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
+    if budget is None:
+        budget = _CPU_KV_CACHE_BYTES
+    return max(2, budget // per_page)
