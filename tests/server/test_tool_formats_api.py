@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 
 from jaxpaged.engine.async_llm import AsyncLLM
-from jaxpaged.engine.llm_engine import EngineArgs, LLMEngine
+from jaxpaged import EngineArgs, LLMEngine
 from jaxpaged.sampling_params import StructuredOutputsParams
 from server.app import build_app
 from server.chat import render_chat
