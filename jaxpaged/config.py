@@ -37,8 +37,8 @@ _CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU when no size is given
 _CPU_DEFAULT_MAX_MODEL_LEN = 2048  # keeps the CPU warm-up (one compile per step shape) short
 # On CPU async scheduling keeps only steps of at most this many tokens in flight: there the host's work for
 # the next step runs beside the step's own threads on the same cores, which pays while a step is bound by
-# reading the weights (a few rows) and costs once its matmuls are compute-bound (docs/benchmarks.md,
-# "Session 16")
+# reading the weights (a few rows) and costs once its matmuls are compute-bound (docs/performance.md,
+# "Which knobs matter")
 CPU_ASYNC_MAX_TOKENS = 8
 # Speculative decoding on GPU: steps of up to this many tokens cost about the same (bf16 weights on an H200:
 # ~200 FLOP a byte before the matmuls turn compute-bound), so drafts beside a request without drafts may fill a
@@ -84,7 +84,7 @@ class EngineArgs:
     # XLA:GPU command buffers (CUDA graphs) over the step: "auto", "xla", "off" or "full" (model_runner)
     command_buffers: str = "auto"
     # The sampler inside the step's jitted program, one executable call per step (model_runner.FUSE_SAMPLER):
-    # "auto" (on with a GPU backend, off on CPU: docs/benchmarks.md, "The fused sampler"), "on" or "off"
+    # "auto" (on with a GPU backend, off on CPU, where it measured slower: docs/performance.md), "on" or "off"
     fuse_sampler: str = "auto"
     tensor_parallel_size: int = 1  # devices in the "tp" mesh (see jaxpaged/worker/parallel.py)
     distributed_coordinator: str | None = None  # multi-host: "host:port" of process 0
@@ -113,7 +113,7 @@ class EngineArgs:
     # Speculative decoding under async scheduling: greedy requests' verification steps overlap the next step
     # (module docstring). None: on with a GPU, where a synchronous step exposes the host's whole work (H200: a
     # verification step 7.3 ms against 4.4 ms overlapped); off on CPU, where the host time is a few % of a step:
-    # SmolLM2 at batch 1 gained nothing from it (docs/benchmarks.md, "Session 36" and "Session 37")
+    # SmolLM2 at batch 1 gained nothing from it (docs/performance.md, "Which knobs matter")
     overlap_verification: bool | None = None
 
     def __post_init__(self):

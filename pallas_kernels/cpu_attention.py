@@ -10,7 +10,7 @@ sequence's several query tokens (prefill chunks, draft verifications) run in
 tiles of up to 16 (8) rows (tokens x heads of a KV head's group), each key
 read once for all of a tile's rows, the tiles spread over the threads: with
 AVX-512, 2,048 tokens of SmolLM2 prefill 2.3x faster, 8 tokens at context 500
-1.65x (cpu_attention.cc, TileOps::kMinRows; docs/benchmarks.md).
+1.65x (cpu_attention.cc, TileOps::kMinRows; docs/kernels.md).
 
 The C++ source is compiled on first use and registered with XLA once per
 process (cpu_build.py). Without a compiler `load_cpu_attention` returns

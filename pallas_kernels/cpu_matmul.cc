@@ -7,7 +7,7 @@
 // 5.2 ms, 4 rows 15.4 -> 9.3, 8 rows 18.1 -> 15.9, 16 rows 25.6 -> 28.2, 32 rows 45.9 -> 52.9, 64 rows
 // 88.1 -> 100.1: while memory bounds the product int8 reads a quarter of it, once the FMAs do the
 // widening costs ~10-15%. One scale per column (no runs) was ~2% faster at 32 rows and twice as far
-// from float32 (docs/benchmarks.md, "Weight-only int8 (CPU)"). From kDequantisedFromGroups row groups on
+// from float32 (docs/kernels.md). From kDequantisedFromGroups row groups on
 // (19+ rows: prefill, many decodes) each chunk is instead dequantised once, times its scales, into a
 // float32 chunk in L1 that the float tiles read (`block_dequantised`): on a Zen 4 (SmolLM2-shaped int8
 // stacks, interleaved, median of 9) 0.90-0.94x the in-register time at 32-256 rows with AVX-512 and

@@ -65,7 +65,7 @@ MAX_ROWS = 128
 BLOCK_COLS = 64  # the blocked layout's column blocks (kCols in cpu_matmul.cc)
 CHUNK_ROWS = 64  # rows of w a tile walks at a time (kChunk): an int8 scale's run of rows divides it
 GROUP_SIZE = 32  # int8: rows of w per scale (SmolLM2, mean KL to float32 per token: per column 0.0061, 64 rows
-#                  0.0030, 32 rows 0.0020; docs/benchmarks.md, "Weight-only int8 (CPU)")
+#                  0.0030, 32 rows 0.0020; docs/kernels.md)
 
 
 def block_weight(w):

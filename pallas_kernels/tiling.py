@@ -89,7 +89,7 @@ _PREFILL_SHARED_BYTES = 160 * 1024
 # 64-key blocks (fastest of 16-256), prefill tiles of 16 tokens and 64-key
 # blocks (of 8-32 tokens and 32-128 keys, SmolLM2 shapes, 512-token mixed
 # steps: 0.73x the time of 128-key blocks, whose lockstep loop computes more
-# masked keys past each tile's causal end; docs/benchmarks.md, issue 21).
+# masked keys past each tile's causal end; docs/kernels.md).
 _XLA_DECODE_BLOCK_KEYS = 64
 _XLA_PREFILL_BLOCK_KEYS = 64
 _XLA_PREFILL_BLOCK_Q = 16
@@ -98,7 +98,7 @@ _XLA_PREFILL_BLOCK_Q = 16
 # tokens, attended one tile at a time: lockstep one-token tiles would read each
 # page once per query (a 4-token verification: 4x the K/V of a decode), and a
 # lockstep call sized for the worst case reads pages for its idle tiles too.
-# SmolLM2 shapes, 30 layers, context 170 (docs/benchmarks.md, issue 17): a
+# SmolLM2 shapes, 30 layers, context 170 (docs/kernels.md): a
 # 4-token verification 4.4 -> 1.6 ms, an 8-token one 12 -> 2.4 ms, decodes alike.
 _XLA_SERIAL_MAX_TOKENS = 16
 

@@ -11,7 +11,7 @@
             (T) compiled without YNNPACK (`runner_config.CPU_SMALL_STEP_TOKENS`; 0: none).
 
 Each round runs every variant once in turn (a busy machine slows all alike); the fastest round is
-printed, with each engine's start-up (compile) time. The figures behind docs/benchmarks.md,
+printed, with each engine's start-up (compile) time. The figures behind docs/performance.md,
 "Session 8: per-layer weights on CPU".
 
     python scripts/bench_cpu_layout.py --stack --rows 1 4 32 256

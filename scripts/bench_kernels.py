@@ -250,7 +250,7 @@ def configs(smoke):
 # size, depth and splits. Warp counts are decode-tile choices: rows with
 # prefill tiles skip them. On 2026-11-29, 2 decode warps came out 5-15%
 # faster than 4 on long rows in one run and within noise in the next, where
-# b=64 ctx=512 ran 50% slower (docs/benchmarks.md): the short rows settle it.
+# b=64 ctx=512 ran 50% slower (docs/kernels.md): the short rows settle it.
 SWEEP_VARIANTS = {
     "default": {},
     "old": dict(pages_per_block=4, num_stages=2),

@@ -6,7 +6,7 @@ leading L axis (compile once, not L times). On XLA:GPU a layer's weights are
 then a dynamic slice of the stack; a cuBLAS gemm cannot read that in place
 unless XLA's dynamic-slice fusion applies, and otherwise the slice is copied
 first: each weight byte crosses HBM three times. Batch-1 decode on the H200
-took 3.5x the weight-read time (docs/benchmarks.md), which this would explain.
+took 3.5x the weight-read time (docs/performance.md), which this would explain.
 
 Same layers (Llama-3-8B shapes, bf16, random), h [T, E] through all L layers,
 attention left out (q passes through: the weights are the question):

@@ -26,7 +26,7 @@ from typing import Sequence
 import compare_servers
 import soak
 
-# the soak's server flags since session 7 (docs/benchmarks.md, issue 21)
+# the soak's server flags (docs/performance.md)
 SOAK_SERVER_ARGS = "--max-model-len 1024 --max-num-seqs 32 --max-num-batched-tokens 256"
 SIDES = ("before", "this")
 

@@ -1,4 +1,4 @@
-"""scripts/benchmark_latency.py: its workloads and arguments (the engines themselves: by hand, docs/benchmarks.md)."""
+"""scripts/benchmark_latency.py: its workloads and arguments (the engines themselves: docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def test_sharded_restore_at_other_tp_and_save_from_shards(converted, source, tmp
 
 @pytest.mark.slow
 def test_load_times_smollm2(smollm2_path, tmp_path):
-    """Load SmolLM2 (bf16) from GGUF, safetensors and Orbax; prints the seconds (docs/benchmarks.md)."""
+    """Load SmolLM2 (bf16) from GGUF, safetensors and Orbax; prints the seconds (docs/performance.md)."""
     import torch
     from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
     gguf = load_model(str(smollm2_path), dtype="bfloat16")

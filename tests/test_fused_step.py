@@ -79,7 +79,7 @@ def assert_same(results: dict, reference: dict, requests: dict) -> None:
 def test_the_switch_is_validated_and_reaches_the_runner(tiny):
     assert FUSE_SAMPLER == ("auto", "on", "off") and RunnerConfig.fuse_sampler == EngineArgs.fuse_sampler == "auto"
     config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=16, num_pages=8)
-    assert config.sampler_fused("gpu") and not config.sampler_fused("cpu")  # auto: docs/benchmarks.md
+    assert config.sampler_fused("gpu") and not config.sampler_fused("cpu")  # auto: docs/performance.md
     assert dataclasses.replace(config, fuse_sampler="on").sampler_fused("cpu")
     assert not dataclasses.replace(config, fuse_sampler="off").sampler_fused("gpu")
     for bad in ("yes", True, None):

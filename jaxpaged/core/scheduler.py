@@ -321,7 +321,7 @@ class Scheduler:
         that speculate). A step that carries a request without drafts (a decode, a prefill chunk, a decode
         whose drafts find no slot): only the rows its T bucket pads anyway, or up to memory_bound_tokens,
         so that request's step costs what it would without speculation (on a CPU a step of 32 rows takes
-        ~2x one of 4: docs/benchmarks.md, "Session 19: drafts in a mixed batch")."""
+        ~2x one of 4)."""
         num_tokens = sum(entry.num_tokens for entry in scheduled)
         cap = self.config.max_num_partial_prefills
         slots = len(drafting) if cap is None else cap - _num_partial_prefills(scheduled)

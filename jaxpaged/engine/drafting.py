@@ -40,7 +40,7 @@ from jaxpaged.worker.runner_output import ModelRunnerOutput
 # Overlapped verification: a request whose draft was accepted lately but whose lookup finds nothing before its token
 # in flight reserves blank draft rows (BLANK_DRAFT_TOKEN, fed and proposed again on the device from that token on)
 # for up to this many steps without a match; the host's lookup lags the device's by that token, so after a copy
-# breaks the device finds the match again a step sooner (docs/benchmarks.md, "Session 37")
+# breaks the device finds the match again a step sooner
 BLANK_DRAFT_STEPS = 3
 BLANK_DRAFT_TOKEN = 0
 # Speculation with async scheduling: after drafts proposed for a token in flight found no room in the step (a

@@ -441,8 +441,8 @@ def lm_logits(config: LlamaConfig, params: Params, h: jax.Array, matmul: Matmul 
 def untie_lm_head(config: LlamaConfig, params: Params) -> Params:
     """Tied-embedding params with the LM head also held as its own [E, V] array (the embedding
     transposed; V x E more memory): the head's dot then contracts the head's major axis, which XLA:CPU
-    runs several times faster at one row than the [V, E] embedding's minor axis (docs/benchmarks.md,
-    "CPU decode step"). Other params come back unchanged. The logits are the same dot."""
+    runs several times faster at one row than the [V, E] embedding's minor axis (docs/performance.md,
+    "Which knobs matter"). Other params come back unchanged. The logits are the same dot."""
     if not config.tie_word_embeddings or "lm_head" in params:
         return params
     return dict(params, lm_head=jnp.transpose(params["embed"]))

@@ -190,8 +190,8 @@ def native_kernels(x: jax.Array) -> bool:
 
 def _cut_method(x: jax.Array, any_inexact: bool, with_top_k: bool) -> str:
     """`_resample_rows`' cut: "native" (cpu_sampler.cc) for arrays on the CPU where it builds, also when the
-    candidates decided every row's cut (rows not marked keep theirs; the cut adds 0-7% to the fallback's noise
-    over the vocabulary, docs/benchmarks.md, and each (S, R) then has one program, not two, to compile at
+    candidates decided every row's cut (rows not marked keep theirs; the native cut costs little beside the fallback's
+    noise over the vocabulary (docs/kernels.md), and each (S, R) then has one program, not two, to compile at
     warm-up); else "none" (the candidates decided every row's), else "bisect" (XLA, 32 halvings
     per cut), with the top_k halvings ("bisect_top_k") only when some row to bisect cuts top_k."""
     if native_kernels(x):

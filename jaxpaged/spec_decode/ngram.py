@@ -147,7 +147,7 @@ class NgramProposer:
         the tokens after it. The earliest is most often in the prompt's own text, the source an answer
         copies; a later one is often a phrase that recurs with another continuation ("in 2015 ... in
         2019"). At batch 1 on CPU, SmolLM2 on copy-heavy prompts, the latest gave 1.79x / 1.74x over
-        no speculation and the earliest 1.84x / 1.85x (docs/benchmarks.md, session 18).
+        no speculation and the earliest 1.84x / 1.85x.
         """
         c = self.config
         k = c.num_speculative_tokens if max_drafts is None else min(c.num_speculative_tokens, max_drafts)

@@ -46,7 +46,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype, platform: str) -> n
 
     XLA:CPU has no bf16 scatter: it converts the whole pool to f32 and back around
     each layer's KV write, so a decode step costs two passes over the pool per layer
-    (over 100x an f32 pool's step: docs/benchmarks.md, "the KV cache dtype"). The CPU attention
+    (over 100x an f32 pool's step). The CPU attention
     path computes in f32 anyway; the price is half as many pages for the same bytes.
     """
     check_kv_cache_dtype(kv_cache_dtype)
@@ -60,15 +60,15 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype, platform: str) -> n
 
 # XLA:CPU library fusions for dots (YNNPACK, a dot with its elementwise neighbours). jaxlib 0.10.2's
 # default already sends each dot and reduction to YNNPACK one by one; this setting fused the step's
-# dots with their neighbours and was the fastest set measured (docs/benchmarks.md, "XLA:CPU options").
+# dots with their neighbours and was the fastest set measured.
 # 512-bit vectors where the CPU has them (XLA:CPU prefers 256): a one-row decode's matrix-vector products
 # are XLA's own reductions, not library calls, and ran ~10% faster (batch-1 step 17.4 -> 15.6 ms with
-# per-layer weights, SmolLM2 f32, AVX-512 machine; no change at batch 32 or in prefill; docs/benchmarks.md).
+# per-layer weights, SmolLM2 f32, AVX-512 machine; no change at batch 32 or in prefill).
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
                         "xla_cpu_prefer_vector_width": "512"}
 # Steps of at most CPU_SMALL_STEP_TOKENS tokens (a few decodes, a speculative verification) compile without
 # YNNPACK: XLA's own dots ran a 2-16-row matmul stack 5-30% faster than YNNPACK's, which wins from ~32 rows
-# on (docs/benchmarks.md, "XLA:CPU options per step shape").
+# on.
 CPU_SMALL_STEP_TOKENS = 16
 CPU_SMALL_STEP_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_prefer_vector_width": "512"}
 # Speculative decoding without the fused sampler: a verification step of at most this many tokens (T bucket)
@@ -109,7 +109,7 @@ def _xla_cpu_accepts(options: tuple[tuple[str, str], ...]) -> bool:
 # scripts/bench_engine_gpu.py times the batch-1 forward under each.
 GPU_COMMAND_BUFFERS: dict[str, str | None] = {
     "xla": None, "off": "", "full": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
-DEFAULT_GPU_COMMAND_BUFFERS = "full"  # "auto"; unmeasured on a GPU so far (docs/benchmarks.md, issue 15)
+DEFAULT_GPU_COMMAND_BUFFERS = "full"  # "auto"; no difference measured at batch 1 on an H200 (docs/performance.md)
 
 
 def command_buffer_options(command_buffers: str) -> dict[str, str]:
@@ -186,7 +186,7 @@ def uses_native_matmul(backend: str) -> bool:
 # "int8": weight-only, every product float32 (matmul_cpu); "w8a8": each dot's x quantised too, per row and run of 32
 # values, integer dots times both scales (matmul_w8a8; llama.cpp's Q8_0 dots): ~1.7-2.1x int8's speed from 8 rows
 # where AVX-512 VNNI runs them; elsewhere the same results ~10-20% slower than int8; at some quality
-# (docs/benchmarks.md, "W8A8")
+# (docs/performance.md, docs/kernels.md)
 QUANTIZATIONS = ("int8", "w8a8")
 INT8_DOTS = {"int8": cpu_matmul.matmul_cpu, "w8a8": cpu_matmul.matmul_w8a8}  # each's product over the int8 blocks
 
@@ -236,8 +236,8 @@ class RunnerConfig:
     min_page_bucket: int = 8
     # T buckets halfway between doublings (48, 96, 192, ...) from this T on; None: doublings only. On CPU a padded
     # token cost about what a real one did (SmolLM2, 32-256 rows: ~0.8 ms each), and a serving mix of decodes
-    # and short prefills filled its 64- and 128-token steps only 63-76% (docs/benchmarks.md, "Session 15").
-    # Since session 29 the packed weights' dots skip padding rows (`with_live_rows`); the rest still pays.
+    # and short prefills filled its 64- and 128-token steps only 63-76%.
+    # The packed weights' dots skip padding rows (`with_live_rows`); the rest still pays.
     mid_token_buckets_from: int | None = None
     # Most requests fed more than one token in a step; None: no cap. The scheduler enforces it (the engine
     # builds its SchedulerConfig from this config); attention sizes its prefill tiles for it and trusts it.
@@ -256,7 +256,7 @@ class RunnerConfig:
     # XLA:GPU command buffers over the step: "auto" or a GPU_COMMAND_BUFFERS key (ignored off GPU)
     command_buffers: str = "auto"
     # The sampler inside the step's jitted program (`fused_step`): "auto" (on with a GPU backend; off on CPU,
-    # where it measured slower: docs/benchmarks.md, "The fused sampler"), "on" or "off". One device only.
+    # where it measured slower: docs/performance.md), "on" or "off". One device only.
     fuse_sampler: str = "auto"
     # Quantisation of the weight dots (QUANTIZATIONS: int8 weight-only, w8a8 with x too) or None. It needs the native
     # CPU matmul's packed weights (`packs_weights`: float32 on one device), which the ModelRunner checks.

@@ -123,7 +123,7 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     params = dict(params, layers=with_live_rows(params["layers"], step.cu_q_lens[-1]))
     if isinstance(params["layers"], Sequence):
         # One traced layer called L times: XLA inlines the calls (the program is the unrolled one), but
-        # Python traces and lowers one layer, not L, per step shape (docs/benchmarks.md, "Start-up")
+        # Python traces and lowers one layer, not L, per step shape, which shortens start-up
         traced_layer = jax.jit(layer_fn)
         for layer, layer_params in enumerate(params["layers"]):
             c = jax.tree.map(lambda x, i=layer: x[i], consts)

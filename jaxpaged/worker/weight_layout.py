@@ -20,7 +20,7 @@ and a stack of those is read in place by layer index (`llama.PackedWeight.at_lay
 so "auto" scans them there. Same step times as per-layer (SmolLM2, 2-core Zen 3: decode 1/4/16/32 requests
 24.7/26.5/45.6/84.4 vs 25.9/27.5/45.4/85.2 ms, prefill 189 ms both), with one layer compiled: the cold
 start and the warm one's loading of every step program from the persistent cache are several times
-shorter (docs/benchmarks.md, "Start-up and loading (CPU)", session 26). "stacked" keeps the scan
+shorter (docs/performance.md, "Which knobs matter"). "stacked" keeps the scan
 everywhere (fast cold starts, e.g. for short-lived test engines). Fusing was neutral on CPU and is on
 everywhere.
 """

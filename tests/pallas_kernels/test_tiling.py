@@ -17,7 +17,7 @@ from pallas_kernels.tiling import tile_schedule
 def test_tile_lookup_has_no_loop():
   """The tile schedule and the scatter back to tokens run without a while
   loop: XLA:GPU syncs with the host at each iteration of one (a binary
-  searchsorted cost ~0.3 ms a call on an H200, docs/benchmarks.md)."""
+  searchsorted cost ~0.3 ms a call on an H200, docs/kernels.md)."""
   cu = jnp.array([0, 1, 9, 10, 10], jnp.int32)
   kv_lens = jnp.array([5, 30, 7, 0], jnp.int32)
 
