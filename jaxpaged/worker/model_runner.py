@@ -134,13 +134,18 @@ class ModelRunner(AsyncDispatch, StepCompilation):
         self._page_tables = KeptRows(2 * config.max_num_seqs, config.max_pages_per_seq, np.int32)
         # the verify buckets this runner gives T logits rows (compiled at warm-up), none where it does not pack
         self._verify_buckets = frozenset(config.verify_buckets if self.packs_drafts_in_tokens() else ())
-        if mesh is None:
+        self._place_params(params, packed, consume_params, options)
+
+    def _place_params(self, params: Params, packed: bool, consume_params: bool, options: dict[str, str]) -> None:
+        """The runner's form of the weights (one device: untied LM head on CPU, packed blocks, huge pages; a mesh:
+        sharded) and the jitted step over them."""
+        if self.mesh is None:
             # XLA:CPU: a tied LM head runs as its own [E, V] copy (llama.untie_lm_head)
-            self.params = untie_lm_head(model_config, params) if jax.default_backend() == "cpu" else params
+            self.params = untie_lm_head(self.model_config, params) if jax.default_backend() == "cpu" else params
             if packed:
                 arena = HugePageArena(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(self.params)))
                 self.params = pack_weights(self.params, functools.partial(_pack_for_cpu_matmul, arena=arena,
-                                                                          quantization=config.quantization),
+                                                                          quantization=self.config.quantization),
                                            consume=consume_params)
             # XLA:CPU's buffers on huge pages: each step streams the weights (donation keeps the pool's buffer).
             # The weight blocks are born there; the fresh pool's pages are dropped, to come back huge as it
@@ -152,10 +157,10 @@ class ModelRunner(AsyncDispatch, StepCompilation):
             self._huge_pages.start()
             self._step = jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,), compiler_options=options)
             return
-        shardings = parallel.param_shardings(model_config, mesh, self.layout)
+        shardings = parallel.param_shardings(self.model_config, self.mesh, self.layout)
         self.params = parallel.shard_params(params, shardings)
-        pool = parallel.kv_pool_sharding(mesh)
-        rep = parallel.replicated(mesh)
+        pool = parallel.kv_pool_sharding(self.mesh)
+        rep = parallel.replicated(self.mesh)
         self._step = jax.jit(paged_forward, static_argnums=(0, 1, 5), donate_argnums=(3,), compiler_options=options,
                              in_shardings=(shardings, KVPool(pool, pool), rep),
                              out_shardings=(rep, rep, KVPool(pool, pool)))
