@@ -49,3 +49,18 @@ def test_tool_calling_flags():
     assert not server_config(build_parser().parse_args([])).auto_tool_choice
     from server.__main__ import main
     assert main(["--enable-auto-tool-choice"]) == 2  # no parser: refused before anything loads
+
+
+def test_the_defaults_restated_for_help_are_the_engines():
+    """`--help` imports no JAX, so the parser restates some engine defaults: they must be the engine's own."""
+    import server.__main__ as cli
+    from jaxpaged.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
+    from jaxpaged.engine import CPU_ASYNC_MAX_TOKENS, EngineArgs
+    from jaxpaged.model_runner import QUANTIZATIONS
+    from jaxpaged.models.loader import DEFAULT_MODEL
+
+    assert (cli.DEFAULT_MODEL, cli.DEFAULT_MAX_WAITING_REQUESTS, cli.CPU_ASYNC_MAX_TOKENS, cli.QUANTIZATIONS) == (
+        DEFAULT_MODEL, DEFAULT_MAX_WAITING_REQUESTS, CPU_ASYNC_MAX_TOKENS, QUANTIZATIONS)
+    ns = build_parser().parse_args([])
+    assert engine_args(ns) == EngineArgs()  # no flag given: exactly the engine's defaults
+    assert AsyncLLMConfig(max_waiting_requests=ns.max_waiting_requests) == AsyncLLMConfig()

@@ -83,7 +83,7 @@ def test_server_logs_its_ready_line_and_no_torch_advice(tiny_checkpoints):
     pages, page_size, tokens, backend = ready.groups()
     assert (int(pages), int(page_size), int(tokens), backend) == (63, 16, 63 * 16, "cpu")  # page 0: the null page
     assert "INFO jaxpaged.model_runner: compiling step shape 1/" in stderr  # progress while it compiles
-    assert "INFO server: serving" in stderr
+    assert "INFO server.lifecycle: serving " in stderr  # once listening (server/lifecycle.py)
     assert "PyTorch was not found" not in stderr
     assert "Unable to initialize backend" not in stderr  # JAX's INFO noise stays out at --log-level info
 
