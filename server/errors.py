@@ -75,7 +75,10 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
         loc = [str(p) for p in e.get("loc", ()) if p != "body"]
         field = ".".join(loc)
         param = param or (loc[0] if loc else None)
-        parts.append(f"{field}: {e.get('msg')}" if field else str(e.get("msg")))
+        msg = str(e.get("msg"))
+        if e.get("type") == "literal_error":  # a value outside the allowed ones: say which was given
+            msg = f"{e.get('input')!r} is not supported; {msg[:1].lower()}{msg[1:]}"
+        parts.append(f"{field}: {msg}" if field else msg)
     return "; ".join(parts) or "invalid request", param
 
 

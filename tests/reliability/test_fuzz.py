@@ -121,10 +121,16 @@ def test_completion_request_accepts_or_names_the_field(body):
        st.integers(-5, 50) | st.none())
 @settings(max_examples=200, **FUZZ_SETTINGS)
 def test_chat_request_round_trips(messages, top_logprobs):
+    """Valid bodies round-trip; no messages, an unknown role or top_logprobs outside [0, MAX_LOGPROBS] is
+    refused naming the field (the limits the published schema declares)."""
     body = {"messages": messages, "top_logprobs": top_logprobs}
-    if top_logprobs is not None and top_logprobs < 0:
-        with pytest.raises(ValidationError, match="top_logprobs"):
+    invalid = {"messages"} if not messages or any(m["role"] == "x" for m in messages) else set()
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        invalid.add("top_logprobs")
+    if invalid:
+        with pytest.raises(ValidationError) as err:
             ChatCompletionRequest.model_validate(body)
+        assert {e["loc"][0] for e in err.value.errors()} == invalid, err.value
         return
     request = ChatCompletionRequest.model_validate(body)
     assert [m.role for m in request.messages] == [m["role"] for m in messages]
