@@ -22,7 +22,8 @@ from server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerCo
 API_KEY_ENV = "JAXPAGED_API_KEY"
 USAGE_ERROR, STARTUP_ERROR = 2, 1  # exit statuses: a bad command line; a start-up that failed
 # Engine defaults the help states, restated here because importing the engine imports JAX (seconds); the
-# tests (tests/server/test_cli.py) check each against the engine's own value.
+# tests check each against the engine's own value (tests/server/test_cli.py; the CPU cap, as the engine
+# applies it, in tests/server/test_startup.py).
 DEFAULT_MODEL = "smollm2-135m-instruct"  # jaxpaged.models.loader.DEFAULT_MODEL
 DEFAULT_MAX_WAITING_REQUESTS = 1024  # jaxpaged.async_engine.DEFAULT_MAX_WAITING_REQUESTS
 CPU_ASYNC_MAX_TOKENS = 8  # jaxpaged.engine.CPU_ASYNC_MAX_TOKENS
