@@ -100,3 +100,13 @@ def test_a_role_or_format_outside_the_enum_is_a_400_naming_the_field(live):
     assert (fmt.status_code, fmt.json()["error"]["param"]) == (400, "response_format")
     assert "'xml' is not supported" in fmt.json()["error"]["message"]
     assert (empty.status_code, empty.json()["error"]["param"]) == (400, "messages")
+
+
+def test_a_union_field_error_names_what_is_wrong_once(live):
+    """A value failing every member of a union (str | list[str]) gets the error of the member it matched in
+    shape, not one "not a string" per other member."""
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        stop = client.post("/v1/completions", json={**CMPL, "stop": ["a", ""]}).json()["error"]
+        prompt = client.post("/v1/completions", json={**CMPL, "prompt": [[1], [-1]]}).json()["error"]
+    assert (stop["param"], stop["message"]) == ("stop", "stop.1: String should have at least 1 character")
+    assert (prompt["param"], prompt["message"]) == ("prompt", "prompt.1.0: Input should be greater than or equal to 0")

@@ -88,8 +88,8 @@ def test_help_is_fast_imports_no_jax_and_states_each_default_once(tmp_path):
 def test_building_the_parser_imports_no_jax():
     code = ("import sys; from server.__main__ import build_parser; build_parser().parse_args([]); "
             "print(sorted(m for m in ('jax', 'jaxpaged', 'uvicorn') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
