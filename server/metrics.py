@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxpaged.async_engine import AsyncLLM
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
 
 LABELS = ("model_name", "engine")  # vLLM's; one engine per server here, so engine is always "0"
 ENGINE_INDEX = "0"
@@ -126,19 +127,23 @@ class ServerMetrics:
         self.inference_time = histogram("request_inference_time_seconds", "Time from first scheduled to finish (s).")
         self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduled to first token (s).")
         self.decode_time = histogram("request_decode_time_seconds", "Time from first token to finish (s).")
+        self.params_n = histogram("request_params_n", "The n request parameter of a finished request.",
+                                  (1, 2, 5, 10, 20))
+        self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens request parameter of a "
+                                           "finished request that gave one.", tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.exposed)
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def tracker(self, params: SamplingParams) -> RequestTracker:
+        return RequestTracker(self, params)
 
 
 class RequestTracker:
     """Records one engine request's metrics from the outputs it sees (call `close()` at the end)."""
 
-    def __init__(self, metrics: ServerMetrics):
-        self.metrics = metrics
+    def __init__(self, metrics: ServerMetrics, params: SamplingParams):
+        self.metrics, self.params = metrics, params
         self.last: RequestOutput | None = None
         self.num_itl_seen = 0  # of the engine's RequestMetrics.inter_token_latencies
         self.closed = False
@@ -169,6 +174,9 @@ class RequestTracker:
         m.request_success.labels(*labels, out.outputs[0].finish_reason or "unknown").inc()
         m.request_prompt_tokens.labels(*labels).observe(num_prompt)
         m.request_generation_tokens.labels(*labels).observe(num_generated)
+        m.params_n.labels(*labels).observe(self.params.n)
+        if self.params.max_tokens is not None:
+            m.params_max_tokens.labels(*labels).observe(self.params.max_tokens)
         rm = out.metrics
         for hist, start, end in ((m.ttft, rm.arrival_time, rm.first_token_time),
                                  (m.e2e, rm.arrival_time, rm.finished_time),

@@ -14,7 +14,7 @@ NO_EOS = {"temperature": 0, "ignore_eos": True}
 HISTOGRAMS = ("time_to_first_token_seconds", "e2e_request_latency_seconds", "inter_token_latency_seconds",
               "request_time_per_output_token_seconds", "request_queue_time_seconds", "request_inference_time_seconds",
               "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
-              "request_generation_tokens")
+              "request_generation_tokens", "request_params_n", "request_params_max_tokens")
 COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "request_success_total", "prefix_cache_queries_total",
             "prefix_cache_hits_total", "num_preemptions_total")
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
@@ -55,6 +55,7 @@ def test_metrics_carry_vllms_names_and_move_with_a_request(live):
     assert delta("prompt_tokens_total") == len(prompt) and delta("request_prompt_tokens_sum") == len(prompt)
     assert delta("generation_tokens_total") == 6 and delta("request_generation_tokens_sum") == 6
     assert delta("inter_token_latency_seconds_count") == 5  # between the 6 tokens
+    assert delta("request_params_n_sum") == 1 and delta("request_params_max_tokens_sum") == 6
     for name in HISTOGRAMS:
         if name != "inter_token_latency_seconds":
             assert delta(f"{name}_count") == 1, name
