@@ -246,9 +246,9 @@ def start(ns: argparse.Namespace, config: ServerConfig, shutdown, sock) -> int:
     from jaxpaged.models.weights import WeightLoadError
 
     try:
-        args = engine_args(ns)
+        args = engine_args(ns)  # reads the --chat-template file: an unreadable one is an OSError
         async_config = AsyncLLMConfig(max_waiting_requests=ns.max_waiting_requests)
-    except ValueError as err:
+    except (OSError, ValueError) as err:
         return fail(err, USAGE_ERROR)
     log = logging.getLogger("server")
     log.info("python -m server: starting process %d of %d (pid %d)", args.process_id, args.num_processes,
