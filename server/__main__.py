@@ -261,9 +261,13 @@ def start(ns: argparse.Namespace, config: ServerConfig, shutdown, sock) -> int:
         steps = engine.follow()
         log.info("process %d followed %d steps; exiting", args.process_id, steps)
         return 0
+    from server.lifecycle import ListenError
+
     try:
         log_context_cap(engine, ns.max_model_len)
         serve(engine, ns, config, shutdown, sock)
+    except ListenError as err:
+        return fail(err, STARTUP_ERROR)
     finally:
         engine.shutdown()
     return 0

@@ -41,6 +41,11 @@ class ShutdownConfig:
             raise ValueError(f"ShutdownConfig.grace_seconds={self.grace_seconds!r}: must be in [0, 3600]")
 
 
+class ListenError(OSError):
+    """The bound socket could not listen once the engine was ready (another process bound the same port in
+    the meantime: SO_REUSEADDR lets two sockets bind a port while neither listens)."""
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port), not yet listening (until uvicorn listens, a client's connect is
     refused, as when nothing is there); an address that cannot be had is an OSError saying so in a line."""
@@ -72,7 +77,15 @@ class GracefulServer(uvicorn.Server):
         self.engine, self.shutdown_config, self.served = engine, shutdown, served
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's start-up; then, once it listens, the "serving" line (uvicorn logs none on given sockets)."""
+        """Listen on the bound sockets (here, so a failure is ours to report: uvloop's server would close the
+        socket and go on), uvicorn's start-up, then the "serving" line (uvicorn logs none on given sockets)."""
+        for sock in sockets or ():
+            try:
+                sock.listen(self.config.backlog)
+            except OSError as err:
+                raise ListenError(f"cannot listen on {self.config.host}:{sock.getsockname()[1]}: "
+                                  f"{err.strerror or err} (another process took the port while the model "
+                                  "loaded); choose another with --port") from None
         await super().startup(sockets)
         if self.started:
             listeners = sockets or [s for server in self.servers for s in server.sockets]

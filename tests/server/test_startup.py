@@ -29,10 +29,14 @@ PROGRESS = re.compile(r"\d+/\d+ \[")
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (DEBUG|INFO|WARNING) [\w.]+: ")
 
 
-def server_env(tmp_path: Path) -> dict:
-    """CPU, no network for the hub, caches of this test's own."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"),
-            "PYTHONPATH": str(ROOT)}
+# XDG_CACHE_HOME of the servers that start: their compilation cache persists between test runs
+CACHE_HOME = Path.home() / ".cache" / "jaxpaged" / "server-tests" / "startup"
+
+
+def server_env(tmp_path: Path, cache_home: Path | None = None) -> dict:
+    """CPU, no network for the hub, caches of this test's own (or `cache_home`)."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
+            "XDG_CACHE_HOME": str(cache_home or tmp_path / "cache")}
 
 
 def run_server(tmp_path: Path, *args: str, python_flags: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess,
@@ -144,8 +148,8 @@ def test_the_cpu_context_cap_is_logged_and_serving_is_said_once_listening(tmp_pa
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "server", "--model", str(folder), "--host", "127.0.0.1", "--port",
                              str(port), "--num-pages", "160", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"],
-                            cwd=ROOT, env=server_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+                            cwd=ROOT, env=server_env(tmp_path, CACHE_HOME / "cap"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -172,3 +176,30 @@ def test_the_cpu_context_cap_is_logged_and_serving_is_said_once_listening(tmp_pa
             and "--max-model-len" in lines[cap[0]])
     assert ready[0] < serving[0] and lines[serving[0]].endswith(f"on http://127.0.0.1:{port}")
 
+
+
+def test_a_port_taken_while_the_model_loads_is_one_line(tmp_path):
+    """The early bind is a bind, not a listen: another socket may bind the port too (SO_REUSEADDR, neither
+    listening) and listen first; the server then fails to listen once ready, in one line."""
+    from server.lifecycle import bind_socket
+
+    folder = make_tiny_checkpoint(tmp_path / "tiny")
+    with bind_socket("127.0.0.1", 0) as other:
+        port = other.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "server", "--model", str(folder), "--host", "127.0.0.1",
+                                 "--port", str(port), "--max-model-len", "128", "--num-pages", "64"],
+                                cwd=ROOT, env=server_env(tmp_path, CACHE_HOME / "taken"), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            first = proc.stderr.readline()  # logged once its socket is bound, before the model loads
+            assert "starting process 0 of 1" in first, first
+            other.listen()
+            stderr = first + proc.communicate(timeout=300)[1]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    lines = stderr.strip().splitlines()
+    assert proc.returncode == STARTUP_ERROR and "Traceback" not in stderr, stderr[-3000:]
+    assert lines[-1] == (f"error: cannot listen on 127.0.0.1:{port}: Address already in use (another process took "
+                         "the port while the model loaded); choose another with --port"), stderr[-3000:]
+    assert "serving" not in stderr
