@@ -1,5 +1,5 @@
 """The server's lifecycle. Start-up: the listening socket is bound before the model loads (`bind_socket`: a
-busy port fails at once, not after the warm-up) and "serving on ..." is logged once uvicorn listens on it.
+busy port fails at once, not after the warm-up) and "serving ... on URL" is logged once the server listens.
 Graceful shutdown: on SIGTERM/SIGINT stop accepting, let in-flight requests finish for a grace period,
 abort the rest (their streams end with a 503 error chunk and `[DONE]`), then exit 0.
 
@@ -47,7 +47,7 @@ class ListenError(OSError):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), not yet listening (until uvicorn listens, a client's connect is
+    """A TCP socket bound to (host, port), not yet listening (until the server starts, a client's connect is
     refused, as when nothing is there); an address that cannot be had is an OSError saying so in a line."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn's own bind
     sock = socket.socket(family, socket.SOCK_STREAM)
