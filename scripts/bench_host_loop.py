@@ -76,7 +76,7 @@ def tiny_model(served: bool):
     try:
         from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout
     except ImportError:  # a checkout from before the package layout
-        from jaxpaged.weight_layout import resolve_weight_layout, to_weight_layout
+        from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout
     tokenizer = load_model(DEFAULT_MODEL).tokenizer if served else None
     vocab = len(tokenizer) if tokenizer is not None else 2048
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -1,6 +1,11 @@
 """`python -m server`: jaxpaged's OpenAI-compatible server, with vLLM's flag names.
 
     python -m server --model smollm2-135m-instruct --port 8000
+
+Start-up order: parse the flags (no JAX imported, so `--help` and a bad flag answer at once), bind the
+port (a busy one fails before the model loads), load the engine, then listen. A failure a user can fix
+(a bad flag, a busy port, an unknown model, missing weights, a bad setting) ends with one `error: ...`
+line on stderr and a non-zero exit; `--log-level debug` adds the traceback.
 """
 
 from __future__ import annotations
@@ -8,26 +13,47 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
-from jaxpaged.engine.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
-from jaxpaged.config import CPU_ASYNC_MAX_TOKENS, EngineArgs
-from jaxpaged.worker.runner_config import QUANTIZATIONS
-from jaxpaged.models.loader import DEFAULT_MODEL
-from jaxpaged.spec_decode.ngram import SpeculativeConfig
-from server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig
-from server.lifecycle import ShutdownConfig
-from server.reasoning import REASONING_PARSERS
+from server.config import DEFAULT_MAX_REQUEST_BYTES, REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
 
 API_KEY_ENV = "JAXPAGED_API_KEY"
+USAGE_ERROR, STARTUP_ERROR = 2, 1  # exit statuses: a bad command line; a start-up that failed
+# Engine defaults the help states, restated here because importing the engine imports JAX (seconds); the
+# tests check each against the engine's own value (tests/server/test_cli.py; the CPU cap, as the engine
+# applies it, in tests/server/test_startup.py).
+DEFAULT_MODEL = "smollm2-135m-instruct"  # jaxpaged.models.loader.DEFAULT_MODEL
+DEFAULT_MAX_WAITING_REQUESTS = 1024  # jaxpaged.engine.async_llm.DEFAULT_MAX_WAITING_REQUESTS
+CPU_ASYNC_MAX_TOKENS = 8  # jaxpaged.config.CPU_ASYNC_MAX_TOKENS
+CPU_MAX_MODEL_LEN = 2048  # the engine's cap on max_model_len on CPU when none is given
+QUANTIZATIONS = ("int8", "w8a8")  # jaxpaged.worker.runner_config.QUANTIZATIONS
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported in one line (argparse's default adds the whole usage)."""
+
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"error: {message} (see python -m server --help)\n")
+
+
+class _DefaultsOnceFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help unless the help already says its default (each once)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        stated = re.search(r"\bdefault\b", text) is not None
+        if stated or action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m server", description=(
+    p = _Parser(prog="python -m server", description=(
         "jaxpaged's OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
         "/tokenize, /detokenize, /health, /version, /metrics). Flags follow vLLM's `vllm serve`."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsOnceFormatter)
     _add_model_flags(p.add_argument_group("model"))
     _add_engine_flags(p.add_argument_group("engine"))
     _add_multihost_flags(p.add_argument_group("multi-host (jax.distributed; see docs/distributed.md)"))
@@ -52,7 +78,8 @@ def _add_model_flags(m: argparse._ArgumentGroup) -> None:
 
 def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output) "
-                   "(default: the model's)")
+                   f"(default: the model's; on CPU at most {CPU_MAX_MODEL_LEN}, which keeps the warm-up short: "
+                   "give --max-model-len N for more, up to the model's)")
     e.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch "
                    "(default: 256 on GPU, 64 on CPU)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step "
@@ -93,10 +120,10 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
                         "(auto: on with a GPU, off on CPU)")
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                   default=EngineArgs.async_scheduling, help="keep one step in flight: schedule and dispatch the "
+                   default=None, help="keep one step in flight: schedule and dispatch the "
                    "next step before this one's tokens reach the host (vLLM's async scheduling); default: on")
     e.add_argument("--overlap-verification", action=argparse.BooleanOptionalAction,
-                   default=EngineArgs.overlap_verification, help="with --speculative-config and async scheduling: "
+                   default=None, help="with --speculative-config and async scheduling: "
                    "greedy requests' verification steps overlap the next step too (its drafts proposed on a guess "
                    "of their outcome); otherwise a step that verifies drafts runs synchronously (default: on with "
                    "a GPU, off on CPU)")
@@ -157,15 +184,21 @@ def chat_template_arg(value: str | None) -> str | None:
     return value
 
 
-def speculative_config_arg(value: str) -> SpeculativeConfig:
-    """--speculative-config: vLLM's JSON object; a bad one is a CLI error naming what is wrong."""
+def speculative_config_arg(value: str):
+    """--speculative-config: vLLM's JSON object as a SpeculativeConfig; a bad one is a CLI error naming what is
+    wrong (imported here: only this flag needs the engine at parse time)."""
+    from jaxpaged.spec_decode.ngram import SpeculativeConfig
+
     try:
         return SpeculativeConfig.from_dict(value)
     except (TypeError, ValueError) as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def engine_args(ns: argparse.Namespace) -> EngineArgs:
+def engine_args(ns: argparse.Namespace):
+    """The EngineArgs of the command line (importing the engine, and so JAX)."""
+    from jaxpaged.config import EngineArgs
+
     return EngineArgs(
         model=ns.model, tokenizer=ns.tokenizer, revision=ns.revision, dtype=ns.dtype, seed=ns.seed,
         max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
@@ -195,39 +228,91 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     configure_logging(ns.log_level)
+    # imported after parsing: --help imports no uvicorn
+    from server.lifecycle import ShutdownConfig, bind_socket
+
     try:
-        args, config = engine_args(ns), server_config(ns)
-        async_config = AsyncLLMConfig(max_waiting_requests=ns.max_waiting_requests)
-        shutdown = ShutdownConfig(grace_seconds=ns.shutdown_timeout)
+        config, shutdown = server_config(ns), ShutdownConfig(grace_seconds=ns.shutdown_timeout)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    import uvicorn  # imported late so --help stays fast
+        return fail(err, USAGE_ERROR)
+    try:  # process 0 binds before the model loads: a busy port fails in a second, not after the warm-up
+        sock = bind_socket(ns.host, ns.port) if ns.process_id == 0 else None
+    except OSError as err:
+        return fail(err, STARTUP_ERROR)
+    try:
+        return start(ns, config, shutdown, sock)
+    finally:
+        if sock is not None:
+            sock.close()
 
-    from jaxpaged.engine.async_llm import AsyncLLM
-    from server.app import build_app
-    from server.lifecycle import FLUSH_SECONDS, GracefulServer
 
+def start(ns: argparse.Namespace, config: ServerConfig, shutdown, sock) -> int:
+    """Load the engine, then serve on `sock` (process 0) or follow process 0's steps (sock None)."""
+    from jaxpaged.engine.async_llm import AsyncLLM, AsyncLLMConfig  # imports JAX: seconds
+    from jaxpaged.engine.llm_engine import LLMEngine
+    from jaxpaged.models.weights import WeightLoadError
+
+    try:
+        args = engine_args(ns)  # reads the --chat-template file: an unreadable one is an OSError
+        async_config = AsyncLLMConfig(max_waiting_requests=ns.max_waiting_requests)
+    except (OSError, ValueError) as err:
+        return fail(err, USAGE_ERROR)
     log = logging.getLogger("server")
     log.info("python -m server: starting process %d of %d (pid %d)", args.process_id, args.num_processes,
              os.getpid())
-    if args.process_id != 0:
-        return follow(args)
-    engine = AsyncLLM.from_engine_args(args, async_config)
-    log.info("serving %s as %s on http://%s:%d (API key %s)", ns.model, ", ".join(config.served_model_names),
-             ns.host, ns.port, "required" if config.api_key else "not required")
+    try:  # what a user can fix: an unknown model, missing or unreadable weights, a setting the model refuses
+        engine = LLMEngine(args) if sock is None else AsyncLLM.from_engine_args(args, async_config)
+    except (OSError, ValueError, WeightLoadError) as err:
+        return fail(err, STARTUP_ERROR)
+    if sock is None:
+        steps = engine.follow()
+        log.info("process %d followed %d steps; exiting", args.process_id, steps)
+        return 0
+    from server.lifecycle import ListenError
+
+    from server.app import build_app
+
     try:
         try:
             app = build_app(engine, config)
         except ValueError as err:  # e.g. --tool-call-parser auto on a model whose format it cannot tell
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        uvicorn_config = uvicorn.Config(app, host=ns.host, port=ns.port,
-                                        log_level=ns.log_level, timeout_graceful_shutdown=FLUSH_SECONDS)
-        GracefulServer(uvicorn_config, engine, shutdown).run()
+            return fail(err, USAGE_ERROR)
+        log_context_cap(engine, ns.max_model_len)
+        serve(engine, app, ns, config, shutdown, sock)
+    except ListenError as err:
+        return fail(err, STARTUP_ERROR)
     finally:
         engine.shutdown()
     return 0
+
+
+def serve(engine, app, ns: argparse.Namespace, config: ServerConfig, shutdown, sock) -> None:
+    """uvicorn over the app, listening on the socket bound at start-up, until a signal ends it."""
+    import uvicorn
+
+    from server.lifecycle import FLUSH_SECONDS, GracefulServer
+
+    served = (f"{ns.model} as {', '.join(config.served_model_names)} "
+              f"(API key {'required' if config.api_key else 'not required'})")
+    uvicorn_config = uvicorn.Config(app, host=ns.host, port=ns.port,
+                                    log_level=ns.log_level, timeout_graceful_shutdown=FLUSH_SECONDS)
+    GracefulServer(uvicorn_config, engine, shutdown, served=served).run(sockets=[sock])
+
+
+def log_context_cap(engine, requested: int | None) -> None:
+    """Say so when the context is shorter than the model's without being asked (the engine's CPU default)."""
+    model_len = int(engine.engine.model.config.max_position_embeddings)
+    if requested is None and engine.max_model_len < model_len:
+        logging.getLogger("server").info(
+            "max_model_len %d: the model's context is %d, capped on CPU by default to keep the warm-up short; "
+            "give --max-model-len N (up to %d) for longer", engine.max_model_len, model_len, model_len)
+
+
+def fail(err: BaseException, status: int) -> int:
+    """One `error: ...` line on stderr (the traceback only at --log-level debug); returns the exit status."""
+    logging.getLogger("server").debug("start-up failed", exc_info=err)
+    print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+    return status
 
 
 def configure_logging(level: str) -> None:
@@ -239,15 +324,6 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if level != "DEBUG":
         logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLevelName(level)))
-
-
-def follow(args: EngineArgs) -> int:
-    """Processes other than 0: no HTTP; run the steps process 0 broadcasts until it shuts down."""
-    from jaxpaged.engine.llm_engine import LLMEngine
-
-    steps = LLMEngine(args).follow()
-    logging.getLogger("server").info("process %d followed %d steps; exiting", args.process_id, steps)
-    return 0
 
 
 if __name__ == "__main__":

@@ -29,23 +29,15 @@ _TEMPLATE_ARGUMENTS = ("conversation", "tools", "tokenize", "add_generation_prom
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them; 400 for what we cannot render."""
+    """Messages as the chat template expects them (roles and part types are the body model's checks);
+    400 for none (a Responses request can give no input and no instructions)."""
     if not messages:
         raise bad_request("messages must contain at least one message", "messages")
     turns = []
     for i, message in enumerate(messages):
-        if message.role not in ROLES:
-            raise bad_request(f"messages[{i}].role={message.role!r}: must be one of {', '.join(ROLES)}",
-                              "messages")
         content = message.content
         if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages[{i}]: content part type {part.type!r} is not supported "
-                                      "(only 'text')", "messages")
-                parts.append(part.text)
-            content = "".join(parts)
+            content = "".join(part.text for part in content)
         turns.append({"role": message.role, "content": content or "", **history_fields(i, message)})
     return turns
 

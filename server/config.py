@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import AUTO, PARSERS
 
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # --reasoning-parser choices (server/reasoning.py)
 TOOL_CALL_PARSERS = (AUTO, *PARSERS)  # --tool-call-parser choices (auto: by the model's template or family)
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB: a long chat with many messages fits; a runaway upload does not
 

@@ -30,7 +30,7 @@ class ServingContext:
         if config.auto_tool_choice:
             family = engine.engine.model.config.architecture
             parser = resolve_parser_name(config.tool_call_parser, engine.tokenizer.chat_template, family)
-        return cls(engine, config, ServerMetrics(engine, config.model_name), parser)
+        return cls(engine, config, ServerMetrics(engine, config.model_name, engine.max_model_len), parser)
 
     @property
     def tokenizer(self):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -68,15 +69,37 @@ def from_invalid_request(err: InvalidRequestError, prompt_param: str = "prompt")
     return bad_request(str(err), prompt_param if err.param == "prompt" else err.param)
 
 
+# pydantic's location tags for a union's members ("list[constrained-str]", "TextPart", "str"): not fields
+_UNION_TAG = re.compile(r"[\[\]-]|^[A-Z]|^(str|int|float|bool|dict|list|none)$")
+
+
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
-    """pydantic's error list as one readable line, and the first offending field."""
-    parts, param = [], None
-    for e in err.errors():
+    """pydantic's error list as one readable line, and the first offending field.
+
+    A value that fails every member of a union gets one error per member; where some member got past the
+    type (e.g. a list of stop strings, one empty), the other members' "not a string" errors are left out."""
+    errors, param = err.errors(), None
+    past_type = {_top(e) for e in errors if not e.get("type", "").endswith(("_type", "_parsing"))}
+    parts: list[str] = []
+    for e in errors:
         loc = [str(p) for p in e.get("loc", ()) if p != "body"]
-        field = ".".join(loc)
         param = param or (loc[0] if loc else None)
-        parts.append(f"{field}: {e.get('msg')}" if field else str(e.get("msg")))
+        if _top(e) in past_type and e.get("type", "").endswith(("_type", "_parsing")):
+            continue
+        field = ".".join(p for p in loc if not _UNION_TAG.search(p))
+        msg = str(e.get("msg"))
+        if e.get("type") == "literal_error":  # a value outside the allowed ones: say which was given
+            msg = f"{e.get('input')!r} is not supported; {msg[:1].lower()}{msg[1:]}"
+        part = f"{field}: {msg}" if field else msg
+        if part not in parts:
+            parts.append(part)
     return "; ".join(parts) or "invalid request", param
+
+
+def _top(error: dict) -> str | None:
+    """The body field an error is about."""
+    loc = [p for p in error.get("loc", ()) if p != "body"]
+    return str(loc[0]) if loc else None
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -7,13 +7,10 @@ from typing import Any
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from server.errors import bad_request, from_invalid_request
-from server.protocol import SamplingFields
+from server.protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingFields
 
-# Request-shape caps of the HTTP API. The engine checks token ids against the vocabulary and the sampler's
-# room for biased + banned ids (jaxpaged/engine/validation.py); these keep a request well inside that room.
-MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's cap; the sampler has room for 320 (the rest: banned ids)
-MAX_STOP_TOKEN_IDS = 16  # banned until min_tokens, together with logit_bias and EOS ids
-MAX_STOP_STRINGS = 16
+__all__ = ["MAX_LOGIT_BIAS_ENTRIES", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "build_sampling_params",
+           "check_stream_options", "stream_usage_requested", "structured_outputs_of"]
 
 _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -45,33 +42,19 @@ def build_sampling_params(body: SamplingFields, defaults: dict[str, Any], *, max
 
 
 def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    """As a tuple (the body's model has checked each is non-empty and how many there are)."""
     if stop is None:
         return ()
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    if any(not s for s in stops):
-        raise bad_request("stop strings must be non-empty", "stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
-    return stops
+    return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
 def _stop_token_ids(ids: list[int] | None) -> tuple[int, ...]:
-    ids = tuple(ids or ())
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}", "stop_token_ids")
-    return ids
+    return tuple(ids or ())
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    if not bias:
-        return None
-    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise bad_request(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}", "logit_bias")
-    try:
-        ids = {int(k): float(v) for k, v in bias.items()}
-    except ValueError:
-        raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
-    return ids
+    """Keys as token ids (the body's model has checked they are digits, the biases and the count)."""
+    return {int(k): float(v) for k, v in bias.items()} if bias else None
 
 
 def stream_usage_requested(body: SamplingFields) -> bool:
@@ -116,11 +99,9 @@ def structured_outputs_of(body: SamplingFields) -> tuple[StructuredOutputsParams
 
 
 def _response_format(rf) -> dict[str, Any]:
+    """A json_object or json_schema response_format (its type is one of the model's Literal values)."""
     if rf.type == "json_object":
         return {"json_object": True}
-    if rf.type == "json_schema":
-        if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
-        return {"json": rf.json_schema.schema_}
-    raise bad_request(f"response_format type {rf.type!r} is not supported (text, json_object, json_schema)",
-                      "response_format")
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+    return {"json": rf.json_schema.schema_}

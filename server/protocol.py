@@ -1,16 +1,37 @@
 """Request bodies of the OpenAI API (and vLLM's extra sampling fields), as pydantic models.
 
-Unknown fields are ignored, as OpenAI's SDKs send a few we do not use. Ranges
-that are the API's own (logprobs caps, n >= 1) are checked here; the sampling
-ranges and token ids are SamplingParams' and the engine's checks, whose
-InvalidRequestError (naming the parameter) the handlers answer as a 400.
+Unknown fields are ignored, as OpenAI's SDKs send a few we do not use. Every limit a field has on its
+own (ranges, lengths, allowed values) is declared here, so one source drives both the validation (a
+400 naming the field) and the published schema (/openapi.json, which clients and fuzzers read). What
+depends on more than the field stays in the handlers and the engine, whose InvalidRequestError (naming
+the parameter) is a 400 too: token ids against the vocabulary, the prompt against the context,
+min_tokens against max_tokens, the server's configured logprobs caps.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from jaxpaged.sampling_params import MAX_LOGPROBS
+
+# Request-shape caps of the HTTP API. The engine checks token ids against the vocabulary and the sampler's
+# room for biased + banned ids (jaxpaged/engine/validation.py); these keep a request well inside that room.
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's cap; the sampler has room for 320 (the rest: banned ids)
+MAX_STOP_TOKEN_IDS = 16  # banned until min_tokens, together with logit_bias and EOS ids
+MAX_STOP_STRINGS = 16
+MAX_N = 128
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False, description="0 means greedy")]
+TopP = Annotated[float, Field(gt=0, le=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]+$")]  # logit_bias keys: token ids written as strings
+Bias = Annotated[float, Field(ge=-100, le=100)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class _Body(BaseModel):
@@ -31,7 +52,7 @@ class JsonSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    type: str = "text"  # "text", "json_object" or "json_schema"
+    type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JsonSchemaFormat | None = None
 
 
@@ -39,9 +60,9 @@ class StructuredOutputsBody(_Body):
     """vLLM's `structured_outputs` extra body: one of json, regex, choice, grammar, json_object."""
 
     json_: str | dict[str, Any] | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: NonEmptyStr | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    grammar: NonEmptyStr | None = None
     json_object: bool | None = None
 
 
@@ -49,48 +70,50 @@ class SamplingFields(_Body):
     """Fields shared by both endpoints (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: Temperature | None = None  # unset: the model's generation_config default, else 1
+    top_p: TopP | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Annotated[int, Field(ge=-1, description="-1 or 0: no top-k cut")] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0)  # top-k per prompt token (vLLM's)
+    prompt_logprobs: Logprobs | None = None  # top-k per prompt token (vLLM's)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
     guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyStr | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt alone (its logprobs)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: Logprobs | None = None  # the server's cap (ServerConfig.max_completion_logprobs) may be lower
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # only best_of == n is served
 
 
 class TextPart(_Body):
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
 
 class FunctionCall(_Body):
@@ -105,7 +128,7 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: str
+    role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
@@ -125,11 +148,11 @@ class Tool(_Body):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: Logprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None  # "none", "auto", "required" or {"type": "function", ...}
     parallel_tool_calls: bool = True
@@ -138,9 +161,11 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Body):
+    """Exactly one of prompt and messages (the handler checks the pair)."""
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -148,7 +173,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]

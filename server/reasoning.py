@@ -26,10 +26,10 @@ import json
 
 from jaxpaged.sampling_params import StructuredOutputsParams
 from jaxpaged.sample.structured_outputs import JSON_COMPILE_OPTIONS
+from server.config import REASONING_PARSERS
 from server.tool_parsers.base import held_from
 
 OPEN, CLOSE = "<think>", "</think>"
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 def opens_in_prompt(prompt: str) -> bool:

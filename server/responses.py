@@ -37,7 +37,7 @@ from server.choices import ChoiceStream
 from server.context import ServingContext
 from server.errors import OpenAIError, bad_request, error_body
 from server.params import build_sampling_params
-from server.protocol import ChatMessage, SamplingFields, TextPart
+from server.protocol import ChatMessage, Role, SamplingFields, Temperature, TextPart, TopP
 from server.reasoning import ReasoningParser, ReasoningStream, reasoning_token_count
 from server.serving import Submitted, check_finished_ok, until_disconnect
 
@@ -50,7 +50,7 @@ class _Body(BaseModel):
 
 class InputMessage(_Body):
     type: str = "message"
-    role: str
+    role: Role
     content: str | list[dict[str, Any]]
 
 
@@ -59,8 +59,8 @@ class ResponsesRequest(_Body):
     input: str | list[InputMessage]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     seed: int | None = None
     stream: bool = False
     store: bool | None = None

@@ -43,7 +43,7 @@ class Submitted:
             self.abort()
             raise
         self.queues.append((request_id, queue))
-        self.trackers[request_id] = self.metrics.tracker()
+        self.trackers[request_id] = self.metrics.tracker(params)
         self.unfinished.add(request_id)
 
     def abort(self) -> None:

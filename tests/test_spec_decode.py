@@ -1211,16 +1211,17 @@ def test_metrics_expose_the_spec_decode_counters(spec):
 
     run_all(spec, repetitive_prompts(2, seed=51))
     stats = spec.stats()
-    text = ServerMetrics(type("Engine", (), {"stats": lambda self: stats})(), "m").render().decode()
-    assert f'jaxpaged:spec_decode_num_drafts_total{{model_name="m"}} {float(stats["spec_decode_num_drafts"])}' in text
+    text = ServerMetrics(type("Engine", (), {"stats": lambda self: stats})(), "m", 64).render().decode()
+    assert f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {float(stats["spec_decode_num_drafts"])}' \
+        in text
     for name in ("num_draft_tokens", "num_accepted_tokens"):
-        assert f"jaxpaged:spec_decode_{name}_total" in text
+        assert f"vllm:spec_decode_{name}_total" in text
     per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
     assert len(per_pos) == 4 and sum(per_pos) == stats["spec_decode_num_accepted_tokens"] > 0
-    assert f'jaxpaged:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} ' \
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="0"}} ' \
            f'{float(per_pos[0])}' in text
     plain_stats = {k: v for k, v in stats.items() if not k.startswith("spec_")}
-    text = ServerMetrics(type("Engine", (), {"stats": lambda self: plain_stats})(), "m").render().decode()
+    text = ServerMetrics(type("Engine", (), {"stats": lambda self: plain_stats})(), "m", 64).render().decode()
     assert "spec_decode" not in text
 
 

@@ -60,3 +60,20 @@ def test_unknown_parser_names_are_refused_naming_the_flag():
         out = subprocess.run([sys.executable, "-m", "server", flag, "nope"], capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 2 and flag in out.stderr and "invalid choice" in out.stderr
+
+
+
+
+def test_the_defaults_restated_for_help_are_the_engines():
+    """`--help` imports no JAX, so the parser restates some engine defaults: they must be the engine's own."""
+    import server.__main__ as cli
+    from jaxpaged.engine.async_llm import DEFAULT_MAX_WAITING_REQUESTS, AsyncLLMConfig
+    from jaxpaged.config import CPU_ASYNC_MAX_TOKENS, EngineArgs
+    from jaxpaged.worker.runner_config import QUANTIZATIONS
+    from jaxpaged.models.loader import DEFAULT_MODEL
+
+    assert (cli.DEFAULT_MODEL, cli.DEFAULT_MAX_WAITING_REQUESTS, cli.CPU_ASYNC_MAX_TOKENS, cli.QUANTIZATIONS) == (
+        DEFAULT_MODEL, DEFAULT_MAX_WAITING_REQUESTS, CPU_ASYNC_MAX_TOKENS, QUANTIZATIONS)
+    ns = build_parser().parse_args([])
+    assert engine_args(ns) == EngineArgs()  # no flag given: exactly the engine's defaults
+    assert AsyncLLMConfig(max_waiting_requests=ns.max_waiting_requests) == AsyncLLMConfig()

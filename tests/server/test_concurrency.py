@@ -78,7 +78,7 @@ def slow_steps(live, monkeypatch):
 
 
 def _generation_tokens(live) -> float:
-    return _sample(httpx.get(live.url + "/metrics").text, "jaxpaged:generation_tokens_total")
+    return _sample(httpx.get(live.url + "/metrics").text, "vllm:generation_tokens_total")
 
 
 def test_client_dropping_mid_stream_frees_its_request(live, slow_steps):
@@ -116,12 +116,12 @@ def _sample(text: str, name: str, **labels) -> float:
 
 def test_metrics_parse_and_move(live):
     live.wait_idle()
-    expected = {"jaxpaged:num_requests_running", "jaxpaged:num_requests_waiting", "jaxpaged:kv_cache_usage_perc",
-                "jaxpaged:prefix_cache_queries_total", "jaxpaged:prefix_cache_hits_total",
-                "jaxpaged:prompt_tokens_total", "jaxpaged:generation_tokens_total",
-                "jaxpaged:num_preemptions_total", "jaxpaged:request_success_total",
-                "jaxpaged:time_to_first_token_seconds_count", "jaxpaged:inter_token_latency_seconds_count",
-                "jaxpaged:e2e_request_latency_seconds_count", "jaxpaged:request_queue_time_seconds_count"}
+    expected = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                "vllm:num_preemptions_total", "vllm:request_success_total",
+                "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count"}
     r = httpx.post(live.v1 + "/completions", json={"model": MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": 2,
                                                    **NO_EOS})
     assert r.status_code == 200
@@ -136,10 +136,10 @@ def test_metrics_parse_and_move(live):
     def delta(name, **labels):
         return _sample(after, name, **labels) - _sample(before, name, **labels)
 
-    assert delta("jaxpaged:request_success_total", finished_reason="length") == 1
-    assert delta("jaxpaged:prompt_tokens_total") == 4
-    assert delta("jaxpaged:generation_tokens_total") == 5
-    assert delta("jaxpaged:e2e_request_latency_seconds_count") == 1
-    assert delta("jaxpaged:time_to_first_token_seconds_count") == 1
-    assert delta("jaxpaged:inter_token_latency_seconds_count") == 4
-    assert delta("jaxpaged:prefix_cache_queries_total") > 0
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
+    assert delta("vllm:prompt_tokens_total") == 4
+    assert delta("vllm:generation_tokens_total") == 5
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") == 4
+    assert delta("vllm:prefix_cache_queries_total") > 0

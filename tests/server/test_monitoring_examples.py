@@ -35,7 +35,7 @@ def test_every_dashboard_metric_is_exposed(live):
     assert r.status_code == 200
     live.wait_idle()
     exposed = exposed_samples(live)
-    queried = {name for expr in dashboard_queries() for name in re.findall(r"jaxpaged:[a-zA-Z0-9_]+", expr)}
+    queried = {name for expr in dashboard_queries() for name in re.findall(r"vllm:[a-zA-Z0-9_]+", expr)}
     assert len(queried) >= 14  # throughput, running/waiting, 4 histograms, KV, prefix cache, preemptions, reasons
     missing = sorted(queried - exposed)
     assert not missing, f"the dashboard queries metrics /metrics does not expose: {missing}"

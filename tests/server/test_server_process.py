@@ -26,7 +26,7 @@ NO_TORCH_SERVER = ("import runpy, sys; sys.modules['torch'] = None; sys.argv[0] 
 CACHE_HOME = Path.home() / ".cache" / "jaxpaged" / "server-tests"
 ENGINE = ["--max-model-len", "128", "--num-pages", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
           "--block-size", "16"]
-READY = re.compile(r"INFO jaxpaged\.engine: jaxpaged ready in [\d.]+ s .*KV pool (\d+) pages x (\d+) tokens = "
+READY = re.compile(r"INFO jaxpaged\.engine\.llm_engine: jaxpaged ready in [\d.]+ s .*KV pool (\d+) pages x (\d+) tokens = "
                    r"(\d+) tokens .*backend (\w+)")
 
 
@@ -82,8 +82,8 @@ def test_server_logs_its_ready_line_and_no_torch_advice(tiny_checkpoints):
     assert ready, stderr[-3000:]
     pages, page_size, tokens, backend = ready.groups()
     assert (int(pages), int(page_size), int(tokens), backend) == (63, 16, 63 * 16, "cpu")  # page 0: the null page
-    assert "INFO jaxpaged.worker.model_runner: compiling step shape 1/" in stderr  # progress while it compiles
-    assert "INFO server: serving" in stderr
+    assert "INFO jaxpaged.worker.compilation: compiling step shape 1/" in stderr  # progress while it compiles
+    assert "INFO server.lifecycle: serving " in stderr  # once listening (server/lifecycle.py)
     assert "PyTorch was not found" not in stderr
     assert "Unable to initialize backend" not in stderr  # JAX's INFO noise stays out at --log-level info
 
