@@ -371,7 +371,7 @@ class DraftLengthPolicy:
 
 @dataclasses.dataclass
 class SpecDecodingStats:
-    """vLLM's spec-decode counters (vllm:spec_decode_* -> jaxpaged:spec_decode_*), engine-lifetime totals."""
+    """vLLM's spec-decode counters (served as vllm:spec_decode_*), engine-lifetime totals."""
 
     num_speculative_tokens: int
     num_drafts: int = 0  # verifications: one per request per step that fed drafts
