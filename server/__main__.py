@@ -17,6 +17,7 @@ from jaxpaged.worker.runner_config import QUANTIZATIONS
 from jaxpaged.models.loader import DEFAULT_MODEL
 from jaxpaged.spec_decode.ngram import SpeculativeConfig
 from server.config import DEFAULT_MAX_REQUEST_BYTES, TOOL_CALL_PARSERS, ServerConfig
+from server.data_parallel import add_data_parallel_flags
 from server.lifecycle import ShutdownConfig
 
 API_KEY_ENV = "JAXPAGED_API_KEY"
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(p.add_argument_group("model"))
     _add_engine_flags(p.add_argument_group("engine"))
     _add_multihost_flags(p.add_argument_group("multi-host (jax.distributed; see docs/distributed.md)"))
+    add_data_parallel_flags(p.add_argument_group("data parallel (replicas behind a router; see docs/distributed.md)"))
     _add_tool_flags(p.add_argument_group("tool calling"))
     _add_server_flags(p.add_argument_group("server"))
     return p
@@ -181,12 +183,18 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     return ServerConfig(served_model_names=names, api_key=api_key, max_request_bytes=ns.max_request_bytes,
                         enable_chat_page=not ns.disable_chat_page,
-                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+                        data_parallel_rank=ns.data_parallel_rank)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     ns = build_parser().parse_args(argv)
     configure_logging(ns.log_level)
+    if ns.data_parallel_size > 1 or ns.data_parallel_worker_urls:
+        from server import data_parallel
+
+        return data_parallel.main(ns, argv)
     try:
         args, config = engine_args(ns), server_config(ns)
         async_config = AsyncLLMConfig(max_waiting_requests=ns.max_waiting_requests)

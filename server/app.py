@@ -25,7 +25,9 @@ from server.responses import ResponsesRequest, create_response
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     """An OpenAI-compatible app over a running AsyncLLM; the caller owns (and shuts down) the engine."""
     app = FastAPI(title="jaxpaged", version=jaxpaged.__version__, docs_url=None, redoc_url=None)
-    ctx = ServingContext(engine, config, ServerMetrics(engine, config.model_name))
+    rank = config.data_parallel_rank
+    metrics = ServerMetrics(engine, config.model_name, None if rank is None else str(rank))
+    ctx = ServingContext(engine, config, metrics)
     app.state.ctx = ctx
     install_handlers(app)
     _openai_routes(app, ctx)

@@ -22,8 +22,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 class EngineStatsCollector:
     """Gauges and engine-side counters from `AsyncLLM.stats()`, read at every scrape."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str):
-        self.engine, self.labels = engine, {"model_name": model_name}
+    def __init__(self, engine: AsyncLLM, labels: dict[str, str]):
+        self.engine, self.labels = engine, labels
 
     def collect(self):
         stats = self.engine.stats()
@@ -60,13 +60,17 @@ class EngineStatsCollector:
 
 
 class ServerMetrics:
-    """All collectors of one app; `render()` is the /metrics body."""
+    """All collectors of one app; `render()` is the /metrics body.
 
-    def __init__(self, engine: AsyncLLM, model_name: str):
+    `replica`: set on a data-parallel replica (its rank): every jaxpaged: sample then carries replica=<rank>,
+    so a fleet's series stay apart wherever they are scraped from."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, replica: str | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineStatsCollector(engine, model_name))
+        self.label_values = (model_name,) if replica is None else (model_name, replica)
+        labels = ["model_name"] if replica is None else ["model_name", "replica"]
+        self.registry.register(EngineStatsCollector(engine, dict(zip(labels, self.label_values))))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc. (Linux /proc)
-        labels = ["model_name"]
 
         def counter(name, doc, extra=()):
             return Counter(f"jaxpaged:{name}", doc, labels + list(extra), registry=self.registry)
@@ -74,7 +78,6 @@ class ServerMetrics:
         def histogram(name, doc, buckets=_LATENCY_BUCKETS):
             return Histogram(f"jaxpaged:{name}", doc, labels, buckets=buckets, registry=self.registry)
 
-        self.model_name = model_name
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = counter("request_success", "Requests finished, by finish reason.",
@@ -106,7 +109,7 @@ class RequestTracker:
         itl = output.metrics.inter_token_latencies
         end = len(itl)
         for seconds in itl[self.num_itl_seen:end]:
-            self.metrics.itl.labels(self.metrics.model_name).observe(seconds)
+            self.metrics.itl.labels(*self.metrics.label_values).observe(seconds)
         self.num_itl_seen = end
         if output.finished:
             self.close()
@@ -116,16 +119,16 @@ class RequestTracker:
         if self.closed or self.last is None:
             return
         self.closed = True
-        m, out, name = self.metrics, self.last, self.metrics.model_name
-        m.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
-        m.generation_tokens.labels(name).inc(out.metrics.num_generation_tokens)
+        m, out, labels = self.metrics, self.last, self.metrics.label_values
+        m.prompt_tokens.labels(*labels).inc(len(out.prompt_token_ids))
+        m.generation_tokens.labels(*labels).inc(out.metrics.num_generation_tokens)
         if not out.finished:
             return
         reason = out.outputs[0].finish_reason or "unknown"
-        m.request_success.labels(name, reason).inc()
+        m.request_success.labels(*labels, reason).inc()
         rm = out.metrics
         for hist, start, end in ((m.ttft, rm.arrival_time, rm.first_token_time),
                                  (m.e2e, rm.arrival_time, rm.finished_time),
                                  (m.queue_time, rm.arrival_time, rm.first_scheduled_time)):
             if start and end:
-                hist.labels(name).observe(max(0.0, end - start))
+                hist.labels(*labels).observe(max(0.0, end - start))

@@ -1,0 +1,199 @@
+"""`python -m server --data-parallel-size 2`: two replicas of the default model and vllm-router, as real processes
+on CPU. Through the router: the API key, /health, /v1/models, chat and streaming as with one replica; the
+replicas on loopback with labelled metrics; a replica killed mid-load is failed over, restarted and rejoins;
+SIGTERM drains the fleet and leaves no process behind.
+
+The tests share one fleet and run in file order; the last one stops it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from server.data_parallel import DataParallelConfig, replica_args
+from tests.server.conftest import free_port
+
+pytest.importorskip("vllm_router", reason="pip install vllm-router (the test extra has it)")
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m-instruct"
+API_KEY = "dp-key-789"
+START_TIMEOUT = 600.0  # a cold start compiles every step shape, two replicas at once on a shared CPU
+ENGINE = ["--max-model-len", "512", "--num-pages", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Fleet:
+    def __init__(self, proc: subprocess.Popen, port: int, base_port: int, log: Path):
+        self.proc, self.url, self.base_port, self.log = proc, f"http://127.0.0.1:{port}", base_port, log
+
+    def replicas(self) -> dict[int, psutil.Process]:
+        """The launcher's live replica processes by rank."""
+        found = {}
+        for child in psutil.Process(self.proc.pid).children():
+            try:
+                cmd = child.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            if "--data-parallel-rank" in cmd:
+                found[int(cmd[cmd.index("--data-parallel-rank") + 1])] = child
+        return found
+
+    def healthy_workers(self) -> int:
+        try:
+            return httpx.get(self.url + "/readiness", timeout=2).json()["healthy_workers"]
+        except (httpx.TransportError, ValueError, KeyError):
+            return 0
+
+    def wait_ready(self, timeout: float) -> float:
+        start = time.monotonic()
+        while self.healthy_workers() < 2:
+            if self.proc.poll() is not None or time.monotonic() - start > timeout:
+                raise AssertionError(f"the fleet is not ready (launcher exit {self.proc.poll()}):\n"
+                                     f"{self.log.read_text()[-4000:]}")
+            time.sleep(0.5)
+        return time.monotonic() - start
+
+    def chat(self, content: str, max_tokens: int = 8, **extra) -> httpx.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                **extra}
+        return httpx.post(self.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data_parallel")
+    port, base_port = free_port(), free_port()
+    while base_port + 2 > 65535 or port in range(base_port, base_port + 3):
+        base_port = free_port()
+    log = folder / "fleet.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "--data-parallel-size", "2", "--host", "127.0.0.1", "--port", str(port),
+             "--data-parallel-base-port", str(base_port), "--api-key", API_KEY, *ENGINE, "--log-level", "info",
+             "--shutdown-timeout", "10"],
+            cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=out, stderr=subprocess.STDOUT)
+    fleet = Fleet(proc, port, base_port, log)
+    try:
+        fleet.wait_ready(START_TIMEOUT)
+        yield fleet
+    finally:
+        if proc.poll() is None:
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            for p in descendants:
+                if p.is_running():
+                    p.kill()
+
+
+def test_launcher_config_and_replica_flags():
+    assert replica_args(["--model", "m", "-dp", "2", "--port=9", "--api-key", "k", "--served-model-name", "a", "b",
+                         "--data-parallel-worker-urls", "http://h:1", "--max-model-len", "64"]) == \
+        ["--model", "m", "--served-model-name", "a", "b", "--max-model-len", "64"]
+    config = DataParallelConfig(size=3, port=9000, size_local=2, remote_urls=("http://other:8000",),
+                                devices_per_replica=2)
+    assert config.local_urls == ("http://127.0.0.1:9001", "http://127.0.0.1:9002")
+    assert (config.replica_devices(0), config.replica_devices(1)) == ("0,1", "2,3")
+    assert config.router_metrics_port == 9003
+    cmd = config.router_command()
+    assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--policy")] == [*config.local_urls, "http://other:8000"]
+    visible = DataParallelConfig(size=2, visible_devices=("4", "5", "6", "7"), devices_per_replica=2)
+    assert visible.replica_devices(1) == "6,7"
+    for bad in (dict(size=0), dict(size=2, size_local=3), dict(size=2, size_local=1),
+                dict(size=2, base_port=8000), dict(size=2, policy="kv_aware"),
+                dict(size=2, visible_devices=("0",))):
+        with pytest.raises(ValueError):
+            DataParallelConfig(**bad)
+
+
+def test_the_router_serves_as_one_replica_would(fleet):
+    assert httpx.get(fleet.url + "/health", timeout=5).status_code == 200
+    assert httpx.get(fleet.url + "/v1/models", timeout=5).status_code == 401  # the replicas check the key
+    models = httpx.get(fleet.url + "/v1/models", headers=AUTH, timeout=5).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    wrong = fleet.chat("hi", model="nope")
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+    chat = fleet.chat(QUESTION[0]["content"], max_tokens=32, temperature=0)
+    assert chat.status_code == 200, chat.text
+    answer = chat.json()["choices"][0]["message"]["content"]
+    assert "Paris" in answer
+    body = dict(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0, stream=True)
+    with httpx.stream("POST", fleet.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert streamed == answer
+
+
+def test_replicas_listen_on_loopback_with_labelled_metrics(fleet):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # different prompts: both replicas get some
+        assert all(r.status_code == 200 for r in pool.map(lambda i: fleet.chat(f"{i} " * 40 + "count"), range(8)))
+    replicas = fleet.replicas()
+    assert sorted(replicas) == [0, 1]
+    served = 0
+    for rank, proc in replicas.items():
+        listening = {c.laddr for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        assert listening == {("127.0.0.1", fleet.base_port + rank)}
+        text = httpx.get(f"http://127.0.0.1:{fleet.base_port + rank}/metrics", headers=AUTH, timeout=5).text
+        running = [line for line in text.splitlines() if line.startswith("jaxpaged:num_requests_running{")]
+        assert running == [f'jaxpaged:num_requests_running{{model_name="{MODEL}",replica="{rank}"}} 0.0']
+        served += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("jaxpaged:request_success_total{"))
+    assert served >= 8 + 2  # this test's requests and the previous test's
+
+
+def test_a_killed_replica_is_failed_over_restarted_and_rejoins(fleet):
+    victim = fleet.replicas()[1]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        in_flight = [pool.submit(fleet.chat, f"story number {i}: once upon a time", 32) for i in range(8)]
+        time.sleep(1.0)
+        os.killpg(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        for future in in_flight:  # each ends: served (by either replica, or retried) or an error, never a hang
+            response = future.result(timeout=90)
+            assert response.status_code == 200 or response.status_code >= 500, response.text
+        after = list(pool.map(lambda i: fleet.chat(f"after the kill {i}"), range(16)))
+    assert sum(r.status_code == 200 for r in after) >= 14, [r.text[:200] for r in after if r.status_code != 200]
+    assert time.monotonic() - killed_at < 60
+    fleet.wait_ready(180)  # restarted by the launcher (warm start) and back in the router's rotation
+    replacement = fleet.replicas()[1]
+    assert replacement.pid != victim.pid
+    assert "replica 1" in fleet.log.read_text() and "restarting it" in fleet.log.read_text()
+    assert fleet.chat("back again").status_code == 200
+
+
+def test_sigterm_drains_every_replica_and_the_router(fleet):
+    """Last: a stream started before SIGTERM ends with [DONE], the launcher exits 0, nothing is left."""
+    descendants = psutil.Process(fleet.proc.pid).children(recursive=True)
+    assert len(descendants) >= 3  # two replicas and the router
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me about Paris."}], max_tokens=48,
+                temperature=0, stream=True, ignore_eos=True)
+    with httpx.stream("POST", fleet.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2:
+                    fleet.proc.send_signal(signal.SIGTERM)
+    assert events[-1] == "[DONE]" and len(events) >= 48
+    assert fleet.proc.wait(60) == 0, fleet.log.read_text()[-4000:]
+    time.sleep(0.5)
+    left = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [p.cmdline() for p in left]
