@@ -21,6 +21,7 @@ import json
 import os
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -43,14 +44,41 @@ def start(argv: list[str], log: Path) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, grace: float = 60) -> None:
+    """SIGTERM the process group, SIGKILL it after `grace` s; the whole group, also when the leader is gone
+    (sglang-router's server lingers for its shutdown grace period, holding its ports)."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(60)
+            proc.wait(grace)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def start_router(kind: str, policy: str, port: int, workers: list[str], log: Path) -> subprocess.Popen:
+    """A router on `port` (its metrics on port + 1), once both ports are free; ready when it returns."""
+    if not (port_free(port) and port_free(port + 1)):
+        raise SystemExit(f"port {port} or {port + 1} is taken: another router still runs")
+    router = start(router_argv(kind, policy, port, workers, port + 1), log)
+    wait_ok(f"http://127.0.0.1:{port}/readiness", router)
+    time.sleep(3)  # every worker marked healthy
+    if router.poll() is not None:
+        raise SystemExit(f"{kind} exited: {log.read_text()[-2000:]}")
+    return router
 
 
 def wait_ok(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
@@ -171,26 +199,22 @@ def main() -> None:
             if kind is None:
                 results[name] = run_setting(replicas[0], replicas[:1], prompts, args.concurrency, args.max_tokens)
             else:
-                router = start(router_argv(kind, policy, args.base_port + 10, replicas, args.base_port + 11),
-                               logs / f"{kind}-{policy}.log")
+                port = args.base_port + 10 + 2 * seed
+                router = start_router(kind, policy, port, replicas, logs / f"{kind}-{policy}.log")
                 try:
-                    wait_ok(f"http://127.0.0.1:{args.base_port + 10}/readiness", router)
-                    time.sleep(3)  # both workers marked healthy
-                    results[name] = run_setting(f"http://127.0.0.1:{args.base_port + 10}", replicas, prompts,
-                                                args.concurrency, args.max_tokens)
+                    results[name] = run_setting(f"http://127.0.0.1:{port}", replicas, prompts, args.concurrency,
+                                                args.max_tokens)
                 finally:
-                    stop(router)
+                    stop(router, grace=5)
             print(name, json.dumps(results[name]), flush=True)
         short = workload(1000, args.overhead_requests, args.overhead_requests, 20, 4)
-        for kind in args.routers if args.overhead_requests else ():
-            router = start(router_argv(kind, "cache_aware", args.base_port + 10, replicas[:1], args.base_port + 11),
-                           logs / f"{kind}-overhead.log")
+        for i, kind in enumerate(args.routers if args.overhead_requests else ()):
+            port = args.base_port + 30 + 2 * i
+            router = start_router(kind, "cache_aware", port, replicas[:1], logs / f"{kind}-overhead.log")
             try:
-                wait_ok(f"http://127.0.0.1:{args.base_port + 10}/readiness", router)
-                time.sleep(3)
-                results[f"{kind} overhead"] = overhead(replicas[0], f"http://127.0.0.1:{args.base_port + 10}", short)
+                results[f"{kind} overhead"] = overhead(replicas[0], f"http://127.0.0.1:{port}", short)
             finally:
-                stop(router)
+                stop(router, grace=5)
             print(f"{kind} overhead", json.dumps(results[f"{kind} overhead"]), flush=True)
     finally:
         for proc in procs:
