@@ -155,14 +155,17 @@ def run_setting(url: str, replicas: list[str], prompts: list[str], concurrency: 
 
 
 def overhead(direct: str, routed: str, prompts: list[str]) -> dict:
-    """Alternating single requests, direct and through the router: p50 TTFT of each (ms)."""
+    """Alternating single requests, direct and through the router: p50 TTFT of each (ms), and the p50 of the
+    differences of neighbouring pairs (less sensitive to the machine's slow drifts)."""
     times = {"direct": [], "router": []}
     with httpx.Client(timeout=120) as client:
         for i, prompt in enumerate(prompts):
             order = [("direct", direct), ("router", routed)]
             for name, url in order if i % 2 else order[::-1]:
                 times[name].append(ttft(client, url, prompt, 4))
-    return {name: 1000 * statistics.median([t for t in ts if t is not None]) for name, ts in times.items()}
+    p50 = {name: 1000 * statistics.median([t for t in ts if t is not None]) for name, ts in times.items()}
+    pairs = [r - d for d, r in zip(times["direct"], times["router"]) if d is not None and r is not None]
+    return {**p50, "pair_diff": 1000 * statistics.median(pairs), "n": len(pairs)}
 
 
 def main() -> None:
@@ -176,6 +179,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--overhead-requests", type=int, default=40)
     p.add_argument("--routers", nargs="+", default=["vllm-router", "sglang-router"])
+    p.add_argument("--overhead-policies", nargs="+", default=["cache_aware", "round_robin"],
+                   help="policies of the single-worker routers of the overhead measurement")
     p.add_argument("--engine-args", default="--max-model-len 512 --num-pages 160 --max-num-seqs 8 "
                    "--max-num-batched-tokens 128")
     p.add_argument("--logs", default="/tmp/bench_data_parallel")
@@ -194,6 +199,7 @@ def main() -> None:
         settings = [("1 replica (direct)", None, None)]
         settings += [(f"{kind} {policy}", kind, policy) for kind in args.routers
                      for policy in ("cache_aware", "round_robin")]
+        settings = settings if args.num_requests else []
         for seed, (name, kind, policy) in enumerate(settings):
             prompts = workload(seed, args.num_requests, args.num_prefixes, args.prefix_words, args.suffix_words)
             if kind is None:
@@ -208,14 +214,16 @@ def main() -> None:
                     stop(router, grace=5)
             print(name, json.dumps(results[name]), flush=True)
         short = workload(1000, args.overhead_requests, args.overhead_requests, 20, 4)
-        for i, kind in enumerate(args.routers if args.overhead_requests else ()):
+        routers = [(k, p) for k in args.routers for p in args.overhead_policies] if args.overhead_requests else []
+        for i, (kind, policy) in enumerate(routers):
             port = args.base_port + 30 + 2 * i
-            router = start_router(kind, "cache_aware", port, replicas[:1], logs / f"{kind}-overhead.log")
+            router = start_router(kind, policy, port, replicas[:1], logs / f"{kind}-{policy}-overhead.log")
             try:
-                results[f"{kind} overhead"] = overhead(replicas[0], f"http://127.0.0.1:{port}", short)
+                name = f"{kind} {policy} overhead"
+                results[name] = overhead(replicas[0], f"http://127.0.0.1:{port}", short)
             finally:
                 stop(router, grace=5)
-            print(f"{kind} overhead", json.dumps(results[f"{kind} overhead"]), flush=True)
+            print(name, json.dumps(results[name]), flush=True)
     finally:
         for proc in procs:
             stop(proc)
