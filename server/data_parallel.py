@@ -32,6 +32,9 @@ DEVICE_VISIBILITY_ENV = "CUDA_VISIBLE_DEVICES"  # one disjoint GPU subset per re
 # The router checks the replicas' /health this often: a restarted replica rejoins within ~2 intervals
 # (vllm-router's default, 60 s, would leave it out for minutes).
 HEALTH_CHECK_SECONDS = 2
+# A replica whose requests failed (its circuit breaker open) gets trial requests again after this long: in
+# step with the launcher, which restarts it within seconds (vllm-router's default is 60 s).
+CIRCUIT_OPEN_SECONDS = 5
 # How long the router waits at start-up for the replicas to become healthy (a cold start compiles).
 WORKER_STARTUP_SECONDS = 3600
 RESTART_BACKOFF_SECONDS = (1.0, 30.0)  # first and longest wait before restarting a child that exited
@@ -123,6 +126,7 @@ class DataParallelConfig:
                 "--worker-urls", *self.local_urls, *self.remote_urls, "--policy", self.policy,
                 "--prometheus-host", self.host, "--prometheus-port", str(self.router_metrics_port),
                 "--health-check-interval-secs", str(HEALTH_CHECK_SECONDS),
+                "--cb-timeout-duration-secs", str(CIRCUIT_OPEN_SECONDS),
                 "--worker-startup-timeout-secs", str(WORKER_STARTUP_SECONDS),
                 "--worker-startup-check-interval", "1", "--log-level", self.log_level]
 
