@@ -72,9 +72,8 @@ class Fleet:
         return httpx.post(self.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("data_parallel")
+def start_fleet(folder: Path) -> Fleet:
+    """`python -m server -dp 2` on free ports, ready (both replicas healthy in the router)."""
     port, base_port = free_port(), free_port()
     while base_port + 2 > 65535 or port in range(base_port, base_port + 3):
         base_port = free_port()
@@ -88,18 +87,33 @@ def fleet(tmp_path_factory):
     fleet = Fleet(proc, port, base_port, log)
     try:
         fleet.wait_ready(START_TIMEOUT)
+    except BaseException:
+        stop_fleet(fleet)
+        raise
+    return fleet
+
+
+def stop_fleet(fleet: Fleet) -> None:
+    """SIGTERM the launcher; whatever of the fleet is still running a minute later is killed."""
+    if fleet.proc.poll() is None:
+        descendants = psutil.Process(fleet.proc.pid).children(recursive=True)
+        fleet.proc.send_signal(signal.SIGTERM)
+        try:
+            fleet.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            fleet.proc.kill()
+        for p in descendants:
+            if p.is_running():
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    fleet = start_fleet(tmp_path_factory.mktemp("data_parallel"))
+    try:
         yield fleet
     finally:
-        if proc.poll() is None:
-            descendants = psutil.Process(proc.pid).children(recursive=True)
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            for p in descendants:
-                if p.is_running():
-                    p.kill()
+        stop_fleet(fleet)
 
 
 def test_launcher_config_and_replica_flags():
@@ -161,14 +175,18 @@ def test_replicas_listen_on_loopback_with_labelled_metrics(fleet):
 
 def test_a_killed_replica_is_failed_over_restarted_and_rejoins(fleet):
     victim = fleet.replicas()[1]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
         in_flight = [pool.submit(fleet.chat, f"story number {i}: once upon a time", 32) for i in range(8)]
+        streams = [pool.submit(_stream_outcome, fleet, f"a long story {i}") for i in range(4)]
         time.sleep(1.0)
         os.killpg(victim.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         for future in in_flight:  # each ends: served (by either replica, or retried) or an error, never a hang
             response = future.result(timeout=90)
             assert response.status_code == 200 or response.status_code >= 500, response.text
+        # A stream the dead replica was sending is cut (the router passes the broken body on); the others end
+        # with [DONE]. Either way it ends.
+        assert {future.result(timeout=90) for future in streams} <= {"[DONE]", "cut"}
         after = list(pool.map(lambda i: fleet.chat(f"after the kill {i}"), range(16)))
     assert sum(r.status_code == 200 for r in after) >= 14, [r.text[:200] for r in after if r.status_code != 200]
     assert time.monotonic() - killed_at < 60
@@ -186,6 +204,20 @@ def test_a_killed_replica_is_failed_over_restarted_and_rejoins(fleet):
             assert time.monotonic() < deadline, "the restarted replica got no request through the router"
             batch = pool.map(lambda i: fleet.chat(f"{time.monotonic()} {i} " * 10 + "back again"), range(8))
             assert all(r.status_code == 200 for r in batch)
+
+
+def _stream_outcome(fleet: Fleet, content: str) -> str:
+    """"[DONE]" when a long streamed chat completion ends normally, "cut" when its connection breaks."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 120,
+            "ignore_eos": True, "stream": True}
+    last = None
+    try:
+        with httpx.stream("POST", fleet.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+            for line in r.iter_lines():
+                last = line[6:] if line.startswith("data: ") else last
+    except httpx.RemoteProtocolError:
+        return "cut"
+    return last
 
 
 def _healthy(url: str) -> bool:
@@ -207,6 +239,19 @@ def test_64_clients_without_an_error(fleet):
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
         responses = list(pool.map(lambda i: fleet.chat(f"client {i % 64} asks question {i}", 16), range(128)))
     assert [r.status_code for r in responses] == [200] * 128, [r.text[:200] for r in responses if r.status_code != 200]
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
+    """SIGKILL to the launcher (no drain runs): the kernel SIGTERMs each child (PR_SET_PDEATHSIG); all exit."""
+    fleet = start_fleet(tmp_path)
+    descendants = psutil.Process(fleet.proc.pid).children(recursive=True)
+    fleet.proc.kill()
+    fleet.proc.wait()
+    gone, alive = psutil.wait_procs(descendants, timeout=60)
+    for p in alive:
+        p.kill()
+    assert len(descendants) >= 3 and not alive, [p.cmdline() for p in alive]
 
 
 def test_sigterm_drains_every_replica_and_the_router(fleet):
