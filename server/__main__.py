@@ -191,17 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ns = build_parser().parse_args(argv)
     configure_logging(ns.log_level)
-    if ns.data_parallel_size > 1 or ns.data_parallel_worker_urls:
-        from server import data_parallel
-
-        return data_parallel.main(ns, argv)
-    try:
+    try:  # a data-parallel launcher checks its replicas' configuration too, before starting any
         args, config = engine_args(ns), server_config(ns)
         async_config = AsyncLLMConfig(max_waiting_requests=ns.max_waiting_requests)
         shutdown = ShutdownConfig(grace_seconds=ns.shutdown_timeout)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if ns.data_parallel_size > 1 or ns.data_parallel_worker_urls:
+        from server import data_parallel
+
+        return data_parallel.main(ns, argv)
     import uvicorn  # imported late so --help stays fast
 
     from jaxpaged.engine.async_llm import AsyncLLM

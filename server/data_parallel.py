@@ -39,6 +39,9 @@ CIRCUIT_OPEN_SECONDS = 5
 WORKER_STARTUP_SECONDS = 3600
 RESTART_BACKOFF_SECONDS = (1.0, 30.0)  # first and longest wait before restarting a child that exited
 STABLE_SECONDS = 60.0  # a child up this long that exits is restarted after the first backoff again
+# A child that keeps exiting sooner than STABLE_SECONDS this many times in a row (a model that does not load,
+# a port taken) will not come up by itself: the launcher stops the fleet and exits 1.
+MAX_EARLY_EXITS = 5
 KILL_MARGIN_SECONDS = 15.0  # beyond the replicas' drain time, before what is left is killed
 _POLL_SECONDS = 0.2
 _LOOPBACK = "127.0.0.1"
@@ -163,6 +166,7 @@ class Child:
     restarts: int = 0
     backoff: float = RESTART_BACKOFF_SECONDS[0]
     restart_at: float | None = None
+    early_exits: int = 0  # in a row, each sooner than STABLE_SECONDS after its start
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
@@ -214,15 +218,18 @@ class Launcher:
             c = self.config
             logger.info("serving %d replica(s) (%d here) behind vllm-router (%s) on http://%s:%d; router "
                         "metrics on :%d", c.size, c.size_local, c.policy, c.host, c.port, c.router_metrics_port)
-            while not self.stopping.wait(_POLL_SECONDS):
-                self.supervise()
-            return self.drain()
+            failed = False
+            while not failed and not self.stopping.wait(_POLL_SECONDS):
+                failed = not self.supervise()
+            code = self.drain()
+            return 1 if failed else code
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def supervise(self) -> None:
-        """Restart children that exited, each after its backoff (doubling while it keeps failing early)."""
+    def supervise(self) -> bool:
+        """Restart children that exited, each after its backoff (doubling while it keeps failing early);
+        False once one failed early MAX_EARLY_EXITS times in a row."""
         now = time.monotonic()
         for child in self.children:
             if child.restart_at is not None:
@@ -235,10 +242,18 @@ class Launcher:
                 continue
             child.signal_group(signal.SIGKILL)  # whatever it left behind in its group
             if now - child.started >= STABLE_SECONDS:
-                child.backoff = RESTART_BACKOFF_SECONDS[0]
+                child.backoff, child.early_exits = RESTART_BACKOFF_SECONDS[0], 0
+            else:
+                child.early_exits += 1
+            if child.early_exits >= MAX_EARLY_EXITS:
+                logger.error("%s exited with status %s, %d times in a row within %.0f s of its start: stopping",
+                             child.name, code, child.early_exits, STABLE_SECONDS)
+                child.proc = None
+                return False
             logger.warning("%s exited with status %s; restarting it in %.0f s", child.name, code, child.backoff)
             child.restart_at = now + child.backoff
             child.backoff = min(child.backoff * 2, RESTART_BACKOFF_SECONDS[1])
+        return True
 
     def drain(self) -> int:
         """SIGTERM every child's group at once (each replica finishes its in-flight requests, the router its

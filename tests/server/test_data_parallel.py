@@ -242,6 +242,28 @@ def test_64_clients_without_an_error(fleet):
 
 
 @pytest.mark.slow
+def test_replicas_that_cannot_start_stop_the_launcher(tmp_path):
+    """A model that does not load: each replica exits at once, is restarted with a growing backoff, and after
+    MAX_EARLY_EXITS the launcher gives up: exit 1, nothing left (about 35 s)."""
+    proc = subprocess.Popen([sys.executable, "-m", "server", "-dp", "2", "--host", "127.0.0.1",
+                             "--port", str(free_port()), "--model", str(tmp_path / "no-such-model")],
+                            cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    descendants: set[psutil.Process] = set()
+    while proc.poll() is None:
+        try:
+            descendants |= set(psutil.Process(proc.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.5)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "5 times in a row within 60 s of its start: stopping" in stderr
+    assert len(descendants) >= 5 + 1 + 1  # five starts of one replica, the other, the router
+    assert not [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.slow
 def test_a_killed_launcher_takes_its_children_with_it(tmp_path):
     """SIGKILL to the launcher (no drain runs): the kernel SIGTERMs each child (PR_SET_PDEATHSIG); all exit."""
     fleet = start_fleet(tmp_path)
