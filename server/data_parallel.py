@@ -171,7 +171,8 @@ class Child:
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
         self.started, self.restart_at = time.monotonic(), None
-        logger.info("started %s (pid %d)", self.name, self.proc.pid)
+        logger.info("started %s (pid %d%s)", self.name, self.proc.pid,
+                    f", restart {self.restarts}" if self.restarts else "")
 
     def signal_group(self, sig: int) -> None:
         """`sig` to the child's whole process group (what it started too); gone already is fine."""
