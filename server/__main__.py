@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from server.config import DEFAULT_MAX_REQUEST_BYTES, REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
+from server.data_parallel import add_data_parallel_flags
 
 API_KEY_ENV = "JAXPAGED_API_KEY"
 USAGE_ERROR, STARTUP_ERROR = 2, 1  # exit statuses: a bad command line; a start-up that failed
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(p.add_argument_group("model"))
     _add_engine_flags(p.add_argument_group("engine"))
     _add_multihost_flags(p.add_argument_group("multi-host (jax.distributed; see docs/distributed.md)"))
+    add_data_parallel_flags(p.add_argument_group("data parallel (replicas behind a router; see docs/distributed.md)"))
     _add_tool_flags(p.add_argument_group("tool calling"))
     _add_server_flags(p.add_argument_group("server"))
     return p
@@ -222,10 +224,11 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(served_model_names=names, api_key=api_key, max_request_bytes=ns.max_request_bytes,
                         enable_chat_page=not ns.disable_chat_page,
                         enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-                        reasoning_parser=ns.reasoning_parser)
+                        reasoning_parser=ns.reasoning_parser, data_parallel_rank=ns.data_parallel_rank)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     ns = build_parser().parse_args(argv)
     configure_logging(ns.log_level)
     # imported after parsing: --help imports no uvicorn
@@ -235,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         config, shutdown = server_config(ns), ShutdownConfig(grace_seconds=ns.shutdown_timeout)
     except ValueError as err:
         return fail(err, USAGE_ERROR)
+    if ns.data_parallel_size > 1 or ns.data_parallel_worker_urls:  # a launcher: replicas behind a router
+        from server import data_parallel
+
+        try:  # the replicas' configuration, checked before any of them starts
+            engine_args(ns)
+        except (OSError, ValueError) as err:
+            return fail(err, USAGE_ERROR)
+        return data_parallel.main(ns, argv)
     try:  # process 0 binds before the model loads: a busy port fails in a second, not after the warm-up
         sock = bind_socket(ns.host, ns.port) if ns.process_id == 0 else None
     except OSError as err:

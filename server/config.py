@@ -24,6 +24,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice: tool_choice "auto" is served
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser: how "auto" output is read as calls
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: the <think> span as reasoning_content
+    data_parallel_rank: int | None = None  # a replica behind a router: its metrics carry replica=<rank>
 
     def __post_init__(self):
         names = tuple(self.served_model_names)
@@ -43,6 +44,9 @@ class ServerConfig:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("ServerConfig.enable_auto_tool_choice needs a tool_call_parser "
                              "(--tool-call-parser)")
+        if self.data_parallel_rank is not None and (not isinstance(self.data_parallel_rank, int)
+                                                    or self.data_parallel_rank < 0):
+            raise ValueError(f"ServerConfig.data_parallel_rank={self.data_parallel_rank!r}: must be >= 0")
         if not 0 <= self.max_completion_logprobs <= self.max_chat_logprobs <= 20:
             raise ValueError("ServerConfig: need 0 <= max_completion_logprobs <= max_chat_logprobs <= 20")
 

@@ -30,7 +30,9 @@ class ServingContext:
         if config.auto_tool_choice:
             family = engine.engine.model.config.architecture
             parser = resolve_parser_name(config.tool_call_parser, engine.tokenizer.chat_template, family)
-        return cls(engine, config, ServerMetrics(engine, config.model_name, engine.max_model_len), parser)
+        rank = config.data_parallel_rank
+        metrics = ServerMetrics(engine, config.model_name, engine.max_model_len, None if rank is None else str(rank))
+        return cls(engine, config, metrics, parser)
 
     @property
     def tokenizer(self):

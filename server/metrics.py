@@ -95,21 +95,25 @@ class _WithoutCreated:
 
 
 class ServerMetrics:
-    """All collectors of one app; `render()` is the /metrics body."""
+    """All collectors of one app; `render()` is the /metrics body.
 
-    def __init__(self, engine: AsyncLLM, model_name: str, max_model_len: int):
+    `replica`: set on a data-parallel replica (its rank): every sample then carries replica=<rank> too, so a
+    fleet's series stay apart wherever they are scraped from."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, max_model_len: int, replica: str | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineStatsCollector(engine, model_name))
+        names = LABELS if replica is None else (*LABELS, "replica")
+        self.label_values = (model_name, ENGINE_INDEX) if replica is None else (model_name, ENGINE_INDEX, replica)
+        self.registry.register(EngineStatsCollector(engine, names, self.label_values))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc. (Linux /proc)
         self.exposed = _WithoutCreated(self.registry)
 
         def counter(name, doc, extra=()):
-            return Counter(f"vllm:{name}", doc, [*LABELS, *extra], registry=self.registry)
+            return Counter(f"vllm:{name}", doc, [*names, *extra], registry=self.registry)
 
         def histogram(name, doc, buckets=_LATENCY_BUCKETS):
-            return Histogram(f"vllm:{name}", doc, LABELS, buckets=buckets, registry=self.registry)
+            return Histogram(f"vllm:{name}", doc, names, buckets=buckets, registry=self.registry)
 
-        self.label_values = (model_name, ENGINE_INDEX)
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self.request_success = counter("request_success", "Requests finished, by finish reason.",
