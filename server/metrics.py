@@ -39,8 +39,8 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
 class EngineStatsCollector:
     """Gauges and engine-side counters from `AsyncLLM.stats()`, read at every scrape."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str):
-        self.engine, self.label_values = engine, [model_name, ENGINE_INDEX]
+    def __init__(self, engine: AsyncLLM, label_names: tuple[str, ...], label_values: tuple[str, ...]):
+        self.engine, self.label_names, self.label_values = engine, label_names, list(label_values)
 
     def collect(self):
         stats = self.engine.stats()
@@ -68,13 +68,13 @@ class EngineStatsCollector:
             yield self._family(CounterMetricFamily, name, doc, stats[name])
         family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by position in the draft (0 first).",
-                                     labels=[*LABELS, "position"])
+                                     labels=[*self.label_names, "position"])
         for position, value in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
             family.add_metric([*self.label_values, str(position)], float(value))
         yield family
 
     def _family(self, kind, name: str, doc: str, value: float):
-        family = kind(f"vllm:{name}", doc, labels=list(LABELS))
+        family = kind(f"vllm:{name}", doc, labels=list(self.label_names))
         family.add_metric(self.label_values, float(value))
         return family
 

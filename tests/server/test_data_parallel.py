@@ -168,7 +168,7 @@ def test_replicas_listen_on_loopback_with_labelled_metrics(fleet):
         url = f"http://127.0.0.1:{fleet.base_port + rank}"
         text = httpx.get(url + "/metrics", headers=AUTH, timeout=5).text
         running = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running{")]
-        assert running == [f'vllm:num_requests_running{{model_name="{MODEL}",engine="0",replica="{rank}"}} 0.0']
+        assert running == [f'vllm:num_requests_running{{engine="0",model_name="{MODEL}",replica="{rank}"}} 0.0']
         served += _served(url)
     assert served >= 8 + 2  # this test's requests and the previous test's
 
