@@ -97,8 +97,8 @@ MUTATIONS: tuple[Mutation, ...] = (
        "    check_token_ids(params.stop_token_ids, vocab_size, \"stop_token_ids\")\n",
        "    pass\n",
        SEC + "test_limits_are_400s_naming_the_field"),
-    _m("logit-bias-size", "Per-request sizes the sampler must hold", "server/params.py",
-       "if len(bias) > MAX_LOGIT_BIAS_ENTRIES:", "if False:",
+    _m("logit-bias-size", "Per-request sizes the sampler must hold", "server/protocol.py",
+       "Field(max_length=MAX_LOGIT_BIAS_ENTRIES)", "Field()",
        SEC + "test_logit_bias_is_capped_for_a_real_vocabulary"),
     _m("constraint-size-unbounded", "Output constraints (structured outputs, tools)", "jaxpaged/sample/structured_outputs.py",
        "            if size > self.config.max_spec_bytes:", "            if False:",
@@ -118,9 +118,10 @@ MUTATIONS: tuple[Mutation, ...] = (
        SEC + "test_no_request_field_reaches_a_file_a_shell_or_eval"),
     _m("template-unsandboxed", "Chat-template sandbox", "server/chat.py",
        "        text = ctx.tokenizer.apply_chat_template(conversation(messages), tools=list(tools) or None,\n"
-       "                                                 tokenize=False, add_generation_prompt=add_generation_prompt)",
+       "                                                 tokenize=False, add_generation_prompt=add_generation_prompt,\n"
+       "                                                 **template_kwargs)",
        "        text = jinja2.Template(ctx.tokenizer.chat_template).render(\n"
-       "            messages=conversation(messages), add_generation_prompt=add_generation_prompt)",
+       "            messages=conversation(messages), add_generation_prompt=add_generation_prompt, **template_kwargs)",
        SEC + "test_a_malicious_model_template_is_a_400_over_http"),
     _m("validation-422", "Errors never leak as 5xx for bad input (400, never 422)", "server/errors.py",
        "        message, param = _validation_message(err)\n        return error_response(400, message, param)",
@@ -270,9 +271,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m("async-dispatch-error-not-deferred", "engine: async scheduling", "jaxpaged/engine/llm_engine.py",
        "            self._deferred_error = err\n            return False", "            raise",
        ASYNC + "test_failed_step_loses_no_delivered_token"),
-    _m("async-multi-process", "engine: async scheduling", "jaxpaged/engine/llm_engine.py",
-       "self.async_scheduling = requested and args.num_processes == 1",
-       "self.async_scheduling = requested",
+    _m("async-multi-process", "engine: async scheduling", "jaxpaged/config.py",
+       "async_scheduling=args.async_scheduling is not False and args.num_processes == 1,",
+       "async_scheduling=args.async_scheduling is not False,",
        "tests/test_parallel.py::test_two_processes_serve_like_tp1"),
     # ---- speculative decoding (jaxpaged/spec_decode/ngram.py) -----------------------------------------------------
     _m("spec-drafts-no-prefill-slot", "engine: speculative decoding", "jaxpaged/core/scheduler.py",
