@@ -82,15 +82,14 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
                           "output to the tool call)", param)
     prompt = render_chat(ctx, body.messages, body.add_generation_prompt, plan.tools, body.chat_template_kwargs)
     output = OutputPlan.create(plan, ctx.config.reasoning_parser, prompt["prompt"])
-    spec = output.constraint(spec)
     if plan.constraint is not None:
         spec, param = plan.constraint, "tool_choice"
+    await _compile_tool_schemas(ctx, plan)
+    spec = await _compile_constraint(ctx, output, spec, param)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = build_sampling_params(body, ctx.defaults, max_tokens=max_tokens,
                                    logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                                    structured_outputs=spec)
-    await _compile_tool_schemas(ctx, plan)
-    await ctx.compile_constraint(spec, param)
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     submitted = ctx.submitted()
     await submitted.add(response_id, prompt, params, "messages")
@@ -118,6 +117,26 @@ async def _compile_tool_schemas(ctx: ServingContext, plan: ToolPlan) -> None:
                 await ctx.compile_constraint(StructuredOutputsParams(json=schema), "tools")
             except OpenAIError as err:
                 raise bad_request(f"tools[{i}].function.parameters: {err.message}", "tools") from None
+
+
+async def _compile_constraint(ctx: ServingContext, output: OutputPlan, spec: StructuredOutputsParams | None,
+                              param: str | None) -> StructuredOutputsParams | None:
+    """The output constraint as applied (after the reasoning, when a parser reads one), compiled. A regex or
+    grammar is compiled on its own first, so that its errors name its own kind and point into its own text;
+    then a failure of the combined grammar (one over the size limit only with the reasoning span added) is
+    a 400 saying so."""
+    own_first = output.reasoning is not None and spec is not None and spec.kind in ("regex", "grammar")
+    if own_first:
+        await ctx.compile_constraint(spec, param)
+    applied = output.constraint(spec)
+    try:
+        await ctx.compile_constraint(applied, param)
+    except OpenAIError as err:
+        if not own_first:
+            raise
+        raise bad_request(f"{param}: the {spec.kind} cannot be applied after the reasoning: {err.message}",
+                          param) from None
+    return applied
 
 
 def _usage(ctx: ServingContext, output: OutputPlan, out: RequestOutput, texts: list[tuple[list[int], str]],

@@ -13,16 +13,18 @@ part is dropped (the models write "<think>\\n" and "</think>\\n\\n").
 `split(text, final)` reads an output whole or, without `final`, only what later text cannot change,
 so streamed reasoning and content deltas always reassemble to the non-streamed reply.
 
-Structured outputs apply to the answer, after the reasoning ends (vLLM's behaviour): a JSON schema,
-json_object or choice constraint becomes a Lark grammar (llguidance's) of the free reasoning span, then
-the constraint (`after_reasoning`). A regex or grammar stays a pattern of the whole output, so a client
-can shape the reasoning itself too.
+Structured outputs apply to the answer, after the reasoning ends (vLLM's behaviour): every constraint
+becomes a Lark grammar (llguidance's) of the free reasoning span, then the constraint (`after_reasoning`):
+a JSON schema or json_object as `%json`, a choice as literals, a regex as a regex terminal and a grammar
+(Lark, or GBNF converted to Lark) as a nested `%lark { ... }` grammar, whose rule names stay its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+
+from llguidance.gbnf_to_lark import any_to_lark
 
 from jaxpaged.sampling_params import StructuredOutputsParams
 from jaxpaged.sample.structured_outputs import JSON_COMPILE_OPTIONS
@@ -113,18 +115,40 @@ def reasoning_token_count(decode, token_ids: list[int], parser: ReasoningParser,
 _THOUGHT = 'thought[suffix="</think>"]: /(.|\\n)*/\nGAP: /[ \\n]*/\n'
 
 
-def after_reasoning(spec: StructuredOutputsParams, parser: ReasoningParser) -> StructuredOutputsParams:
-    """`spec` applied to the answer after the reasoning span (which may be absent when the output does not
-    start inside it); regexes and grammars are returned as they are (whole-output patterns)."""
+def lark_regex(regex: str) -> str:
+    """`regex` as a regex terminal of llguidance's Lark (`/.../`): a bare / is escaped, a line break (bare or
+    escaped) is written as its escape, and any other escaped character (\\/ included) is kept as it is."""
+    breaks = {"\n": "\\n", "\r": "\\r"}
+    out, i = [], 0
+    while i < len(regex):
+        pair = regex[i:i + 2]
+        if len(pair) == 2 and pair[0] == "\\":
+            out.append(breaks.get(pair[1], pair))
+            i += 2
+        else:
+            out.append("\\/" if pair[0] == "/" else breaks.get(pair[0], pair[0]))
+            i += 1
+    return "/" + "".join(out) + "/"
+
+
+def _answer(spec: StructuredOutputsParams) -> str:
+    """`spec` as the body of the grammar's `answer` rule."""
     if spec.kind in ("json", "json_object"):
         schema = {"type": "object"} if spec.kind == "json_object" else \
             json.loads(spec.json) if isinstance(spec.json, str) else spec.json
         schema = {} if schema is True else {"not": {}} if schema is False else schema
         # the JSON layout the engine gives a schema of its own (x-guidance: llguidance's options key)
-        answer = f"answer: %json {json.dumps({**schema, 'x-guidance': JSON_COMPILE_OPTIONS})}"
-    elif spec.kind == "choice":
-        answer = "answer: " + " | ".join(json.dumps(c) for c in spec.choice)
-    else:
-        return spec
+        return f"%json {json.dumps({**schema, 'x-guidance': JSON_COMPILE_OPTIONS})}"
+    if spec.kind == "choice":
+        return " | ".join(json.dumps(c) for c in spec.choice)
+    if spec.kind == "regex":
+        return lark_regex(spec.regex)
+    return "%lark {\n" + any_to_lark(spec.grammar) + "\n}"  # GBNF converts: its own compile passed first
+
+
+def after_reasoning(spec: StructuredOutputsParams, parser: ReasoningParser) -> StructuredOutputsParams:
+    """`spec` applied to the answer after the reasoning span (which may be absent when the output does not
+    start inside it). Compile a regex or grammar on its own first: its errors then point into its own text,
+    and one that is only valid nested (a `}` closing the `%lark` block early) is refused."""
     span = "thought GAP" if parser.starts_open else f"({json.dumps(OPEN)} thought GAP)?"
-    return StructuredOutputsParams(grammar=f"start: {span} answer\n{_THOUGHT}{answer}\n")
+    return StructuredOutputsParams(grammar=f"start: {span} answer\n{_THOUGHT}answer: {_answer(spec)}\n")

@@ -1,8 +1,9 @@
 """Every tool-call format and the reasoning parser through the real server on the real SmolLM2 (CPU).
 
 SmolLM2 writes none of these formats on its own, so a regex structured output forces each format's text
-(tools and a constraint together: the constraint shapes the text, the parser reads it). One engine,
-one app per --tool-call-parser over it.
+(tools and a constraint together: the constraint shapes the text, the parser reads it). Nor does it think
+on its own: the reasoning tests give it an earlier turn that thinks in <think> tags, which it copies, and
+their constraint shapes the answer after its reasoning. One engine, one app per --tool-call-parser over it.
 """
 
 from __future__ import annotations
@@ -164,17 +165,25 @@ def test_forced_calls_are_schema_true_with_every_parser(servers, parser):
     assert len(_calls(replies[1]["message"])) <= 1
 
 
+# An earlier turn that thinks in <think> tags: SmolLM2 never thinks on its own, but it copies the pattern
+# and writes a reasoning span of its own before the answer (greedy: the same span every run). The request's
+# constraint shapes only the answer after it, so a constraint that cannot start with "<" still lets the
+# model reason first: reasoning in a reply below shows the constraint was not applied to the span.
+THINKING_TURN = [{"role": "user", "content": "What is 2 + 2?"},
+                 {"role": "assistant", "content": "<think>\nThe user asks about arithmetic.\n</think>\n\nFour."}]
+SENTENCE = "[A-Z][a-z ,]{5,40}\\."
+
+
 def test_reasoning_split_whole_and_streamed_with_usage(servers):
     live = servers["reasoning"]
-    regex = _lit("<think>\nThe user asks about ") + "[a-z ]{4,30}" + _lit(".\n</think>\n\n") + "[A-Z][a-z ,]{5,40}" \
-        + _lit(".")
-    body = dict(messages=ASK, temperature=0, max_tokens=120, structured_outputs={"regex": regex},
+    body = dict(messages=THINKING_TURN + ASK, temperature=0, max_tokens=120, structured_outputs={"regex": SENTENCE},
                 stream_options={"include_usage": True})
     whole = chat(live, **{k: v for k, v in body.items() if k != "stream_options"})
     message = whole["choices"][0]["message"]
-    assert message["reasoning_content"].startswith("The user asks about ") and message["reasoning_content"].endswith(".\n")
+    assert message["reasoning_content"] and message["reasoning_content"].strip(), message
+    assert "<think>" not in message["reasoning_content"] and "</think>" not in message["reasoning_content"]
     assert message["reasoning"] == message["reasoning_content"]
-    assert "<think>" not in message["content"] and "</think>" not in message["content"] and message["content"][0].isupper()
+    assert re.fullmatch(SENTENCE, message["content"]), message  # the regex shaped the answer alone
     usage = whole["usage"]
     assert 0 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"]
     chunks = stream(live, **body)
@@ -188,13 +197,27 @@ def test_reasoning_split_whole_and_streamed_with_usage(servers):
 
 
 def test_reasoning_then_a_tool_call(servers):
-    regex = _lit("<think>\nI need the weather.\n</think>\n\n") + FORMATS["hermes"]
-    body = dict(messages=ASK, tools=TOOLS, temperature=0, max_tokens=150, structured_outputs={"regex": regex})
+    body = dict(messages=THINKING_TURN + ASK, tools=TOOLS, temperature=0, max_tokens=150,
+                structured_outputs={"regex": FORMATS["hermes"]})
     choice = chat(servers["reasoning"], **body)["choices"][0]
-    assert choice["message"]["reasoning_content"] == "I need the weather.\n" and choice["message"]["content"] is None
+    assert choice["message"]["reasoning_content"] and choice["message"]["content"] is None, choice
     assert [c["name"] for c in _calls(choice["message"])] == ["get_weather", "get_time"]
-    streamed, finish, _ = _reassemble(stream(servers["reasoning"], **body))
+    chunks = stream(servers["reasoning"], **body)
+    assert "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"]) == \
+        choice["message"]["reasoning_content"]
+    streamed, finish, _ = _reassemble(chunks)
     assert streamed == _calls(choice["message"]) and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("constraint, answer", [
+    ({"grammar": 'start: "It is " WORD "."\nWORD: /[a-z]+/'}, r"It is [a-z]+\."),  # Lark
+    ({"grammar": 'root ::= "It is " [a-z]+ "."'}, r"It is [a-z]+\."),  # GBNF
+    ({"choice": ["sunny", "rainy"]}, "sunny|rainy"),
+])
+def test_grammars_and_choices_shape_the_answer_after_the_reasoning(servers, constraint, answer):
+    body = dict(messages=THINKING_TURN + ASK, temperature=0, max_tokens=60, structured_outputs=constraint)
+    message = chat(servers["reasoning"], **body)["choices"][0]["message"]
+    assert message["reasoning_content"] and re.fullmatch(answer, message["content"]), message
 
 
 @pytest.mark.parametrize("body, param, match", [
@@ -278,28 +301,74 @@ POINT = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type"
          "additionalProperties": False}
 
 
-def test_structured_outputs_apply_after_the_reasoning(servers):
-    """The schema constrains the answer; the <think> span before it is free (the engine's own matcher)."""
+@pytest.mark.parametrize("spec, answer, wrong", [
+    (StructuredOutputsParams(json=POINT), '{"x": 1, "y": 2}', '{"x": "1"'),
+    (StructuredOutputsParams(choice=["yes", "no"]), "no", "maybe"),
+    # a / (bare and escaped) and a line break: what a Lark regex terminal must escape
+    (StructuredOutputsParams(regex="[0-9]+/[0-9]+\n\\/"), "3/4\n/", "3-4"),
+    # braces in its strings and a rule named like the reasoning span's: the nested grammar keeps its own names
+    (StructuredOutputsParams(grammar='start: "{" thought "}"\nthought: /[a-z]+/'), "{abc}", "{ABC}"),
+    (StructuredOutputsParams(grammar='root ::= "x" [0-9]+'), "x12", "y1"),  # GBNF, converted to Lark
+])
+def test_every_constraint_kind_follows_the_free_reasoning_span(servers, spec, answer, wrong):
+    """The constraint shapes the answer; the <think> span before it is free (the engine's own matcher)."""
     live = servers["reasoning"]
     manager = live.engine.engine.structured_outputs
-    spec = after_reasoning(StructuredOutputsParams(json=POINT), ReasoningParser("qwen3", False))
+    applied = after_reasoning(spec, ReasoningParser("qwen3", False))
     tokenizer = live.engine.tokenizer
 
     def accepts(text: str) -> tuple[bool, bool]:
-        matcher = manager.matcher(manager.compile_blocking(spec))
+        matcher = manager.matcher(manager.compile_blocking(applied))
         ok = all(matcher.accept(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"])
         return ok, ok and matcher.ll_matcher.is_accepting()
 
-    assert accepts('<think>\nAny {text} at all, "x": "no"\n</think>\n\n{"x": 1, "y": 2}') == (True, True)
-    assert accepts('{"x": 1, "y": 2}') == (True, True)  # no reasoning span: the answer alone
-    assert accepts('<think>free</think>{"x": "1"') == (False, False)  # the answer still obeys the schema
-    assert accepts('<think>a</think> b</think>{"x": 1, "y": 2}') == (False, False)  # the span ends at </think>
+    assert accepts('<think>\nAny {text} at all, "x": "no" /\n</think>\n\n' + answer) == (True, True)
+    assert accepts(answer) == (True, True)  # no reasoning span: the answer alone
+    assert accepts("<think>free</think>" + wrong) == (False, False)  # the answer still obeys the constraint
+    assert accepts("<think>a</think> b</think>" + answer) == (False, False)  # the span ends at </think>
+    r1 = manager.matcher(manager.compile_blocking(after_reasoning(spec, ReasoningParser("deepseek_r1", True))))
+    assert all(r1.accept(t) for t in tokenizer("Free.</think>" + answer, add_special_tokens=False)["input_ids"])
+    assert r1.ll_matcher.is_accepting()  # deepseek_r1: the output starts inside the span
+
+
+def test_structured_outputs_apply_after_the_reasoning(servers):
+    live = servers["reasoning"]
     body = dict(messages=[{"role": "user", "content": "Give a point."}], temperature=0, max_tokens=40,
                 response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": POINT}})
     message = chat(live, **body)["choices"][0]["message"]
     jsonschema.validate(json.loads(message["content"]), POINT)
-    less_than = tokenizer("<", add_special_tokens=False)["input_ids"]
+    less_than = live.engine.tokenizer("<", add_special_tokens=False)["input_ids"]
     assert len(less_than) == 1
     forced = chat(live, **{**body, "max_tokens": 12, "logit_bias": {str(less_than[0]): 100}})["choices"][0]
     assert forced["finish_reason"] == "length" and forced["message"]["content"] is None  # cut inside the span
     assert forced["message"]["reasoning_content"]  # free text: not the schema's
+
+
+def _refusal(live: LiveServer, constraint: dict) -> dict:
+    r = httpx.post(live.v1 + "/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 5,
+                                                       "structured_outputs": constraint}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "structured_outputs", error
+    return error
+
+
+@pytest.mark.parametrize("constraint, match", [
+    ({"regex": "(a"}, r"^invalid regex constraint"),  # compiled on its own first: its own kind and text
+    ({"grammar": 'start: "a"\n}\nmore: %lark {\nstart: "b"'}, r"^invalid grammar constraint"),  # valid only nested
+])
+def test_a_bad_regex_or_grammar_is_a_400_about_itself(servers, constraint, match):
+    error = _refusal(servers["reasoning"], constraint)
+    assert re.search(match, error["message"]), error
+
+
+def test_a_grammar_that_fits_the_size_limit_only_without_the_reasoning_span_is_a_400(servers):
+    live = servers["reasoning"]
+    head = 'start: "a"\n// '
+    limit = live.engine.engine.structured_outputs.config.max_spec_bytes
+    grammar = head + "x" * (limit - len(head))
+    error = _refusal(live, {"grammar": grammar})
+    assert re.search(r"the grammar cannot be applied after the reasoning: .*too large", error["message"]), error
+    r = httpx.post(servers["hermes"].v1 + "/chat/completions", json={  # no reasoning parser: it fits
+        "model": MODEL, "messages": ASK, "max_tokens": 5, "structured_outputs": {"grammar": grammar}}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "a", r.text
