@@ -123,6 +123,9 @@ MUTATIONS: tuple[Mutation, ...] = (
        "        text = jinja2.Template(ctx.tokenizer.chat_template).render(\n"
        "            messages=conversation(messages), add_generation_prompt=add_generation_prompt, **template_kwargs)",
        SEC + "test_a_malicious_model_template_is_a_400_over_http"),
+    _m("template-kwargs-reserved", "Chat-template sandbox", "server/chat.py",
+       "    if reserved:\n", "    if False:\n",
+       SEC + "test_a_chat_template_in_the_request_is_ignored"),
     _m("validation-422", "Errors never leak as 5xx for bad input (400, never 422)", "server/errors.py",
        "        message, param = _validation_message(err)\n        return error_response(400, message, param)",
        "        message, param = _validation_message(err)\n        return error_response(422, message, param)",
