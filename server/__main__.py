@@ -279,9 +279,8 @@ def start(ns: argparse.Namespace, config: ServerConfig, shutdown, sock) -> int:
         steps = engine.follow()
         log.info("process %d followed %d steps; exiting", args.process_id, steps)
         return 0
-    from server.lifecycle import ListenError
-
     from server.app import build_app
+    from server.lifecycle import ListenError
 
     try:
         try:

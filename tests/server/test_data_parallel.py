@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -72,11 +73,28 @@ class Fleet:
         return httpx.post(self.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
 
 
+def free_port_block(n: int) -> int:
+    """The first of n consecutive free loopback ports below Linux's ephemeral range (32768 on): the launcher
+    gives replica i base + i, and a port in that range can be taken by any client connection meanwhile."""
+    for offset in range(0, 12000, 7):
+        base, socks = 20000 + (os.getpid() * 13 + offset) % 12000, []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports below 32000")
+
+
 def start_fleet(folder: Path) -> Fleet:
     """`python -m server -dp 2` on free ports, ready (both replicas healthy in the router)."""
-    port, base_port = free_port(), free_port()
-    while base_port + 2 > 65535 or port in range(base_port, base_port + 3):
-        base_port = free_port()
+    port, base_port = free_port(), free_port_block(2)
     log = folder / "fleet.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
