@@ -3,8 +3,9 @@
 `EngineArgs` holds vLLM's engine arguments, frozen and validated; None or "auto" leaves a choice to the model and
 the machine. `resolve_engine_config(args, model, mesh)` makes every such choice, once, at the engine's
 construction: the context length and batch limits, the KV pool's size, the step buckets (`RunnerConfig`), the
-scheduler's limits (`SchedulerConfig`), async scheduling and overlapped verification. The machine-dependent
-defaults are the constants below; nothing else in the engine picks a default.
+scheduler's limits (`SchedulerConfig`), async scheduling and overlapped verification; the machine-dependent
+defaults are the constants below. The step's device-level choices (attention backend, KV cache dtype, fused
+sampler, compiler options) are the runner's: `RunnerConfig` resolves them from the backend it runs on.
 """
 
 from __future__ import annotations
