@@ -29,7 +29,7 @@ from server.errors import OpenAIError
 from server.protocol import ChatMessage
 from server.reasoning import ReasoningParser, after_reasoning
 from tests.server.conftest import LiveServer, serve
-from tests.server.test_structured_outputs import ASK, TIME_TOOL, WEATHER_TOOL, _reassemble
+from tests.server.test_structured_outputs import ASK, TIME_TOOL, WEATHER_TOOL, _reassemble, chat, stream_chunks
 
 MODEL = "smollm2"
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
@@ -84,24 +84,6 @@ def servers(smollm2):
         llm.shutdown()
 
 
-def chat(live: LiveServer, **body) -> dict:
-    r = httpx.post(live.v1 + "/chat/completions", json={"model": MODEL, **body}, timeout=300)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def stream(live: LiveServer, **body) -> list[dict]:
-    chunks = []
-    with httpx.stream("POST", live.v1 + "/chat/completions", json={"model": MODEL, "stream": True, **body},
-                      timeout=300) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[6:]))
-    assert not any("error" in c for c in chunks), chunks
-    return chunks
-
-
 def _calls(message: dict) -> list[dict]:
     return [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message["tool_calls"]]
 
@@ -118,7 +100,7 @@ def test_each_format_forced_by_a_regex_is_parsed_whole_and_streamed(servers, par
     body = dict(messages=ASK, tools=TOOLS, temperature=0, max_tokens=150, structured_outputs={"regex": FORMATS[parser]})
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         whole_future = pool.submit(chat, live, **body)
-        chunks = stream(live, **body)
+        chunks = stream_chunks(live, "/chat/completions", body)
         whole = whole_future.result()["choices"][0]
     assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None, whole
     calls = _calls(whole["message"])
@@ -133,7 +115,7 @@ def test_parallel_tool_calls_false_yields_one_call(servers):
                 structured_outputs={"regex": FORMATS["hermes"]})
     whole = chat(servers["hermes"], **body)["choices"][0]
     assert [c["name"] for c in _calls(whole["message"])] == ["get_weather"]
-    streamed, finish, _ = _reassemble(stream(servers["hermes"], **body))
+    streamed, finish, _ = _reassemble(stream_chunks(servers["hermes"], "/chat/completions", body))
     assert streamed == _calls(whole["message"]) and finish == "tool_calls"
 
 
@@ -143,8 +125,8 @@ def test_malformed_format_text_is_plain_content(servers):
     whole = chat(servers["hermes"], **body)["choices"][0]
     assert whole["message"]["content"].startswith("<tool_call>") and whole["message"]["tool_calls"] == []
     assert whole["finish_reason"] == "stop"
-    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in stream(servers["hermes"], **body)
-                   if c["choices"])
+    chunks = stream_chunks(servers["hermes"], "/chat/completions", body)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == whole["message"]["content"]
 
 
@@ -186,7 +168,7 @@ def test_reasoning_split_whole_and_streamed_with_usage(servers):
     assert re.fullmatch(SENTENCE, message["content"]), message  # the regex shaped the answer alone
     usage = whole["usage"]
     assert 0 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"]
-    chunks = stream(live, **body)
+    chunks = stream_chunks(live, "/chat/completions", body)
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
     assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning_content"]
@@ -202,7 +184,7 @@ def test_reasoning_then_a_tool_call(servers):
     choice = chat(servers["reasoning"], **body)["choices"][0]
     assert choice["message"]["reasoning_content"] and choice["message"]["content"] is None, choice
     assert [c["name"] for c in _calls(choice["message"])] == ["get_weather", "get_time"]
-    chunks = stream(servers["reasoning"], **body)
+    chunks = stream_chunks(servers["reasoning"], "/chat/completions", body)
     assert "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"]) == \
         choice["message"]["reasoning_content"]
     streamed, finish, _ = _reassemble(chunks)
