@@ -198,3 +198,66 @@ def test_packed_weights_stay_packed(checkpoints):
     layers = llm.llm_engine.runner.params["layers"]
     assert isinstance(layers["wqkv"], PackedWeight) and isinstance(layers["w_down"], PackedWeight)
     assert llm.llm_engine.model.params is llm.llm_engine.runner.params
+
+
+# ----------------------------------------------------------------------------- sleep / wake
+
+
+def live_bytes() -> int:
+    return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_device_memory_and_wake_up_serves_the_same(checkpoints, level):
+    """Level 1 deletes the KV pool's buffers, level 2 the weights' too; requests while asleep are refused (nothing
+    queued); after wake_up the greedy tokens are those from before."""
+    from jaxpaged.engine.weight_control import EngineSleepingError
+    a, _ = checkpoints["qwen2"]
+    llm = LLM(model=str(a), **ARGS)
+    engine = llm.llm_engine
+    tokens = greedy(llm)
+    kv = jax.tree.leaves(engine.runner.kv)
+    weights = [x for x in jax.tree.leaves(engine.runner.params) if isinstance(x, jax.Array)]
+    expected = sum(x.nbytes for x in kv) + (sum(x.nbytes for x in weights) if level == 2 else 0)
+    before = live_bytes()
+    llm.sleep(level)
+    assert all(x.is_deleted() for x in kv) and all(x.is_deleted() == (level == 2) for x in weights)
+    assert before - live_bytes() >= expected
+    assert engine.is_sleeping and engine.sleep_level == level
+    with pytest.raises(EngineSleepingError, match="asleep"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+    assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished_requests()
+    with pytest.raises(RuntimeError, match="already asleep"):
+        llm.sleep(1)
+    if level == 2:
+        with pytest.raises(EngineSleepingError, match="wake_up"):
+            llm.update_weights({})
+    llm.wake_up()
+    assert not engine.is_sleeping
+    with count_compiles() as compiles:
+        assert greedy(llm) == tokens
+    assert compiles == [], compiles
+
+
+def test_sleep_update_wake_is_the_rl_cycle(checkpoints):
+    """Asleep at level 1 (the trainer's step), update, wake: B's tokens."""
+    a, b = checkpoints["qwen3"]
+    llm = LLM(model=str(a), **ARGS)
+    greedy(llm)
+    llm.sleep(1)
+    llm.update_weights(tensors(b))
+    llm.wake_up()
+    assert greedy(llm) == greedy(LLM(model=str(b), **ARGS))
+
+
+def test_sleep_refuses_while_requests_are_unfinished(checkpoints):
+    llm = LLM(model=str(checkpoints["qwen2"][0]), **ARGS)
+    engine = llm.llm_engine
+    engine.add_request("r", {"prompt_token_ids": PROMPTS[1]}, GREEDY)
+    engine.step()
+    with pytest.raises(RuntimeError, match="unfinished requests"):
+        llm.sleep(1)
+    assert not engine.is_sleeping
+    with pytest.raises(ValueError, match="choose 1"):
+        engine.abort_request("r") or llm.sleep(3)
+    assert not engine.is_sleeping and engine.runner.kv is not None

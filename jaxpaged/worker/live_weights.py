@@ -350,7 +350,7 @@ class RunnerSleep:
         if self.sleep_level:
             raise RuntimeError(f"the runner is already asleep (level {self.sleep_level}); wake_up() first")
         jax.block_until_ready(self.kv)
-        for buffer in self.kv:
+        for buffer in jax.tree.leaves(self.kv):
             buffer.delete()
         self.kv = None
         if level == 2:
