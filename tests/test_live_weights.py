@@ -86,16 +86,21 @@ def test_update_equals_a_fresh_engine_in_every_weight_form(checkpoints, args):
     assert greedy(llm) == greedy(LLM(model=str(b), **{**ARGS, **args}))
 
 
-def test_subsets_and_device_arrays(checkpoints):
-    """B's tensors in two halves (a fused projection's parts split across them), the second as jax.Arrays: the
-    same as all at once; a one-layer subset changes only that layer's tensors."""
+@pytest.mark.parametrize("args", [{}, dict(dtype="bfloat16")], ids=["packed", "bf16-per-layer"])
+def test_subsets_and_device_arrays(checkpoints, args, monkeypatch):
+    """B's tensors in two halves (a fused projection's parts split across them), the second as jax.Arrays taken as
+    an accelerator's are (converted with jax.numpy where they are, not read by numpy): the same as all at once; a
+    one-layer subset changes only that layer's tensors."""
+    from jaxpaged.worker import live_weights
+    monkeypatch.setattr(live_weights, "_off_host", lambda x: isinstance(x, jax.Array))
     a, b = checkpoints["gemma3"]
-    llm = LLM(model=str(a), **ARGS)
+    args = {**ARGS, **args}
+    llm = LLM(model=str(a), **args)
     new = tensors(b)
     names = sorted(new)
     llm.update_weights({n: new[n] for n in names[::2]})
     llm.update_weights({n: jnp.asarray(new[n]) for n in names[1::2]})
-    assert greedy(llm) == greedy(LLM(model=str(b), **ARGS))
+    assert greedy(llm) == greedy(LLM(model=str(b), **args))
     before = llm.get_weights()
     q = "model.layers.1.self_attn.q_proj.weight"
     llm.update_weights({q: np.ones_like(before[q])})

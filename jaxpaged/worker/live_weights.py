@@ -13,9 +13,10 @@
   - `get_weights()`: every weight under its HF name, as host numpy copies in the engine's dtype (packed int8
     weights dequantised). update_weights(get_weights()) changes no weight (int8: re-quantising the dequantised
     values gives back the same values).
-Host arrays (numpy) are converted with numpy on the host: no device program at all. jax.Arrays are converted with
-jax.numpy where they live, so a trainer's weights already on the engine's devices never go through the host
-(those small conversion programs compile once per shape, on the first update).
+Host arrays (numpy, and CPU jax.Arrays, read in place) are converted with numpy on the host: no device program at
+all. Arrays on an accelerator are converted with jax.numpy where they live, so a trainer's weights already on the
+engine's devices never go through the host (those small conversion programs compile once per shape, on the
+first update).
 
 `RunnerSleep` (a ModelRunner base) frees the device memory between uses: `sleep(1)` deletes the KV pool's
 buffers, `sleep(2)` also the weights (copied to the host first); `wake_up()` allocates a zeroed pool and puts the
@@ -126,6 +127,12 @@ def check_weights(config: LlamaConfig, weights: Mapping[str, Any]) -> dict[str, 
     return arrays
 
 
+def _off_host(x) -> bool:
+    """Whether x lives on an accelerator (converted there with jax.numpy); a CPU jax.Array is read in place by
+    numpy (no copy), as fast as the host path and with no program to compile."""
+    return isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices())
+
+
 def _is_float(dtype) -> bool:
     try:
         return bool(jnp.issubdtype(dtype, jnp.floating))  # bfloat16 too (numpy's issubdtype says no)
@@ -134,9 +141,9 @@ def _is_float(dtype) -> bool:
 
 
 def _all_finite(x) -> bool:
-    if isinstance(x, jax.Array):
+    if _off_host(x):
         return bool(jnp.isfinite(x).all())
-    return bool(np.isfinite(x).all())
+    return bool(np.isfinite(np.asarray(x)).all())
 
 
 # ----------------------------------------------------------------------------- engine leaves
@@ -263,7 +270,7 @@ class LiveWeights:
         arrays = check_weights(config, weights)
         given: dict[str, dict[int | None, Any]] = {}  # checkpoint key -> {layer: the HF array}
         for name, x in arrays.items():
-            given.setdefault(slots[name].key, {})[slots[name].layer] = x
+            given.setdefault(slots[name].key, {})[slots[name].layer] = x if _off_host(x) else np.asarray(x)
         to_ours = {slot.key: slot.to_ours for slot in slots.values()}
         new = {}
         for address in _addresses(self.params):
@@ -274,7 +281,7 @@ class LiveWeights:
                 continue
             old = _leaf(self.params, address)
             inputs = [given[k][i] for k in touched for i in given[k] if where in (None, "stacked") or i == where]
-            xp = jnp if any(isinstance(x, jax.Array) for x in inputs) else np
+            xp = jnp if any(_off_host(x) for x in inputs) else np
             dtype = np.float32 if isinstance(old, PackedWeight) else old.dtype
             current = None
             parts = {}
