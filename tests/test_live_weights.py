@@ -266,3 +266,26 @@ def test_sleep_refuses_while_requests_are_unfinished(checkpoints):
     with pytest.raises(ValueError, match="choose 1"):
         engine.abort_request("r") or llm.sleep(3)
     assert not engine.is_sleeping and engine.runner.kv is not None
+
+
+def test_on_a_tensor_parallel_mesh(checkpoints):
+    """tp=2 over CPU devices: host and on-mesh (jax.numpy) updates equal a fresh B engine, every leaf keeps its
+    sharding, no jit cache miss from the host update on, and sleep(2)/wake_up serves the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    a, b = checkpoints["qwen2"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    payload = {"a": str(a), "b": str(b), "tp": 2, "prompts": PROMPTS, "max_tokens": 8}
+    proc = subprocess.run([sys.executable, "-m", "tests.live_weights_worker", json.dumps(payload)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT=")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT="):])
+    assert result["host"] == result["device"] == result["after_wake"] == result["fresh_b"] != result["before"]
+    assert result["device_back_to_a"] == result["before"]
+    assert result["same_shardings"]
+    assert result["host_misses"] == [], result["host_misses"]
