@@ -86,7 +86,8 @@ def test_update_equals_a_fresh_engine_in_every_weight_form(checkpoints, args):
     assert greedy(llm) == greedy(LLM(model=str(b), **{**ARGS, **args}))
 
 
-@pytest.mark.parametrize("args", [{}, dict(dtype="bfloat16")], ids=["packed", "bf16-per-layer"])
+@pytest.mark.parametrize("args", [{}, dict(dtype="bfloat16"), dict(quantization="int8")],
+                         ids=["packed", "bf16-per-layer", "int8"])
 def test_subsets_and_device_arrays(checkpoints, args, monkeypatch):
     """B's tensors in two halves (a fused projection's parts split across them), the second as jax.Arrays taken as
     an accelerator's are (converted with jax.numpy where they are, not read by numpy): the same as all at once; a
@@ -105,7 +106,7 @@ def test_subsets_and_device_arrays(checkpoints, args, monkeypatch):
     q = "model.layers.1.self_attn.q_proj.weight"
     llm.update_weights({q: np.ones_like(before[q])})
     after = llm.get_weights()
-    assert np.array_equal(after[q], np.ones_like(before[q]))
+    np.testing.assert_allclose(after[q], np.ones_like(before[q]), rtol=1e-6)  # int8: 127 * (1 / 127)
     assert all(np.array_equal(after[n], before[n]) for n in before if n != q)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxpaged.models.llama import UNFUSED, LlamaConfig, PackedWeight, Params, param_shapes
 from jaxpaged.models.weights import _hf_layer_tensors, _top_level_tensors
-from jaxpaged.worker.host_memory import HugePageArena, advise_zeroed_huge_pages
+from jaxpaged.worker.host_memory import HugePageArena, advise_zeroed_huge_pages, cpu_array_over
 from jaxpaged.worker.step_input import allocate_kv_pool
 from jaxpaged.worker.step_program import _pack_for_cpu_matmul
 from pallas_kernels import cpu_matmul
@@ -200,16 +200,17 @@ def _layer_shape(config: LlamaConfig, name: str) -> tuple[int, ...]:
     return shapes[name]
 
 
-def _dense(config: LlamaConfig, name: str, leaf):
+def _dense(config: LlamaConfig, name: str, leaf, layer: int | None = None):
     """An engine leaf as a plain array of its unpacked shape ((L,) + `_layer_shape`): itself, or a packed
-    weight's blocks [(L,) N / 64, K, 64] read back on the host (int8: dequantised)."""
+    weight's blocks [(L,) N / 64, K, 64] read back on the host (int8: dequantised). layer: only that layer of a
+    packed stack."""
     if not isinstance(leaf, PackedWeight):
         return leaf
-    data = np.asarray(leaf.data)
+    data = np.asarray(leaf.data) if layer is None else np.asarray(leaf.data)[layer]
     *lead, blocks, k, cols = data.shape
     w2 = data.swapaxes(-3, -2).reshape(*lead, k, blocks * cols)  # [(L,) K, N]: block_weight undone
     if leaf.scale is not None:
-        scale = np.asarray(leaf.scale)
+        scale = np.asarray(leaf.scale) if layer is None else np.asarray(leaf.scale)[layer]
         scale = scale.swapaxes(-3, -2).reshape(*lead, scale.shape[-2], blocks * cols)
         w2 = np.asarray(cpu_matmul.dequantize_int8(w2, scale))
     return w2.reshape(*lead, *_layer_shape(config, name))
@@ -282,6 +283,10 @@ class LiveWeights:
             old = _leaf(self.params, address)
             inputs = [given[k][i] for k in touched for i in given[k] if where in (None, "stacked") or i == where]
             xp = jnp if any(_off_host(x) for x in inputs) else np
+            changed = sorted({i for k in touched for i in given[k]})
+            if where == "stacked" and isinstance(old, PackedWeight) and len(changed) < config.num_hidden_layers:
+                new[address] = self._repacked(name, old, sources, given, to_ours, changed)
+                continue
             dtype = np.float32 if isinstance(old, PackedWeight) else old.dtype
             current = None
             parts = {}
@@ -302,20 +307,49 @@ class LiveWeights:
         """An engine leaf's new unpacked value in the form and place of `old`: packed alike (a fresh host
         arena) or put on `old`'s sharding in its dtype."""
         if isinstance(old, PackedWeight):
-            host = np.asarray(dense, np.float32)
-            lead = host.shape[:host.ndim - len(_layer_shape(self.model_config, name))]
-            view = host.reshape(*lead, -1, host.shape[-1]) if name == "wo" else \
-                host.reshape(*lead, host.shape[len(lead)], -1)
-            packed = _pack_for_cpu_matmul(view, old.shape, HugePageArena(view.nbytes),
-                                          quantization=self.config.quantization)
-            if packed is None or jax.tree.structure(packed) != jax.tree.structure(old):
-                raise RuntimeError(f"{name}: the new weight does not pack as the old one did")
-            return packed
+            return self._packed(name, dense, old)
         if isinstance(dense, np.ndarray):
             dense = np.asarray(dense, old.dtype)
         else:
             dense = dense.astype(old.dtype)
         return _put_like(dense, old, self.mesh)
+
+
+    def _packed(self, name: str, dense, old: PackedWeight) -> PackedWeight:
+        """dense ((L,) + one layer's unpacked shape) as the native matmul's blocks, as `old` was packed."""
+        host = np.asarray(dense, np.float32)
+        lead = host.shape[:host.ndim - len(_layer_shape(self.model_config, name))]
+        view = host.reshape(*lead, -1, host.shape[-1]) if name == "wo" else \
+            host.reshape(*lead, host.shape[len(lead)], -1)
+        packed = _pack_for_cpu_matmul(view, old.shape, HugePageArena(view.nbytes),
+                                      quantization=self.config.quantization)
+        if packed is None or (packed.scale is None) != (old.scale is None):
+            raise RuntimeError(f"{name}: the new weight does not pack as the old one did")
+        return packed
+
+    def _repacked(self, name: str, old: PackedWeight, sources, given, to_ours, changed: list[int]) -> PackedWeight:
+        """A packed layer stack with only the `changed` layers packed anew (the others' blocks copied as they
+        are, not unpacked and packed again): a few layers' update costs one copy of the stack."""
+        config = self.model_config
+        data = np.asarray(old.data)  # [L, N / 64, K, 64]
+        blocks = HugePageArena(data.nbytes).empty(data.shape, data.dtype)
+        np.copyto(blocks, data)
+        scale = None if old.scale is None else np.array(old.scale)
+        for i in changed:
+            current = None
+            parts = {}
+            for key in sources:
+                if i in given.get(key, {}):
+                    parts[key] = to_ours[key](np.asarray(given[key][i]))
+                else:
+                    current = current or _split(config, name, _dense(config, name, old, i))
+                    parts[key] = current[key]
+            layer = self._packed(name, _join(config, name, parts, np), old)
+            blocks[i] = np.asarray(layer.data)
+            if scale is not None:
+                scale[i] = np.asarray(layer.scale)
+        return dataclasses.replace(old, data=cpu_array_over(blocks),
+                                   scale=None if scale is None else jnp.asarray(scale))
 
 
 def _put_like(x, old, mesh, may_alias: bool = False) -> jax.Array:
