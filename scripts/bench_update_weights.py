@@ -27,14 +27,19 @@ import numpy as np
 from jaxpaged import LLM, SamplingParams
 
 
-def timed(fn, repeats: int) -> tuple[float, float]:
-    """(first run's seconds, the median of all runs)."""
+def timed(fn, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` runs."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return times[0], statistics.median(times)
+    return times
+
+
+def row(name: str, times: list[float]) -> str:
+    runs = " ".join(f"{t:.3f}" for t in times)
+    return f"{name:40s} {times[0]:8.3f} {statistics.median(times):9.3f}   ({runs})"
 
 
 def main() -> None:
@@ -61,16 +66,15 @@ def main() -> None:
             ("sleep(1) + wake_up()", lambda: (llm.sleep(1), llm.wake_up()))]
     print(f"{args.model} ({args.dtype}, {len(weights)} tensors, {nbytes / 2**20:.0f} MiB), "
           f"{args.repeats} runs each; layout {llm.llm_engine.runner.layout}")
-    print(f"{'':40s} {'first s':>8s} {'median s':>9s}")
+    print(f"{'':40s} {'first s':>8s} {'median s':>9s}   (each run)")
     for name, fn in rows:
-        first, median = timed(fn, args.repeats)
-        print(f"{name:40s} {first:8.3f} {median:9.3f}")
+        print(row(name, timed(fn, args.repeats)))
     llm.update_weights(weights)
     after = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     print(f"greedy tokens after restoring the weights equal those before: {after == before}")
     del llm, device
-    first, median = timed(lambda: LLM(args.model, **engine_args), min(args.repeats, 3))
-    print(f"{'baseline: a new engine (no warm-up)':40s} {first:8.3f} {median:9.3f}")
+    print(row("baseline: a new engine (no warm-up)", timed(lambda: LLM(args.model, **engine_args),
+                                                            min(args.repeats, 3))))
 
 
 if __name__ == "__main__":

@@ -283,9 +283,8 @@ class LiveWeights:
             old = _leaf(self.params, address)
             inputs = [given[k][i] for k in touched for i in given[k] if where in (None, "stacked") or i == where]
             xp = jnp if any(_off_host(x) for x in inputs) else np
-            changed = sorted({i for k in touched for i in given[k]})
-            if where == "stacked" and isinstance(old, PackedWeight) and len(changed) < config.num_hidden_layers:
-                new[address] = self._repacked(name, old, sources, given, to_ours, changed)
+            if where == "stacked" and isinstance(old, PackedWeight):
+                new[address] = self._repacked(name, old, sources, given, to_ours)
                 continue
             dtype = np.float32 if isinstance(old, PackedWeight) else old.dtype
             current = None
@@ -327,29 +326,52 @@ class LiveWeights:
             raise RuntimeError(f"{name}: the new weight does not pack as the old one did")
         return packed
 
-    def _repacked(self, name: str, old: PackedWeight, sources, given, to_ours, changed: list[int]) -> PackedWeight:
-        """A packed layer stack with only the `changed` layers packed anew (the others' blocks copied as they
-        are, not unpacked and packed again): a few layers' update costs one copy of the stack."""
+    def _repacked(self, name: str, old: PackedWeight, sources, given, to_ours) -> PackedWeight:
+        """A packed layer stack made anew a layer at a time: a layer no given tensor touches keeps its blocks
+        (copied as they are); the others are assembled in one layer's scratch buffer (fused parts written in
+        place, missing parts read back from `old`) and blocked (int8: quantised) straight into the new stack, as
+        `_pack_for_cpu_matmul` blocks a stack. No stacked temporary: the stack's bytes are written about once."""
         config = self.model_config
         data = np.asarray(old.data)  # [L, N / 64, K, 64]
         blocks = HugePageArena(data.nbytes).empty(data.shape, data.dtype)
-        np.copyto(blocks, data)
-        scale = None if old.scale is None else np.array(old.scale)
-        for i in changed:
-            current = None
-            parts = {}
+        old_scale = None if old.scale is None else np.asarray(old.scale)  # [L, N / 64, K / 32, 64]
+        scale = None if old_scale is None else np.empty(old_scale.shape, np.float32)
+        scratch = np.empty(_layer_shape(config, name), np.float32)  # one layer, unpacked
+        view = scratch.reshape(-1, scratch.shape[-1]) if name == "wo" else scratch.reshape(scratch.shape[0], -1)
+        for i in range(config.num_hidden_layers):
+            if not any(i in given.get(key, {}) for key in sources):
+                np.copyto(blocks[i], data[i])
+                if scale is not None:
+                    np.copyto(scale[i], old_scale[i])
+                continue
+            current, parts = None, {}
             for key in sources:
                 if i in given.get(key, {}):
                     parts[key] = to_ours[key](np.asarray(given[key][i]))
                 else:
                     current = current or _split(config, name, _dense(config, name, old, i))
                     parts[key] = current[key]
-            layer = self._packed(name, _join(config, name, parts, np), old)
-            blocks[i] = np.asarray(layer.data)
-            if scale is not None:
-                scale[i] = np.asarray(layer.scale)
+            _join_into(config, name, parts, scratch)
+            if scale is None:
+                np.copyto(blocks[i], cpu_matmul.block_weight(view))
+            else:
+                q, s = cpu_matmul.quantize_int8(view)
+                np.copyto(blocks[i], cpu_matmul.block_weight(q))
+                np.copyto(scale[i], cpu_matmul.block_weight(s))
         return dataclasses.replace(old, data=cpu_array_over(blocks),
                                    scale=None if scale is None else jnp.asarray(scale))
+
+
+def _join_into(config: LlamaConfig, name: str, parts: dict[str, Any], out: np.ndarray) -> None:
+    """`_join` for one layer, written into `out` (that layer's unpacked shape) instead of a new array."""
+    if name == "wqkv":  # [E, K, G + 2, D]
+        g = config.num_queries_per_kv
+        out[..., :g, :] = parts["wq"].reshape(*out.shape[:2], g, out.shape[-1])
+        out[..., g, :], out[..., g + 1, :] = parts["wk"], parts["wv"]
+    elif name == "w_gate_up":  # [E, 2, F]
+        out[..., 0, :], out[..., 1, :] = parts["w_gate"], parts["w_up"]
+    else:
+        out[...] = parts[name]
 
 
 def _put_like(x, old, mesh, may_alias: bool = False) -> jax.Array:
