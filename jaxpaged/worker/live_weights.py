@@ -267,6 +267,7 @@ class LiveWeights:
         """Replace the named weights (module docstring); returns how many tensors were given. WeightUpdateError,
         changing nothing, for a bad dict. The new weights take effect from the next step dispatched; a step
         already dispatched holds the old arrays and finishes with them."""
+        _one_process(self, "update_weights")
         config, slots = self.model_config, hf_slots(self.model_config)
         arrays = check_weights(config, weights)
         given: dict[str, dict[int | None, Any]] = {}  # checkpoint key -> {layer: the HF array}
@@ -374,6 +375,12 @@ def _join_into(config: LlamaConfig, name: str, parts: dict[str, Any], out: np.nd
         out[...] = parts[name]
 
 
+def _one_process(runner, what: str) -> None:
+    """A multi-process run's other processes replay process 0's steps and would keep their old weights and pool."""
+    if runner.multi_process:
+        raise NotImplementedError(f"{what} runs in one process; this engine spans {jax.process_count()} processes")
+
+
 def _put_like(x, old, mesh, may_alias: bool = False) -> jax.Array:
     """x placed as `old` is: on a mesh its sharding (committed); on one device the default device, uncommitted as
     the runner's own arrays are (a committed array would be another jit signature: a step compiled again)."""
@@ -410,6 +417,7 @@ class RunnerSleep:
         (kept on the host for `wake_up`). The caller makes sure no step is in flight."""
         if level not in (1, 2) or isinstance(level, bool):
             raise ValueError(f"sleep level={level!r}: choose 1 (the KV cache) or 2 (the KV cache and the weights)")
+        _one_process(self, "sleep")
         if self.sleep_level:
             raise RuntimeError(f"the runner is already asleep (level {self.sleep_level}); wake_up() first")
         jax.block_until_ready(self.kv)
