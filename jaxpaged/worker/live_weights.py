@@ -278,30 +278,32 @@ class LiveWeights:
         for address in _addresses(self.params):
             name, where = address
             sources = _sources(config, name)
-            touched = [k for k in sources if k in given and (where in (None, "stacked") or where in given[k])]
-            if not touched:
-                continue
-            old = _leaf(self.params, address)
-            inputs = [given[k][i] for k in touched for i in given[k] if where in (None, "stacked") or i == where]
-            xp = jnp if any(_off_host(x) for x in inputs) else np
-            if where == "stacked" and isinstance(old, PackedWeight):
-                new[address] = self._repacked(name, old, sources, given, to_ours)
-                continue
-            dtype = np.float32 if isinstance(old, PackedWeight) else old.dtype
-            current = None
-            parts = {}
-            for key in sources:
-                layers = given.get(key, {})
-                complete = len(layers) == config.num_hidden_layers if where == "stacked" else where in layers
-                if not complete and current is None:
-                    current = _split(config, name, _dense(config, name, old))
-                if where == "stacked":
-                    parts[key] = _stacked(xp, dtype, to_ours[key], layers, None if complete else current[key])
-                else:
-                    parts[key] = to_ours[key](layers[where]) if complete else current[key]
-            new[address] = self._placed(name, _join(config, name, parts, xp), old)
-        self.params = _with_leaves(self.params, new)
+            if any(k in given and (where in (None, "stacked") or where in given[k]) for k in sources):
+                new[address] = self._rebuilt(address, sources, given, to_ours)
+        self.params = _with_leaves(self.params, new)  # all or nothing: nothing above changed the runner
         return len(arrays)
+
+    def _rebuilt(self, address: Address, sources: tuple[str, ...], given, to_ours):
+        """The engine leaf at `address` made anew from the `given` HF arrays ({key: {layer: array}}) over the
+        current values of the parts they leave out."""
+        config, (name, where) = self.model_config, address
+        old = _leaf(self.params, address)
+        if where == "stacked" and isinstance(old, PackedWeight):
+            return self._repacked(name, old, sources, given, to_ours)
+        inputs = [x for k in sources for i, x in given.get(k, {}).items() if where in (None, "stacked") or i == where]
+        xp = jnp if any(_off_host(x) for x in inputs) else np
+        dtype = np.float32 if isinstance(old, PackedWeight) else old.dtype
+        current, parts = None, {}
+        for key in sources:
+            layers = given.get(key, {})
+            complete = len(layers) == config.num_hidden_layers if where == "stacked" else where in layers
+            if not complete and current is None:
+                current = _split(config, name, _dense(config, name, old))
+            if where == "stacked":
+                parts[key] = _stacked(xp, dtype, to_ours[key], layers, None if complete else current[key])
+            else:
+                parts[key] = to_ours[key](layers[where]) if complete else current[key]
+        return self._placed(name, _join(config, name, parts, xp), old)
 
     def _placed(self, name: str, dense, old):
         """An engine leaf's new unpacked value in the form and place of `old`: packed alike (a fresh host
@@ -313,7 +315,6 @@ class LiveWeights:
         else:
             dense = dense.astype(old.dtype)
         return _put_like(dense, old, self.mesh)
-
 
     def _packed(self, name: str, dense, old: PackedWeight) -> PackedWeight:
         """dense ((L,) + one layer's unpacked shape) as the native matmul's blocks, as `old` was packed."""
