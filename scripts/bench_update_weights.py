@@ -42,6 +42,19 @@ def row(name: str, times: list[float]) -> str:
     return f"{name:40s} {times[0]:8.3f} {statistics.median(times):9.3f}   ({runs})"
 
 
+def measure(llm: LLM, weights: dict, repeats: int) -> list[tuple[str, list[float]]]:
+    """The update and sleep rows: (name, seconds of each run)."""
+    rng = np.random.default_rng(0)
+    host = {n: x * np.asarray(1 + 1e-3 * rng.standard_normal(), x.dtype) for n, x in weights.items()}
+    device = {n: jnp.asarray(x) for n, x in weights.items()}
+    layer0 = {n: x for n, x in weights.items() if n.startswith("model.layers.0.")}
+    rows = [("update, host numpy, all tensors", lambda: llm.update_weights(host)),
+            ("update, jax.Array, all tensors", lambda: llm.update_weights(device)),
+            (f"update, one layer ({len(layer0)} tensors)", lambda: llm.update_weights(layer0)),
+            ("sleep(1) + wake_up()", lambda: (llm.sleep(1), llm.wake_up()))]
+    return [(name, timed(fn, repeats)) for name, fn in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -55,24 +68,16 @@ def main() -> None:
     prompt = [{"prompt_token_ids": list(range(100, 140))}]
     before = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     weights = llm.get_weights()
-    rng = np.random.default_rng(0)
-    host = {n: x * np.asarray(1 + 1e-3 * rng.standard_normal(), x.dtype) for n, x in weights.items()}
-    device = {n: jnp.asarray(x) for n, x in weights.items()}
-    layer0 = {n: x for n, x in weights.items() if n.startswith("model.layers.0.")}
-    nbytes = sum(x.nbytes for x in weights.values())
-    rows = [("update, host numpy, all tensors", lambda: llm.update_weights(host)),
-            ("update, jax.Array, all tensors", lambda: llm.update_weights(device)),
-            (f"update, one layer ({len(layer0)} tensors)", lambda: llm.update_weights(layer0)),
-            ("sleep(1) + wake_up()", lambda: (llm.sleep(1), llm.wake_up()))]
-    print(f"{args.model} ({args.dtype}, {len(weights)} tensors, {nbytes / 2**20:.0f} MiB), "
-          f"{args.repeats} runs each; layout {llm.llm_engine.runner.layout}")
+    print(f"{args.model} ({args.dtype}, {len(weights)} tensors, "
+          f"{sum(x.nbytes for x in weights.values()) / 2**20:.0f} MiB), {args.repeats} runs each; "
+          f"layout {llm.llm_engine.runner.layout}")
     print(f"{'':40s} {'first s':>8s} {'median s':>9s}   (each run)")
-    for name, fn in rows:
-        print(row(name, timed(fn, args.repeats)))
+    for name, times in measure(llm, weights, args.repeats):
+        print(row(name, times))
     llm.update_weights(weights)
     after = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     print(f"greedy tokens after restoring the weights equal those before: {after == before}")
-    del llm, device
+    del llm
     print(row("baseline: a new engine (no warm-up)", timed(lambda: LLM(args.model, **engine_args),
                                                             min(args.repeats, 3))))
 

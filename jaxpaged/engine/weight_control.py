@@ -85,9 +85,9 @@ class WeightControl:
             raise WeightUpdateError(f"{folder}: lacks {len(missing)} of this model's {len(names)} tensors, e.g. "
                                     f"{missing[:3]} (another model?)")
         weights = {}
-        for path in sorted(set(files[n] for n in names)):
+        for path in sorted({files[n] for n in names}):
             with safe_open(str(path), framework="numpy") as f:
-                weights.update((n, f.get_tensor(n)) for n in f.keys() if n in names)
+                weights.update((n, f.get_tensor(n)) for n in f.keys() if n in names)  # noqa: SIM118 (a handle)
         return self.update_weights(weights)
 
     def sleep(self, level: int = 1) -> None:

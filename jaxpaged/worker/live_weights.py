@@ -34,9 +34,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.models.llama import UNFUSED, LlamaConfig, PackedWeight, Params, param_shapes
+from jaxpaged.models.llama import (
+    UNFUSED,
+    LlamaConfig,
+    PackedWeight,
+    Params,
+    param_shapes,
+)
 from jaxpaged.models.weights import _hf_layer_tensors, _top_level_tensors
-from jaxpaged.worker.host_memory import HugePageArena, advise_zeroed_huge_pages, cpu_array_over
+from jaxpaged.worker.host_memory import (
+    HugePageArena,
+    advise_zeroed_huge_pages,
+    cpu_array_over,
+)
 from jaxpaged.worker.step_input import allocate_kv_pool
 from jaxpaged.worker.step_program import _pack_for_cpu_matmul
 from pallas_kernels import cpu_matmul
