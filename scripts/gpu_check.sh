@@ -15,7 +15,9 @@
 #      heads, D=128, bf16, decode-like and mixed),
 #   4. kernel benchmarks (scripts/bench_kernels.py): the decode grid and mixed
 #      batches vs the pure-JAX path and JAX's paged_attention,
-#   5. a tiling sweep of our kernel on a few rows (bench_kernels.py --sweep),
+#   5. update_weights of the Llama-3-8B shape (scripts/bench_update_weights.py
+#      --random llama3-8b: issue 65's < 2 s; PASS / MISS in the summary),
+#   6. a tiling sweep of our kernel on a few rows (bench_kernels.py --sweep),
 #      in whatever is left of the time budget,
 # then a short summary table that decides issue 15's targets, a PASS / MISS /
 # UNMEASURED line each (batch-1 decode >= 80% of the weight-read roofline;
@@ -116,6 +118,7 @@ PYEOF
   grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -n 2
   sed -n '/== layer scan probe/,/^== /p' "$LOG" | grep -E "^ +[0-9]+ " | cut -c1-120
   sed -n '/== engine on device/,/^== /p' "$LOG" | sed '1!{/^== /d}' | head -n 7
+  grep -E "^(PASS|MISS) +update_weights" "$LOG" | cut -c1-160
   [ -s "$DIR/engine.jsonl" ] && "$PY" - "$DIR/engine.jsonl" "${SMOKE[@]}" "${SPEC_ONLY_ARG[@]}" <<'PYEOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
@@ -237,6 +240,11 @@ PYEOF
     --kernel-mode=$MODE -rfEs --tb=short --durations=4 || status=1
   section "kernel benchmarks" 75 "$PY" scripts/bench_kernels.py "${SMOKE[@]}" \
     --json "$DIR/bench_kernels.jsonl" || status=1
+  # Issue 65: update_weights of the Llama-3-8B shape (random bf16; the smoke run: the tiny shape) < 2 s.
+  local shape=llama3-8b
+  [ "$MODE" = interpret ] && shape=smoke
+  section "update_weights" 120 "$PY" scripts/bench_update_weights.py --random $shape --repeats 2 \
+    --target-seconds 2 || status=1
 
   # The sweep takes what is left; stopped at its limit, it still writes the rows it timed.
   local left=$(( (BUDGET * SCALE - SECONDS - 15) / SCALE ))
