@@ -320,11 +320,8 @@ class LiveWeights:
         arena) or put on `old`'s sharding in its dtype."""
         if isinstance(old, PackedWeight):
             return self._packed(name, dense, old)
-        if isinstance(dense, np.ndarray):
-            dense = np.asarray(dense, old.dtype)
-        else:
-            dense = dense.astype(old.dtype)
-        return _put_like(dense, old, self.mesh)
+        dense = np.asarray(dense, old.dtype) if isinstance(dense, np.ndarray) else dense.astype(old.dtype)
+        return _put_like(dense, old, self.mesh)  # a copy: never the caller's own array
 
     def _packed(self, name: str, dense, old: PackedWeight) -> PackedWeight:
         """dense ((L,) + one layer's unpacked shape) as the native matmul's blocks, as `old` was packed."""
@@ -394,7 +391,8 @@ def _one_process(runner, what: str) -> None:
 
 def _put_like(x, old, mesh, may_alias: bool = False) -> jax.Array:
     """x placed as `old` is: on a mesh its sharding (committed); on one device the default device, uncommitted as
-    the runner's own arrays are (a committed array would be another jit signature: a step compiled again)."""
+    the runner's own arrays are (a committed array would be another jit signature: a step compiled again).
+    may_alias=False: a copy, never the caller's array itself (a trainer may donate or delete it afterwards)."""
     if mesh is None:
         return jax.device_put(x, may_alias=may_alias)
     return jax.device_put(x, old.sharding, may_alias=may_alias)
