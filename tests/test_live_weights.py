@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.llama import PackedWeight
 from jaxpaged.worker.live_weights import WeightUpdateError, hf_slots
+from tests.conftest import make_tiny_checkpoint
 from tests.models.tiny_families import FAMILY_VARIANTS, make_family_checkpoint
 
 ARGS = dict(dtype="float32", seed=0, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, num_pages=64,
@@ -27,10 +28,12 @@ PROMPTS = [list(range(3, 20)), [7, 1, 250, 3, 99]]
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{variant: (A, B)}: two random checkpoints of each family (seeds 0 and 1)."""
+    """{variant: (A, B)}: two random checkpoints of each family (seeds 0 and 1); "llama": LlamaForCausalLM's."""
     root = tmp_path_factory.mktemp("live")
-    return {v: (make_family_checkpoint(root / f"{v}-a", v, 0), make_family_checkpoint(root / f"{v}-b", v, 1))
-            for v in FAMILY_VARIANTS}
+    pairs = {v: (make_family_checkpoint(root / f"{v}-a", v, 0), make_family_checkpoint(root / f"{v}-b", v, 1))
+             for v in FAMILY_VARIANTS}
+    pairs["llama"] = tuple(make_tiny_checkpoint(root / f"llama-{ab}", "gqa4", seed) for ab, seed in (("a", 0), ("b", 1)))
+    return pairs
 
 
 def tensors(folder) -> dict[str, np.ndarray]:
@@ -58,7 +61,7 @@ def count_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-@pytest.mark.parametrize("variant", sorted(FAMILY_VARIANTS))
+@pytest.mark.parametrize("variant", sorted(FAMILY_VARIANTS) + ["llama"])
 def test_update_equals_a_fresh_engine_in_every_family(checkpoints, variant):
     """Packed float32 weights (the CPU default): A's engine, its prefix cache full of the prompts, takes B's
     tensors and then generates B's greedy tokens, with no program compiled for the update or after it."""
