@@ -32,7 +32,8 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("live")
     pairs = {v: (make_family_checkpoint(root / f"{v}-a", v, 0), make_family_checkpoint(root / f"{v}-b", v, 1))
              for v in FAMILY_VARIANTS}
-    pairs["llama"] = tuple(make_tiny_checkpoint(root / f"llama-{ab}", "gqa4", seed) for ab, seed in (("a", 0), ("b", 1)))
+    pairs["llama"] = (make_tiny_checkpoint(root / "llama-a", "gqa4", seed=0),
+                      make_tiny_checkpoint(root / "llama-b", "gqa4", seed=1))
     return pairs
 
 
