@@ -298,3 +298,21 @@ def test_on_a_tensor_parallel_mesh(checkpoints):
     assert result["device_back_to_a"] == result["before"]
     assert result["same_shardings"]
     assert result["host_misses"] == [], result["host_misses"]
+
+
+def test_sleep_waits_for_the_step_left_in_flight(checkpoints):
+    """Async scheduling: a request that stops on a token leaves the next step (its wasted slot) in flight after it
+    finished; sleep waits for that step before deleting the pool it writes."""
+    llm = LLM(model=str(checkpoints["qwen2"][0]), **ARGS)
+    engine = llm.llm_engine
+    assert engine.async_scheduling
+    tokens = greedy(llm)
+    stop = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[tokens[0][2]])
+    engine.add_request("stops", {"prompt_token_ids": PROMPTS[0]}, stop)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine._in_flight is not None
+    llm.sleep(1)
+    assert engine._in_flight is None
+    llm.wake_up()
+    assert greedy(llm) == tokens
