@@ -316,3 +316,17 @@ def test_sleep_waits_for_the_step_left_in_flight(checkpoints):
     assert engine._in_flight is None
     llm.wake_up()
     assert greedy(llm) == tokens
+
+
+def test_update_weights_from_a_broken_folder_changes_nothing(checkpoints, tmp_path):
+    a, b = checkpoints["qwen2"]
+    llm = LLM(model=str(a), **ARGS)
+    tokens = greedy(llm)
+    broken = tmp_path / "broken"
+    shutil.copytree(b, broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[:len(data) // 2])  # truncated
+    from jaxpaged.models.weights import WeightLoadError
+    with pytest.raises(WeightLoadError, match="model.safetensors"):
+        llm.llm_engine.update_weights_from_disk(str(broken))
+    assert greedy(llm) == tokens

@@ -18,9 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
-
-from jaxpaged.models.weights import WeightLoadError, safetensors_files
+from jaxpaged.models.weights import WeightLoadError, _open, _read, safetensors_files
 from jaxpaged.worker.live_weights import WeightUpdateError, hf_slots
 
 logger = logging.getLogger(__name__)
@@ -86,8 +84,8 @@ class WeightControl:
                                     f"{missing[:3]} (another model?)")
         weights = {}
         for path in sorted({files[n] for n in names}):
-            with safe_open(str(path), framework="numpy") as f:
-                weights.update((n, f.get_tensor(n)) for n in f.keys() if n in names)  # noqa: SIM118 (a handle)
+            with _open(path) as f:  # WeightLoadError for a file that is missing or not safetensors
+                weights.update((n, _read(f, n, path)) for n in names if files[n] == path)
         return self.update_weights(weights)
 
     def sleep(self, level: int = 1) -> None:
