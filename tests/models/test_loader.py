@@ -62,3 +62,14 @@ def test_safetensors_path_runs_without_the_gguf_package(tiny_checkpoints):
             "assert len(out[0].outputs[0].token_ids) == 2\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_meta_llama_3_short_ids_resolve_to_their_hub_repos(tmp_path, monkeypatch, tiny_checkpoints):
+    snapshot = _fake_hf_cache(tmp_path, "meta-llama/Meta-Llama-3-8B-Instruct", tiny_checkpoints["gqa4"])
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model_path("meta-llama/Llama-3-8B-Instruct") == snapshot
+    assert resolve_model_path("meta-llama/Meta-Llama-3-8B-Instruct") == snapshot
+    with pytest.raises(ModelNotFoundError, match="'meta-llama/Meta-Llama-3-8B' is not in the Hugging Face cache"):
+        resolve_model_path("meta-llama/Llama-3-8B")
