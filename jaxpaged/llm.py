@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +20,26 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 Prompt = str | dict[str, Any] | Sequence[int]
 
 
+@contextlib.contextmanager
+def _start_up_progress():
+    """The engine's start-up lines (loading, each step shape compiled, ready) on stderr while `LLM(...)` builds
+    its engine, when the program has configured no logging: a cold start compiles for a minute and would
+    otherwise be silent. A program that configured logging gets them through its own handlers instead."""
+    package = logging.getLogger("jaxpaged")
+    if logging.getLogger().handlers or package.handlers or package.level not in (logging.NOTSET, logging.INFO):
+        yield
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+        package.setLevel(logging.NOTSET)
+
+
 class LLM:
     """Batch generation over the continuous-batching engine; outputs come back in input order."""
 
@@ -26,7 +48,8 @@ class LLM:
         unknown = sorted(set(engine_args) - names)
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(names)}")
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        with _start_up_progress():
+            self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -97,3 +97,23 @@ def test_bad_token_id_raises_before_any_step(llm, monkeypatch, bad, param):
 def test_unknown_engine_argument_is_rejected(tiny_checkpoints):
     with pytest.raises(TypeError, match="unknown engine arguments \\['max_num_seq'\\]"):
         LLM(model=str(tiny_checkpoints["gqa4"]), max_num_seq=4)
+
+
+def test_start_up_progress_shows_without_logging_configured(tiny_checkpoints):
+    """A script that configured no logging still sees LLM(...)'s start-up: each step shape as it is compiled
+    (or loaded from the cache), then the ready line naming the model; nothing of it once LLM(...) returns."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from jaxpaged import LLM; "
+              f"llm = LLM(model=sys.argv[1], dtype='float32', **{ARGS!r}); "
+              "import logging; logging.getLogger('jaxpaged.engine').info('after LLM(...) returned')")
+    done = subprocess.run([sys.executable, "-c", script, str(tiny_checkpoints["gqa4"])], capture_output=True,
+                          text=True, timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    shapes = [line for line in lines if "INFO jaxpaged.worker.compilation: step shape " in line]
+    assert shapes and shapes[0].split("step shape ")[1].startswith("1/"), done.stderr[-3000:]
+    ready = [line for line in lines if "INFO jaxpaged.engine.llm_engine: jaxpaged ready in " in line]
+    assert len(ready) == 1 and f": {tiny_checkpoints['gqa4']} (float32" in ready[0], ready
+    assert "after LLM(...) returned" not in done.stderr

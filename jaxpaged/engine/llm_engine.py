@@ -131,7 +131,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         quantized = "" if rc.quantization is None else f", weight dots {rc.quantization}"
         logger.info("jaxpaged ready in %.1f s (%s): %s (%s%s), KV pool %d pages x %d tokens = %d tokens (%s), "
                     "backend %s", self.startup_seconds, ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
-                    self.model.source, self.model.dtype, quantized, rc.num_pages - 1, rc.page_size,
+                    _model_name(self.args.model, self.model.source), self.model.dtype, quantized, rc.num_pages - 1, rc.page_size,
                     (rc.num_pages - 1) * rc.page_size, self.runner.kv_dtype, rc.backend)
 
     def warmup(self) -> dict[str, float]:
@@ -485,3 +485,9 @@ def _as_ids(ids) -> list[int]:
 
 
 __all__ = ["EngineArgs", "LLMEngine", "RequestStatus"]
+
+
+def _model_name(model: str, source) -> str:
+    """The model as the user named it, with the file it resolved to when that is not the name itself."""
+    name = str(model)
+    return name if name.rstrip("/").endswith(source.name) else f"{name} ({source.name})"

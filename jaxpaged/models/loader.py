@@ -61,6 +61,16 @@ DTYPES = {
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
 
 
+# Short ids people use for models whose hub repos are named otherwise (Meta's Llama 3 repos carry "Meta-"; 3.1
+# and later do not): resolved to the repo, and logged.
+HUB_ALIASES = {
+    "meta-llama/Llama-3-8B-Instruct": "meta-llama/Meta-Llama-3-8B-Instruct",
+    "meta-llama/Llama-3-8B": "meta-llama/Meta-Llama-3-8B",
+    "meta-llama/Llama-3-70B-Instruct": "meta-llama/Meta-Llama-3-70B-Instruct",
+    "meta-llama/Llama-3-70B": "meta-llama/Meta-Llama-3-70B",
+}
+
+
 class ModelNotFoundError(FileNotFoundError):
     """The model name resolves to nothing we can load."""
 
@@ -108,6 +118,9 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
     if model.count("/") != 1 or model.startswith((".", "/", "~")):
         raise ModelNotFoundError(f"{model!r} is not a built-in model ({', '.join(BUILTIN_MODELS)}), an "
                                  "existing file or folder, nor a Hugging Face repo id 'org/name'")
+    if model in HUB_ALIASES:
+        logger.info("%s is the hub's %s", model, HUB_ALIASES[model])
+        model = HUB_ALIASES[model]
     return _from_hub(model, revision)
 
 
@@ -131,6 +144,7 @@ def _builtin_path(name: str, builtin: BuiltinModel) -> Path:
 
 def _from_hub(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError
     cache = hf_cache_dir()
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True,
@@ -142,6 +156,10 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
                                  "HF_HUB_OFFLINE is set") from None
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=_HUB_PATTERNS))
+    except GatedRepoError:
+        raise ModelNotFoundError(f"{repo_id!r} is a gated model: accept its licence on "
+                                 f"https://huggingface.co/{repo_id} with your account, then set HF_TOKEN to one of "
+                                 "its access tokens (or run `hf auth login`)") from None
     except Exception as err:
         raise ModelNotFoundError(f"{repo_id!r} is not in the Hugging Face cache (looked in {cache}) and "
                                  f"could not be downloaded: {type(err).__name__}: {err}") from None

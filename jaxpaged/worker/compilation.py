@@ -19,6 +19,7 @@ from jaxpaged.sample import sampler
 from jaxpaged.sample.sampling_batch import make_sampling_batch
 from jaxpaged.spec_decode.verify import accept_drafts, draft_logits, redraft_in_flight
 from jaxpaged.worker import parallel
+from jaxpaged.worker.compile_progress import CompileProgress
 from jaxpaged.worker.host_memory import advise_huge_pages
 from jaxpaged.worker.in_flight import carry_tokens, fill_in_flight_jit, merge_sampled_tokens
 from jaxpaged.worker.runner_config import _MAX_COMPILE_THREADS, _WARMUP_BARRIER_SECONDS
@@ -111,39 +112,39 @@ class StepCompilation:
         the others called through their jits) or `_compiled` (the step shapes, which `_run` calls directly).
         Returns the wall seconds of its phases: {"sampler": lowering the sampler's, prompt-logprob and draft
         programs, "async": lowering the gathers (with async_scheduling), "compile": the rest (lowering the
-        step shapes, then waiting for the pool)}. Logs each step shape as it is handed to the pool, so a cold
-        start shows its progress. Every process compiles the same programs.
+        step shapes, then waiting for the pool)}. Logs each step shape when the pool has finished its programs
+        (CompileProgress), so a cold start shows its true progress. Every process compiles the same programs.
         """
         start, buckets, phases = time.perf_counter(), self.config.buckets, {}
         # half the cores: XLA:CPU's compile of one program takes a second core (one thread: 34.4 s cold, two: 40.2)
         workers = max(1, min(len(buckets), (os.cpu_count() or 1) // 2, _MAX_COMPILE_THREADS))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxpaged-compile") as pool:
+        logger.info("compiling %d step shapes (T, S, P) and the sampler's programs on %d thread%s (or loading "
+                    "them from the persistent compilation cache)", len(buckets), workers, "s" if workers > 1 else "")
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxpaged-compile") as pool, \
+                CompileProgress(len(buckets), workers) as progress:
             futures = {}  # future -> (dict, key) its program goes to, None: a jit's cache holds it
-            for i, (t, s, p) in enumerate(buckets, 1):
-                logger.info("compiling step shape %d/%d: (T, S, P) = (%d, %d, %d)", i, len(buckets), t, s, p)
+            for t, s, p in buckets:
                 options = self.config.compiler_options(num_tokens=t)
                 for rows in self._warm_logits_rows((t, s, p)):
                     lowered = self.lower(empty_step(t, s, p, rows))
-                    futures[pool.submit(lowered.compile, compiler_options=options)] = \
-                        (self._compiled, (t, s, p, rows))
+                    futures[progress.submit(pool, lowered, options, (t, s, p))] = (self._compiled, (t, s, p, rows))
                 for random in (False, True) if self.fuse_sampler else ():
                     lowered = self.lower_fused(empty_step(t, s, p), random)
-                    futures[pool.submit(lowered.compile, compiler_options=options)] = \
+                    futures[progress.submit(pool, lowered, options, (t, s, p))] = \
                         (self._compiled_fused, (t, s, p, random))
             for phase, lower in (("sampler", self.lower_sampler), ("async", self.lower_async)):
                 if phase == "async" and not async_scheduling:
                     continue
                 phase_start = time.perf_counter()
-                futures.update((pool.submit(lowered.compile), None) for lowered in lower())
+                futures.update((progress.submit(pool, lowered, None, None), None) for lowered in lower())
                 phases[phase] = time.perf_counter() - phase_start
-            for future in concurrent.futures.as_completed(futures):
-                program, target = future.result(), futures[future]
+            progress.wait()
+            for future, target in futures.items():
                 if target is not None:
-                    target[0][target[1]] = program
+                    target[0][target[1]] = future.result()
         phases["compile"] = time.perf_counter() - start - sum(phases.values())
-        logger.info("compiled %d step shapes (T, S, P) and %d other programs in %.1f s on %d threads",
-                    len(buckets), sum(target is None for target in futures.values()), time.perf_counter() - start,
-                    workers)
+        logger.info("compiled %d step shapes (T, S, P) and %d other programs: %s", len(buckets),
+                    sum(target is None for target in futures.values()), progress.summary())
         if self.multi_process:  # processes finish compiling at different times: meet, then run a step together
             parallel.barrier("jaxpaged-warmup", _WARMUP_BARRIER_SECONDS)
             jax.block_until_ready(self._run(empty_step(*buckets[0])))  # also sets up the cross-process collectives

@@ -22,27 +22,30 @@ def _fake_hf_cache(home, repo_id, checkpoint):
     return snapshot
 
 
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """HF_HOME in tmp_path, no network: the hub's cache layout is all resolve_model_path may read."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path
+
+
 def test_default_model_resolves_to_shipped_gguf():
     path = resolve_model_path(DEFAULT_MODEL)
     assert path.suffix == ".gguf" and path.is_file()
     assert resolve_model_path("SmolLM2-135M-Instruct") == path
 
 
-def test_repo_id_loads_from_hf_cache_offline(tmp_path, monkeypatch, tiny_checkpoints):
-    snapshot = _fake_hf_cache(tmp_path, "acme/tiny-llama", tiny_checkpoints["gqa4"])
-    monkeypatch.setenv("HF_HOME", str(tmp_path))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_repo_id_loads_from_hf_cache_offline(offline_hub, tiny_checkpoints):
+    snapshot = _fake_hf_cache(offline_hub, "acme/tiny-llama", tiny_checkpoints["gqa4"])
     assert resolve_model_path("acme/tiny-llama") == snapshot
     loaded = load_model("acme/tiny-llama")
     assert loaded.config.num_key_value_heads == 2 and loaded.source == snapshot
 
 
-def test_missing_repo_offline_says_where_it_looked(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelNotFoundError, match=f"looked in {tmp_path / 'hub'}"):
+def test_missing_repo_offline_says_where_it_looked(offline_hub):
+    with pytest.raises(ModelNotFoundError, match=f"looked in {offline_hub / 'hub'}"):
         resolve_model_path("acme/not-there")
 
 
@@ -62,3 +65,11 @@ def test_safetensors_path_runs_without_the_gguf_package(tiny_checkpoints):
             "assert len(out[0].outputs[0].token_ids) == 2\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_meta_llama_3_short_ids_resolve_to_their_hub_repos(offline_hub, tiny_checkpoints):
+    snapshot = _fake_hf_cache(offline_hub, "meta-llama/Meta-Llama-3-8B-Instruct", tiny_checkpoints["gqa4"])
+    assert resolve_model_path("meta-llama/Llama-3-8B-Instruct") == snapshot
+    assert resolve_model_path("meta-llama/Meta-Llama-3-8B-Instruct") == snapshot
+    with pytest.raises(ModelNotFoundError, match="'meta-llama/Meta-Llama-3-8B' is not in the Hugging Face cache"):
+        resolve_model_path("meta-llama/Llama-3-8B")

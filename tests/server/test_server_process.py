@@ -82,7 +82,11 @@ def test_server_logs_its_ready_line_and_no_torch_advice(tiny_checkpoints):
     assert ready, stderr[-3000:]
     pages, page_size, tokens, backend = ready.groups()
     assert (int(pages), int(page_size), int(tokens), backend) == (63, 16, 63 * 16, "cpu")  # page 0: the null page
-    assert "INFO jaxpaged.worker.compilation: compiling step shape 1/" in stderr  # progress while it compiles
+    # progress while it compiles: each step shape counted when the compile pool has finished it, in order
+    shapes = re.findall(r"INFO jaxpaged\.worker\.compilation: step shape (\d+)/(\d+) (?:compiled|loaded from the cache)",
+                        stderr)
+    assert shapes and [int(i) for i, _ in shapes] == list(range(1, int(shapes[0][1]) + 1)), stderr[-3000:]
+    assert stderr.index("step shape 1/") < stderr.index(f"compiled {shapes[0][1]} step shapes") < ready.start()
     assert "INFO server.lifecycle: serving " in stderr  # once listening (server/lifecycle.py)
     assert "PyTorch was not found" not in stderr
     assert "Unable to initialize backend" not in stderr  # JAX's INFO noise stays out at --log-level info

@@ -4,6 +4,7 @@ loads), and the CPU context cap said at start-up and in `--help`."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -203,3 +205,48 @@ def test_a_port_taken_while_the_model_loads_is_one_line(tmp_path):
     assert lines[-1] == (f"error: cannot listen on 127.0.0.1:{port}: Address already in use (another process took "
                          "the port while the model loaded); choose another with --port"), stderr[-3000:]
     assert "serving" not in stderr
+
+
+class _GatedHub(http.server.BaseHTTPRequestHandler):
+    """The hub's answer to a gated repo asked for without an accepted licence: 401 with X-Error-Code GatedRepo."""
+
+    asked: list[str] = []
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.asked.append(self.path)
+        body = b'{"error": "Access to model meta-llama/Meta-Llama-3-8B-Instruct is restricted."}'
+        self.send_response(401)
+        self.send_header("X-Error-Code", "GatedRepo")
+        self.send_header("X-Error-Message", "Access to model is restricted and you are not in the authorized list.")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_introduction_command_resolves_its_alias_and_a_gated_model_says_what_it_needs(tmp_path):
+    """`--model meta-llama/Llama-3-8B-Instruct` (how the engine is introduced) asks the hub for its repo,
+    meta-llama/Meta-Llama-3-8B-Instruct; the hub (here a local one) refuses a gated model: one line says what to do."""
+    hub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GatedHub)
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    env = {**server_env(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{hub.server_port}",
+           "HF_TOKEN": "", "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "server", "--model", "meta-llama/Llama-3-8B-Instruct", "--host",
+                               "127.0.0.1", "--port", str(free_port())], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120, check=False)
+    finally:
+        hub.shutdown()
+    assert_one_line_failure(proc, time.monotonic() - start, STARTUP_ERROR,
+                            "'meta-llama/Meta-Llama-3-8B-Instruct' is a gated model: accept its licence on "
+                            "https://huggingface.co/meta-llama/Meta-Llama-3-8B-Instruct")
+    assert "set HF_TOKEN" in proc.stderr.splitlines()[-1]
+    assert "meta-llama/Llama-3-8B-Instruct is the hub's meta-llama/Meta-Llama-3-8B-Instruct" in proc.stderr
+    models = [path for path in _GatedHub.asked if path.startswith("/api/models/")]
+    assert models and all(p.startswith("/api/models/meta-llama/Meta-Llama-3-8B-Instruct/") for p in models), models
