@@ -330,3 +330,18 @@ def test_update_weights_from_a_broken_folder_changes_nothing(checkpoints, tmp_pa
     with pytest.raises(WeightLoadError, match="model.safetensors"):
         llm.llm_engine.update_weights_from_disk(str(broken))
     assert greedy(llm) == tokens
+
+
+def test_a_weight_form_it_does_not_convert_is_refused_before_anything_changes(checkpoints):
+    """A leaf in another form (here: the final norm held as int8, as a quantised form the module does not know
+    would be): a NotImplementedError naming it, no other leaf replaced."""
+    llm = LLM(model=str(checkpoints["qwen2"][0]), **ARGS)
+    runner = llm.llm_engine.runner
+    weights = llm.get_weights()
+    runner.params = dict(runner.params, final_norm=runner.params["final_norm"].astype(jnp.int8))
+    before = jax.tree.leaves(runner.params)
+    with pytest.raises(NotImplementedError, match="final_norm"):
+        llm.update_weights(weights)
+    assert all(x is y for x, y in zip(jax.tree.leaves(runner.params), before))
+    with pytest.raises(NotImplementedError, match="final_norm"):
+        llm.get_weights()

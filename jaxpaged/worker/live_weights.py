@@ -265,6 +265,7 @@ class LiveWeights:
         out = {}
         for address in _addresses(self.params):
             name, where = address
+            _check_form(address, _leaf(self.params, address))
             for key, x in _split(config, name, _dense(config, name, _leaf(self.params, address))).items():
                 x = np.asarray(x)
                 if where == "stacked":
@@ -284,12 +285,12 @@ class LiveWeights:
         for name, x in arrays.items():
             given.setdefault(slots[name].key, {})[slots[name].layer] = x if _off_host(x) else np.asarray(x)
         to_ours = {slot.key: slot.to_ours for slot in slots.values()}
-        new = {}
-        for address in _addresses(self.params):
-            name, where = address
-            sources = _sources(config, name)
-            if any(k in given and (where in (None, "stacked") or where in given[k]) for k in sources):
-                new[address] = self._rebuilt(address, sources, given, to_ours)
+        touched = [(address, _sources(config, address[0])) for address in _addresses(self.params)]
+        touched = [(address, sources) for address, sources in touched
+                   if any(k in given and (address[1] in (None, "stacked") or address[1] in given[k]) for k in sources)]
+        for address, _ in touched:
+            _check_form(address, _leaf(self.params, address))
+        new = {address: self._rebuilt(address, sources, given, to_ours) for address, sources in touched}
         self.params = _with_leaves(self.params, new)  # all or nothing: nothing above changed the runner
         return len(arrays)
 
@@ -381,6 +382,19 @@ def _join_into(config: LlamaConfig, name: str, parts: dict[str, Any], out: np.nd
         out[..., 0, :], out[..., 1, :] = parts["w_gate"], parts["w_up"]
     else:
         out[...] = parts[name]
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def _check_form(address: Address, leaf) -> None:
+    """NotImplementedError for an engine leaf in a form this module does not convert (another quantised form):
+    raised before anything changes, rather than writing floats where the step reads something else."""
+    if isinstance(leaf, PackedWeight) or (isinstance(leaf, jax.Array) and np.dtype(leaf.dtype) in _FLOATS):
+        return
+    form = f"{type(leaf).__name__} {getattr(leaf, 'dtype', '')}".strip()
+    raise NotImplementedError(f"live weights: the engine holds {address[0]} as {form}, which update_weights and "
+                              "get_weights do not convert yet")
 
 
 def _one_process(runner, what: str) -> None:
