@@ -33,6 +33,14 @@ PROMPTS = [
     "The three laws of thermodynamics are",
     "Translate to German: The weather is nice today.\n",
     "List five fruits that are red:\n1.",
+    "Explain in one paragraph why the sky is blue.",
+    "The best way to learn a new language is",
+    "import numpy as np\n\n# compute the mean of each row\n",
+    "Dear hiring manager,\n",
+    "In 1969, the first humans",
+    "A recipe for pancakes:\nIngredients:\n",
+    "The difference between a virus and a bacterium is",
+    "Here are three tips for better sleep:\n1.",
 ]
 HELD_OUT = (
     "The river rose slowly through the night, and by morning the lower fields were under a hand's depth of "
