@@ -187,12 +187,16 @@ def test_checkpoint_values_come_back_as_stored(strategy, tiny_checkpoints, tmp_p
 
 
 def test_quantization_fp8_accuracy(trained, caplog):
-    """--quantization fp8 on full-precision weights keeps the trained tiny model within the issue's bounds; the
-    start-up log names the weight-only path this CPU runs."""
+    """--quantization fp8 on full-precision weights keeps the trained tiny model within the issue's bounds (greedy
+    agreement, KL, the lm-eval task's loglikelihood); the start-up log names the weight-only path this CPU runs."""
     path, reference = trained
     with caplog.at_level(logging.INFO, logger="jaxpaged.engine.llm_engine"):
         _within_bounds(reference, _measures(str(path), "fp8"))
     assert "weight dots fp8 (weight-only" in caplog.text
+    # the local lm-eval task's loglikelihoods (lm-eval's split), summed: within 1%
+    want, got = (quant_accuracy.task_loglikelihoods(str(path), q, "float32") for q in (None, "fp8"))
+    assert abs(got.sum() - want.sum()) < quant_accuracy.BOUNDS["loglikelihood"] * abs(want.sum())
+    assert not np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("variant", ["tied", "qwen3", "gemma3"])
