@@ -241,7 +241,8 @@ def test_bad_scales_fail_at_load(kind, message, tiny_checkpoints, tmp_path):
 
 def test_misshaped_block_scales_fail_at_load(tiny_checkpoints, tmp_path):
     def edit(tensors):
-        tensors["model.layers.0.mlp.up_proj.weight_scale_inv"] = tensors["model.layers.0.mlp.up_proj.weight_scale_inv"][:1]
+        name = "model.layers.0.mlp.up_proj.weight_scale_inv"
+        tensors[name] = tensors[name][:1]
     path = make_fp8_checkpoint(tiny_checkpoints["gqa4"], tmp_path / "block", "fp8", "block", (16, 32), edit=edit)
     with pytest.raises(WeightLoadError, match=r"up_proj.weight: block scales \(16 x 32\).*must be \[8, 2\]"):
         load_model(str(path), dtype="float32")

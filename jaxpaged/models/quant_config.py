@@ -111,8 +111,9 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> CheckpointQuantization:
                                     f"schemes are not supported ({sorted(schemes)})")
     (strategy, block, dynamic), = schemes
     kv = qc.get("kv_cache_scheme")
-    return CheckpointQuantization("compressed-tensors", strategy, "weight_scale", block, _names(qc, "compressed-tensors"),
-                                  dynamic, dict(kv) if isinstance(kv, Mapping) else None)
+    kv = dict(kv) if isinstance(kv, Mapping) else None
+    return CheckpointQuantization("compressed-tensors", strategy, "weight_scale", block,
+                                  _names(qc, "compressed-tensors"), dynamic, kv)
 
 
 def _weight_scheme(name: str, group: Any) -> tuple[str, tuple[int, int] | None, bool]:
