@@ -283,6 +283,18 @@ def test_parsed_schemes():
     assert (ct.strategy, ct.scale_name, ct.ignore, ct.kv_cache_scheme) == ("tensor", "weight_scale", ("lm_head",), kv)
 
 
+def test_fp8_checkpoint_on_a_mesh_is_refused(tiny_checkpoints, tmp_path):
+    """An FP8 checkpoint with tensor parallelism: a clear error when the engine resolves its quantisation, before
+    the KV pool or any step exists (a one-device "tp" mesh stands for any: the rule is the mesh's)."""
+    from jaxpaged.config import resolve_quantization
+    from jaxpaged.worker.parallel import make_mesh
+    path = make_fp8_checkpoint(tiny_checkpoints["gqa4"], tmp_path / "ct", "compressed-tensors", "channel")
+    loaded = load_model(str(path), dtype="float32")
+    assert resolve_quantization(EngineArgs(model=str(path)), loaded, None) == "fp8"
+    with pytest.raises(ValueError, match="FP8 checkpoint .* not supported with tensor parallelism"):
+        resolve_quantization(EngineArgs(model=str(path)), loaded, make_mesh(1))
+
+
 def test_fp8_where_it_cannot_run():
     with pytest.raises(ValueError, match="not supported with tensor parallelism"):
         EngineArgs(quantization="fp8", tensor_parallel_size=2)
