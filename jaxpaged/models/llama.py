@@ -29,7 +29,8 @@ the layers another way (`WeightLayout`, `to_weight_layout`): projections sharing
 (replacing wq/wk/wv and w_gate/w_up: one gemm each), and/or "layers" as a list of L per-layer dicts
 (no weight is sliced out of a stack at run time). `decoder_layer` takes every layout. On CPU the engine's
 runner also holds the weight dots' weights as `PackedWeight`s (`pack_weights`: the native matmul's
-contiguous column blocks), which `dot_weight` hands to their own product.
+contiguous column blocks), which `dot_weight` hands to their own product; with --quantization fp8 they are
+`Fp8Weight`s (jaxpaged/models/fp8.py: float8_e4m3fn [N, K] and a scale per output channel), likewise.
 Letters: B batch, T/S query/key tokens, E hidden, H query heads, K kv heads,
 G = H // K query heads per kv head, D head dim, F MLP width, V vocab, L layers.
 """
