@@ -74,8 +74,10 @@ class EngineArgs:
     num_pages: int | None = None  # KV pool size in pages (incl. the null page); overrides the above
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"  # the KV pool's dtype (see model_runner.resolve_kv_cache_dtype)
-    # vLLM's `quantization`: the weight dots' weights as int8, a scale per column and 32 rows (model_runner.QUANTIZATIONS;
-    # CPU, float32 weights on one device, the native matmul): "int8" (weight-only), "w8a8" (x quantised too) or None
+    # vLLM's `quantization` (runner_config.QUANTIZATIONS; docs/quantization.md): "fp8" (float8_e4m3fn weights, a scale
+    # per output channel: FP8 gemms on a GPU with FP8 tensor cores, weight-only elsewhere), or the weight dots' weights
+    # as int8, a scale per column and 32 rows (CPU, float32 weights on one device, the native matmul): "int8"
+    # (weight-only), "w8a8" (x quantised too); None: the checkpoint's (an FP8 checkpoint: "fp8", `resolve_quantization`)
     quantization: str | None = None
     # The step's weight layout (jaxpaged/worker/weight_layout.py): "auto" (per-layer arrays, read in place, where the
     # weights are not packed for the native CPU matmul, whose packed stack a scan reads in place; the stacked
@@ -137,7 +139,7 @@ class EngineArgs:
         check_quantization(self.quantization)
         if self.quantization is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
             raise ValueError(f"quantization={self.quantization!r} is not supported with tensor parallelism or several "
-                             "processes (it runs on the native CPU matmul, one device)")
+                             "processes yet (one device)")
         check_weight_layout(self.weight_layout)
         if self.command_buffers not in ("auto", *GPU_COMMAND_BUFFERS):
             raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
@@ -218,9 +220,21 @@ def resolve_engine_config(args: EngineArgs, model: LoadedModel, mesh: Mesh | Non
     return EngineConfig(runner, scheduler, scheduler.async_scheduling, max_tokens, overlap)
 
 
+def resolve_quantization(args: EngineArgs, model: LoadedModel, mesh: Mesh | None) -> str | None:
+    """The weight dots' quantisation: args.quantization, else "fp8" for an FP8 checkpoint (loaded dequantised,
+    served as FP8 again), else None. An FP8 checkpoint on a mesh is refused (quantisation runs on one device)."""
+    if model.quantization is not None and mesh is not None:
+        raise ValueError(f"{model.source} is an FP8 checkpoint ({model.quantization.format}); FP8 weights are not "
+                         "supported with tensor parallelism or several processes yet: serve it on one device")
+    if args.quantization is None and model.quantization is not None:
+        return "fp8"
+    return args.quantization
+
+
 def _packs_weights(args: EngineArgs, model: LoadedModel, mesh: Mesh | None) -> bool:
     """Whether the runner will hold the weight dots' weights packed (`runner_config.packs_weights`)."""
-    return packs_weights(args.attention_backend, model.dtype, sharded=mesh is not None)
+    return packs_weights(args.attention_backend, model.dtype, sharded=mesh is not None,
+                         quantization=resolve_quantization(args, model, mesh))
 
 
 def _runner_config(args: EngineArgs, model: LoadedModel, mesh: Mesh | None, on_gpu: bool,
@@ -243,7 +257,7 @@ def _runner_config(args: EngineArgs, model: LoadedModel, mesh: Mesh | None, on_g
     return RunnerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                         max_model_len=max_model_len, page_size=args.block_size, num_pages=num_pages,
                         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-                        quantization=args.quantization,
+                        quantization=resolve_quantization(args, model, mesh),
                         weight_layout=args.weight_layout, fuse_projections=args.fuse_projections,
                         command_buffers=args.command_buffers, fuse_sampler=args.fuse_sampler,
                         # CPU step time grows with padded tokens (all of it with XLA's dots, the non-dot part

@@ -133,7 +133,8 @@ def engine_args(args, **overrides) -> EngineArgs:
     return EngineArgs(**{**dict(model="random", max_model_len=args.prompt_len + args.output_len + 16,
                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 gpu_memory_utilization=args.gpu_memory_utilization,
-                                kv_cache_memory=args.kv_cache_memory, fuse_sampler=args.fuse_sampler), **overrides})
+                                kv_cache_memory=args.kv_cache_memory, fuse_sampler=args.fuse_sampler,
+                                quantization=args.quantization), **overrides})
 
 
 def build_engine(config: LlamaConfig, args) -> LLMEngine:
@@ -661,6 +662,8 @@ def main(argv=None) -> int:
     parser.add_argument("--spec-rounds", type=int, default=2, help="issue 17's rows: best of this many runs a side")
     parser.add_argument("--spec-temperature", type=float, default=1e-5,
                         help="issue 17's copying workloads again, seeded at this temperature (0: not)")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="the engine's weight dots (EngineArgs.quantization; gpu_check.sh --fp8 runs both sides)")
     parser.add_argument("--fuse-sampler", default="auto", choices=["auto", "on", "off"],
                         help="the engine's fuse_sampler (auto: on with a GPU)")
     parser.add_argument("--emulate-step-ms", type=float, default=0.0,

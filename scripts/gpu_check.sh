@@ -32,13 +32,16 @@
 #        in interpret mode; scripts/check_gpu_image_cpu.sh runs it in CI)
 #        bash scripts/gpu_check.sh --spec-only   (issue 17 alone: just
 #        bench_engine_gpu.py --spec-only, 86 s on the H200 on 2026-12-04, then the summary)
+#        bash scripts/gpu_check.sh --fp8   (issue 64's FP8-weight rows alone: the engine on bf16
+#        weights and with --quantization fp8, batch 1 and 256 concurrent each, then the ratios
+#        against the targets: batch-1 >= 1.7x, 256 concurrent >= 1.3x; not yet run on a GPU)
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
-SMOKE=() MODE=gpu SCALE=1 SWEEP=1 ENGINE=1 BUDGET=530 SPEC_ONLY=0
-usage="usage: gpu_check.sh [--smoke] [--budget SECONDS] [--skip-sweep] [--skip-engine] [--spec-only]"
+SMOKE=() MODE=gpu SCALE=1 SWEEP=1 ENGINE=1 BUDGET=530 SPEC_ONLY=0 FP8_ONLY=0
+usage="usage: gpu_check.sh [--smoke] [--budget SECONDS] [--skip-sweep] [--skip-engine] [--spec-only] [--fp8]"
 while [ $# -gt 0 ]; do
   case $1 in
     # Interpret mode on a CPU: each limit x8. On a 2-core Zen 3 (session 21) the kernel tests ran past
@@ -48,6 +51,7 @@ while [ $# -gt 0 ]; do
     --skip-sweep) SWEEP=0 ;;
     --skip-engine) ENGINE=0 ;;
     --spec-only) SPEC_ONLY=1 ;;  # issue 17's rows only: one section, then the summary
+    --fp8) FP8_ONLY=1 ;;  # issue 64's FP8-weight rows only: two engine sections, then their ratios
     *) echo "$usage" >&2; exit 2 ;;
   esac
   shift
@@ -205,6 +209,10 @@ main() {
     spec_only
     return
   fi
+  if [ $FP8_ONLY -eq 1 ]; then
+    fp8_only
+    return
+  fi
   echo "== environment ($(date -u +%FT%TZ))"
   command -v nvidia-smi >/dev/null && nvidia-smi -L
   "$PY" - <<'PYEOF'
@@ -268,6 +276,41 @@ spec_only() {  # --spec-only: issue 17's rows (bench_engine_gpu.py --spec-only) 
   section "engine, issue 17 only" 240 "$PY" scripts/bench_engine_gpu.py \
     "${SMOKE[@]}" --spec-only --json "$DIR/engine.jsonl" || status=1
   summary
+  echo "== gpu_check done: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
+  return $status
+}
+
+fp8_only() {  # --fp8: issue 64's FP8-weight rows, bf16 and fp8 weights on the same machine, one after the other
+  local status=0
+  echo "== environment ($(date -u +%FT%TZ))"
+  command -v nvidia-smi >/dev/null && nvidia-smi -L
+  : >"$DIR/engine.jsonl"
+  : >"$DIR/engine_fp8.jsonl"
+  local fast=(--skip-spec --skip-variants --concurrency "$([ ${#SMOKE[@]} -gt 0 ] && echo 16 || echo 256)")
+  section "engine bf16 (fp8 baseline)" 240 "$PY" scripts/bench_engine_gpu.py \
+    "${SMOKE[@]}" "${fast[@]}" --json "$DIR/engine.jsonl" || status=1
+  section "engine fp8 weights" 240 "$PY" scripts/bench_engine_gpu.py \
+    "${SMOKE[@]}" "${fast[@]}" --quantization fp8 --json "$DIR/engine_fp8.jsonl" || status=1
+  "$PY" - "$DIR/engine.jsonl" "$DIR/engine_fp8.jsonl" "${SMOKE[@]}" <<'PYEOF'
+import json, sys
+base, fp8 = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+smoke = "--smoke" in sys.argv[3:]
+def find(rows, name):
+  return next((r for r in rows if r["name"] == name), None)
+print("issue 64 targets, fp8 weights / bf16 weights, output tok/s" + (" (smoke: tiny model, not the target)"
+                                                                     if smoke else "") + ":")
+for label, name, key, target in (("batch-1 decode", "batch-1 decode", "tok_s", 1.7),
+                                 ("256 concurrent" if not smoke else "16 concurrent",
+                                  "256 concurrent" if not smoke else "16 concurrent", "out_tok_s", 1.3)):
+  b, f = find(base, name), find(fp8, name)
+  if not (b and f):
+    print(f"{'UNMEASURED':10s} {label}, fp8 / bf16 (>= {target}x)")
+    continue
+  ratio = f[key] / b[key]
+  print(f"{'PASS' if ratio >= target else 'MISS':10s} {label}, fp8 / bf16: {ratio:.2f}x (>= {target}x; "
+        f"{f[key]:,.1f} / {b[key]:,.1f} tok/s)")
+PYEOF
+  cat "$RESULTS"
   echo "== gpu_check done: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
   return $status
 }

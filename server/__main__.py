@@ -29,7 +29,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"  # jaxpaged.models.loader.DEFAULT_MODEL
 DEFAULT_MAX_WAITING_REQUESTS = 1024  # jaxpaged.engine.async_llm.DEFAULT_MAX_WAITING_REQUESTS
 CPU_ASYNC_MAX_TOKENS = 8  # jaxpaged.config.CPU_ASYNC_MAX_TOKENS
 CPU_MAX_MODEL_LEN = 2048  # the engine's cap on max_model_len on CPU when none is given
-QUANTIZATIONS = ("int8", "w8a8")  # jaxpaged.worker.runner_config.QUANTIZATIONS
+QUANTIZATIONS = ("fp8", "int8", "w8a8")  # jaxpaged.worker.runner_config.QUANTIZATIONS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -104,11 +104,13 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
                    help="KV cache dtype; auto: the model's, but float32 for a bfloat16 model on CPU "
                    "(XLA:CPU would convert the whole cache around every write)")
     e.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
-                   help="the weight dots' weights as int8 with a float32 scale per output column and 32 rows "
-                   "(as llama.cpp's Q8_0; about a quarter of the weight bytes per step): int8 computes in float32 "
-                   "(weight-only); w8a8 quantises each dot's input too, per row and 32 values, as llama.cpp's "
-                   "dots do (~1.7-2x faster prefill and batched decode on AVX-512 VNNI CPUs, at some quality). "
-                   "CPU: float32 weights on one device, the native matmul; default: the weights as loaded")
+                   help="fp8: the weight dots' weights as float8_e4m3fn with a float32 scale per output channel "
+                   "(FP8 gemms with per-token activation scales on a GPU with FP8 tensor cores, weight-only "
+                   "elsewhere; an FP8 checkpoint is served so by default). int8 / w8a8 (CPU: float32 weights on "
+                   "one device, the native matmul): int8 weights with a float32 scale per output column and 32 "
+                   "rows (as llama.cpp's Q8_0); int8 computes in float32 (weight-only); w8a8 quantises each "
+                   "dot's input too, per row and 32 values (~1.7-2x faster prefill and batched decode on "
+                   "AVX-512 VNNI CPUs, at some quality). docs/quantization.md; default: the weights as loaded")
     e.add_argument("--weight-layout", default="auto", choices=["auto", "stacked", "per_layer"],
                    help="how the step holds the layer weights; auto: per-layer arrays (read in place, faster "
                    "steps, a longer cold compile), except float32 weights on CPU, packed for the native matmul, "

@@ -282,7 +282,7 @@ def test_int8_needs_the_native_cpu_matmul_and_a_known_name(tiny):
         EngineArgs(model="unused", quantization="int8", tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "w8a8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "w8a8", "fp8"])
 def test_no_compilation_after_warmup(tiny, quantization):
     engine = make_engine(tiny, num_pages=40, quantization=quantization)  # small pool: preemption too
     prompts = mixed_prompts(20, seed=4)

@@ -45,7 +45,8 @@ import numpy as np
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.scheduler_output import SchedulerOutput
-from jaxpaged.config import EngineArgs, _configure_compilation_cache, make_mesh, resolve_engine_config, weight_layout_for
+from jaxpaged.config import (EngineArgs, _configure_compilation_cache, make_mesh, resolve_engine_config,
+                             resolve_quantization, weight_layout_for)
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.drafting import NO_ROOM_MAX_WAIT, Drafting
 from jaxpaged.engine.grammar import GrammarSupport
@@ -53,13 +54,14 @@ from jaxpaged.engine.output_processor import OutputProcessor, _Child, _Parent, _
 from jaxpaged.engine.validation import validate_request
 from jaxpaged.engine.weight_control import WeightControl
 from jaxpaged.errors import InvalidRequestError
+from jaxpaged.models.fp8 import quantize_params
 from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.outputs import RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker import parallel
 from jaxpaged.worker.in_flight import PendingStep
 from jaxpaged.worker.model_runner import ModelRunner
-from jaxpaged.worker.runner_config import build_native_kernels
+from jaxpaged.worker.runner_config import build_native_kernels, fp8_gemm, quantization_summary
 from jaxpaged.worker.step_input import FaultInjector
 from jaxpaged.worker.weight_layout import to_weight_layout
 
@@ -97,6 +99,9 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         self.model = dataclasses.replace(self.model, params=to_weight_layout(
             self.model.config, self.model.params, weight_layout_for(args, self.model, self.mesh), self.mesh,
             consume=loaded is None))
+        if resolve_quantization(args, self.model, self.mesh) == "fp8":  # FP8 weights, before the pool is sized
+            self.model = dataclasses.replace(self.model, params=quantize_params(
+                self.model.params, fp8_gemm(), consume=loaded is None))
         phases = {"load": time.perf_counter() - start}  # seconds per start-up phase, for the ready line
         self.config = resolve_engine_config(args, self.model, self.mesh)
         self.runner_config = self.config.runner
@@ -128,7 +133,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
 
     def _log_ready(self) -> None:
         rc, phases = self.runner_config, self.startup_phases
-        quantized = "" if rc.quantization is None else f", weight dots {rc.quantization}"
+        quantized = "" if rc.quantization is None else f", weight dots {quantization_summary(rc.quantization)}"
         logger.info("jaxpaged ready in %.1f s (%s): %s (%s%s), KV pool %d pages x %d tokens = %d tokens (%s), "
                     "backend %s", self.startup_seconds, ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
                     _model_name(self.args.model, self.model.source), self.model.dtype, quantized, rc.num_pages - 1, rc.page_size,

@@ -29,7 +29,8 @@ the layers another way (`WeightLayout`, `to_weight_layout`): projections sharing
 (replacing wq/wk/wv and w_gate/w_up: one gemm each), and/or "layers" as a list of L per-layer dicts
 (no weight is sliced out of a stack at run time). `decoder_layer` takes every layout. On CPU the engine's
 runner also holds the weight dots' weights as `PackedWeight`s (`pack_weights`: the native matmul's
-contiguous column blocks), which `dot_weight` hands to their own product.
+contiguous column blocks), which `dot_weight` hands to their own product; with --quantization fp8 they are
+`Fp8Weight`s (jaxpaged/models/fp8.py: float8_e4m3fn [N, K] and a scale per output channel), likewise.
 Letters: B batch, T/S query/key tokens, E hidden, H query heads, K kv heads,
 G = H // K query heads per kv head, D head dim, F MLP width, V vocab, L layers.
 """
@@ -44,6 +45,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxpaged.models.fp8 import Fp8Weight
 
 Params = dict[str, Any]
 
@@ -326,7 +329,11 @@ class Matmul(NamedTuple):
 def dot_weight(x: jax.Array, w: jax.Array, matmul: Matmul | None, spec: str,
                preferred_element_type=None) -> jax.Array:
     """x [T, E] @ w [E, ...] -> [T, ...]: a PackedWeight's own product; else matmul on w's 2-D view (a free
-    reshape) if it takes the shapes, else jnp.einsum(spec, x, w); in preferred_element_type (default x's)."""
+    reshape) if it takes the shapes, else jnp.einsum(spec, x, w); in preferred_element_type (default x's). An
+    Fp8Weight (--quantization fp8) runs its own FP8 or weight-only dot (jaxpaged/models/fp8.py)."""
+    if isinstance(w, Fp8Weight):
+        y = w.dot(x.reshape(-1, x.shape[-1])).astype(preferred_element_type or x.dtype)
+        return y.reshape(*x.shape[:-1], *w.shape[1:])
     if isinstance(w, PackedWeight):
         y = w.dot(x.reshape(-1, x.shape[-1]), w.data, w.layer, w.scale, w.rows)
         y = y.astype(preferred_element_type or x.dtype)
@@ -396,7 +403,8 @@ def project_out(o: jax.Array, wo: jax.Array, matmul: Matmul | None = None) -> ja
     the layouts, so XLA reshapes the (small) attention output, never the weight (XLA:CPU transposed wo
     into a copy every step when handed the 3-D contraction)."""
     hd = o.shape[-2] * o.shape[-1]
-    w2 = wo if isinstance(wo, PackedWeight) else wo.reshape(hd, wo.shape[-1])  # packed: already [H * D, E]
+    # packed or FP8: already [H * D, E]
+    w2 = wo if isinstance(wo, (PackedWeight, Fp8Weight)) else wo.reshape(hd, wo.shape[-1])
     return dot_weight(o.reshape(*o.shape[:-2], hd), w2, matmul, "...tn,ne->...te")
 
 

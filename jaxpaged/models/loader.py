@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxpaged import checkpoint
 from jaxpaged.models.llama import LlamaConfig, Params, UnsupportedModelError
+from jaxpaged.models.quant_config import CheckpointQuantization, parse_quantization_config
 from jaxpaged.models.weights import WeightLoadError, checkpoint_dtype, load_safetensors_params
 from jaxpaged.tokenizer import (GenerationConfig, PreTrainedTokenizerBase, load_generation_config,
                                 load_gguf_tokenizer, load_hf_tokenizer)
@@ -84,6 +85,9 @@ class LoadedModel:
     source: Path
     dtype: np.dtype
     load_seconds: float
+    # an FP8 checkpoint's scheme (its weights are loaded dequantised to `dtype`; the engine then serves them with
+    # quantization "fp8"); None for a full-precision checkpoint
+    quantization: CheckpointQuantization | None = None
 
 
 def parse_dtype(dtype: str | np.dtype) -> np.dtype | None:
@@ -198,10 +202,12 @@ def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "auto", tokenizer: st
     else:
         hf = _read_hf_config(path)
         config = LlamaConfig.from_hf_dict(hf)
+        quant = parse_quantization_config(hf)  # before any tensor is read: an unknown format fails fast
         dtype_ = wanted or _hf_dtype(path, hf)
-        params = load_safetensors_params(path, config, dtype_)
+        params = load_safetensors_params(path, config, dtype_, quant)
         tok = load_hf_tokenizer(tokenizer or path, chat_template)
         gen = load_generation_config(path, config.eos_token_ids, path=gen_path)
+        return LoadedModel(config, params, tok, gen, path, dtype_, time.perf_counter() - start, quant)
     return LoadedModel(config, params, tok, gen, path, dtype_, time.perf_counter() - start)
 
 

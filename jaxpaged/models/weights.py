@@ -20,7 +20,9 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from jaxpaged.models import registry
+from jaxpaged.models.fp8_checkpoint import Fp8ScaleError, read_fp8_weight
 from jaxpaged.models.llama import LlamaConfig, Params, param_shapes
+from jaxpaged.models.quant_config import CheckpointQuantization
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -101,6 +103,16 @@ def _read(handle, name: str, path: Path) -> np.ndarray:
         raise WeightLoadError(f"{path}: cannot read tensor {name!r} ({err})") from None
 
 
+def _read_quantized(handles, files: dict[str, Path], name: str, quant: CheckpointQuantization,
+                    folder: Path) -> np.ndarray:
+    """Tensor `name` of an FP8 checkpoint: float8 weights dequantised with their scales, the rest as stored."""
+    try:
+        w = read_fp8_weight(handles, files, name, quant)
+    except (Fp8ScaleError, ValueError) as err:
+        raise WeightLoadError(f"{folder}: {err}") from None
+    return _read(handles[files[name]], name, files[name]) if w is None else w
+
+
 # One param of the pytree: its key and, per layer (or once), a reader returning our layout.
 ParamReaders = list[tuple[str, list[Callable[[], np.ndarray]]]]
 
@@ -129,8 +141,11 @@ def assemble_params(config: LlamaConfig, groups: ParamReaders, dtype: np.dtype, 
     return params
 
 
-def load_safetensors_params(folder: Path, config: LlamaConfig, dtype: np.dtype) -> Params:
-    """Read a HF Llama checkpoint folder into the params pytree, cast to `dtype`, on device."""
+def load_safetensors_params(folder: Path, config: LlamaConfig, dtype: np.dtype,
+                            quant: CheckpointQuantization | None = None) -> Params:
+    """Read a HF Llama checkpoint folder into the params pytree, cast to `dtype`, on device. quant: an FP8
+    checkpoint's scheme (quant_config.py): its float8 weights are read times their scales
+    (fp8_checkpoint.py)."""
     files = safetensors_files(folder)
     named = [(key, [(name, fn)]) for key, (name, fn) in _top_level_tensors(config).items()]
     named += [(key, [(name.format(i=i), fn) for i in range(config.num_hidden_layers)])
@@ -143,6 +158,8 @@ def load_safetensors_params(folder: Path, config: LlamaConfig, dtype: np.dtype) 
         handles = {path: stack.enter_context(_open(path)) for path in shards}
 
         def reader(name, fn):
+            if quant is not None:
+                return lambda: fn(_read_quantized(handles, files, name, quant, folder))
             return lambda: fn(_read(handles[files[name]], name, files[name]))
 
         groups = [(key, [reader(name, fn) for name, fn in tensors]) for key, tensors in named]

@@ -45,6 +45,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxpaged.models.fp8 import quantize_params
 from jaxpaged.models.llama import LlamaConfig, Params, pack_weights, untie_lm_head
 from jaxpaged.sample import sampler, sampling_batch
 from jaxpaged.sample.sampler import SamplerOutput, num_top_logprobs_for, sample_jit
@@ -66,7 +67,7 @@ from jaxpaged.worker.host_memory import HugePageArena, advise_huge_pages, advise
 from jaxpaged.worker.in_flight import PendingStep, _draft_rows, banned_at, sampling_row
 from jaxpaged.worker.kept_rows import KeptRows, RowConstants
 from jaxpaged.worker.live_weights import LiveWeights, RunnerSleep
-from jaxpaged.worker.runner_config import RunnerConfig, packs_weights
+from jaxpaged.worker.runner_config import INT8_DOTS, RunnerConfig, fp8_gemm, packs_weights
 from jaxpaged.worker.runner_output import ModelRunnerOutput, PromptLogprobs, prompt_logprob_spans
 from jaxpaged.worker.step_input import (
     FaultInjector,
@@ -111,8 +112,11 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
             parallel.check_tensor_parallel(model_config, mesh.shape[parallel.TP])
         # params in the checkpoint layout are converted here (the engine converts before sizing the pool)
         # the native CPU matmul's column blocks (f32, one device): they decide the layout, then get packed below
-        packed = packs_weights(config.attention_backend, params["embed"].dtype, sharded=mesh is not None)
-        if config.quantization is not None and not packed:
+        packed = packs_weights(config.attention_backend, params["embed"].dtype, sharded=mesh is not None,
+                               quantization=config.quantization)
+        if config.quantization == "fp8" and mesh is not None:
+            raise ValueError("quantization='fp8' is not supported with tensor parallelism yet (one device)")
+        if config.quantization in INT8_DOTS and not packed:
             raise ValueError(f"quantization={config.quantization!r} runs on the native CPU matmul, which holds "
                              "float32 weights on one device: use dtype='float32', one device (no tensor "
                              "parallelism), the CPU backend with attention_backend 'auto' or 'cpu', and a C++ "
@@ -143,6 +147,8 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         if self.mesh is None:
             # XLA:CPU: a tied LM head runs as its own [E, V] copy (llama.untie_lm_head)
             self.params = untie_lm_head(self.model_config, params) if jax.default_backend() == "cpu" else params
+            if self.config.quantization == "fp8":  # the engine quantises before sizing the pool; others' params here
+                self.params = quantize_params(self.params, fp8_gemm(), consume=consume_params)
             if packed:
                 arena = HugePageArena(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(self.params)))
                 self.params = pack_weights(self.params, functools.partial(_pack_for_cpu_matmul, arena=arena,

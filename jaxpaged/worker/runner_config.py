@@ -181,14 +181,19 @@ def uses_native_matmul(backend: str) -> bool:
     return backend == "cpu" and jax.default_backend() == "cpu" and cpu_matmul.load_cpu_matmul()
 
 
-# Quantisation of the weight dots (vLLM's `quantization` argument), both with the weights as int8 and a float32 scale
-# per output column and run of 32 rows (pallas_kernels/cpu_matmul.py: quantize_int8), on the native CPU matmul:
-# "int8": weight-only, every product float32 (matmul_cpu); "w8a8": each dot's x quantised too, per row and run of 32
-# values, integer dots times both scales (matmul_w8a8; llama.cpp's Q8_0 dots): ~1.7-2.1x int8's speed from 8 rows
-# where AVX-512 VNNI runs them; elsewhere the same results ~10-20% slower than int8; at some quality
-# (docs/performance.md, docs/kernels.md)
-QUANTIZATIONS = ("int8", "w8a8")
+# Quantisation of the weight dots (vLLM's `quantization` argument; the table: docs/quantization.md).
+# "fp8": the weights as float8_e4m3fn, a float32 scale per output channel (jaxpaged/models/fp8.py), on XLA's dots:
+# FP8 x FP8 gemms with per-token dynamic activation scales on a GPU with FP8 tensor cores (`fp8_gemm`), weight-only
+# (the f8 weight upcast inside the dot) on CPU and older GPUs; what an FP8 checkpoint is served with.
+# "int8" and "w8a8" (CPU only), both with the weights as int8 and a float32 scale per output column and run of 32
+# rows (pallas_kernels/cpu_matmul.py: quantize_int8), on the native CPU matmul: "int8": weight-only, every product
+# float32 (matmul_cpu); "w8a8": each dot's x quantised too, per row and run of 32 values, integer dots times both
+# scales (matmul_w8a8; llama.cpp's Q8_0 dots): ~1.7-2.1x int8's speed from 8 rows where AVX-512 VNNI runs them;
+# elsewhere the same results ~10-20% slower than int8; at some quality (docs/performance.md, docs/kernels.md)
+QUANTIZATIONS = ("fp8", "int8", "w8a8")
 INT8_DOTS = {"int8": cpu_matmul.matmul_cpu, "w8a8": cpu_matmul.matmul_w8a8}  # each's product over the int8 blocks
+FP8_PLATFORMS = ("cpu", "gpu")  # where "fp8" runs (JAX's default backend)
+FP8_GEMM_MIN_CAPABILITY = (8, 9)  # CUDA compute capability of the first FP8 tensor cores (Ada; Hopper is 9.0)
 
 
 def check_quantization(quantization: str | None) -> None:
@@ -197,11 +202,38 @@ def check_quantization(quantization: str | None) -> None:
                          "weights as loaded)")
 
 
-def packs_weights(attention_backend: str, dtype, sharded: bool = False) -> bool:
+def fp8_gemm(platform: str | None = None) -> bool:
+    """Whether quantization "fp8" runs FP8 x FP8 gemms (True: a CUDA GPU of compute capability >= 8.9) or
+    weight-only dots (False: CPU, older GPUs) on `platform` (default: JAX's default backend); a ValueError
+    where it cannot run at all."""
+    platform = platform or jax.default_backend()
+    if platform not in FP8_PLATFORMS:
+        raise ValueError(f"quantization='fp8' runs on {FP8_PLATFORMS} backends, not {platform!r}")
+    if platform != "gpu":
+        return False
+    capability = getattr(jax.local_devices()[0], "compute_capability", None)  # "9.0" on an H100/H200
+    try:
+        return tuple(int(p) for p in str(capability).split(".")[:2]) >= FP8_GEMM_MIN_CAPABILITY
+    except ValueError:  # a GPU that names no CUDA capability (ROCm): no FP8 gemm assumed
+        return False
+
+
+def quantization_summary(quantization: str | None, platform: str | None = None) -> str:
+    """What the weight dots run, for the start-up log ("" without quantisation)."""
+    if quantization is None:
+        return ""
+    if quantization != "fp8":
+        return f"{quantization} (native CPU matmul, int8 weights)"
+    if fp8_gemm(platform):
+        return "fp8 (FP8 x FP8 gemms, per-token dynamic activation scales, per-channel weight scales)"
+    return "fp8 (weight-only: FP8 weights upcast inside each dot, per-channel scales; no FP8 gemm on this backend)"
+
+
+def packs_weights(attention_backend: str, dtype, sharded: bool = False, quantization: str | None = None) -> bool:
     """Whether a runner holds the weight dots' weights packed as the native CPU matmul's blocks (float32
-    weights on one device; `ModelRunner`, `_pack_for_cpu_matmul`). The weight layout follows it: a layer scan
-    reads packed weights in place (`resolve_weight_layout`)."""
-    return not sharded and np.dtype(dtype) == np.float32 and \
+    weights on one device, not FP8; `ModelRunner`, `_pack_for_cpu_matmul`). The weight layout follows it: a layer
+    scan reads packed weights in place (`resolve_weight_layout`)."""
+    return not sharded and quantization != "fp8" and np.dtype(dtype) == np.float32 and \
         uses_native_matmul(resolve_attention_backend(attention_backend))
 
 
@@ -258,8 +290,9 @@ class RunnerConfig:
     # The sampler inside the step's jitted program (`fused_step`): "auto" (on with a GPU backend; off on CPU,
     # where it measured slower: docs/performance.md), "on" or "off". One device only.
     fuse_sampler: str = "auto"
-    # Quantisation of the weight dots (QUANTIZATIONS: int8 weight-only, w8a8 with x too) or None. It needs the native
-    # CPU matmul's packed weights (`packs_weights`: float32 on one device), which the ModelRunner checks.
+    # Quantisation of the weight dots (QUANTIZATIONS) or None: "fp8" (fused projections, CPU or GPU, one device),
+    # "int8" weight-only or "w8a8" with x too, which need the native CPU matmul's packed weights (`packs_weights`:
+    # float32 on one device), which the ModelRunner checks.
     quantization: str | None = None
 
     def __post_init__(self):
@@ -288,6 +321,9 @@ class RunnerConfig:
                              f"{('auto', *GPU_COMMAND_BUFFERS)}")
         check_fuse_sampler(self.fuse_sampler)
         check_quantization(self.quantization)
+        if self.quantization == "fp8" and not self.fuse_projections:
+            raise ValueError("quantization='fp8' quantises the fused projections (wqkv, w_gate_up): set "
+                             "fuse_projections=True")
 
     def sampler_fused(self, platform: str | None = None) -> bool:
         """Whether the step program samples too (fuse_sampler; "auto": on a GPU backend only)."""
