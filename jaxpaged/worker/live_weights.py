@@ -4,17 +4,17 @@
   - `update_weights(weights)`: `weights` maps Hugging Face parameter names (the safetensors checkpoints' own,
     e.g. "model.layers.0.self_attn.q_proj.weight"; `hf_slots`) to float arrays in the checkpoint's [out, in]
     layout, all of the model's or a subset. Each is converted into the form the step holds (fused projections,
-    per-layer or stacked layers, the native CPU matmul's packed blocks, int8 weight dots: see
+    per-layer or stacked layers, the native CPU matmul's packed blocks, int8 and fp8 weight dots: see
     jaxpaged/worker/weight_layout.py and model_runner.py) and the new array gets the shape, dtype and placement
     (sharding) of the one it replaces, so every compiled step program takes it as it is: nothing is compiled
     again. Everything is checked first (names, shapes, float dtype, finite values; `WeightUpdateError`): a bad
     dict changes nothing. Only the engine leaves a name touches are rebuilt (a fused leaf reads its other parts
     from the current weights).
   - `get_weights()`: every weight under its HF name, as host numpy copies in the engine's dtype (packed int8
-    weights dequantised). update_weights(get_weights()) changes no weight (int8: re-quantising the dequantised
-    values gives back the same values).
+    and fp8 weights dequantised). update_weights(get_weights()) changes no weight (int8: re-quantising the
+    dequantised values gives back the same values; fp8: the same within a float32 ulp of the scale).
 Host arrays (numpy, and CPU jax.Arrays, read in place) are converted with numpy on the host: no device program at
-all. Arrays on an accelerator are converted with jax.numpy where they live, so a trainer's weights already on the
+all (fp8 weights excepted: quantised by `fp8.quantize_weight`'s program, as at load). Arrays on an accelerator are converted with jax.numpy where they live, so a trainer's weights already on the
 engine's devices never go through the host (those small conversion programs compile once per shape, on the
 first update).
 
@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.models import fp8
+from jaxpaged.models.fp8 import Fp8Weight
 from jaxpaged.models.llama import (
     UNFUSED,
     LlamaConfig,
@@ -214,6 +216,10 @@ def _dense(config: LlamaConfig, name: str, leaf, layer: int | None = None):
     """An engine leaf as a plain array of its unpacked shape ((L,) + `_layer_shape`): itself, or a packed
     weight's blocks [(L,) N / 64, K, 64] read back on the host (int8: dequantised). layer: only that layer of a
     packed stack."""
+    if isinstance(leaf, Fp8Weight):
+        q, scale = (leaf.q, leaf.scale) if layer is None else (leaf.q[layer], leaf.scale[layer])
+        w2 = np.asarray(fp8.dequantize(q, scale))  # [(L,) K, N]
+        return w2.reshape(*w2.shape[:-2], *_layer_shape(config, name))
     if not isinstance(leaf, PackedWeight):
         return leaf
     data = np.asarray(leaf.data) if layer is None else np.asarray(leaf.data)[layer]
@@ -303,7 +309,7 @@ class LiveWeights:
             return self._repacked(name, old, sources, given, to_ours)
         inputs = [x for k in sources for i, x in given.get(k, {}).items() if where in (None, "stacked") or i == where]
         xp = jnp if any(_off_host(x) for x in inputs) else np
-        dtype = np.float32 if isinstance(old, PackedWeight) else old.dtype
+        dtype = np.float32 if isinstance(old, (PackedWeight, Fp8Weight)) else old.dtype
         current, parts = None, {}
         for key in sources:
             layers = given.get(key, {})
@@ -321,15 +327,20 @@ class LiveWeights:
         arena) or put on `old`'s sharding in its dtype."""
         if isinstance(old, PackedWeight):
             return self._packed(name, dense, old)
+        if isinstance(old, Fp8Weight):  # quantised anew, as at load: same shapes, dtypes and device
+            return fp8.quantizer(old.gemm)(jnp.asarray(self._two_d(name, dense), jnp.float32), old.shape)
         dense = np.asarray(dense, old.dtype) if isinstance(dense, np.ndarray) else dense.astype(old.dtype)
         return _put_like(dense, old, self.mesh)  # a copy: never the caller's own array
 
+    def _two_d(self, name: str, dense):
+        """An unpacked weight ((L,) + one layer's shape) as its dot's 2-D view [(L,) K, N] (wo: [H * D, E])."""
+        lead = dense.shape[:dense.ndim - len(_layer_shape(self.model_config, name))]
+        return dense.reshape(*lead, -1, dense.shape[-1]) if name == "wo" else \
+            dense.reshape(*lead, dense.shape[len(lead)], -1)
+
     def _packed(self, name: str, dense, old: PackedWeight) -> PackedWeight:
         """dense ((L,) + one layer's unpacked shape) as the native matmul's blocks, as `old` was packed."""
-        host = np.asarray(dense, np.float32)
-        lead = host.shape[:host.ndim - len(_layer_shape(self.model_config, name))]
-        view = host.reshape(*lead, -1, host.shape[-1]) if name == "wo" else \
-            host.reshape(*lead, host.shape[len(lead)], -1)
+        view = self._two_d(name, np.asarray(dense, np.float32))
         packed = _pack_for_cpu_matmul(view, old.shape, HugePageArena(view.nbytes),
                                       quantization=self.config.quantization)
         if packed is None or (packed.scale is None) != (old.scale is None):
@@ -390,7 +401,7 @@ _FLOATS = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 def _check_form(address: Address, leaf) -> None:
     """NotImplementedError for an engine leaf in a form this module does not convert (another quantised form):
     raised before anything changes, rather than writing floats where the step reads something else."""
-    if isinstance(leaf, PackedWeight) or (isinstance(leaf, jax.Array) and np.dtype(leaf.dtype) in _FLOATS):
+    if isinstance(leaf, (PackedWeight, Fp8Weight)) or (isinstance(leaf, jax.Array) and np.dtype(leaf.dtype) in _FLOATS):
         return
     form = f"{type(leaf).__name__} {getattr(leaf, 'dtype', '')}".strip()
     raise NotImplementedError(f"live weights: the engine holds {address[0]} as {form}, which update_weights and "
