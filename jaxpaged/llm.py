@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -68,6 +68,35 @@ class LLM:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def update_weights(self, weights: Mapping[str, Any]) -> float:
+        """Replace the model's weights in place, by Hugging Face parameter name.
+
+        weights: {name: array} with the names of the model's safetensors checkpoint (e.g.
+        "model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"; `get_weights()` lists them), each
+        in the checkpoint's shape ([out, in] for projections); all of the model's or any subset. Arrays: numpy or
+        jax.Array, any float dtype (cast to the engine's), on the host or already on the engine's devices (then
+        converted there, never through the host). They are converted into the engine's own layout (fused
+        projections, per-layer arrays, packed or int8 CPU weights) with the shapes and placement of the old
+        ones: no step program is compiled again. Everything is checked before anything changes: unknown names,
+        wrong shapes, non-float dtypes or NaN/inf values raise WeightUpdateError (a ValueError) and the engine
+        keeps its weights. The prefix cache is dropped; the next generate() runs on the new weights. Raises
+        EngineSleepingError at sleep level 2 (wake_up() first). Returns the seconds it took."""
+        return self.llm_engine.update_weights(weights)
+
+    def get_weights(self) -> dict[str, Any]:
+        """The current weights {Hugging Face name: host numpy array} in the engine's dtype: the names and shapes
+        update_weights takes (update_weights(get_weights()) changes nothing)."""
+        return self.llm_engine.get_weights()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory between uses (vLLM's name): level 1 the KV cache's, level 2 the weights' too (kept
+        on the host). generate() while asleep raises EngineSleepingError; wake_up() restores."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Undo sleep(): same weights, an empty KV cache; outputs as before sleeping."""
+        self.llm_engine.wake_up()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

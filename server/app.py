@@ -15,6 +15,7 @@ from server.chat_page import add_chat_page
 from server.completions import create_completion
 from server.config import ServerConfig
 from server.context import ServingContext
+from server.engine_control import add_engine_control_routes
 from server.errors import bad_request, install_handlers
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -29,6 +30,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     install_handlers(app)
     _openai_routes(app, ctx)
     _utility_routes(app, ctx)
+    add_engine_control_routes(app, ctx)
     if config.enable_chat_page:
         add_chat_page(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)

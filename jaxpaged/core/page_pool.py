@@ -66,6 +66,8 @@ class PagePool:
         # computed twice (two requests in one step); the first page wins lookups.
         self._cached: dict[bytes, dict[int, None]] = {}
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(1, num_pages))
+        # requests whose pages hold KV computed before `drop_prefix_cache` (older weights): never cached again
+        self._uncacheable: set[str] = set()
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of which found in the cache
 
@@ -137,7 +139,7 @@ class PagePool:
         A request's hashed pages form a prefix of its page table, so only the
         pages after the last hashed one need work.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.request_id in self._uncacheable:
             return
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.page_size
         first = num_full
@@ -159,6 +161,14 @@ class PagePool:
         self._cached.clear()
         self._page_hashes = [None] * self.num_pages
         return True
+
+    def drop_prefix_cache(self, holders) -> None:
+        """Forget every cached hash, pages held or not (the model's weights changed: no page's KV is what a new
+        request would compute). `holders`: the requests holding pages now; their pages are never cached, until
+        each is freed (finished, or preempted: it then recomputes from scratch)."""
+        self._cached.clear()
+        self._page_hashes = [None] * self.num_pages
+        self._uncacheable.update(r.request_id for r in holders if r.page_ids)
 
     # ---- allocation --------------------------------------------------------
 
@@ -221,6 +231,7 @@ class PagePool:
 
     def free(self, request: Request) -> None:
         """Drop the request's references, tail page first; empties its page table."""
+        self._uncacheable.discard(request.request_id)
         for page_id in reversed(request.page_ids):
             if page_id != NULL_PAGE_ID:  # released by free_outside_window
                 self._release(request, page_id)

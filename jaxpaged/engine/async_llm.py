@@ -24,7 +24,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from jaxpaged.config import EngineArgs
@@ -89,6 +89,13 @@ class _Add:
 @dataclasses.dataclass
 class _Abort:
     request_ids: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class _Call:
+    """fn(engine), run on the engine thread between steps; its result or error goes to `future`."""
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
 
 
 class AsyncLLM:
@@ -161,6 +168,28 @@ class AsyncLLM:
         ids = (request_ids,) if isinstance(request_ids, str) else tuple(request_ids)
         self._submit(_Abort(ids))
 
+    async def call_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) on the engine thread, between two steps (a step already dispatched finishes first);
+        returns its result or raises its error here. For the engine's own operations: weight updates, sleep."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def update_weights_from_disk(self, model_path: str) -> float:
+        """LLMEngine.update_weights_from_disk between steps; returns its seconds."""
+        return await self.call_engine(lambda engine: engine.update_weights_from_disk(model_path))
+
+    async def sleep(self, level: int = 1) -> None:
+        """LLMEngine.sleep between steps (RuntimeError while requests are unfinished)."""
+        await self.call_engine(lambda engine: engine.sleep(level))
+
+    async def wake_up(self) -> None:
+        await self.call_engine(lambda engine: engine.wake_up())
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
     def stats(self) -> dict[str, float]:
         """A consistent snapshot of the engine's stats plus the loop's own counters."""
         with self._stats_lock:
@@ -205,10 +234,10 @@ class AsyncLLM:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
         with self._cond:
             if self._stopping:
-                if isinstance(command, _Add):
+                if isinstance(command, (_Add, _Call)):
                     command.future.set_exception(EngineShutdownError("the engine is shut down"))
                 return
             self._commands.append(command)
@@ -246,6 +275,8 @@ class AsyncLLM:
         for command in commands:
             if isinstance(command, _Add):
                 self._apply_add(command)
+            elif isinstance(command, _Call):
+                self._apply_call(command)
             else:
                 self._apply_abort(command.request_ids)
 
@@ -264,6 +295,15 @@ class AsyncLLM:
             return
         self._sinks[command.request_id] = command.sink
         command.future.set_result(None)
+
+    def _apply_call(self, command: _Call) -> None:
+        if not command.future.set_running_or_notify_cancel():
+            return
+        try:
+            command.future.set_result(command.fn(self.engine))
+        except Exception as err:
+            command.future.set_exception(err)
+        self._publish_stats()
 
     def _apply_abort(self, request_ids: Sequence[str]) -> None:
         try:
@@ -326,7 +366,7 @@ class AsyncLLM:
             commands = list(self._commands)
             self._commands.clear()
         for command in commands:
-            if isinstance(command, _Add) and not command.future.done():
+            if isinstance(command, (_Add, _Call)) and not command.future.done():
                 command.future.set_exception(err)
         sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():

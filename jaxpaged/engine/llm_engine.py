@@ -51,6 +51,7 @@ from jaxpaged.engine.drafting import NO_ROOM_MAX_WAIT, Drafting
 from jaxpaged.engine.grammar import GrammarSupport
 from jaxpaged.engine.output_processor import FloatArray, OutputProcessor, _Child, _Parent, _record_token_time
 from jaxpaged.engine.validation import validate_request
+from jaxpaged.engine.weight_control import WeightControl
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.outputs import RequestMetrics, RequestOutput
@@ -75,7 +76,7 @@ class _InFlightStep:
     dispatched_at: float  # time.perf_counter() when its forward was dispatched
 
 
-class LLMEngine(Drafting, GrammarSupport, OutputProcessor):
+class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None,
                  fault_injector: FaultInjector | None = None):
         # fault_injector: a test hook handed to the ModelRunner (runner.fault_injector), called every step
@@ -149,6 +150,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor):
         InvalidRequestError (a ValueError naming the parameter; nothing queued) if it can never be
         served: see jaxpaged/engine/validation.py and the scheduler's admission. ValueError for an id in use.
         """
+        self.check_awake()  # EngineSleepingError while asleep: nothing queued
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()

@@ -65,6 +65,7 @@ from jaxpaged.worker.dispatch import AsyncDispatch
 from jaxpaged.worker.host_memory import HugePageArena, advise_huge_pages, advise_zeroed_huge_pages
 from jaxpaged.worker.in_flight import PendingStep, _draft_rows, banned_at, sampling_row
 from jaxpaged.worker.kept_rows import KeptRows, RowConstants
+from jaxpaged.worker.live_weights import LiveWeights, RunnerSleep
 from jaxpaged.worker.runner_config import RunnerConfig, packs_weights
 from jaxpaged.worker.runner_output import ModelRunnerOutput, PromptLogprobs, prompt_logprob_spans
 from jaxpaged.worker.step_input import (
@@ -86,7 +87,7 @@ logger = logging.getLogger(__name__)
 
 
 
-class ModelRunner(AsyncDispatch, StepCompilation):
+class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
     """Owns the params and the KV pool; turns scheduler outputs into logits.
 
     With a mesh the params are placed onto `param_shardings(config, mesh)` and the
