@@ -2,10 +2,12 @@
 
 Each step: rollouts (n samples per prompt, the engine's sampled-token log-probs as arrays) -> rewards on a
 verifiable task (small sums: the completion's first number is the answer) -> the GRPO loss over the trainer's own
-forward (`jaxpaged.models.llama.forward`, plain JAX, the same weights) -> one optax step -> `LLM.update_weights`
--> the next rollouts. The engine runs in batch-invariant mode, so a sample's log-probs do not depend on what else
-was in its batch; the trainer's forward of the same weights gives them again, within 1e-5 (printed each step:
-`max |engine - trainer|`, per token and per sequence).
+forward (jaxpaged.models.llama's decoder layer in JAX over the same weights; its dots, norm sums, attention,
+RoPE tables and log-sum-exp on the engine's native CPU kernels, the gradients XLA's) -> one optax step ->
+`LLM.update_weights` -> the next rollouts. The engine runs in batch-invariant mode, so a sample's log-probs do not
+depend on what else was in its batch; the trainer's forward of the same weights gives them again: each step prints
+`max |engine - trainer|` per token and per sequence (within 1e-5 on the test's tiny model; ~5e-5 on SmolLM2, a
+miss of the 1e-5 target: docs/rl.md).
 
     python examples/grpo_smollm2.py                       # SmolLM2-135M-Instruct, 3 steps
     python examples/grpo_smollm2.py --steps 5 --samples 8 --learning-rate 2e-6
@@ -31,6 +33,8 @@ import optax
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models import llama
 from jaxpaged.worker.live_weights import hf_slots, to_hf
+from jaxpaged.worker.runner_config import cpu_compiler_options
+from pallas_kernels import cpu_attention, cpu_matmul, cpu_rope, cpu_sampler
 
 CLIP = 0.2  # PPO/GRPO ratio clip
 
@@ -102,10 +106,100 @@ def batch_arrays(samples: Sequence[dict], pad_id: int) -> dict[str, np.ndarray]:
     return dict(tokens=tokens, mask=mask, old=old)
 
 
+@jax.custom_vjp
+def native_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] @ w [K, N] on the engine's native CPU matmul (each row summed over K in its order), with XLA's
+    dots for the gradient."""
+    return cpu_matmul.matmul_cpu(x, w, any_rows=True)
+
+
+native_dot.defvjp(lambda x, w: (native_dot(x, w), (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+
+@jax.custom_vjp
+def native_row_sums(x: jax.Array) -> jax.Array:
+    """x [..., K] -> sums [..., 1] as the engine's batch-invariant norms take them."""
+    return cpu_matmul.row_sums_cpu(x)
+
+
+native_row_sums.defvjp(lambda x: (native_row_sums(x), x.shape), lambda shape, g: (jnp.broadcast_to(g, shape),))
+
+
+def native_attention(config: llama.LlamaConfig, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of B sequences of T tokens, q [B, T, H, D], k/v [B, T, K, D], on the engine's native CPU
+    kernel as batch-invariant mode runs it (each query on its own), its K/V laid out as a page pool of T-token
+    pages (page 0 the null page); the gradient is `llama.causal_attention`'s."""
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        b, t, h, d = q.shape
+        pool = lambda x: jnp.concatenate([jnp.zeros((x.shape[2], 1, t, d), x.dtype),
+                                          x.transpose(2, 0, 1, 3)], axis=1)  # [K, 1 + B, T, D]
+        out = cpu_attention.ragged_paged_attention_cpu(
+            q.reshape(b * t, h, d), pool(k), pool(v), jnp.full((b,), t, jnp.int32),
+            jnp.arange(1, b + 1, dtype=jnp.int32)[:, None], jnp.arange(0, b * t + 1, t, dtype=jnp.int32),
+            jnp.int32(b), sm_scale=config.attn_scale, query_tiles=False)
+        return out.reshape(b, t, h, d)
+
+    def backward(res, g):
+        return jax.vjp(lambda *x: llama.causal_attention(*x, config.attn_scale), *res)[1](g)
+
+    attend.defvjp(lambda q, k, v: (attend(q, k, v), (q, k, v)), backward)
+    return attend(q, k, v)
+
+
+@jax.custom_vjp
+def native_log_softmax(logits: jax.Array) -> jax.Array:
+    """log_softmax over the last axis with the engine's per-row log-sum-exp (cpu_sampler.row_stats_cpu, sums in
+    double), logits f32[R, V]."""
+    return logits - cpu_sampler.row_stats_cpu(logits, logits)[1][:, None]
+
+
+native_log_softmax.defvjp(
+    lambda x: (native_log_softmax(x), x),
+    lambda x, g: (g - jax.nn.softmax(x, axis=-1) * jnp.sum(g, axis=-1, keepdims=True),))
+
+
+def trainer_matmul() -> llama.Matmul | None:
+    """The trainer's weight dots and norm sums: the engine's own products where they build (so its forward
+    reproduces the engine's log-probs closely), else None (XLA's)."""
+    if jax.default_backend() != "cpu" or not all(m.SOURCE and load() for m, load in (
+            (cpu_matmul, cpu_matmul.load_cpu_matmul), (cpu_attention, cpu_attention.load_cpu_attention),
+            (cpu_rope, cpu_rope.load_cpu_rope), (cpu_sampler, cpu_sampler.load_cpu_sampler))):
+        return None
+    return llama.Matmul(native_dot, lambda x, w: x.ndim == 2 and x.dtype == w.dtype == jnp.float32,
+                        native_row_sums)
+
+
 def token_logprobs(config: llama.LlamaConfig, params: llama.Params, tokens: jax.Array) -> jax.Array:
-    """The trainer's forward: log p(tokens[:, t + 1] | tokens[:, :t + 1]) f32[B, L - 1]."""
-    logits = llama.forward(config, params, tokens[:, :-1])  # f32[B, L - 1, V]
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    """The trainer's forward (jaxpaged.models.llama's decoder layer over the stacked checkpoint-layout params,
+    the batch's tokens as rows, causal attention per sequence): log p(tokens[:, t + 1] | tokens[:, :t + 1])
+    f32[B, L - 1]."""
+    inputs, matmul = tokens[:, :-1], trainer_matmul()
+    native = matmul is not None  # the engine's kernels, as its batch-invariant step runs them
+    b, t = inputs.shape
+    positions = jnp.arange(t, dtype=jnp.int32)
+    cos, sin = (cpu_rope.rope_tables_cpu(positions, llama.rope_frequencies(config)) if native else
+                llama.rope_tables(config, positions))  # [U, T, D]
+    cos, sin = jnp.tile(cos[0], (b, 1)), jnp.tile(sin[0], (b, 1))  # [B * T, D]
+
+    def attend(q, k, v):  # [B * T, heads, D] -> per sequence
+        split = lambda x: x.reshape(b, t, *x.shape[1:])
+        out = (native_attention(config, split(q), split(k), split(v)) if native else
+               llama.causal_attention(split(q), split(k), split(v), config.attn_scale))
+        return out.reshape(b * t, *out.shape[2:]), None
+
+    def layer(h, p):  # q/k/v and gate/up fused as the engine holds them: one product each, on `matmul`
+        fused = {n: w for n, w in p.items() if n not in ("wq", "wk", "wv", "w_gate", "w_up")}
+        fused.update(wqkv=llama.fuse_qkv(config, p["wq"], p["wk"], p["wv"]),
+                     w_gate_up=llama.fuse_gate_up(p["w_gate"], p["w_up"]))
+        return llama.decoder_layer(config, fused, h, cos, sin, attend, matmul)[0], None
+
+    h = llama.embed_tokens(params, inputs.reshape(-1), config)  # [B * T, E]
+    h, _ = jax.lax.scan(layer, h, params["layers"])
+    head = params if "lm_head" in params else dict(params, lm_head=params["embed"].T)  # a tied head's [E, V]
+    logits = llama.lm_logits(config, head, h, matmul)  # f32[B * T, V]
+    logp = (native_log_softmax(logits) if native else jax.nn.log_softmax(logits, axis=-1)).reshape(b, t, -1)
     return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
@@ -162,7 +256,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]  # the template wrote BOS
     params = params_from_hf(config, llm.get_weights())
     optimizer = optax.adam(args.learning_rate)
-    grad = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnums=1)
+    # compiled as the engine's steps are in batch-invariant mode (XLA's own codegen: no library fusions, whose
+    # elementwise math rounds otherwise)
+    grad = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnums=1,
+                   compiler_options=cpu_compiler_options(num_tokens=1))
     state = dict(params=params, optimizer=optimizer, opt=optimizer.init(params), grad=grad)
     history = []
     for step in range(args.steps):

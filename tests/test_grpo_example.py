@@ -1,5 +1,6 @@
 """examples/grpo_smollm2.py: two GRPO steps on a tiny random model (rollouts -> rewards -> loss -> optax ->
-update_weights -> rollouts), the engine's log-probs equal to the trainer's forward within 1e-5."""
+update_weights -> rollouts), the engine's log-probs equal to the trainer's forward within 1e-5 (on SmolLM2 the
+example measures ~5e-5: docs/rl.md)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_two_steps(grpo, tiny_checkpoints, monkeypatch):
                          "--samples", "3", "--max-tokens", "6", "--max-model-len", "128", "--learning-rate", "1e-2"])
     assert [row["step"] for row in history] == [0, 1]
     for row in history:
-        assert row["tokens"] == 2 * 3 * 6 or row["tokens"] > 0
+        assert 0 < row["tokens"] <= 2 * 3 * 6
         assert row["max_token_gap"] <= 1e-5 and row["max_sequence_gap"] <= 1e-5
         assert np.isfinite(row["loss"]) and 0.0 <= row["reward"] <= 1.0
     assert len(updates) == 2
