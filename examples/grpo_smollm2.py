@@ -6,8 +6,8 @@ forward (jaxpaged.models.llama's decoder layer in JAX over the same weights; its
 RoPE tables and log-sum-exp on the engine's native CPU kernels, the gradients XLA's) -> one optax step ->
 `LLM.update_weights` -> the next rollouts. The engine runs in batch-invariant mode, so a sample's log-probs do not
 depend on what else was in its batch; the trainer's forward of the same weights gives them again: each step prints
-`max |engine - trainer|` per token and per sequence (within 1e-5 on the test's tiny model; ~5e-5 on SmolLM2, a
-miss of the 1e-5 target: docs/rl.md).
+`max |engine - trainer|` per token and per sequence (0: the same bits, on SmolLM2 and the test's tiny model;
+docs/rl.md).
 
     python examples/grpo_smollm2.py                       # SmolLM2-135M-Instruct, 3 steps
     python examples/grpo_smollm2.py --steps 5 --samples 8 --learning-rate 2e-6
@@ -230,8 +230,11 @@ def train_step(llm: LLM, config, state: dict, prompts, answers, args, step: int)
     t1 = time.perf_counter()
     rewards = np.array([reward(s["text"], answers[s["group"]]) for s in samples], np.float32)
     arrays = batch_arrays(samples, pad_id=0)
-    (loss, logp), grads = state["grad"](state["params"], config, arrays["tokens"], arrays["mask"], arrays["old"],
-                                        advantages(samples, rewards))
+    # the trainer's forward of the rollout's weights, on its own: the gradient's program fuses the forward with
+    # its backward, which rounds some element-wise steps otherwise (~1e-7 a layer); alone it is the engine's math
+    logp = state["forward"](config, state["params"], arrays["tokens"])
+    (loss, _), grads = state["grad"](state["params"], config, arrays["tokens"], arrays["mask"], arrays["old"],
+                                     advantages(samples, rewards))
     gap = np.abs(np.asarray(logp) - arrays["old"]) * arrays["mask"]  # the rollout's weights: ratio 1
     seq_gap = np.abs(((np.asarray(logp) - arrays["old"]) * arrays["mask"]).sum(axis=1))
     updates, state["opt"] = state["optimizer"].update(grads, state["opt"], state["params"])
@@ -258,9 +261,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     optimizer = optax.adam(args.learning_rate)
     # compiled as the engine's steps are in batch-invariant mode (XLA's own codegen: no library fusions, whose
     # elementwise math rounds otherwise)
-    grad = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnums=1,
-                   compiler_options=cpu_compiler_options(num_tokens=1))
-    state = dict(params=params, optimizer=optimizer, opt=optimizer.init(params), grad=grad)
+    options = cpu_compiler_options(num_tokens=1)
+    grad = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnums=1, compiler_options=options)
+    forward = jax.jit(token_logprobs, static_argnums=0, compiler_options=options)
+    state = dict(params=params, optimizer=optimizer, opt=optimizer.init(params), grad=grad, forward=forward)
     history = []
     for step in range(args.steps):
         row = train_step(llm, config, state, prompts, [a for _, a in questions], args, step)
