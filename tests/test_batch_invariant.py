@@ -211,3 +211,14 @@ def test_cli_flag():
 
     assert engine_args(build_parser().parse_args(["--batch-invariant"])).batch_invariant is True
     assert engine_args(build_parser().parse_args([])).batch_invariant is False
+
+
+def test_the_gpu_gets_a_warning_the_cpu_a_refusal(caplog):
+    from jaxpaged.worker.runner_config import check_batch_invariant
+
+    check_batch_invariant(True, "cpu")  # packed weights: fine, silently
+    with pytest.raises(ValueError, match="XLA's own dots"):
+        check_batch_invariant(False, "cpu")
+    with caplog.at_level("WARNING"):
+        check_batch_invariant(False, "gpu")
+    assert "not batch-invariant yet" in caplog.text

@@ -195,7 +195,11 @@ INT8_DOTS = {"int8": cpu_matmul.matmul_cpu, "w8a8": cpu_matmul.matmul_w8a8}  # e
 def check_batch_invariant(packed: bool, platform: str) -> None:
     """Batch-invariant mode on a CPU backend needs the weight dots on the native matmul's packed blocks (float32
     weights, one device, the native kernels: `packs_weights`): XLA:CPU's dots block their rows by the step's
-    row count, so a row's sums would change with the batch. Raises a ValueError naming what to change."""
+    row count, so a row's sums would change with the batch. Raises a ValueError naming what to change. Elsewhere
+    (a GPU) it warns: only the attention is batch-invariant there."""
+    if platform != "cpu":  # the attention's tiling is fixed; XLA's GEMMs pick their tiles by the row count
+        logger.warning("batch_invariant=True on %s: attention runs one tiling for every batch, but the weight "
+                       "dots are XLA's GEMMs, which are not batch-invariant yet (docs/rl.md)", platform)
     if platform == "cpu" and not packed:
         raise ValueError("batch_invariant=True on CPU needs float32 weights (dtype='float32' or 'auto' for a "
                          "float32 checkpoint), one device and the native CPU kernels (attention_backend 'auto' or "
