@@ -25,6 +25,7 @@ from jaxpaged.worker import parallel
 from jaxpaged.worker.runner_config import (
     GPU_COMMAND_BUFFERS,
     RunnerConfig,
+    check_batch_invariant,
     check_fuse_sampler,
     check_kv_cache_dtype,
     check_quantization,
@@ -118,8 +119,17 @@ class EngineArgs:
     # verification step 7.3 ms against 4.4 ms overlapped); off on CPU, where the host time is a few % of a step:
     # SmolLM2 at batch 1 gained nothing from it (docs/performance.md, "Which knobs matter")
     overlap_verification: bool | None = None
+    # Batch-invariant mode (docs/rl.md): a request's logits and log-probs the same to the bit whatever else is in
+    # the batch, however its prompt was chunked, whether its prefix came from the cache, whichever bucket ran it
+    # (RunnerConfig.batch_invariant); on CPU it needs float32 weights on the native kernels
+    batch_invariant: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r} must be a bool")
+        if self.batch_invariant and self.quantization == "int8":
+            raise ValueError("batch_invariant=True does not take quantization='int8' (its rounding depends on the "
+                             "step's row count); use 'w8a8' or float32 weights")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None (auto)")
         if self.overlap_verification is not None and not isinstance(self.overlap_verification, bool):
@@ -204,6 +214,8 @@ def resolve_engine_config(args: EngineArgs, model: LoadedModel, mesh: Mesh | Non
     """Every choice `args` leaves open, made for `model` (its weights already in their layout: the KV pool is
     sized from the memory left) on this machine."""
     on_gpu = jax.default_backend() == "gpu"
+    if args.batch_invariant:
+        check_batch_invariant(_packs_weights(args, model, mesh), jax.default_backend())
     overlap = on_gpu if args.overlap_verification is None else args.overlap_verification
     runner = _runner_config(args, model, mesh, on_gpu, overlap)
     config = model.config
@@ -257,7 +269,7 @@ def _runner_config(args: EngineArgs, model: LoadedModel, mesh: Mesh | None, on_g
     return RunnerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                         max_model_len=max_model_len, page_size=args.block_size, num_pages=num_pages,
                         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-                        quantization=resolve_quantization(args, model, mesh),
+                        quantization=resolve_quantization(args, model, mesh), batch_invariant=args.batch_invariant,
                         weight_layout=args.weight_layout, fuse_projections=args.fuse_projections,
                         command_buffers=args.command_buffers, fuse_sampler=args.fuse_sampler,
                         # CPU step time grows with padded tokens (all of it with XLA's dots, the non-dot part

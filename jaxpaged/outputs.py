@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class Logprob:
@@ -49,6 +51,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None  # per generated token, when asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # SamplingParams.array_logprobs: each token's raw log-prob, float32 [len(token_ids)] (all or new, as token_ids)
+    token_logprobs: np.ndarray | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -66,3 +70,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token (the first is None, nothing predicts it), its
     # entry and the top-k; complete from the first output on (in DELTA mode only in the first output)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # SamplingParams.array_logprobs with prompt_logprobs=0: each prompt token's log-prob, float32 [len(prompt)]
+    # (index 0 NaN: nothing predicts it); sent as prompt_logprobs is
+    prompt_token_logprobs: np.ndarray | None = None

@@ -117,6 +117,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (0: only the sampled one)
     prompt_logprobs: int | None = None  # top-k log-probs of each prompt token (one device: refused with a mesh)
+    # Log-probs as arrays for a trainer (docs/rl.md, "rollout outputs"): each sampled token's raw log-prob in
+    # CompletionOutput.token_logprobs and, with prompt_logprobs=0, the prompt tokens' in
+    # RequestOutput.prompt_token_logprobs (float32 numpy arrays), no per-token dicts (logprobs and prompt_logprobs
+    # then ask no top-k: None or 0). Not part of vLLM's SamplingParams.
+    array_logprobs: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (no text, so no stop strings)
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
@@ -171,6 +176,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 bad(name, value, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.array_logprobs, bool):
+            bad("array_logprobs", self.array_logprobs, "must be a bool")
+        for name in ("logprobs", "prompt_logprobs"):
+            if self.array_logprobs and getattr(self, name) not in (None, 0):
+                bad(name, getattr(self, name), "array_logprobs gives the tokens' own log-probs only: None or 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "stop strings must be non-empty strings")
         if self.stop and not self.detokenize:

@@ -86,6 +86,7 @@ struct Problem {
   int64_t t, hq, kvh, n, ps, d, p;
   int32_t window;
   float scale;
+  bool query_tiles;  // false: every query token on its own (attend_query), whatever its sequence's q_len
 };
 
 // Page `page` of KV head h in a [KVH, N, ps, D] pool; ids outside the pool are
@@ -419,7 +420,9 @@ std::vector<Item> work_items(const Problem& pr, int64_t num_seqs) {
     const int64_t q_len = pr.cu[s + 1] - pr.cu[s];
     if (q_len < 1) continue;
     const bool malformed = pr.cu[s] < 0 || pr.cu[s + 1] > pr.t;  // one item each, which attend_item skips
-    const int64_t most = malformed ? 0 : tile_tokens(pr, q_len);
+    // Without query tiles (batch-invariant mode) a token's result does not depend on how its prompt was
+    // chunked: a tile's rows and a lone query reduce in different orders.
+    const int64_t most = malformed || !pr.query_tiles ? 0 : tile_tokens(pr, q_len);
     const int64_t tiles = most > 0 ? (q_len + most - 1) / most : 1;
     for (int64_t h = 0; h < pr.kvh; ++h)
       for (int64_t i = 0; i < tiles; ++i) {
@@ -461,7 +464,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
                      ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
                      ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
                      ffi::Buffer<ffi::S32> num_seqs_buf, ffi::Buffer<ffi::S32> layer_buf,
-                     ffi::Buffer<ffi::S32> window_buf, float sm_scale,
+                     ffi::Buffer<ffi::S32> window_buf, float sm_scale, bool query_tiles,
                      ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
@@ -492,6 +495,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   pr.out = out->typed_data();
   pr.window = window_buf.typed_data()[0];
   pr.scale = sm_scale;
+  pr.query_tiles = query_tiles;
   std::memset(pr.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);
   const int64_t num_slots = kv_lens.dimensions()[0];
   const int64_t num_seqs = std::clamp<int64_t>(num_seqs_buf.typed_data()[0], 0, num_slots);
@@ -520,4 +524,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Attr<float>("sm_scale")
+                                  .Attr<bool>("query_tiles")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -54,11 +54,13 @@ def supports(q, k_pages) -> bool:
 
 def ragged_paged_attention_cpu(q, k_pages, v_pages, kv_lens, page_table,
                                cu_q_lens, num_seqs, *, sm_scale, layer=None,
-                               sliding_window=None):
+                               sliding_window=None, query_tiles=True):
   """The native call (un-jitted, unvalidated; `load_cpu_attention()` must
   have returned True). q [T, Hq, D] f32 with Hq / KVH <= 16 and D <= 256;
   pool [KVH, N, ps, D] or [L, KVH, N, ps, D] with `layer`
-  -> f32 [T, Hq, D]."""
+  -> f32 [T, Hq, D]. query_tiles=False: every query token attends on its
+  own, so its result is the same to the bit whatever its sequence's q_len
+  (batch-invariant mode; a tile's rows sum in another order)."""
   if not supports(q, k_pages):
     raise ValueError(f"native CPU attention takes float32, head_dim <= "
                      f"{MAX_HEAD_DIM} and <= {MAX_GROUP} query heads per KV "
@@ -69,4 +71,5 @@ def ragged_paged_attention_cpu(q, k_pages, v_pages, kv_lens, page_table,
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
   return call(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
               scalar(num_seqs, 0), scalar(layer, 0),
-              scalar(sliding_window, 0), sm_scale=np.float32(sm_scale))
+              scalar(sliding_window, 0), sm_scale=np.float32(sm_scale),
+              query_tiles=bool(query_tiles))

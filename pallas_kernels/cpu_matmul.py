@@ -174,8 +174,10 @@ def load_cpu_matmul() -> bool:
                                                                           TARGET_INT8)
 
 
-def supports(x, w) -> bool:
-  """Whether the native call takes x [M, K] @ w (static): w [K, N] for MIN_ROWS <= M <= MAX_ROWS, or
+def supports(x, w, any_rows: bool = False) -> bool:
+  """Whether the native call takes x [M, K] @ w (static): w [K, N] for MIN_ROWS <= M <= MAX_ROWS (any
+  M >= 1 with any_rows: the call computes any M, and each row's sums in one order whatever M is, which
+  batch-invariant mode needs of its unblockable dots; outside the range XLA's dots are the faster ones), or
   blocked [N / 64, K, 64] (`block_weight`), or blocked layers stacked [L, N / 64, K, 64] (with a layer
   index), for any M >= 1; float32."""
   if x.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.shape[0] < 1:
@@ -183,19 +185,21 @@ def supports(x, w) -> bool:
   if w.ndim in (3, 4):
     return w.shape[-2] == x.shape[1] and w.shape[-1] == BLOCK_COLS
   return (w.ndim == 2 and x.shape[1] == w.shape[0]
-          and MIN_ROWS <= x.shape[0] <= MAX_ROWS)
+          and (any_rows or MIN_ROWS <= x.shape[0] <= MAX_ROWS))
 
 
-def matmul_cpu(x, w, layer=None, scale=None, rows=None):
+def matmul_cpu(x, w, layer=None, scale=None, rows=None, any_rows=False):
   """x [M, K] @ w -> f32 [M, N]: w [K, N], blocked [N / 64, K, 64], or stacked [L, N / 64, K, 64] read
   at `layer` (an int32 scalar, traced or not; required then, clamped to [0, L)) in place
   (`load_cpu_matmul()` must have returned True). With `scale`, w is `quantize_int8`'s int8 q blocked (or
   stacked) and scale its float32 scales blocked alike, [(L,) N / 64, ceil(K / G), 64]: reference_int8.
   rows (an int32 scalar, traced or not; None: M): only x's first `rows` rows are computed (clamped to
-  [0, M]; a padded step's real tokens), y's rows from there on are zeros."""
+  [0, M]; a padded step's real tokens), y's rows from there on are zeros. any_rows: w [K, N] at any M
+  (`supports`). Each row of y is summed over K in one order (chunk by chunk of w, 64 rows a chunk,
+  sequentially within one), the same at every M: the product is batch-invariant."""
   if scale is not None:
     return _matmul_int8(x, w, layer, scale, rows)
-  if not supports(x, w):
+  if not supports(x, w, any_rows):
     raise ValueError(f"native CPU matmul takes float32 x [M, K] and w [K, N] "
                      f"({MIN_ROWS} <= M <= {MAX_ROWS}), blocked [N / "
                      f"{BLOCK_COLS}, K, {BLOCK_COLS}] or stacked [L, N / {BLOCK_COLS}, K, {BLOCK_COLS}] "
@@ -204,6 +208,16 @@ def matmul_cpu(x, w, layer=None, scale=None, rows=None):
   n = w.shape[-3] * BLOCK_COLS if w.ndim >= 3 else w.shape[1]
   out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
   return jax.ffi.ffi_call(TARGET, out)(x, w, *_scalars(x, layer, rows))
+
+
+def row_sums_cpu(x):
+  """x [..., K] float32 -> its sums over K [..., 1] as the native call's product with a block of ones: each
+  row summed in one fixed order (`matmul_cpu`) whatever the number of rows, which XLA:CPU's reductions are
+  not (batch-invariant mode's norms)."""
+  k = x.shape[-1]
+  ones = jnp.ones((1, k, BLOCK_COLS), jnp.float32)  # [N / 64, K, 64]: one column block
+  y = matmul_cpu(x.reshape(-1, k).astype(jnp.float32), ones)
+  return y[:, :1].reshape(*x.shape[:-1], 1)
 
 
 def _scalars(x, layer, rows) -> tuple[jax.Array, jax.Array]:

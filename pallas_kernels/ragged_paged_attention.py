@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import cpu_attention
 from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.tiling import batch_invariant_tiling
 from pallas_kernels.triton_attention import ragged_paged_attention_pallas
 from pallas_kernels.xla_attention import ragged_paged_attention_xla
 
@@ -35,14 +36,16 @@ BACKENDS = ("auto", "reference", "xla", "cpu", "pallas")
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "backend", "interpret", "block_q", "pages_per_block",
-    "num_splits", "num_warps", "num_stages", "max_num_partial_prefills"))
+    "num_splits", "num_warps", "num_stages", "max_num_partial_prefills",
+    "batch_invariant"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
                            cu_q_lens, num_seqs, *, sm_scale, layer=None,
                            sliding_window=None, backend="auto",
                            interpret=False, block_q=None,
                            pages_per_block=None, num_splits=None,
                            num_warps=None, num_stages=None,
-                           max_num_partial_prefills=None):
+                           max_num_partial_prefills=None,
+                           batch_invariant=False):
   """Causal attention for a packed, ragged batch over a paged KV pool.
 
   Args:
@@ -74,6 +77,12 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
       sequences have more than one query (the scheduler's limit of the same
       name). It bounds the prefill tiles of a T > S batch; sequences beyond
       it would get no output, so callers must enforce it. None: no promise.
+    batch_invariant: each query's result the same to the bit whatever else
+      is in the batch, however its sequence's queries were chunked and
+      whichever (T, S, P) shape runs it: one fixed reduction order per query
+      (the native CPU kernel without query tiles; the XLA path and the Pallas
+      kernel with `tiling.BATCH_INVARIANT_TILING` and no KV splits, which
+      override the tiling arguments).
 
   Returns:
     [T, Hq, D] in q.dtype; rows of padding tokens are exactly 0.
@@ -89,10 +98,14 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
     return ragged_paged_attention_reference(*args, **common)
   tiling = dict(block_q=block_q, pages_per_block=pages_per_block,
                 max_num_partial_prefills=max_num_partial_prefills)
+  if batch_invariant:
+    tiling.update(batch_invariant_tiling(k_pages.shape[-2]))
+    num_splits = 1
   if (backend == "cpu" and jax.default_backend() == "cpu"
       and cpu_attention.supports(q, k_pages)
       and cpu_attention.load_cpu_attention()):
-    return cpu_attention.ragged_paged_attention_cpu(*args, **common)
+    return cpu_attention.ragged_paged_attention_cpu(
+        *args, **common, query_tiles=not batch_invariant)
   if backend in ("xla", "cpu"):
     return ragged_paged_attention_xla(*args, **common, **tiling)
   return ragged_paged_attention_pallas(

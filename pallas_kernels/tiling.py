@@ -103,6 +103,18 @@ _XLA_PREFILL_BLOCK_Q = 16
 _XLA_SERIAL_MAX_TOKENS = 16
 
 
+# Batch-invariant mode: one tiling for every step shape, so a query's reduction over its keys runs in the
+# same order in any batch. One query token a tile (a decode's tile; a prefill chunk's tokens each in their
+# own), blocks of BATCH_INVARIANT_BLOCK_KEYS keys from key 0, no KV splits (flash-decoding's split count
+# follows the batch's tile count, and the partial results' merge changes the sums).
+BATCH_INVARIANT_BLOCK_KEYS = 128
+
+
+def batch_invariant_tiling(page_size: int) -> dict[str, int]:
+  """The tiling arguments (block_q, pages_per_block) of batch-invariant mode for pages of page_size."""
+  return dict(block_q=1, pages_per_block=max(1, BATCH_INVARIANT_BLOCK_KEYS // page_size))
+
+
 def choose_config(num_tokens, num_slots, group, page_size, max_pages,
                   num_kv_heads, *, head_dim, itemsize, block_q=None,
                   pages_per_block=None, num_splits=None, num_warps=None,

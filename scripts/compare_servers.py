@@ -17,6 +17,8 @@ process group; always stopped, also on errors and Ctrl-C):
                 32 rows, quantised at start-up from the same float32 weights).
   jaxpaged-w8a8  jaxpaged with `--quantization w8a8` (those int8 weights, each dot's x quantised
                 per row and 32 values too: llama.cpp's Q8_0 arithmetic).
+  jaxpaged-batch-invariant  jaxpaged with `--batch-invariant` (a request's log-probs the same to the bit
+                in any batch: docs/rl.md), its cost beside `jaxpaged` (--ratio-base jaxpaged).
   transformers  `transformers serve --continuous-batching` (when the installed transformers has
                 it) on a float32 safetensors folder dequantised once from the same GGUF (cached
                 under --work-dir).
@@ -83,7 +85,8 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "scripts" / "benchmark_serving.py"
 ROOFLINE = REPO / "scripts" / "roofline.py"
 MODEL = "smollm2-135m-instruct"
-PEERS = ("jaxpaged-before", "jaxpaged", "jaxpaged-int8", "jaxpaged-w8a8", "transformers", "llamacpp")
+PEERS = ("jaxpaged-before", "jaxpaged", "jaxpaged-int8", "jaxpaged-w8a8", "jaxpaged-batch-invariant", "transformers",
+         "llamacpp")
 DEFAULT_PEERS = ("jaxpaged", "transformers", "llamacpp")
 NOTES: dict[str, str] = {}
 
@@ -207,6 +210,12 @@ def jaxpaged_w8a8_spec(args, port: int) -> ServerSpec:
                                "values: integer dots")
 
 
+def jaxpaged_batch_invariant_spec(args, port: int) -> ServerSpec:
+    spec = jaxpaged_spec(args, port, f"{args.jaxpaged_args} --batch-invariant")
+    return dataclasses.replace(spec, name="jaxpaged-batch-invariant",
+                               precision="float32 (dequantised from Q4_1), batch-invariant mode")
+
+
 def commit_of(tree: Path) -> str:
     """The checkout's short HEAD commit ("" outside git)."""
     return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -279,7 +288,7 @@ def llamacpp_spec(args, port: int) -> ServerSpec:
 
 SPEC_BUILDERS: dict[str, Callable[[argparse.Namespace, int], ServerSpec]] = {
     "jaxpaged": jaxpaged_spec, "jaxpaged-before": jaxpaged_before_spec, "jaxpaged-int8": jaxpaged_int8_spec,
-    "jaxpaged-w8a8": jaxpaged_w8a8_spec,
+    "jaxpaged-w8a8": jaxpaged_w8a8_spec, "jaxpaged-batch-invariant": jaxpaged_batch_invariant_spec,
     "transformers": transformers_spec,
     "llamacpp": llamacpp_spec}
 

@@ -122,6 +122,9 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--fuse-sampler", default="auto", choices=["auto", "on", "off"],
                    help="the sampler inside the step's jitted program, one executable call per step "
                         "(auto: on with a GPU, off on CPU)")
+    e.add_argument("--batch-invariant", action="store_true", help="batch-invariant mode: a request's logits and "
+                   "log-probs the same to the bit whatever else is in the batch, however its prompt was chunked and "
+                   "whether its prefix was cached (docs/rl.md; on CPU float32 weights on the native kernels)")
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=None, help="keep one step in flight: schedule and dispatch the "
@@ -217,7 +220,7 @@ def engine_args(ns: argparse.Namespace):
         generation_config=ns.generation_config, distributed_coordinator=ns.distributed_coordinator,
         num_processes=ns.num_processes, process_id=ns.process_id, speculative_config=ns.speculative_config,
         async_scheduling=ns.async_scheduling, async_scheduling_max_tokens=ns.async_scheduling_max_tokens,
-        overlap_verification=ns.overlap_verification)
+        overlap_verification=ns.overlap_verification, batch_invariant=ns.batch_invariant)
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:

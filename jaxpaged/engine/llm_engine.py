@@ -50,7 +50,7 @@ from jaxpaged.config import (EngineArgs, _configure_compilation_cache, make_mesh
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.drafting import NO_ROOM_MAX_WAIT, Drafting
 from jaxpaged.engine.grammar import GrammarSupport
-from jaxpaged.engine.output_processor import OutputProcessor, _Child, _Parent, _record_token_time
+from jaxpaged.engine.output_processor import FloatArray, OutputProcessor, _Child, _Parent, _record_token_time
 from jaxpaged.engine.validation import validate_request
 from jaxpaged.engine.weight_control import WeightControl
 from jaxpaged.errors import InvalidRequestError
@@ -168,7 +168,9 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         now = arrival_time or time.time()
         parent = _Parent(request_id, text, token_ids, params, [],
                          RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
-        if params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None and params.array_logprobs:
+            parent.prompt_token_logprobs = np.full(len(token_ids), np.nan, np.float32)
+        elif params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(token_ids)
         parent.children = [self._make_child(parent, i, tuple(eos), now) for i in range(params.n)]
         grammar = self._compile_grammar(params)
@@ -207,7 +209,9 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
             self.tokenizer, parent.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
             stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens) if params.detokenize else None
-        return _Child(index, request, detok, [] if params.logprobs is not None else None)
+        entries = [] if params.logprobs is not None and not params.array_logprobs else None
+        return _Child(index, request, detok, entries,
+                      token_logprobs=FloatArray(params.max_tokens or 16) if params.array_logprobs else None)
 
     # ---- structured outputs -----------------------------------------------
 

@@ -22,6 +22,25 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.worker.runner_output import ModelRunnerOutput, PromptLogprobs
 
 
+class FloatArray:
+    """A growing float32 array (capacity doubled when full): one request's sampled log-probs, no Python object per
+    token (SamplingParams.array_logprobs)."""
+
+    def __init__(self, capacity: int = 16):
+        self._data = np.empty(max(1, capacity), np.float32)
+        self.size = 0
+
+    def append(self, value: float) -> None:
+        if self.size == len(self._data):
+            self._data = np.concatenate([self._data, np.empty_like(self._data)])
+        self._data[self.size] = value
+        self.size += 1
+
+    def copy(self, start: int = 0) -> np.ndarray:
+        """float32 [size - start]: the values from `start` on (a copy)."""
+        return self._data[start:self.size].copy()
+
+
 @dataclasses.dataclass
 class _Child:
     """Engine-side state of one sample (one scheduler Request, which holds the finish record)."""
@@ -33,6 +52,7 @@ class _Child:
     cumulative_logprob: float = 0.0
     num_sent_tokens: int = 0  # DELTA: output tokens already handed out
     matcher: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
+    token_logprobs: FloatArray | None = None  # params.array_logprobs: each sampled token's log-prob
 
 
 @dataclasses.dataclass
@@ -46,6 +66,8 @@ class _Parent:
     # params.prompt_logprobs: entry per prompt token (index 0: None), filled from the first child's steps
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # DELTA: they went out with the first output
+    # params.array_logprobs with prompt_logprobs: f32[len(prompt)] (index 0 NaN), in place of prompt_logprobs
+    prompt_token_logprobs: np.ndarray | None = None
 
 
 def _record_token_time(metrics: RequestMetrics, now: float) -> None:
@@ -63,11 +85,13 @@ def _completion(child: _Child, delta: bool) -> CompletionOutput:
     start = child.num_sent_tokens if delta else 0
     token_ids = request.output_token_ids[start:]  # a copy of the new part only, in DELTA
     logprobs = None if child.logprobs is None else child.logprobs[start:]
+    token_logprobs = None if child.token_logprobs is None else child.token_logprobs.copy(start)
     child.num_sent_tokens = request.num_output_tokens
     text = "" if child.detokenizer is None else child.detokenizer.get_next_output_text(finished, delta=delta)
     return CompletionOutput(index=child.index, text=text, token_ids=token_ids,
                             cumulative_logprob=child.cumulative_logprob, logprobs=logprobs,
-                            finish_reason=request.finish_reason, stop_reason=request.stop_reason)
+                            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+                            token_logprobs=token_logprobs)
 
 
 class OutputProcessor:
@@ -101,6 +125,8 @@ class OutputProcessor:
         grammar_verdict = self._grammar_verdict(child, token_id) if verdict is None else None
         if child.logprobs is not None:
             child.logprobs.append(self._logprob_entry(result, row, token_id, request.sampling_params.logprobs))
+        if child.token_logprobs is not None:
+            child.token_logprobs.append(logprobs[row])
         child.cumulative_logprob += logprobs[row]
         if child.detokenizer is not None:
             stop_terminated = verdict is not None and verdict[0] is RequestStatus.FINISHED_STOPPED
@@ -114,6 +140,10 @@ class OutputProcessor:
     def _record_prompt_logprobs(self, parent: _Parent, child: _Child, chunk: PromptLogprobs) -> None:
         """Store one step's prompt log-probs by position (a recomputed chunk, after preemption or of another
         child, overwrites): every child computes its whole prompt, so the first to sample has them all."""
+        if parent.prompt_token_logprobs is not None:  # array_logprobs: the chunk's values, no entries
+            first = chunk.first_index
+            parent.prompt_token_logprobs[first:first + len(chunk.token_logprobs)] = chunk.token_logprobs
+            return
         k = parent.params.prompt_logprobs
         for j, lp in enumerate(chunk.token_logprobs):
             position = chunk.first_index + j
@@ -156,12 +186,13 @@ class OutputProcessor:
             self._parents.pop(parent.request_id, None)
             for child in parent.children:
                 self._child_to_parent.pop(child.request.request_id, None)
-        prompt_logprobs = parent.prompt_logprobs
+        prompt_logprobs, prompt_array = parent.prompt_logprobs, parent.prompt_token_logprobs
         if delta and parent.prompt_logprobs_sent:
-            prompt_logprobs = None
+            prompt_logprobs = prompt_array = None
         parent.prompt_logprobs_sent = True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             metrics, metrics.num_cached_tokens, prompt_logprobs)
+                             metrics, metrics.num_cached_tokens, prompt_logprobs,
+                             None if prompt_array is None else prompt_array.copy())
 
     def stats(self) -> dict[str, float]:
         pool = self.scheduler.pool

@@ -236,17 +236,27 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """RMSNorm over the last axis, scaled by (offset + weight): Llama's w, Gemma's 1 + w (in f32)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0,
+             row_sums: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    """RMSNorm over the last axis, scaled by (offset + weight): Llama's w, Gemma's 1 + w (in f32). row_sums:
+    x [..., E] -> its sums over E [..., 1] in one order per row whatever the row count (batch-invariant mode,
+    `Matmul.row_sums`; XLA:CPU's reduction changes its order with the number of rows); None: jnp.mean."""
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if row_sums is None:
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    else:  # sqrt and division are correctly rounded in XLA:CPU's vector and scalar code alike, but x / sqrt(y)
+        # becomes x * rsqrt(y), whose vector form (rows in lanes) rounds otherwise than the scalar one: the
+        # barrier keeps the sqrt a value of its own
+        root = jax.lax.optimization_barrier(jnp.sqrt(row_sums(x32 * x32) / np.float32(x.shape[-1]) + eps))
+        normed = x32 / root
     if offset:
         return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * normed.astype(x.dtype)
 
 
-def norm(config: LlamaConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    return rms_norm(x, weight, config.rms_norm_eps, config.norm_weight_offset)
+def norm(config: LlamaConfig, x: jax.Array, weight: jax.Array, matmul: Matmul | None = None) -> jax.Array:
+    return rms_norm(x, weight, config.rms_norm_eps, config.norm_weight_offset,
+                    None if matmul is None else matmul.row_sums)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +334,9 @@ class Matmul(NamedTuple):
     w [K, N]) -> [M, N], used where takes(x, w); elsewhere, and without one, the einsums as written."""
     fn: Callable[[jax.Array, jax.Array], jax.Array]
     takes: Callable[[jax.Array, jax.Array], bool]
+    # batch-invariant mode: x [..., E] -> sums over E [..., 1], each row in one order at any row count (the
+    # norms' reductions; `rms_norm`); None: XLA's
+    row_sums: Callable[[jax.Array], jax.Array] | None = None
 
 
 def dot_weight(x: jax.Array, w: jax.Array, matmul: Matmul | None, spec: str,
@@ -368,21 +381,21 @@ def decoder_layer(config: LlamaConfig, p: Params, h: jax.Array, cos: jax.Array, 
     """One pre-norm block on h [..., T, E]; p holds one layer's weights (no L axis).
 
     The optional pieces (biases, q/k norms, sandwich norms) follow the config's family fields."""
-    x = norm(config, h, p["attn_norm"])
+    x = norm(config, h, p["attn_norm"], matmul)
     q, k, v = project_qkv(config, p, x, matmul)
     if config.attention_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if config.qk_norm:
-        q, k = norm(config, q, p["q_norm"]), norm(config, k, p["k_norm"])
+        q, k = norm(config, q, p["q_norm"], matmul), norm(config, k, p["k_norm"], matmul)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, aux = attend(q, k, v)
     a = project_out(o.astype(h.dtype), p["wo"], matmul)
     if config.sandwich_norms:
-        a = norm(config, a, p["post_attn_norm"])
+        a = norm(config, a, p["post_attn_norm"], matmul)
     h = h + a
-    m = mlp(p, norm(config, h, p["mlp_norm"]), config.hidden_act, matmul)
+    m = mlp(p, norm(config, h, p["mlp_norm"], matmul), config.hidden_act, matmul)
     if config.sandwich_norms:
-        m = norm(config, m, p["post_mlp_norm"])
+        m = norm(config, m, p["post_mlp_norm"], matmul)
     return h + m, aux
 
 
@@ -438,7 +451,7 @@ def lm_logits(config: LlamaConfig, params: Params, h: jax.Array, matmul: Matmul 
 
     The head is params["lm_head"] [E, V] when present (an untied model's, or a tied one's embedding
     transposed by `untie_lm_head`), else the tied embedding [V, E]."""
-    x = norm(config, h, params["final_norm"])
+    x = norm(config, h, params["final_norm"], matmul)
     if "lm_head" in params:
         return dot_weight(x, params["lm_head"], matmul, "...e,ev->...v", preferred_element_type=jnp.float32)
     if not config.tie_word_embeddings:

@@ -465,7 +465,10 @@ def _resample_rows(logits, token_ids, logprobs, scaled, threshold, top_k, top_p,
     all_ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (R, V))
     ids, _ = _gumbel_argmax(rows_scaled, all_ids, rows_threshold, take(key_data), take(steps))  # i32[R]
     raw = take(logits).astype(jnp.float32)  # f32[R, V]
-    rows_logprobs = jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0] - _logsumexp(raw)[:, 0]
+    # on the CPU the log-sum-exp of the candidate pass (`_row_stats`, native): a resampled row's log-prob is then the
+    # same whichever R rows were gathered with it (XLA's reduction order changes with the row count)
+    lse = cpu_sampler.row_stats_cpu(raw, raw)[1] if cut == "native" else _logsumexp(raw)[:, 0]  # f32[R]
+    rows_logprobs = jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0] - lse
     return token_ids.at[index].set(ids, mode="drop"), logprobs.at[index].set(rows_logprobs, mode="drop")
 
 

@@ -172,7 +172,7 @@ class StepCompilation:
         """prompt_logprobs_step at every T bucket (it runs only for requests that ask)."""
         return [prompt_logprobs_step.lower(self.model_config, self.params,
                                            jnp.zeros((t, self.model_config.hidden_size), self.dtype),
-                                           np.zeros(t, np.int32))
+                                           np.zeros(t, np.int32), batch_invariant=self.invariant_prompt_logprobs)
                 for t in sorted({t for t, _, _ in self.config.buckets})]
 
     def lower_draft_verification(self) -> list[jax.stages.Lowered]:

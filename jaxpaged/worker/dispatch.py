@@ -178,5 +178,6 @@ class AsyncDispatch:
         if spans:
             pending.prompt_spans = spans
             pending.prompt_arrays = prompt_logprobs_step(self.model_config, self.params, pending.hidden,
-                                                         _prompt_targets(spans, len(pending.step.token_ids)))
+                                                         _prompt_targets(spans, len(pending.step.token_ids)),
+                                                         batch_invariant=self.invariant_prompt_logprobs)
         pending.logits = pending.hidden = None  # the sampler has what it needs: let the device free them

@@ -404,6 +404,12 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
             sampled = sample_jit(logits, batch, num_top_logprobs=top)
         return verify_packed(layout, sampled)
 
+    @property
+    def invariant_prompt_logprobs(self) -> bool:
+        """Whether prompt log-probs run batch-invariant (`prompt_logprobs_step`): batch-invariant mode on the native
+        CPU kernels, one device."""
+        return self.config.batch_invariant and self.config.attention.native_matmul and self.mesh is None
+
     def _prompt_logprobs(self, entries: Sequence[ScheduledRequest], step: StepInput,
                          hidden: jax.Array) -> dict[str, PromptLogprobs]:
         """Prompt log-probs of the entries that ask, over this step's hidden states (empty if none ask)."""
@@ -413,7 +419,8 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         targets = np.zeros(len(step.token_ids), np.int32)  # [T]: the token each fed position predicts
         for offset, first, count, entry in spans.values():
             targets[offset:offset + count] = entry.prompt_token_ids[first:first + count]
-        out = jax.device_get(prompt_logprobs_step(self.model_config, self.params, hidden, targets))
+        out = jax.device_get(prompt_logprobs_step(self.model_config, self.params, hidden, targets,
+                                                  batch_invariant=self.invariant_prompt_logprobs))
         return {rid: PromptLogprobs(first, *(a[offset:offset + count] for a in out))
                 for rid, (offset, first, count, _) in spans.items()}
 

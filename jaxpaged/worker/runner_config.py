@@ -151,6 +151,7 @@ class AttentionConfig:
     backend: str
     max_num_partial_prefills: int | None = None  # most sequences fed > 1 token in a step (RunnerConfig's)
     native_matmul: bool = False
+    batch_invariant: bool = False  # one reduction order per query, whatever the batch (RunnerConfig's)
 
 
 def resolve_attention_backend(attention_backend: str) -> str:
@@ -194,6 +195,20 @@ QUANTIZATIONS = ("fp8", "int8", "w8a8")
 INT8_DOTS = {"int8": cpu_matmul.matmul_cpu, "w8a8": cpu_matmul.matmul_w8a8}  # each's product over the int8 blocks
 FP8_PLATFORMS = ("cpu", "gpu")  # where "fp8" runs (JAX's default backend)
 FP8_GEMM_MIN_CAPABILITY = (8, 9)  # CUDA compute capability of the first FP8 tensor cores (Ada; Hopper is 9.0)
+
+
+def check_batch_invariant(packed: bool, platform: str) -> None:
+    """Batch-invariant mode on a CPU backend needs the weight dots on the native matmul's packed blocks (float32
+    weights, one device, the native kernels: `packs_weights`): XLA:CPU's dots block their rows by the step's
+    row count, so a row's sums would change with the batch. Raises a ValueError naming what to change. Elsewhere
+    (a GPU) it warns: only the attention is batch-invariant there."""
+    if platform != "cpu":  # the attention's tiling is fixed; XLA's GEMMs pick their tiles by the row count
+        logger.warning("batch_invariant=True on %s: attention runs one tiling for every batch, but the weight "
+                       "dots are XLA's GEMMs, which are not batch-invariant yet (docs/rl.md)", platform)
+    if platform == "cpu" and not packed:
+        raise ValueError("batch_invariant=True on CPU needs float32 weights (dtype='float32' or 'auto' for a "
+                         "float32 checkpoint), one device and the native CPU kernels (attention_backend 'auto' or "
+                         "'cpu', a C++ compiler): XLA's own dots are not batch-invariant")
 
 
 def check_quantization(quantization: str | None) -> None:
@@ -294,8 +309,20 @@ class RunnerConfig:
     # "int8" weight-only or "w8a8" with x too, which need the native CPU matmul's packed weights (`packs_weights`:
     # float32 on one device), which the ModelRunner checks.
     quantization: str | None = None
+    # Batch-invariant mode (docs/rl.md): a request's logits and log-probs the same to the bit whatever else is in
+    # the batch, however its prompt was chunked, whichever bucket runs it. Attention gets one reduction order per
+    # query (ragged_paged_attention's batch_invariant), every CPU step shape XLA's own codegen
+    # (`compiler_options`); the weight dots must be row-invariant: the native CPU matmul's float or W8A8 blocks,
+    # which sum each row over K in one fixed order at any row count (`check_batch_invariant`).
+    batch_invariant: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r} must be a bool")
+        if self.batch_invariant and self.quantization == "int8":
+            raise ValueError("batch_invariant=True does not take quantization='int8': its product dequantises "
+                             "whole chunks of weights from 19 rows on and widens in registers below, two roundings; "
+                             "use 'w8a8' (the same bits at any row count) or float32 weights")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -348,11 +375,14 @@ class RunnerConfig:
     def compiler_options(self, platform: str | None = None, num_tokens: int | None = None) -> dict[str, str]:
         """XLA options of a step of num_tokens (T bucket; None: any): XLA:CPU's dot settings for that size
         on CPU (see cpu_compiler_options), command buffers on GPU."""
+        if self.batch_invariant:  # one option set for every T: the small steps' (XLA's own codegen, no YNNPACK)
+            num_tokens = 1
         return {**cpu_compiler_options(platform, num_tokens), **gpu_compiler_options(self.command_buffers, platform)}
 
     @property
     def attention(self) -> AttentionConfig:
-        return AttentionConfig(self.backend, self.max_num_partial_prefills, uses_native_matmul(self.backend))
+        return AttentionConfig(self.backend, self.max_num_partial_prefills, uses_native_matmul(self.backend),
+                               self.batch_invariant)
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -52,14 +52,28 @@ from jaxpaged.worker.host_memory import HugePageArena, cpu_array_over
 from jaxpaged.worker.in_flight import fill_in_flight, outputs_in_flight, steps_moved_back
 from jaxpaged.worker.runner_config import INT8_DOTS, AttentionConfig
 from jaxpaged.worker.step_input import FusedStep, KVPool, StepInput, StepSampling, pad_sampled_tokens
-from pallas_kernels import cpu_matmul, cpu_rope, ragged_paged_attention, write_kv_inner
+from pallas_kernels import cpu_matmul, cpu_rope, cpu_sampler, ragged_paged_attention, write_kv_inner
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def prompt_logprobs_step(config: LlamaConfig, params: Params, hidden: jax.Array, targets: jax.Array):
+def batch_invariant_matmul() -> Matmul:
+    """The weight dots and norms of batch-invariant mode on the CPU: the native matmul at every row count (its
+    rows each sum over K in one order at any M), the norms' sums through it (`cpu_matmul.row_sums_cpu`)."""
+    return Matmul(functools.partial(cpu_matmul.matmul_cpu, any_rows=True),
+                  functools.partial(cpu_matmul.supports, any_rows=True), cpu_matmul.row_sums_cpu)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("batch_invariant",))
+def prompt_logprobs_step(config: LlamaConfig, params: Params, hidden: jax.Array, targets: jax.Array, *,
+                         batch_invariant: bool = False):
     """hidden [T, E] (paged_forward's), targets i32[T] -> the targets' log-probs f32[T], ranks i32[T],
-    top ids i32[T, K] and top log-probs f32[T, K] (K = MAX_LOGPROBS) under the raw distribution."""
-    logprobs = jax.nn.log_softmax(lm_logits(config, params, hidden), axis=-1)  # [T, V]
+    top ids i32[T, K] and top log-probs f32[T, K] (K = MAX_LOGPROBS) under the raw distribution.
+    batch_invariant (static; CPU, native kernels): the head and norm as the step's (`batch_invariant_matmul`), the
+    log-sum-exp per row natively (cpu_sampler.row_stats_cpu), so a token's values do not depend on T."""
+    if batch_invariant:
+        logits = lm_logits(config, params, hidden, batch_invariant_matmul())  # [T, V]
+        logprobs = logits - cpu_sampler.row_stats_cpu(logits, logits)[1][:, None]
+    else:
+        logprobs = jax.nn.log_softmax(lm_logits(config, params, hidden), axis=-1)  # [T, V]
     target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]  # [T]
     ranks = jnp.sum(logprobs > target[:, None], axis=-1, dtype=jnp.int32) + 1
     top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
@@ -76,7 +90,8 @@ def _attend_paged(q, k, v, k_pool, v_pool, step: StepInput, layer, window, *, sm
     kp, vp = write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer)
     o = ragged_paged_attention(q.astype(kp.dtype), kp, vp, step.kv_lens, step.page_table, step.cu_q_lens,
                                step.num_seqs, sm_scale=sm_scale, layer=layer, backend=attention.backend,
-                               max_num_partial_prefills=attention.max_num_partial_prefills, sliding_window=window)
+                               max_num_partial_prefills=attention.max_num_partial_prefills, sliding_window=window,
+                               batch_invariant=attention.batch_invariant)
     return o.astype(q.dtype), kp, vp
 
 
@@ -99,6 +114,8 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     # decode-sized weight dots on CPU (cpu_matmul.supports); not with a mesh: the call has no sharding rule
     use_native = attention.native_matmul and mesh is None
     matmul = Matmul(cpu_matmul.matmul_cpu, cpu_matmul.supports) if use_native else None
+    if use_native and attention.batch_invariant:  # every row count on the native call, the norms' sums too
+        matmul = batch_invariant_matmul()
     consts = layer_constants(config)  # per layer: window [L], row of the RoPE tables [L]
     if use_native and cpu_rope.load_cpu_rope():  # one call: XLA:CPU would redo the cosines in every layer
         cos_table, sin_table = cpu_rope.rope_tables_cpu(step.positions, rope_frequencies(config))  # [U, T, D]

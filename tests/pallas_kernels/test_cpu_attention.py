@@ -155,5 +155,6 @@ def test_query_tiles_match_the_reference(name, flags, needs, group, d, window):
   want = ragged_paged_attention_reference(q, k, v, kv, table, cu, ns, sm_scale=d ** -0.5, layer=jnp.int32(1),
                                           sliding_window=w)
   got = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-      q, k, v, kv, table, cu, ns, jnp.int32(1), jnp.int32(window or 0), sm_scale=np.float32(d ** -0.5))
+      q, k, v, kv, table, cu, ns, jnp.int32(1), jnp.int32(window or 0), sm_scale=np.float32(d ** -0.5),
+      query_tiles=True)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
