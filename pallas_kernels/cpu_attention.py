@@ -54,7 +54,8 @@ def supports(q, k_pages) -> bool:
 
 def ragged_paged_attention_cpu(q, k_pages, v_pages, kv_lens, page_table,
                                cu_q_lens, num_seqs, *, sm_scale, layer=None,
-                               sliding_window=None):
+                               sliding_window=None, k_scale=None,
+                               v_scale=None):
   """The native call (un-jitted, unvalidated; `load_cpu_attention()` must
   have returned True). q [T, Hq, D] f32 with Hq / KVH <= 16 and D <= 256;
   pool [KVH, N, ps, D] or [L, KVH, N, ps, D] with `layer`
