@@ -145,3 +145,25 @@ def test_quantize_rounds_to_nearest_e4m3():
   want = np.asarray([0.3, -1.7, 448.0, 2.0 ** -10, np.nan], np.float32).astype(F8)
   np.testing.assert_array_equal(got[0, 0, :4], want[:4].astype(np.float32))
   assert np.isnan(got[0, 0, 4])
+
+
+def test_native_cpu_kernel_reads_fp8_pages():
+  """The native CPU call itself (not the XLA fallback) over e4m3 bytes: decodes
+  and tiled multi-token sequences (head dims 64 and 48), a layer-stacked pool,
+  against the oracle on the dequantized pages."""
+  from pallas_kernels import cpu_attention
+  if jax.default_backend() != "cpu" or not cpu_attention.load_cpu_attention():
+    pytest.skip("the native CPU kernel needs a CPU backend and g++")
+  rng = np.random.default_rng(5)
+  for d, layers in ((64, None), (48, 2)):
+    b, ks, vs = fp8_batch(rng, [1, 12, 1, 30], [50, 40, 9, 30], d=d,
+                          layers=layers)
+    assert cpu_attention.supports(jnp.asarray(b.q), jnp.asarray(b.k_pages))
+    got = cpu_attention.ragged_paged_attention_cpu(
+        *b.args(), sm_scale=b.sm_scale,
+        layer=None if b.layer is None else jnp.int32(b.layer),
+        k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs))
+    want = oracle(dequantized(b, ks, vs))
+    live = int(b.cu_q_lens[b.num_seqs])
+    np.testing.assert_allclose(np.asarray(got)[:live], want[:live], atol=1e-4)
+    assert np.all(np.asarray(got)[live:] == 0)
