@@ -55,8 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _engine_args(kv_cache_dtype: str) -> dict:
-    return dict(dtype="float32", kv_cache_dtype=kv_cache_dtype, max_model_len=1024, max_num_seqs=32,
+def _engine_args(kv_cache_dtype: str, config) -> dict:
+    return dict(dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                max_model_len=min(1024, config.max_position_embeddings), max_num_seqs=32,
                 max_num_batched_tokens=256, kv_cache_memory=64 << 20, warmup=False, compilation_cache_dir=None)
 
 
@@ -74,7 +75,7 @@ def greedy_agreement(loaded, prompts: list[list[int]], max_tokens: int, scales: 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     answers = {}
     for kv in ("auto", "fp8"):
-        engine = LLMEngine(EngineArgs(model="unused", **_engine_args(kv)), loaded=loaded)
+        engine = LLMEngine(EngineArgs(model="unused", **_engine_args(kv, loaded.config)), loaded=loaded)
         if kv == "fp8" and scales == "unit":
             _set_scales(engine.runner, unit_scales(loaded.config))
         for i, prompt in enumerate(prompts):
@@ -109,7 +110,7 @@ def mean_kl(loaded, token_ids: list[int], chunk: int, scales: str = "auto") -> f
 
     logprobs = {}
     for kv in ("auto", "fp8"):
-        engine = LLMEngine(EngineArgs(model="unused", **_engine_args(kv)), loaded=loaded)
+        engine = LLMEngine(EngineArgs(model="unused", **_engine_args(kv, loaded.config)), loaded=loaded)
         if kv == "fp8" and scales == "unit":
             _set_scales(engine.runner, unit_scales(loaded.config))
         runner, rows = engine.runner, []
@@ -143,6 +144,8 @@ def main(argv=None) -> int:
     from jaxpaged.models.loader import load_model
 
     loaded = load_model(args.model, dtype="float32")
+    kinds = (["grounded"] * len(GROUNDED) + ["open"] * len(OPEN) + ["grounded-more"] * len(GROUNDED_MORE))
+    kinds = kinds[: args.prompts]
     prompts = chat_ids(loaded.tokenizer, (GROUNDED + OPEN + GROUNDED_MORE)[: args.prompts])
     shares = greedy_agreement(loaded, prompts, args.max_tokens, args.scales)
     kl = mean_kl(loaded, loaded.tokenizer(HELD_OUT)["input_ids"], args.chunk, args.scales)
@@ -150,6 +153,9 @@ def main(argv=None) -> int:
     print(f"greedy  identical share of a {args.max_tokens}-token answer, mean over {len(prompts)} prompts: "
           f"{np.mean(shares):.3f} (min {min(shares):.3f}, {sum(s == 1 for s in shares)} whole)  "
           f"target >= {TARGETS['greedy']:.2f}")
+    for kind in dict.fromkeys(kinds):
+        part = [s for s, k in zip(shares, kinds) if k == kind]
+        print(f"greedy    {kind:14s} {len(part):2d} prompts: {np.mean(part):.3f}")
     print(f"kl      mean KL(float || fp8) over {len(loaded.tokenizer(HELD_OUT)['input_ids'])} held-out tokens: "
           f"{kl:.5f}  target < {TARGETS['kl']:.2f}")
     if args.tiny:
@@ -170,7 +176,7 @@ def _tiny_rows(args) -> None:
         ids = list(HELD_OUT.encode()[:200])  # the tiny byte-level vocabulary: ids 0..255 are the bytes
         for name, path in paths.items():
             kl = mean_kl(load_model(str(path), dtype="float32"), ids, args.chunk, args.scales)
-            print(f"kl      tiny {name:14s} mean KL(float || fp8) over {len(ids)} tokens: {kl:.5f}  "
+            print(f"kl      tiny {name:14s} mean KL(float || fp8) over {len(ids)} tokens: {kl:.2e}  "
                   f"target < {TARGETS['kl']:.2f}")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -24,6 +25,9 @@ from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.kv_scales import CALIBRATION_TEXT, HEADROOM, calibrate_kv_scales, check_kv_scales
 from jaxpaged.worker.runner_config import resolve_kv_cache_dtype
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import kv_fp8_accuracy  # noqa: E402
 
 BASE = EngineArgs(model="unused", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_pages=100,
                   compilation_cache_dir=None, warmup=False)
@@ -200,3 +204,17 @@ def test_prefix_caching_over_fp8_pages(tiny):
     plain = LLMEngine(dataclasses.replace(args, enable_prefix_caching=False), loaded=tiny)
     assert got == run_all(plain, prompts)
 
+
+
+def test_smollm2_fp8_kv_accuracy_bounds(smollm2):
+    """The issue's accuracy measures on a small case (the full table: scripts/kv_fp8_accuracy.py). The mean
+    next-token KL over held-out text fed in chunks (later chunks read fp8 pages) meets the target, < 0.02. The
+    greedy share does not: the target is >= 60% of a 48-token answer identical to the float KV's, measured
+    0.47-0.56 over 32 chats and 0.589 on these four (a miss, reported as one in docs/serving.md); asserted
+    here is the measured level, 0.5, so a change that loses more shows."""
+    from benchmark_latency import GROUNDED, chat_ids
+    shares = kv_fp8_accuracy.greedy_agreement(smollm2, chat_ids(smollm2.tokenizer, GROUNDED[:4]), 48)
+    kl = kv_fp8_accuracy.mean_kl(smollm2, smollm2.tokenizer(kv_fp8_accuracy.HELD_OUT)["input_ids"][:96], 32)
+    print(f"greedy identical share {np.mean(shares):.3f} ({shares}), mean KL {kl:.5f}")
+    assert 0 < kl < 0.02
+    assert np.mean(shares) >= 0.5
