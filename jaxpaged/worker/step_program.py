@@ -127,8 +127,9 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
         window = c["window"] if config.has_sliding_window else None
 
         def attend(q, k, v):  # q [T, H, D], k/v [T, K, D]: write first, then attend
-            scales = (c["k_scale"], c["v_scale"]) if "k_scale" in c else None  # f32 [K] each: this layer's
-            o, kp, vp = attend_paged(q, k, v, k_pool, v_pool, step, layer, window, scales)
+            # an fp8 pool's scales f32 [K] each, this layer's (none with a mesh: shard_attention takes 8 inputs)
+            scales = ((c["k_scale"], c["v_scale"]),) if "k_scale" in c else ()
+            o, kp, vp = attend_paged(q, k, v, k_pool, v_pool, step, layer, window, *scales)
             return o, (kp, vp)
 
         h, (k_pool, v_pool) = decoder_layer(config, layer_params, h, cos, sin, attend, matmul)
