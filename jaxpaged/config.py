@@ -74,7 +74,8 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes for the KV pool
     num_pages: int | None = None  # KV pool size in pages (incl. the null page); overrides the above
     attention_backend: str = "auto"
-    kv_cache_dtype: str = "auto"  # the KV pool's dtype (see model_runner.resolve_kv_cache_dtype)
+    # the KV pool's dtype (runner_config.resolve_kv_cache_dtype); "fp8"/"fp8_e4m3": e4m3 pages with per-head scales
+    kv_cache_dtype: str = "auto"
     # vLLM's `quantization` (runner_config.QUANTIZATIONS; docs/quantization.md): "fp8" (float8_e4m3fn weights, a scale
     # per output channel: FP8 gemms on a GPU with FP8 tensor cores, weight-only elsewhere), or the weight dots' weights
     # as int8, a scale per column and 32 rows (CPU, float32 weights on one device, the native matmul): "int8"
@@ -146,6 +147,9 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
         check_kv_cache_dtype(self.kv_cache_dtype)  # before the model loads
+        if self.kv_cache_dtype.startswith("fp8") and (self.tensor_parallel_size > 1 or self.num_processes > 1):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with tensor parallelism or "
+                             "several processes yet (its scales are not sharded)")
         check_quantization(self.quantization)
         if self.quantization is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
             raise ValueError(f"quantization={self.quantization!r} is not supported with tensor parallelism or several "

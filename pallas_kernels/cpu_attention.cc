@@ -16,6 +16,10 @@
 // kv_lens [S]; page_table [S, P]; cu_q_lens [S+1]; scalars num_seqs, layer,
 // window (<= 0: none) -> out [T, Hq, D]; tokens past cu_q_lens[num_seqs] get
 // zeros. A prefill chunk's tiles re-read the keys from cache, not memory.
+// An fp8 pool (JaxpagedCpuAttentionFp8): k_pages, v_pages hold e4m3 bytes (u8)
+// and k_scale, v_scale f32 [KVH] come with them; each key and value row a query
+// reads is turned into floats (a 256-entry table times its head's scale) in a
+// buffer of the worker thread's, and the float code runs over those rows.
 
 #include <immintrin.h>
 
@@ -77,8 +81,12 @@ constexpr int64_t kMaxHeadDim = 256;  // and head dim
 
 struct Problem {
   const float* q;
-  const float* k;  // this layer's [KVH, N, ps, D]
+  const float* k;  // this layer's [KVH, N, ps, D] (a float pool)
   const float* v;
+  const uint8_t* k8 = nullptr;  // or this layer's e4m3 bytes [KVH, N, ps, D] (an fp8 pool)
+  const uint8_t* v8 = nullptr;
+  const float* k_scale = nullptr;  // an fp8 pool's scales [KVH]: a byte e of head h stands for e4m3(e) * scale[h]
+  const float* v_scale = nullptr;
   const int32_t* kv_lens;
   const int32_t* page_table;
   const int32_t* cu;
@@ -91,16 +99,63 @@ struct Problem {
 
 // Page `page` of KV head h in a [KVH, N, ps, D] pool; ids outside the pool are
 // clamped (as XLA's gather does): a bad page table gives wrong rows, not a crash.
-inline const float* page_ptr(const float* pool, const Problem& pr, int64_t h, int64_t page) {
+template <typename T>
+inline const T* page_ptr(const T* pool, const Problem& pr, int64_t h, int64_t page) {
   page = std::clamp<int64_t>(page, 0, pr.n - 1);
   return pool + (h * pr.n + page) * pr.ps * pr.d;
 }
 
-// fn(key index, its row of D floats) for the keys lo..pos of KV head h in `pool`, page by
-// page, the next page prefetched.
+// The value of each e4m3 byte (float8_e4m3fn: sign, 4 exponent bits with bias 7, 3 mantissa bits; exponent 0
+// subnormal; S.1111.111 NaN, no infinities).
+const float* e4m3_values() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) {
+      const int exponent = (b >> 3) & 15, mantissa = b & 7;
+      float x = exponent == 0 ? std::ldexp(mantissa / 8.0f, -6) : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+      if (exponent == 15 && mantissa == 7) x = NAN;
+      t[b] = (b & 128) ? -x : x;
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// An fp8 pool's for_each_key: each key's row of bytes turned into floats (times the head's scale) in this thread's
+// buffer for K (value = false) or V, rows lo..pos at [0, span), valid until the thread's next call for the same.
 template <typename Fn>
-inline void for_each_key(const float* pool, const Problem& pr, int64_t h, const int32_t* row,
+inline void for_each_fp8_key(bool value, const Problem& pr, int64_t h, const int32_t* row, int64_t lo, int64_t pos,
+                             int64_t d, Fn&& fn) {
+  thread_local std::vector<float> stage[2];
+  std::vector<float>& buf = stage[value];
+  buf.resize(static_cast<size_t>((pos + 1 - lo) * d));
+  const uint8_t* pool = value ? pr.v8 : pr.k8;
+  const float scale = (value ? pr.v_scale : pr.k_scale)[h];
+  const float* values = e4m3_values();
+  const int64_t ps = pr.ps;
+  for (int64_t first = lo - lo % ps; first <= pos; first += ps) {
+    const uint8_t* page = page_ptr(pool, pr, h, row[first / ps]);
+    if (first + ps <= pos) {
+      const uint8_t* next = page_ptr(pool, pr, h, row[first / ps + 1]);
+      for (int64_t i = 0; i < ps * d; i += 64) __builtin_prefetch(next + i);
+    }
+    const int64_t k1 = std::min(pos + 1, first + ps);
+    for (int64_t kk = std::max(lo, first); kk < k1; ++kk) {
+      const uint8_t* src = page + (kk - first) * d;
+      float* dst = buf.data() + (kk - lo) * d;
+      for (int64_t e = 0; e < d; ++e) dst[e] = values[src[e]] * scale;
+      fn(kk, static_cast<const float*>(dst));
+    }
+  }
+}
+
+// fn(key index, its row of D floats) for the keys lo..pos of KV head h in the pool of keys (value = false) or
+// values, page by page, the next page prefetched.
+template <typename Fn>
+inline void for_each_key(bool value, const Problem& pr, int64_t h, const int32_t* row,
                          int64_t lo, int64_t pos, int64_t d, Fn&& fn) {
+  if (pr.k8 != nullptr) return for_each_fp8_key(value, pr, h, row, lo, pos, d, fn);
+  const float* pool = value ? pr.v : pr.k;
   const int64_t ps = pr.ps;
   for (int64_t first = lo - lo % ps; first <= pos; first += ps) {
     const float* page = page_ptr(pool, pr, h, row[first / ps]);
@@ -143,7 +198,7 @@ void attend_query_avx512(const Problem& pr, int64_t s, int64_t h, int64_t token,
   const float** krows = rows.data();
   const float** vrows = krows + padded;
   const int32_t* row = pr.page_table + s * pr.p;
-  for_each_key(pr.k, pr, h, row, lo, pos, DC, [&](int64_t kk, const float* kr) { krows[kk - lo] = kr; });
+  for_each_key(false, pr, h, row, lo, pos, DC, [&](int64_t kk, const float* kr) { krows[kk - lo] = kr; });
   for (int64_t i = span; i < padded; ++i) krows[i] = krows[span - 1];  // a block's tail: any valid row
   const float* qh = pr.q + (token * pr.hq + h * g) * DC;
   const __m512 scale = _mm512_set1_ps(pr.scale);
@@ -163,7 +218,7 @@ void attend_query_avx512(const Problem& pr, int64_t s, int64_t h, int64_t token,
     }
     softmax(sj, span);
   }
-  for_each_key(pr.v, pr, h, row, lo, pos, DC, [&](int64_t kk, const float* vr) { vrows[kk - lo] = vr; });
+  for_each_key(true, pr, h, row, lo, pos, DC, [&](int64_t kk, const float* vr) { vrows[kk - lo] = vr; });
   float* out = pr.out + (token * pr.hq + h * g) * DC;
   for (int64_t j = 0; j < g; ++j) {
     const float* sj = scores.data() + j * padded;
@@ -289,7 +344,7 @@ void attend_tile(const Problem& pr, int64_t s, int64_t h, int64_t token0, int64_
   const float** krows = rows.data();
   const float** vrows = krows + padded;
   const int32_t* row = pr.page_table + s * pr.p;
-  for_each_key(pr.k, pr, h, row, lo, last, DC, [&](int64_t kk, const float* kr) { krows[kk - lo] = kr; });
+  for_each_key(false, pr, h, row, lo, last, DC, [&](int64_t kk, const float* kr) { krows[kk - lo] = kr; });
   for (int64_t i = span; i < padded; ++i) krows[i] = krows[span - 1];
   alignas(64) float qt[DC * kTileRows] = {};  // padding lanes: zero queries, finite scores, never stored
   alignas(64) int32_t row_pos[kTileRows];
@@ -326,7 +381,7 @@ void attend_tile(const Problem& pr, int64_t s, int64_t h, int64_t token0, int64_
   }
   alignas(64) float inv[kTileRows];
   O::store(inv, O::div(O::set1(1.0f), l));
-  for_each_key(pr.v, pr, h, row, lo, last, DC, [&](int64_t kk, const float* vr) { vrows[kk - lo] = vr; });
+  for_each_key(true, pr, h, row, lo, last, DC, [&](int64_t kk, const float* vr) { vrows[kk - lo] = vr; });
   for (int64_t r0 = 0; r0 < live; r0 += RG) {
     for (int c0 = 0; c0 < DV; c0 += CV) {
       F acc[RG][CV];
@@ -374,7 +429,7 @@ void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_
   alignas(64) float qloc[kMaxGroup * kBuf];
   const float* qh = pr.q + (token * pr.hq + h * g) * D;
   for (int64_t i = 0; i < g * D; ++i) qloc[i] = qh[i] * pr.scale;
-  for_each_key(pr.k, pr, h, row, lo, pos, D, [&](int64_t kk, const float* kr) {
+  for_each_key(false, pr, h, row, lo, pos, D, [&](int64_t kk, const float* kr) {
     for (int64_t j = 0; j < g; ++j) {
       const float* qj = qloc + j * D;
       float acc = 0.f;
@@ -384,7 +439,7 @@ void attend_query(const Problem& pr, int64_t s, int64_t h, int64_t token, int64_
   });
   for (int64_t j = 0; j < g; ++j) softmax(sc + j * span, span);
   alignas(64) float acc[kMaxGroup * kBuf] = {};
-  for_each_key(pr.v, pr, h, row, lo, pos, D, [&](int64_t kk, const float* vr) {
+  for_each_key(true, pr, h, row, lo, pos, D, [&](int64_t kk, const float* vr) {
     for (int64_t j = 0; j < g; ++j) {
       const float w = sc[j * span + (kk - lo)];
       float* aj = acc + j * D;
@@ -460,14 +515,14 @@ void attend_item(const Problem& pr, const Item& item, std::vector<float>& scores
   }
 }
 
-ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                     ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
-                     ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
-                     ffi::Buffer<ffi::S32> num_seqs_buf, ffi::Buffer<ffi::S32> layer_buf,
-                     ffi::Buffer<ffi::S32> window_buf, float sm_scale, bool query_tiles,
-                     ffi::ResultBuffer<ffi::F32> out) {
+// The call's common part: shapes checked, the problem set up, the work items run. k_data, v_data: this call's pools,
+// float or (with k_scale, v_scale [KVH]) e4m3 bytes.
+ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Span<const int64_t> kd, const void* k_data,
+               const void* v_data, const float* k_scale, const float* v_scale, ffi::Buffer<ffi::S32> kv_lens,
+               ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs_buf,
+               ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> window_buf, float sm_scale, bool query_tiles,
+               ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
-  auto kd = k_pages.dimensions();
   if (qd.size() != 3 || (kd.size() != 4 && kd.size() != 5))
     return ffi::Error::InvalidArgument("cpu attention: q must be 3-D and the pool 4-D or 5-D");
   if (qd[2] < 1 || qd[2] > kMaxHeadDim)
@@ -487,8 +542,15 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const int64_t layer = r == 5 ? std::clamp<int64_t>(layer_buf.typed_data()[0], 0, kd[0] - 1) : 0;
   const int64_t layer_elems = pr.kvh * pr.n * pr.ps * pr.d;
   pr.q = q.typed_data();
-  pr.k = k_pages.typed_data() + layer * layer_elems;
-  pr.v = v_pages.typed_data() + layer * layer_elems;
+  if (k_scale != nullptr) {
+    pr.k8 = static_cast<const uint8_t*>(k_data) + layer * layer_elems;
+    pr.v8 = static_cast<const uint8_t*>(v_data) + layer * layer_elems;
+    pr.k_scale = k_scale;
+    pr.v_scale = v_scale;
+  } else {
+    pr.k = static_cast<const float*>(k_data) + layer * layer_elems;
+    pr.v = static_cast<const float*>(v_data) + layer * layer_elems;
+  }
   pr.kv_lens = kv_lens.typed_data();
   pr.page_table = page_table.typed_data();
   pr.cu = cu_q_lens.typed_data();
@@ -509,6 +571,29 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                     ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> kv_lens,
+                     ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
+                     ffi::Buffer<ffi::S32> num_seqs_buf, ffi::Buffer<ffi::S32> layer_buf,
+                     ffi::Buffer<ffi::S32> window_buf, float sm_scale, bool query_tiles,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, q, k_pages.dimensions(), k_pages.typed_data(), v_pages.typed_data(), nullptr, nullptr, kv_lens,
+             page_table, cu_q_lens, num_seqs_buf, layer_buf, window_buf, sm_scale, query_tiles, out);
+}
+
+ffi::Error AttentionFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k_pages,
+                        ffi::Buffer<ffi::U8> v_pages, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                        ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
+                        ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs_buf,
+                        ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> window_buf, float sm_scale,
+                        bool query_tiles, ffi::ResultBuffer<ffi::F32> out) {
+  const auto kd = k_pages.dimensions();
+  if (kd.size() < 4 || k_scale.element_count() != kd[kd.size() - 4] || v_scale.element_count() != kd[kd.size() - 4])
+    return ffi::Error::InvalidArgument("cpu attention: k_scale and v_scale must hold one value per KV head");
+  return Run(pool, q, kd, k_pages.typed_data(), v_pages.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
+             kv_lens, page_table, cu_q_lens, num_seqs_buf, layer_buf, window_buf, sm_scale, query_tiles, out);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuAttention, Attention,
@@ -517,6 +602,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_pages
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Attr<float>("sm_scale")
+                                  .Attr<bool>("query_tiles")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuAttentionFp8, AttentionFp8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // k_pages: e4m3 bytes
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale [KVH]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale [KVH]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens

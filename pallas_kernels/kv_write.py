@@ -5,6 +5,8 @@ Layer-stacked pool:        k_pages, v_pages: [L, KVH, N, page_size, D]
 
 A token's slot is `page * page_size + offset`. Page 0 is the null page:
 padding tokens carry a slot inside page 0, so every write stays in bounds.
+An fp8 pool (e4m3 bytes, uint8) stores each value divided by its KV head's
+scale, saturated (kv_quant.py); k_scale/v_scale f32 [KVH] are then required.
 """
 
 from __future__ import annotations
@@ -13,11 +15,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
-_POOL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+from pallas_kernels import kv_quant
+
+_POOL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, kv_quant.POOL_DTYPE)
 
 
-def _check_write_args(k_pages, v_pages, k_new, v_new, slot_mapping, layer):
+def _check_write_args(k_pages, v_pages, k_new, v_new, slot_mapping, layer,
+                      k_scale=None, v_scale=None):
   """Raises ValueError naming the offending value; returns (KVH, N, ps, D)."""
   if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
     raise ValueError(
@@ -34,6 +41,7 @@ def _check_write_args(k_pages, v_pages, k_new, v_new, slot_mapping, layer):
         f"layer must be given iff the pool is layer-stacked (5-D); got "
         f"pool ndim {k_pages.ndim} and layer={layer!r}.")
   kvh, _, _, d = k_pages.shape[-4:]
+  kv_quant.check_scales(k_pages.dtype, kvh, k_scale, v_scale, "write_kv")
   if k_new.ndim != 3 or k_new.shape[1:] != (kvh, d):
     raise ValueError(
         f"k_new must be [T, {kvh}, {d}] to match the pool, got {k_new.shape}.")
@@ -47,20 +55,23 @@ def _check_write_args(k_pages, v_pages, k_new, v_new, slot_mapping, layer):
   return k_pages.shape[-4:]
 
 
-def write_kv_inner(k_pages, v_pages, k_new, v_new, slot_mapping, layer=None):
+def write_kv_inner(k_pages, v_pages, k_new, v_new, slot_mapping, layer=None,
+                   k_scale=None, v_scale=None):
   """Un-jitted scatter, for use inside a larger jitted (pool-donated) step.
 
   Args:
     k_pages, v_pages: [KVH, N, ps, D] pool, or [L, KVH, N, ps, D] with `layer`.
-    k_new, v_new: [T, KVH, D] the step's new keys/values (cast to pool dtype).
+    k_new, v_new: [T, KVH, D] the step's new keys/values (cast to pool dtype;
+      an fp8 pool's quantized with the scales, saturated).
     slot_mapping: int[T], slot = page * ps + offset (padding -> page 0).
     layer: int32 scalar (may be traced) selecting the layer of a 5-D pool.
+    k_scale, v_scale: f32 [KVH], this layer's scales: fp8 pools only.
 
   Returns:
     (k_pages, v_pages) with the new entries written.
   """
   kvh, n, ps, d = _check_write_args(
-      k_pages, v_pages, k_new, v_new, slot_mapping, layer)
+      k_pages, v_pages, k_new, v_new, slot_mapping, layer, k_scale, v_scale)
   rows = k_pages.size // d                  # pool viewed as [rows, D]
   if rows >= 2**31:
     raise ValueError(f"Pool with {rows} rows of D={d} overflows int32 slots.")
@@ -68,6 +79,10 @@ def write_kv_inner(k_pages, v_pages, k_new, v_new, slot_mapping, layer=None):
   # row[h, t] = ((layer * KVH + h) * N * ps) + slot[t]          [KVH, T]
   head_base = (layer_idx * kvh + jnp.arange(kvh, dtype=jnp.int32)) * (n * ps)
   row_idx = head_base[:, None] + slot_mapping.astype(jnp.int32)[None, :]
+
+  if kv_quant.is_fp8_pool(k_pages.dtype):
+    k_new, v_new = kv_quant.quantize(k_new, k_scale), kv_quant.quantize(
+        v_new, v_scale)
 
   def scatter(pages, new):
     new = jnp.swapaxes(new.astype(pages.dtype), 0, 1)     # [KVH, T, D]
@@ -85,13 +100,24 @@ write_kv.__doc__ = (
 
 
 def write_kv_reference(k_pages, v_pages, k_new, v_new, slot_mapping,
-                       layer=None):
-  """NumPy-free functional reference: loops over tokens (tests only)."""
+                       layer=None, k_scale=None, v_scale=None):
+  """Functional reference: loops over tokens (tests only). An fp8 pool's
+  values are quantized here on the host, element by element with numpy and
+  ml_dtypes (x / scale, clamped to +-448, rounded to e4m3)."""
   ps = k_pages.shape[-2]
+  fp8 = kv_quant.is_fp8_pool(k_pages.dtype)
+
+  def stored(x, scale):   # [KVH, D] -> the pool's values
+    if not fp8:
+      return x.astype(k_pages.dtype)
+    y = np.asarray(x, np.float32) / np.asarray(scale, np.float32)[:, None]
+    return np.clip(y, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).view(
+        np.uint8)
+
   for t in range(k_new.shape[0]):
     page, off = int(slot_mapping[t]) // ps, int(slot_mapping[t]) % ps
     idx = (slice(None), page, off) if layer is None else (
         int(layer), slice(None), page, off)
-    k_pages = k_pages.at[idx].set(k_new[t].astype(k_pages.dtype))
-    v_pages = v_pages.at[idx].set(v_new[t].astype(v_pages.dtype))
+    k_pages = k_pages.at[idx].set(stored(k_new[t], k_scale))
+    v_pages = v_pages.at[idx].set(stored(v_new[t], v_scale))
   return k_pages, v_pages

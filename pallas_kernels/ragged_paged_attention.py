@@ -14,6 +14,8 @@ Sequence s < num_seqs owns queries cu_q_lens[s]:cu_q_lens[s+1]; they are the
 last q_len of its kv_len tokens (bottom-right aligned causal mask), and with a
 sliding window W the query at position p sees keys k with p - W < k <= p.
 Tokens at index >= cu_q_lens[num_seqs] are padding and produce exact zeros.
+An fp8 pool (e4m3 bytes held as uint8, kv_quant.py) is read by every backend
+with its per-KV-head k_scale/v_scale; q then stays in its own (float) dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_attention, kv_quant
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.tiling import batch_invariant_tiling
 from pallas_kernels.triton_attention import ragged_paged_attention_pallas
@@ -40,7 +42,8 @@ BACKENDS = ("auto", "reference", "xla", "cpu", "pallas")
     "batch_invariant"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
                            cu_q_lens, num_seqs, *, sm_scale, layer=None,
-                           sliding_window=None, backend="auto",
+                           sliding_window=None, k_scale=None, v_scale=None,
+                           backend="auto",
                            interpret=False, block_q=None,
                            pages_per_block=None, num_splits=None,
                            num_warps=None, num_stages=None,
@@ -50,7 +53,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
 
   Args:
     q: [T, Hq, D] packed queries (bf16/fp16/fp32).
-    k_pages, v_pages: [KVH, N, ps, D], or [L, KVH, N, ps, D] with `layer`.
+    k_pages, v_pages: [KVH, N, ps, D], or [L, KVH, N, ps, D] with `layer`;
+      q's dtype, or uint8 (an fp8 pool: e4m3 bytes) with the scales below.
     kv_lens: int32[S] tokens in each sequence's cache, incl. this step's.
     page_table: int32[S, P] page ids per sequence (padded with 0).
     cu_q_lens: int32[S+1] query offsets; seq s owns q[cu[s]:cu[s+1]].
@@ -62,6 +66,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
       W > 0 the query at position p sees keys k with p - W < k <= p (as
       transformers' Mistral and Gemma 3); pages wholly before a query tile's
       window are not read, so they may have been freed.
+    k_scale, v_scale: f32 [KVH] (traced ok), an fp8 pool's scales for this
+      layer (kv_quant.py): a stored element e of KV head h stands for
+      e * scale[h]. None for a float pool.
     backend: "auto" (pallas on GPU, else cpu), "reference" (the readable
       oracle: gathers the whole page-table row per token), "xla" (blocked
       online softmax in plain JAX), "cpu" (the native CPU kernel,
@@ -89,11 +96,14 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   """
   _validate(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer,
             sliding_window, backend, max_num_partial_prefills)
+  kv_quant.check_scales(k_pages.dtype, k_pages.shape[-4], k_scale, v_scale,
+                        "ragged_paged_attention")
   if backend == "auto":
     backend = "pallas" if jax.default_backend() == "gpu" else "cpu"
   args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs)
   common = dict(sm_scale=float(sm_scale), layer=layer,
-                sliding_window=sliding_window)
+                sliding_window=sliding_window, k_scale=k_scale,
+                v_scale=v_scale)
   if backend == "reference":
     return ragged_paged_attention_reference(*args, **common)
   tiling = dict(block_q=block_q, pages_per_block=pages_per_block,
@@ -158,8 +168,9 @@ def _validate_pool(q, k_pages, v_pages, layer):
   if (k_pages.ndim == 5) != (layer is not None):
     raise ValueError("layer must be given iff the pool is 5-D; got pool shape "
                      f"{k_pages.shape} and layer={layer!r}.")
-  if k_pages.dtype != q.dtype:
-    raise ValueError(f"KV dtype {k_pages.dtype} must equal q dtype {q.dtype}.")
+  if k_pages.dtype != q.dtype and not kv_quant.is_fp8_pool(k_pages.dtype):
+    raise ValueError(f"KV dtype {k_pages.dtype} must equal q dtype {q.dtype} "
+                     "(or be uint8: an fp8 pool's e4m3 bytes).")
   kvh, _, _, d = k_pages.shape[-4:]
   if q.shape[2] != d:
     raise ValueError(f"q head_dim {q.shape[2]} != KV head_dim {d}.")

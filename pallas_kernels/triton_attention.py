@@ -3,7 +3,10 @@
 Runs under `interpret=True` on the CPU for tests. Shapes as in `tiling.py`,
 and: R rows of a tile = bq * G padded to a power of two (>= 16); NS KV splits
 (flash-decoding); the pool is viewed as rows [L*KVH*N*ps, D], one row per
-token slot. The algorithm and its measurements: docs/kernels.md.
+token slot. The algorithm and its measurements: docs/kernels.md. An fp8 pool's
+K/V blocks are widened to q's dtype as they are loaded (half the bytes read of
+a bf16 pool), the head's k_scale folded into the scores' scale and its v_scale
+into the normalised output.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kv_quant import as_fp8
 from pallas_kernels.tiling import (MASK_VALUE, effective_window,
                                    f32_precision, gather_q_tiles,
                                    plan_kernel_calls, run_planned_calls,
@@ -25,6 +29,7 @@ from pallas_kernels.tiling import (MASK_VALUE, effective_window,
 def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_table,
                                   cu_q_lens, num_seqs, *, sm_scale,
                                   layer=None, sliding_window=None,
+                                  k_scale=None, v_scale=None,
                                   interpret=False, block_q=None,
                                   pages_per_block=None, num_splits=None,
                                   num_warps=None, num_stages=None,
@@ -34,6 +39,7 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_table,
   return _ragged_paged_attention_pallas(
       q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
       sm_scale=sm_scale, layer=layer, sliding_window=sliding_window,
+      k_scale=k_scale, v_scale=v_scale,
       interpret=interpret, block_q=block_q, pages_per_block=pages_per_block,
       num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
       max_num_partial_prefills=max_num_partial_prefills, poison_output=False)
@@ -42,6 +48,7 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_table,
 def _ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_table,
                                    cu_q_lens, num_seqs, *, sm_scale, layer,
                                    sliding_window, interpret, block_q,
+                                   k_scale=None, v_scale=None,
                                    pages_per_block, num_splits, num_warps,
                                    num_stages, max_num_partial_prefills,
                                    poison_output):
@@ -60,6 +67,7 @@ def _ragged_paged_attention_pallas(q, k_pages, v_pages, kv_lens, page_table,
   run = functools.partial(
       _pallas_forward, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
       num_seqs, sm_scale=sm_scale, layer=layer, sliding_window=sliding_window,
+      kv_scales=None if k_scale is None else jnp.stack([k_scale, v_scale]),
       interpret=interpret, poison_output=poison_output)
   return run_planned_calls(run, calls, cu_q_lens, num_seqs, t)
 
@@ -84,10 +92,11 @@ def _check_pallas_shapes(head_dim, page_size, cfg, pool_rows):
 
 
 def _pallas_forward(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
-                    num_seqs, *, sm_scale, layer, sliding_window, cfg,
-                    num_tiles, interpret, poison_output, include=None):
+                    num_seqs, *, sm_scale, layer, sliding_window, kv_scales,
+                    cfg, num_tiles, interpret, poison_output, include=None):
   """One planned call: tiles the sequences `include` marks (all if None), at
-  most num_tiles tiles, runs the kernel, scatters tiles back to tokens."""
+  most num_tiles tiles, runs the kernel, scatters tiles back to tokens.
+  kv_scales: an fp8 pool's f32 [2, KVH] (k_scale, v_scale), else None."""
   t, hq, d = q.shape
   kvh, n, ps, _ = k_pages.shape[-4:]
   p = page_table.shape[1]
@@ -104,7 +113,8 @@ def _pallas_forward(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
     scalars.append(effective_window(sliding_window))
   o = _pallas_call(
       qt, k_pages.reshape(-1, d), v_pages.reshape(-1, d), pt, sched,
-      jnp.stack(scalars), cfg=cfg, sm_scale=sm_scale, group=g, page_size=ps,
+      jnp.stack(scalars), kv_scales, cfg=cfg, sm_scale=sm_scale, group=g,
+      page_size=ps,
       num_pages=n, num_kv_heads=kvh, interpret=interpret,
       poison_output=poison_output)
   o = o[:, :, : bq * g].reshape(kvh, nt, bq, g, d)             # [KVH,NT,bq,G,D]
@@ -121,17 +131,20 @@ def _kernel_precision(dtype, interpret):
   return f32_precision(dtype) if interpret else None
 
 
-def _pallas_call(q_tiles, k_flat, v_flat, page_table, sched, scalars, *,
-                 cfg, sm_scale, group, page_size, num_pages, num_kv_heads,
-                 interpret, poison_output):
+def _pallas_call(q_tiles, k_flat, v_flat, page_table, sched, scalars,
+                 kv_scales, *, cfg, sm_scale, group, page_size, num_pages,
+                 num_kv_heads, interpret, poison_output):
   """q_tiles [KVH, NT, R, D] -> o [KVH, NT, R, D] (merged over splits).
 
   k_flat, v_flat [L*KVH*N*ps, D]: the pool, a row per token slot;
-  scalars int32 [1] (layer) or [2] (layer, window)."""
+  scalars int32 [1] (layer) or [2] (layer, window); kv_scales f32 [2, KVH]
+  (an fp8 pool's k and v scales) or None."""
   kvh, nt, rows, d = q_tiles.shape
   ns = cfg.num_splits
   meta = [sched.seq, sched.q_len, sched.pos0, sched.kv_len, scalars,
           page_table]
+  if kv_scales is not None:
+    meta.append(kv_scales)
   whole = [pl.BlockSpec() for _ in meta]          # whole arrays
   q_spec = pl.BlockSpec((None, None, rows, d), lambda h, i, c: (h, i, 0, 0))
   o_dtype = q_tiles.dtype if ns == 1 else jnp.float32
@@ -155,6 +168,7 @@ def _pallas_call(q_tiles, k_flat, v_flat, page_table, sched, scalars, *,
       pages_per_block=cfg.pages_per_block, page_size=page_size,
       num_pages=num_pages, num_kv_heads=num_kv_heads, num_splits=ns,
       num_aliased=len(aliases), windowed=scalars.shape[0] > 1,
+      scaled=kv_scales is not None,
       precision=_kernel_precision(q_tiles.dtype, interpret))
   outs = pl.pallas_call(
       kernel, grid=(kvh, nt, ns), in_specs=in_specs, out_specs=out_specs,
@@ -220,18 +234,23 @@ def masked_block_bounds(block_q, block_k, windowed):
 
 
 def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, scalar_ref, pt_ref,
-                q_ref, k_ref, v_ref, *refs, sm_scale, group, block_q,
-                pages_per_block, page_size, num_pages, num_kv_heads,
-                num_splits, num_aliased, windowed, precision):
+                *refs, sm_scale, group, block_q, pages_per_block, page_size,
+                num_pages, num_kv_heads, num_splits, num_aliased, windowed,
+                scaled, precision):
   """One program: KV head h, query tile i, KV split c.
 
-  q_ref [R, D] (row r = token r // G, head r % G of the group),
-  k_ref/v_ref [L*KVH*N*ps, D] (whole pool, a row a token slot), pt_ref [S, P]
-  page table, scalar_ref [layer] or [layer, window].
+  Inputs after pt_ref: with `scaled` (an fp8 pool) scale_ref [2, KVH] f32
+  (k_scale, v_scale), then q_ref [R, D] (row r = token r // G, head r % G of
+  the group), k_ref/v_ref [L*KVH*N*ps, D] (whole pool, a row a token slot);
+  pt_ref [S, P] page table, scalar_ref [layer] or [layer, window].
   Outputs: o [R, D] (normalised), and with splits lse [R] (f32).
   """
+  scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
+  q_ref, k_ref, v_ref, refs = refs[0], refs[1], refs[2], refs[3:]
   o_ref, *lse_ref = refs[num_aliased:]
   h, i, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  if scaled:   # the scores of stored keys take the head's k_scale too
+    sm_scale = sm_scale * scale_ref[0, h]
   seq, q_len, pos0, kv_len = seq_ref[i], qlen_ref[i], pos0_ref[i], kvlen_ref[i]
   window = scalar_ref[1] if windowed else None
   rows, d = q_ref.shape
@@ -261,6 +280,8 @@ def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, scalar_ref, pt_ref,
     # The next block's page ids load now, off the K/V loads' critical path.
     krows_next = key_rows(b + 1)
     k, v = k_ref[krows], v_ref[krows]                    # [K, D] each
+    if scaled:   # the bytes as e4m3 elements, widened exactly to q's dtype
+      k, v = as_fp8(k).astype(q.dtype), as_fp8(v).astype(q.dtype)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * sm_scale
     if masked:
@@ -311,6 +332,9 @@ def _rpa_kernel(seq_ref, qlen_ref, pos0_ref, kvlen_ref, scalar_ref, pt_ref,
     carry = lax.fori_loop(lo, mid_hi, unmasked, init + (key_rows(lo),))
     acc, m, l, _ = masked_blocks(carry, mid_hi, hi, after)
   l_safe = jnp.where(l > 0.0, l, 1.0)
-  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  o = acc / l_safe[:, None]
+  if scaled:
+    o = o * scale_ref[1, h]
+  o_ref[...] = o.astype(o_ref.dtype)
   if lse_ref:
     lse_ref[0][...] = jnp.where(l > 0.0, m + jnp.log(l_safe), MASK_VALUE)

@@ -9,7 +9,10 @@ gathered K/V follow the batch's real context, not the page table's static
 width P. With a sliding window, each tile starts at the first block of its
 window, and the loop runs over the widest window's blocks instead. A call
 planned with `tile_chunk` (small steps' multi-token sequences) runs its live
-tiles that many at a time instead, each chunk over its own blocks.
+tiles that many at a time instead, each chunk over its own blocks. An fp8
+pool's blocks (gathered as bytes, then read as e4m3) are widened to q's dtype (exact: every e4m3 value is a bf16, f16
+and f32 value) and the scales applied per KV head to the scores (k_scale) and
+to the normalised output (v_scale), not to each element.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.kv_quant import as_fp8
 from pallas_kernels.tiling import (MASK_VALUE, effective_window,
                                    f32_precision, flat_page_ids,
                                    gather_q_tiles, plan_kernel_calls,
@@ -28,13 +32,15 @@ from pallas_kernels.tiling import (MASK_VALUE, effective_window,
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_table,
                                cu_q_lens, num_seqs, *, sm_scale, layer=None,
-                               sliding_window=None, block_q=None,
+                               sliding_window=None, k_scale=None,
+                               v_scale=None, block_q=None,
                                pages_per_block=None,
                                max_num_partial_prefills=None):
   """Same contract as `ragged_paged_attention` (un-jitted, unvalidated).
 
   sliding_window: None (static: no window) or an int32 scalar, traced ok;
-  <= 0 is no window. block_q, pages_per_block: tiling overrides;
+  <= 0 is no window. k_scale, v_scale: f32 [KVH], an fp8 pool's scales
+  (None for a float pool). block_q, pages_per_block: tiling overrides;
   max_num_partial_prefills: the promise of `ragged_paged_attention`."""
   t, hq, d = q.shape
   kvh, _, ps, _ = k_pages.shape[-4:]
@@ -45,7 +51,8 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_table,
       max_num_partial_prefills=max_num_partial_prefills, backend="xla")
   run = functools.partial(
       _xla_forward, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
-      num_seqs, sm_scale=sm_scale, layer=layer, sliding_window=sliding_window)
+      num_seqs, sm_scale=sm_scale, layer=layer, sliding_window=sliding_window,
+      scales=None if k_scale is None else (k_scale, v_scale))
   return run_planned_calls(run, calls, cu_q_lens, num_seqs, t)
 
 
@@ -82,10 +89,11 @@ def _scores(k, qt, precision):
 
 
 def _xla_forward(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
-                 num_seqs, *, sm_scale, layer, sliding_window, cfg, num_tiles,
-                 include=None):
+                 num_seqs, *, sm_scale, layer, sliding_window, scales, cfg,
+                 num_tiles, include=None):
   """One planned call: the tiles of the sequences `include` marks (all if
-  None), at most num_tiles of them -> [T, Hq, D]."""
+  None), at most num_tiles of them -> [T, Hq, D]. scales: an fp8 pool's
+  (k_scale, v_scale) f32 [KVH] each, or None."""
   t, hq, d = q.shape
   kvh = k_pages.shape[-4]
   p = page_table.shape[1]
@@ -101,7 +109,8 @@ def _xla_forward(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
             else effective_window(sliding_window))
   attend = functools.partial(_attend_tiles, k_pages, v_pages, pt,
                              sm_scale=sm_scale, layer=layer, window=window,
-                             pages_per_block=cfg.pages_per_block)
+                             pages_per_block=cfg.pages_per_block,
+                             scales=scales)
   tiles = (qt, sched.seq, sched.pos0, sched.q_len, sched.kv_len)
   if cfg.tile_chunk is None or cfg.tile_chunk >= nt:
     o = attend(*tiles)                                          # lockstep
@@ -131,10 +140,11 @@ def _attend_in_chunks(attend, tiles, chunk):
 
 
 def _attend_tiles(k_pages, v_pages, pt, qt, seq, pos0, q_len, kv_len, *,
-                  sm_scale, layer, window, pages_per_block):
+                  sm_scale, layer, window, pages_per_block, scales=None):
   """Tiles in lockstep: an online softmax over blocks of pages, a loop of
   the tiles' longest span of blocks. qt [C, KVH, G, bq, D]; seq, pos0, q_len,
-  kv_len [C] (the tile schedule's); pt [S, Pp] -> f32 [C, KVH, G, bq, D]."""
+  kv_len [C] (the tile schedule's); pt [S, Pp] -> f32 [C, KVH, G, bq, D].
+  scales: an fp8 pool's (k_scale, v_scale) f32 [KVH], or None."""
   c, kvh, g, bq, d = qt.shape
   n, ps = k_pages.shape[-3:-1]
   ppb = pages_per_block
@@ -146,6 +156,9 @@ def _attend_tiles(k_pages, v_pages, pt, qt, seq, pos0, q_len, kv_len, *,
   first_block, num_blocks = tile_blocks(pos0, q_len, kv_len, window,
                                         block_k)
   hi = f32_precision(qt.dtype)
+  # per KV head: the softmax scale times k_scale (the scores of stored keys)
+  logit_scale = (jnp.float32(sm_scale) if scales is None
+                 else sm_scale * scales[0][None, :, None, None, None])
 
   def block(j, carry):
     m, l, acc = carry                       # [C,KVH,G,bq], idem, [..., D]
@@ -160,6 +173,8 @@ def _attend_tiles(k_pages, v_pages, pt, qt, seq, pos0, q_len, kv_len, *,
     flat = jnp.moveaxis(flat_page_ids(ids, layer, kvh, n), 0, 1)  # [C,KVH,ppb]
     k = k_pages.reshape(-1, ps, d)[flat].reshape(c, kvh, block_k, d)
     v = v_pages.reshape(-1, ps, d)[flat].reshape(c, kvh, block_k, d)
+    if scales is not None:   # fp8 elements, widened exactly
+      k, v = as_fp8(k).astype(qt.dtype), as_fp8(v).astype(qt.dtype)
     kv_live = kpos < kv_len[:, None]                            # [C, K]
     if window is not None:   # keys before the tile's first window: not
       kv_live &= kpos > pos0[:, None] - window         # read (V may be NaN)
@@ -167,7 +182,7 @@ def _attend_tiles(k_pages, v_pages, pt, qt, seq, pos0, q_len, kv_len, *,
     if window is not None:
       mask &= kpos[:, None, :] > qpos[:, :, None] - window
     mask = (mask & kv_live[:, None, :])[:, None, None]          # [C,1,1,bq,K]
-    logits = _scores(k, qt, hi) * sm_scale                     # [C,KVH,G,bq,K]
+    logits = _scores(k, qt, hi) * logit_scale                  # [C,KVH,G,bq,K]
     logits = jnp.where(mask, logits, MASK_VALUE)
     m_new = jnp.maximum(m, logits.max(-1))
     probs = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.)
@@ -181,4 +196,7 @@ def _attend_tiles(k_pages, v_pages, pt, qt, seq, pos0, q_len, kv_len, *,
           jnp.zeros((c, kvh, g, bq), jnp.float32),
           jnp.zeros((c, kvh, g, bq, d), jnp.float32))
   _, l, acc = lax.fori_loop(0, num_blocks, block, init)
-  return acc / jnp.where(l > 0, l, 1.)[..., None]               # [C,KVH,G,bq,D]
+  out = acc / jnp.where(l > 0, l, 1.)[..., None]                # [C,KVH,G,bq,D]
+  if scales is not None:
+    out = out * scales[1][None, :, None, None, None]
+  return out

@@ -17,7 +17,9 @@
 #      batches vs the pure-JAX path and JAX's paged_attention,
 #   5. update_weights of the Llama-3-8B shape (scripts/bench_update_weights.py
 #      --random llama3-8b: issue 65's < 2 s; PASS / MISS in the summary),
-#   6. a tiling sweep of our kernel on a few rows (bench_kernels.py --sweep),
+#   6. issue 64's fp8 KV cache (scripts/bench_kv_fp8.py): pool tokens and decode
+#      attention at 8k context, fp8 pages against bf16,
+#   7. a tiling sweep of our kernel on a few rows (bench_kernels.py --sweep),
 #      in whatever is left of the time budget,
 # then a short summary table that decides issue 15's targets, a PASS / MISS /
 # UNMEASURED line each (batch-1 decode >= 80% of the weight-read roofline;
@@ -117,6 +119,19 @@ if os.path.exists(sweep):
     print(f"  {name:36s} {b['us']:8.1f} us {b['pct']:5.1f} %copy "
           f"x{base / b['us']:4.2f} vs old x{old / base:4.2f} "
           f"{b['label']} {b['variant'] or ''}")
+PYEOF
+  [ -e "$DIR/kv_fp8.jsonl" ] && "$PY" - "$DIR/kv_fp8.jsonl" "${SMOKE[@]}" <<'PYEOF'
+import json, sys
+rows = {r["name"]: r for r in map(json.loads, open(sys.argv[1]))}
+print("issue 64 fp8 KV targets" + (" (smoke: tiny sizes, interpret mode; not the target)" if "--smoke" in sys.argv else "")
+      + ":")
+for name, label, target in (("fp8 KV capacity", "pool tokens, fp8 / bf16", 1.95),
+                            ("fp8 KV decode attention", "decode attention at 8k context, bf16 / fp8 time", 1.3)):
+  r = rows.get(name)
+  if r is None:
+    print(f"{'UNMEASURED':10s} {label}")
+  else:
+    print(f"{'PASS' if r['ratio'] >= target else 'MISS':10s} {label}: {r['ratio']:.2f}x (>= {target}x)")
 PYEOF
   grep -E "^(FAILED|ERROR) " "$LOG" | cut -c1-160 | head -n 12
   grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -n 2
@@ -253,6 +268,10 @@ PYEOF
   [ "$MODE" = interpret ] && shape=smoke
   section "update_weights" 120 "$PY" scripts/bench_update_weights.py --random $shape --repeats 2 \
     --target-seconds 2 || status=1
+  # Issue 64's fp8 KV cache: pool tokens and decode attention at 8k context, fp8 pages vs bf16.
+  : >"$DIR/kv_fp8.jsonl"
+  section "fp8 KV cache" 40 "$PY" scripts/bench_kv_fp8.py "${SMOKE[@]}" \
+    --json "$DIR/kv_fp8.jsonl" || status=1
 
   # The sweep takes what is left; stopped at its limit, it still writes the rows it timed.
   local left=$(( (BUDGET * SCALE - SECONDS - 15) / SCALE ))

@@ -30,6 +30,7 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024  # jaxpaged.engine.async_llm.DEFAULT_MAX_WAI
 CPU_ASYNC_MAX_TOKENS = 8  # jaxpaged.config.CPU_ASYNC_MAX_TOKENS
 CPU_MAX_MODEL_LEN = 2048  # the engine's cap on max_model_len on CPU when none is given
 QUANTIZATIONS = ("fp8", "int8", "w8a8")  # jaxpaged.worker.runner_config.QUANTIZATIONS
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3")  # runner_config.KV_CACHE_DTYPES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,9 +101,10 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
                    "(tensor parallelism; the engine checks what it supports)")
     e.add_argument("--attention-backend", default="auto", help="auto (pallas on GPU; on CPU cpu, or xla "
                    "where no C++ compiler builds the native CPU kernels), pallas, cpu, xla or reference")
-    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+    e.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache dtype; auto: the model's, but float32 for a bfloat16 model on CPU "
-                   "(XLA:CPU would convert the whole cache around every write)")
+                   "(XLA:CPU would convert the whole cache around every write); fp8 / fp8_e4m3: e4m3 pages with "
+                   "a scale per layer and KV head (the checkpoint's, else calibrated at start-up), twice bf16's tokens")
     e.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                    help="fp8: the weight dots' weights as float8_e4m3fn with a float32 scale per output channel "
                    "(FP8 gemms with per-token activation scales on a GPU with FP8 tensor cores, weight-only "

@@ -81,7 +81,7 @@ def test_buckets():
 
 
 @pytest.mark.parametrize("field, value", [("attention_backend", "cuda"), ("page_size", 12), ("num_pages", 0),
-                                          ("max_num_partial_prefills", 0), ("kv_cache_dtype", "fp8"),
+                                          ("max_num_partial_prefills", 0), ("kv_cache_dtype", "fp8_e5m2"),
                                           ("prompt_lookup", (3, 2)), ("prompt_lookup", (0, 2)),
                                           ("prompt_lookup", [1, 2])])
 def test_config_validation(field, value):
@@ -318,8 +318,9 @@ BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.flo
     ("float32", BF16, "gpu", F32), ("float16", F32, "cpu", F16)])
 def test_resolve_kv_cache_dtype(choice, model, platform, want):
     assert resolve_kv_cache_dtype(choice, model, platform) == want
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
-        resolve_kv_cache_dtype("fp8", model, platform)
+    assert resolve_kv_cache_dtype("fp8", model, platform) == np.dtype(jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2'"):
+        resolve_kv_cache_dtype("fp8_e5m2", model, platform)
 
 
 def _pool_sized_passes(config, params, num_pages, kv_dtype):

@@ -60,6 +60,7 @@ from jaxpaged.outputs import RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker import parallel
 from jaxpaged.worker.in_flight import PendingStep
+from jaxpaged.worker.kv_scales import resolve_kv_scales
 from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.worker.runner_config import build_native_kernels, fp8_gemm, quantization_summary
 from jaxpaged.worker.step_input import FaultInjector
@@ -115,8 +116,12 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         self._deferred_error: BaseException | None = None  # async: a dispatch failure, raised by the next step()
         self.scheduler = Scheduler(self.config.scheduler)
         mark = time.perf_counter()
+        # an fp8 KV cache's scales: the checkpoint's, else calibrated now on the model (jaxpaged/worker/kv_scales.py)
+        kv_scales = resolve_kv_scales(self.model.config, self.model.params,
+                                      self.runner_config.kv_dtype(self.model.params["embed"].dtype),
+                                      self.model.source, self.tokenizer.encode)
         self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh,
-                                  fault_injector=fault_injector, consume_params=loaded is None)
+                                  fault_injector=fault_injector, consume_params=loaded is None, kv_scales=kv_scales)
         # the engine's model holds the runner's form of the weights (on CPU the native matmul's blocks): one copy
         self.model = dataclasses.replace(self.model, params=self.runner.params)
         phases["kv_pool"] = time.perf_counter() - mark

@@ -21,6 +21,7 @@ verification in a `RunnerConfig.verify_buckets` shape whose drafts do not fit in
 
 KV pool (stacked over layers, scanned with the params):
     k, v: [L, K, N, page_size, D]   N pages, page 0 the null page
+    k_scale, v_scale: f32 [L, K]    an fp8 pool's scales (jaxpaged/worker/kv_scales.py), else None
 
 With a mesh (tensor parallelism, see jaxpaged/worker/parallel.py) the params and the
 pool are sharded over it, attention runs per shard under shard_map, and the
@@ -66,8 +67,9 @@ from jaxpaged.worker.dispatch import AsyncDispatch
 from jaxpaged.worker.host_memory import HugePageArena, advise_huge_pages, advise_zeroed_huge_pages
 from jaxpaged.worker.in_flight import PendingStep, _draft_rows, banned_at, sampling_row
 from jaxpaged.worker.kept_rows import KeptRows, RowConstants
+from jaxpaged.worker.kv_scales import check_kv_scales
 from jaxpaged.worker.live_weights import LiveWeights, RunnerSleep
-from jaxpaged.worker.runner_config import INT8_DOTS, RunnerConfig, fp8_gemm, packs_weights
+from jaxpaged.worker.runner_config import INT8_DOTS, RunnerConfig, check_fp8_kv_support, fp8_gemm, packs_weights
 from jaxpaged.worker.runner_output import ModelRunnerOutput, PromptLogprobs, prompt_logprob_spans
 from jaxpaged.worker.step_input import (
     FaultInjector,
@@ -98,12 +100,13 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
 
     def __init__(self, model_config: LlamaConfig, params: Params, config: RunnerConfig,
                  mesh: Mesh | None = None, fault_injector: FaultInjector | None = None,
-                 consume_params: bool = False):
+                 consume_params: bool = False, kv_scales: tuple[np.ndarray, np.ndarray] | None = None):
         # consume_params: the runner may delete `params`' arrays it holds in another form (the native CPU
         # matmul's blocks): the caller then uses `runner.params` (the engine's own weights: one copy)
         # fault_injector: a test hook, fault_injector(entries, logits) -> logits, called by execute_model
         # after the forward and before sampling; it may raise (fails the step) or corrupt rows
         # (see docs/security.md)
+        # kv_scales: an fp8 pool's (k_scale, v_scale) f32 [L, K] (kv_scales.resolve_kv_scales); required then
         self.fault_injector = fault_injector
         self.model_config = model_config
         self.config = config
@@ -127,7 +130,9 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         params = to_weight_layout(model_config, params, self.layout, mesh)
         self.dtype = params["embed"].dtype
         self.kv_dtype = config.kv_dtype(self.dtype)
-        self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.kv_dtype, mesh)
+        check_fp8_kv_support(self.kv_dtype, config.backend, sharded=mesh is not None)
+        self.kv = allocate_kv_pool(model_config, config.num_pages, config.page_size, self.kv_dtype, mesh,
+                                   check_kv_scales(model_config, self.kv_dtype, kv_scales))
         self._followers_released = False
         self._huge_pages: threading.Thread | None = None  # advising the weights (CPU, one device)
         self._compiled: dict[tuple[int, int, int, int], jax.stages.Compiled] = {}  # (T, S, P, L) -> step; warmup()

@@ -28,7 +28,12 @@ _MAX_COMPILE_THREADS = 8  # warm-up compiles its programs in parallel on up to t
 _WARMUP_BARRIER_SECONDS = 1800.0  # multi-host: how long a process waits for the others to finish warming up
 ATTENTION_BACKENDS = ("auto", "reference", "xla", "cpu", "pallas")
 FUSE_SAMPLER = ("auto", "on", "off")  # RunnerConfig.fuse_sampler: the sampler inside the step program
-KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+# "fp8" and "fp8_e4m3" (vLLM's names): pages of float8_e4m3fn with a scale per layer and KV head
+# (pallas_kernels/kv_quant.py, jaxpaged/worker/kv_scales.py): half a bf16 pool's bytes per token
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32,
+                   "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+# Triton converts e4m3 on NVIDIA GPUs from compute capability 8.9 (Ada, Hopper) on
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
@@ -41,6 +46,24 @@ def check_fuse_sampler(fuse_sampler: str) -> None:
         raise ValueError(f"fuse_sampler={fuse_sampler!r}: choose one of {FUSE_SAMPLER}")
 
 
+def check_fp8_kv_support(kv_dtype, backend: str, sharded: bool = False, device=None) -> None:
+    """ValueError at start-up where an fp8 pool would not be read right: tensor parallelism (its scales are
+    not sharded yet) and the Pallas kernel on a GPU older than FP8_MIN_COMPUTE_CAPABILITY. Every attention
+    backend reads fp8 pages otherwise (reference, XLA, native CPU, Pallas). device: the first local device."""
+    if np.dtype(kv_dtype) != np.dtype(jnp.float8_e4m3fn):
+        return
+    if sharded:
+        raise ValueError("kv_cache_dtype='fp8' is not supported with tensor parallelism yet: use a float "
+                         "kv_cache_dtype or tensor_parallel_size=1")
+    device = device or jax.local_devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if backend == "pallas" and device.platform == "gpu" and capability is not None and \
+            tuple(int(x) for x in str(capability).split(".")[:2]) < FP8_MIN_COMPUTE_CAPABILITY:
+        raise ValueError(f"kv_cache_dtype='fp8': the Pallas attention kernel reads e4m3 pages on GPUs of compute "
+                         f"capability >= 8.9 (Ada, Hopper); this {device.device_kind} is {capability}. Use a "
+                         "float kv_cache_dtype or attention_backend='xla'")
+
+
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype, platform: str) -> np.dtype:
     """The KV pool's dtype. "auto" is the model's, except bf16 on CPU, which gets f32.
 
@@ -48,6 +71,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype, platform: str) -> n
     each layer's KV write, so a decode step costs two passes over the pool per layer
     (over 100x an f32 pool's step). The CPU attention
     path computes in f32 anyway; the price is half as many pages for the same bytes.
+    "fp8"/"fp8_e4m3": float8_e4m3fn on every platform (written quantized, read by every attention path).
     """
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype != "auto":

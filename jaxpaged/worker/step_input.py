@@ -2,7 +2,9 @@
 
 Shapes, as made by `ModelRunner.prepare` (T tokens, S sequence slots, P pages per sequence):
     StepInput: token_ids, positions, slot_mapping i32[T]; page_table i32[S, P]; kv_lens i32[S]; cu_q_lens i32[S + 1]
-    KVPool: k, v [L, K, N, page_size, D] (stacked over layers; N pages, page 0 the null page)
+    KVPool: k, v [L, K, N, page_size, D] (stacked over layers; N pages, page 0 the null page); an fp8 pool holds
+        e4m3 bytes (uint8) and its k_scale, v_scale f32 [L, K] (per layer and KV head: pallas_kernels/kv_quant.py),
+        None for a float pool
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jaxpaged.sample import sampler
 from jaxpaged.sample.sampling_batch import SamplingBatch
 from jaxpaged.spec_decode.verify import Redraft
 from jaxpaged.worker import parallel
+from pallas_kernels import kv_quant
 
 
 @jax.tree_util.register_dataclass
@@ -29,6 +32,10 @@ from jaxpaged.worker import parallel
 class KVPool:
     k: jax.Array  # [L, K, N, page_size, D]
     v: jax.Array
+    # an fp8 pool's scales, f32 [L, K] each (jaxpaged/worker/kv_scales.py): step inputs like the pages, never
+    # changed by a step; None for a float pool
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -88,11 +95,17 @@ def pad_sampled_tokens(token_ids: jax.Array, size: int) -> jax.Array:
 
 
 def allocate_kv_pool(config: LlamaConfig, num_pages: int, page_size: int, dtype,
-                     mesh: Mesh | None = None) -> KVPool:
-    """Zeroed pool; with a mesh, sharded on K (each device allocates only its heads)."""
+                     mesh: Mesh | None = None, scales: tuple[np.ndarray, np.ndarray] | None = None) -> KVPool:
+    """Zeroed pool; with a mesh, sharded on K (each device allocates only its heads). scales: an fp8 pool's
+    (k_scale, v_scale) f32 [L, K] (jaxpaged/worker/kv_scales.py), placed beside it."""
     shape = (config.num_hidden_layers, config.num_key_value_heads, num_pages, page_size, config.head_dim)
+    if np.dtype(dtype) == np.dtype(kv_quant.FP8_DTYPE):  # e4m3 pages are held as their bytes (kv_quant.py)
+        dtype = kv_quant.POOL_DTYPE
     if mesh is None:
-        return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        k_scale, v_scale = (None, None) if scales is None else (jnp.asarray(s, jnp.float32) for s in scales)
+        return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), k_scale, v_scale)
+    if scales is not None:
+        raise ValueError("an fp8 KV cache is not supported with tensor parallelism yet")
     sharding = parallel.kv_pool_sharding(mesh)
     return KVPool(parallel.zeros_sharded(shape, dtype, sharding), parallel.zeros_sharded(shape, dtype, sharding))
 

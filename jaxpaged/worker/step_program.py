@@ -80,19 +80,31 @@ def prompt_logprobs_step(config: LlamaConfig, params: Params, hidden: jax.Array,
     return target, ranks, top_ids.astype(jnp.int32), top_logprobs
 
 
-def _attend_paged(q, k, v, k_pool, v_pool, step: StepInput, layer, window, *, sm_scale: float,
+def _attend_paged(q, k, v, k_pool, v_pool, step: StepInput, layer, window, scales=None, *, sm_scale: float,
                   attention: AttentionConfig):
     """Write this step's k/v [T, K, D] into the pool, then attend q [T, H, D] -> (o, k_pool, v_pool).
 
     The pool may hold another dtype than the model's (kv_cache_dtype): k/v and q
-    are cast to it, the output back to q's dtype. window: this layer's sliding window (int32 scalar,
-    0 = none), or None when no layer of the model has one."""
-    kp, vp = write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer)
-    o = ragged_paged_attention(q.astype(kp.dtype), kp, vp, step.kv_lens, step.page_table, step.cu_q_lens,
+    are cast to it, the output back to q's dtype; an fp8 pool (scales: this layer's (k_scale, v_scale) f32 [K])
+    is written quantized and read with the scales, q kept in the model's dtype (f32 where that is bf16 on
+    CPU, as a float pool's would be). window: this layer's sliding window (int32 scalar, 0 = none), or None
+    when no layer of the model has one."""
+    k_scale, v_scale = (None, None) if scales is None else scales
+    kp, vp = write_kv_inner(k_pool, v_pool, k, v, step.slot_mapping, layer=layer, k_scale=k_scale, v_scale=v_scale)
+    q_dtype = kp.dtype if scales is None else _fp8_query_dtype(q.dtype)
+    o = ragged_paged_attention(q.astype(q_dtype), kp, vp, step.kv_lens, step.page_table, step.cu_q_lens,
                                step.num_seqs, sm_scale=sm_scale, layer=layer, backend=attention.backend,
                                max_num_partial_prefills=attention.max_num_partial_prefills, sliding_window=window,
-                               batch_invariant=attention.batch_invariant)
+                               batch_invariant=attention.batch_invariant, k_scale=k_scale, v_scale=v_scale)
     return o.astype(q.dtype), kp, vp
+
+
+def _fp8_query_dtype(model_dtype):
+    """The queries' dtype over an fp8 pool: the model's, except bf16 on CPU, which gets f32 (for the reason a
+    float pool does there: runner_config.resolve_kv_cache_dtype; and the native CPU kernel reads f32 queries)."""
+    if jnp.dtype(model_dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return jnp.float32
+    return model_dtype
 
 
 def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Params, kv: KVPool,
@@ -117,6 +129,8 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     if use_native and attention.batch_invariant:  # every row count on the native call, the norms' sums too
         matmul = batch_invariant_matmul()
     consts = layer_constants(config)  # per layer: window [L], row of the RoPE tables [L]
+    if kv.k_scale is not None:  # an fp8 pool: its scales [L, K], each layer's scanned or picked with it
+        consts = dict(consts, k_scale=kv.k_scale, v_scale=kv.v_scale)
     if use_native and cpu_rope.load_cpu_rope():  # one call: XLA:CPU would redo the cosines in every layer
         cos_table, sin_table = cpu_rope.rope_tables_cpu(step.positions, rope_frequencies(config))  # [U, T, D]
     else:
@@ -129,7 +143,9 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
         window = c["window"] if config.has_sliding_window else None
 
         def attend(q, k, v):  # q [T, H, D], k/v [T, K, D]: write first, then attend
-            o, kp, vp = attend_paged(q, k, v, k_pool, v_pool, step, layer, window)
+            # an fp8 pool's scales f32 [K] each, this layer's (none with a mesh: shard_attention takes 8 inputs)
+            scales = ((c["k_scale"], c["v_scale"]),) if "k_scale" in c else ()
+            o, kp, vp = attend_paged(q, k, v, k_pool, v_pool, step, layer, window, *scales)
             return o, (kp, vp)
 
         h, (k_pool, v_pool) = decoder_layer(config, layer_params, h, cos, sin, attend, matmul)
@@ -160,7 +176,7 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
         carry, _ = jax.lax.scan(body, carry, (sliced, layers, consts))
     h, k, v = carry
     logits = lm_logits(config, params, h[step.logits_indices], matmul)  # [S, V]
-    return logits, h, KVPool(k, v)
+    return logits, h, KVPool(k, v, kv.k_scale, kv.v_scale)
 
 
 def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, params: Params, kv: KVPool,

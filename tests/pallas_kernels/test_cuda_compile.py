@@ -197,3 +197,40 @@ def test_windowed_decode_keeps_its_pipeline(triton_available):
                                              *prefill_args, **kw)
   assert prefill.load_buffers() == [(3, 64, 128), (3, 64, 128)]
   assert prefill.blocks_per_sm() == 1
+
+
+def _fp8_args(hq, kvh, d, t, s, p, **kw):
+  """_attention_args with an fp8 pool: e4m3 bytes (uint8) and the layer's
+  k_scale, v_scale f32 [KVH]."""
+  (q, k, v, *rest), kwargs = _attention_args(hq, kvh, d, t, s, p, **kw)
+  sds = jax.ShapeDtypeStruct
+  pool = sds(k.shape, jnp.uint8)
+  kwargs.update(k_scale=sds((kvh,), jnp.float32), v_scale=sds((kvh,), jnp.float32))
+  return (q, pool, pool, *rest), kwargs
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_fp8_pool_lowers_for_cuda(path):
+  t, s, p, ns = PATHS[path]
+  args, kw = _fp8_args(32, 8, 128, t, s, p, layers=2)
+  text = cuda_compile.lower_for_cuda(_attention(128, ns), *args, **kw)
+  assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_fp8_pool_compiles_for_sm90(path, triton_available):
+  """e4m3 pages (Llama-3-8B shape): the kernel reads bytes and widens them to
+  bf16 in registers (an fp8 -> bf16 conversion in the TTIR); same calls,
+  Hopper's limits, and the decode keeps its 3-deep pipeline of K and V page
+  loads, now a byte an element."""
+  t, s, p, ns = PATHS[path]
+  args, kw = _fp8_args(32, 8, 128, t, s, p)
+  kernels = cuda_compile.compile_for_cuda(_attention(128, ns), *args, **kw)
+  _check_resources(kernels)
+  plain = _attention_args(32, 8, 128, t, s, p)
+  assert [k.name for k in kernels] == [
+      k.name for k in cuda_compile.compile_for_cuda(_attention(128, ns),
+                                                    *plain[0], **plain[1])]
+  assert all("f8E4M3FN" in k.ttir for k in kernels), "no e4m3 in the kernel"
+  if path == "decode":
+    assert kernels[0].load_buffers() == [(3, 32, 128), (3, 32, 128)]

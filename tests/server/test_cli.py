@@ -76,4 +76,7 @@ def test_the_defaults_restated_for_help_are_the_engines():
         DEFAULT_MODEL, DEFAULT_MAX_WAITING_REQUESTS, CPU_ASYNC_MAX_TOKENS, QUANTIZATIONS)
     ns = build_parser().parse_args([])
     assert engine_args(ns) == EngineArgs()  # no flag given: exactly the engine's defaults
+    from jaxpaged.worker.runner_config import KV_CACHE_DTYPES
+    assert cli.KV_CACHE_DTYPES == tuple(KV_CACHE_DTYPES)
+    assert engine_args(build_parser().parse_args(["--kv-cache-dtype", "fp8"])).kv_cache_dtype == "fp8"
     assert AsyncLLMConfig(max_waiting_requests=ns.max_waiting_requests) == AsyncLLMConfig()
