@@ -11,7 +11,6 @@ scale, saturated (kv_quant.py); k_scale/v_scale f32 [KVH] are then required.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
