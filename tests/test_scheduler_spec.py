@@ -14,7 +14,7 @@ from jaxpaged.core.request import Request
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.core.scheduler_output import SchedulerOutput
-from tests.test_scheduler import EOS, VOCAB, FakeRunner, config, make, next_token, reference_output
+from tests.test_scheduler import EOS, VOCAB, FakeRunner, check_tables, config, make, next_token, reference_output
 
 
 class SpecFakeRunner(FakeRunner):
@@ -22,10 +22,12 @@ class SpecFakeRunner(FakeRunner):
     read back THROUGH THE PAGE TABLE (drafts included), accepted while it equals the draft."""
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        self.apply(out)
         for e in out.scheduled_requests:
-            assert len(e.page_ids) * self.page_size >= e.start_position + e.num_tokens
+            pages = self.tables[e.request_id]
+            assert len(pages) * self.page_size >= e.start_position + e.num_tokens
             for i, token_id in enumerate(e.token_ids):
-                self.slots[self._slot(e.page_ids, e.start_position + i)] = token_id
+                self.slots[self._slot(pages, e.start_position + i)] = token_id
         sampled = {}
         for e in out.scheduled_requests:
             if not e.samples:
@@ -33,7 +35,7 @@ class SpecFakeRunner(FakeRunner):
             real_end = e.start_position + e.num_tokens - len(e.spec_token_ids)
             emitted = []
             for j in range(len(e.spec_token_ids) + 1):
-                context = [self.slots[self._slot(e.page_ids, p)] for p in range(real_end + j)]
+                context = [self.slots[self._slot(self.tables[e.request_id], p)] for p in range(real_end + j)]
                 emitted.append(next_token(context))
                 if j == len(e.spec_token_ids) or emitted[-1] != e.spec_token_ids[j]:
                     break
@@ -359,6 +361,7 @@ def test_random_workloads_with_drafts_finish_with_reference_outputs(workload):
             r.spec_token_ids = propose(r, rng, cfg.max_model_len)
         out = sched.schedule()
         sampled = runner.execute(out)
+        check_tables(sched, runner, out)
         num_accepted += sum(len(sampled[e.request_id]) - 1 for e in out.scheduled_requests if e.samples)
         sched.update_from_output(out, sampled)
         sched.check_invariants()

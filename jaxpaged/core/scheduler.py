@@ -341,8 +341,10 @@ class Scheduler:
         num_output = entry.num_output_tokens
         request.num_computed_tokens += len(drafts)
         request.num_draft_placeholders += len(drafts)
+        request.num_pages_sent = len(request.page_ids)  # the drafts' pages ride on this entry's diff
         return dataclasses.replace(
-            entry, token_ids=entry.token_ids + drafts, page_ids=tuple(request.page_ids), spec_token_ids=drafts,
+            entry, token_ids=entry.token_ids + drafts, page_ids=tuple(request.page_ids[entry.page_ids_from:]),
+            spec_token_ids=drafts,
             spec_guess=request.spec_guess if entry.placeholder else None,
             spec_banned_token_ids=tuple(request.banned_token_ids_at(num_output + j + 1) for j in range(len(drafts))))
 
@@ -380,12 +382,14 @@ class Scheduler:
         if num_placeholders_fed and (num_new != 1 or not request.num_output_placeholders):
             raise RuntimeError(f"request {request.request_id!r}: a chunk of {num_new} tokens at {start} feeds "
                                f"{num_placeholders_fed} placeholders (at most its one in-flight token)")
+        sent, page_ids = request.num_pages_sent, request.page_ids
         entry = ScheduledRequest(
             request_id=request.request_id,
             # known tokens, or the one placeholder of the token in flight (async scheduling)
             token_ids=(PLACEHOLDER_TOKEN_ID,) if num_placeholders_fed else tuple(request.token_ids_slice(start, end)),
             start_position=start,
-            page_ids=tuple(request.page_ids),
+            page_ids=tuple(page_ids[sent:]) if len(page_ids) > sent else (),  # the diff: pages the worker lacks
+            page_ids_from=sent,
             samples=end == _num_known_and_placeholder_tokens(request),
             sampling_params=request.sampling_params,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -399,6 +403,7 @@ class Scheduler:
         )
         request.spec_token_ids = []
         request.num_computed_tokens = end
+        request.num_pages_sent = len(page_ids)
         if entry.samples and self.config.async_scheduling:
             request.num_output_placeholders += 1
         self.pool.cache_full_pages(request)  # full pages of known tokens only
