@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from jaxpaged.core.page_pool import hash_page
-from jaxpaged.core.request import Request
+from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.core.scheduler_output import SchedulerOutput
@@ -438,3 +438,29 @@ def prefilled_async(sched: Scheduler, prompt, max_tokens=20) -> Request:
     sched.update_from_output(out, {"a": [100]})
     assert request.num_output_placeholders == 0 and request.num_computed_tokens == 6
     return request
+
+
+def test_stops_are_decided_once_a_given_verdict_is_the_last_tokens():
+    """The engine decides each token's stop (OutputProcessor._emit cuts a step's tokens at the first that stops) and
+    passes the last one's verdict: the scheduler appends the tokens before it as they are and checks nothing again.
+    Without verdicts (a caller that has no engine) it checks each token itself and stops at the first EOS."""
+    runs = {}
+    for given in (False, True):
+        sched = Scheduler(config(num_pages=16, page_size=4))
+        r = prefilled(sched, [1, 2, 3, 4, 5, 6], max_tokens=20)
+        r.spec_token_ids = [EOS, 8]
+        out = sched.schedule()
+        stops = {"a": None} if given else None
+        sched.update_from_output(out, {"a": [EOS, 8, 9]}, stops)  # drafts EOS and 8 accepted, 9 the bonus
+        sched.check_invariants()
+        runs[given] = (r.output_token_ids, r.finish_reason)
+    assert runs[False] == ([100, EOS], "stop")  # checked here: the EOS ends it
+    assert runs[True] == ([100, EOS, 8, 9], None)  # the caller's word: all three go on
+    # a FINISHED_ERROR verdict on the last token: the ones before it are kept, the garbage one is not
+    sched = Scheduler(config(num_pages=16, page_size=4))
+    r = prefilled(sched, [1, 2, 3, 4, 5, 6], max_tokens=20)
+    r.spec_token_ids = [7, 8]
+    out = sched.schedule()
+    sched.update_from_output(out, {"a": [7, 8, 31]}, {"a": (RequestStatus.FINISHED_ERROR, None)})
+    assert r.output_token_ids == [100, 7, 8] and r.finish_reason == "error"
+    sched.check_invariants()
