@@ -459,7 +459,7 @@ def test_key_steps_move_back_by_the_drafts_rejected_in_flight():
 
 
 def test_sampling_batch_from_kept_constants_is_the_batch_of_the_entries_rows(tiny):
-    """A step's sampler batch gathers each request's constants kept from earlier steps (`kept_rows.RowConstants`),
+    """A step's sampler batch gathers each request's constants kept from earlier steps (`InputBatch`),
     RowInfos only for rows with banned ids, a bias or penalties, then packed draft rows: the batch of the rows
     `sampling_row` makes, row for row. A request id that comes back with other params gets them (made again), and
     finished requests are forgotten."""
@@ -487,12 +487,12 @@ def test_sampling_batch_from_kept_constants_is_the_batch_of_the_entries_rows(tin
         for field in dataclasses.fields(want):
             got, expected = getattr(batch, field.name), getattr(want, field.name)
             assert (got is None) == (expected is None) and (got is None or np.array_equal(got, expected)), field.name
-    assert len(runner._row_constants) == 4
+    assert len(runner.input_batch) == 4
     again = [make("a", greedy, 11, 4)]  # "a" came back with other params
     step = runner.prepare(again)
     assert runner._sampling_batch(again, step, None, None)[0].temperature.tolist() == [0.0] * 4
     runner.execute_model(SchedulerOutput(tuple(again), 1, (), ("b", "c")))  # a step told b and c finished
-    assert len(runner._row_constants) == 2
+    assert len(runner.input_batch) == 2
 
 
 def test_outputs_in_flight_are_what_the_host_counts_lack():

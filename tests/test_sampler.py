@@ -17,7 +17,8 @@ from scipy import stats
 
 from jaxpaged.sample.sampling_batch import (MAX_BIAS_ENTRIES, RowInfo, SamplingBatch, assemble_sampling_batch,
                                            make_sampling_batch, needs_row_info, seed_key_data, step_key)
-from jaxpaged.worker.kept_rows import RowConstants
+from jaxpaged.core.scheduler_output import ScheduledRequest
+from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.sample.sampler import SamplerOutput, sample, sample_jit
 from jaxpaged.sample.ops import process_logits
 from jaxpaged.sample.sampler import compiled_variants, warmup
@@ -313,32 +314,26 @@ def test_bad_arguments_raise():
         sample(jnp.zeros((S, V)), batch, num_top_logprobs=V + 1)
 
 
-def test_row_constants_are_kept_by_request_and_made_again_when_its_params_or_seed_change():
-    table = RowConstants(V, capacity=3)
+def _kept_constants(batch: InputBatch, rows) -> tuple[np.ndarray, np.ndarray]:
+    """(scalars, key data) of rows given as (request id, params, seed), through the runner's persistent batch."""
+    entries = [ScheduledRequest(rid, (0,), 0, (1,), True, params, 1, seed=seed) for rid, params, seed in rows]
+    index = batch.apply(entries)
+    return batch.scalars[index], batch.key_data[index]
+
+
+def test_row_constants_are_the_params_scalars_and_the_seeds_key_data():
+    batch = InputBatch(capacity=3, max_pages=1, vocab_size=V)
     greedy, hot = SP(temperature=0.0, top_k=5), SP(temperature=0.5, top_k=V + 5, top_p=0.25, min_p=0.125)
-    scalars, keys = table.gather([("a", greedy, 1), ("b", hot, 2)])
+    scalars, keys = _kept_constants(batch, [("a", greedy, 1), ("b", hot, 2)])
     # (temperature, top_k, top_p, min_p, presence, frequency, repetition): greedy rows cut nothing, top_k >= V is off
     assert scalars.tolist() == [[0, 0, 1, 0, 0, 0, 1], [0.5, 0, 0.25, 0.125, 0, 0, 1]]
-    assert keys.tolist() == [seed_key_data(1).tolist(), seed_key_data(2).tolist()] and len(table) == 2
-    scalars, keys = table.gather([("b", hot, 2), ("a", hot, 1)])  # a's params are another object: made again
-    assert scalars[:, 0].tolist() == [0.5, 0.5] and keys.tolist() == [seed_key_data(2).tolist(),
-                                                                       seed_key_data(1).tolist()]
-    assert table.gather([("a", hot, 7)])[1].tolist() == [seed_key_data(7).tolist()] and len(table) == 2  # a new seed
-    table.release(["a", "never-seen"])
-    assert len(table) == 1
-    # a step needing more room than is free drops every entry first, then makes its own
-    scalars, _ = table.gather([("c", greedy, 0), ("d", hot, 0), ("e", greedy, 0)])
-    assert scalars[:, 0].tolist() == [0, 0.5, 0] and len(table) == 3
-    with pytest.raises(ValueError, match="capacity"):
-        table.gather([(str(i), greedy, 0) for i in range(4)])
+    assert keys.tolist() == [seed_key_data(1).tolist(), seed_key_data(2).tolist()] and len(batch) == 2
     with pytest.raises(ValueError, match="seed"):
-        table.gather([("f", greedy, 1.5)])
-    with pytest.raises(ValueError, match="capacity"):
-        RowConstants(V, capacity=0)
+        _kept_constants(batch, [("f", greedy, 1.5)])
 
 
 def test_assembled_batch_checks_its_steps():
-    scalars, keys = RowConstants(V, 2).gather([("a", SP(), 0)])
+    scalars, keys = _kept_constants(InputBatch(2, 1, V), [("a", SP(), 0)])
     assert assemble_sampling_batch(scalars, keys, [2**32 - 1], {}, S, V).steps.tolist() == [2**32 - 1] + [0] * 7
     for steps in ([-1], [2**32], []):
         with pytest.raises(ValueError, match="key steps"):
@@ -386,13 +381,13 @@ def test_random_params_outputs_are_sane(data):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_kept_row_constants_give_the_batch_of_the_rows(data):
-    """A batch from the constants a RowConstants kept (over steps in another order) and RowInfos only for the rows
-    that need more (`needs_row_info`) is the batch of the rows themselves."""
+    """A batch from the constants the runner's persistent batch kept (made in an earlier step's order) and RowInfos
+    only for the rows that need more (`needs_row_info`) is the batch of the rows themselves."""
     rows = [data.draw(random_row()) for _ in range(data.draw(st.integers(0, S)))]
-    table = RowConstants(V, capacity=2 * S)
+    table = InputBatch(capacity=2 * S, max_pages=1, vocab_size=V)
     kept = [(f"r{i}", row.params, row.seed) for i, row in enumerate(rows)]
-    table.gather(data.draw(st.permutations(kept)))  # an earlier step's order
-    scalars, keys = table.gather(kept)
+    _kept_constants(table, data.draw(st.permutations(kept)))  # an earlier step's order
+    scalars, keys = _kept_constants(table, kept)
     special = {i: row for i, row in enumerate(rows) if needs_row_info(row.params, row.banned_token_ids)}
     batch = assemble_sampling_batch(scalars, keys, [row.step for row in rows], special, S, V)
     want = make_sampling_batch(rows, S, V)

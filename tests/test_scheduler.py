@@ -34,6 +34,17 @@ class FakeRunner:
         self.page_size = config.page_size
         self.slots: list[int | None] = [None] * (config.num_pages * config.page_size)
         self.fed: dict[str, list[tuple[int, tuple[int, ...]]]] = {}  # id -> [(start, token_ids)]
+        self.tables: dict[str, list[int]] = {}  # id -> its page table, kept from the entries' diffs as the runner does
+
+    def apply(self, out: SchedulerOutput) -> None:
+        """Keep each entry's page table from its diff (its first page_ids_from pages kept, then page_ids), forgetting
+        the requests the output names finished or preempted."""
+        for rid in out.finished_request_ids + out.preempted_request_ids:
+            self.tables.pop(rid, None)
+        for e in out.scheduled_requests:
+            kept = self.tables.get(e.request_id, []) if e.page_ids_from else []
+            assert e.page_ids_from <= len(kept), f"{e.request_id}: a diff past the pages kept"
+            self.tables[e.request_id] = kept[:e.page_ids_from] + list(e.page_ids)
 
     def _slot(self, page_ids, pos: int) -> int:
         page_id = page_ids[pos // self.page_size]
@@ -41,16 +52,18 @@ class FakeRunner:
         return page_id * self.page_size + pos % self.page_size
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        self.apply(out)
         for e in out.scheduled_requests:
-            assert len(e.page_ids) * self.page_size >= e.start_position + e.num_tokens
+            pages = self.tables[e.request_id]
+            assert len(pages) * self.page_size >= e.start_position + e.num_tokens
             self.fed.setdefault(e.request_id, []).append((e.start_position, e.token_ids))
             for i, token_id in enumerate(e.token_ids):
-                self.slots[self._slot(e.page_ids, e.start_position + i)] = token_id
+                self.slots[self._slot(pages, e.start_position + i)] = token_id
         sampled = {}
         for e in out.scheduled_requests:
             if e.samples:
                 end = e.start_position + e.num_tokens
-                context = [self.slots[self._slot(e.page_ids, p)] for p in range(end)]
+                context = [self.slots[self._slot(self.tables[e.request_id], p)] for p in range(end)]
                 sampled[e.request_id] = [next_token(context)]
         return sampled
 
@@ -83,15 +96,28 @@ def config(**kwargs) -> SchedulerConfig:
     return SchedulerConfig(**defaults)
 
 
+def check_tables(sched: Scheduler, runner: FakeRunner, out: SchedulerOutput) -> None:
+    """The page tables the runner keeps from the output's diffs are the scheduled requests' own."""
+    for e in out.scheduled_requests:
+        assert runner.tables[e.request_id] == sched.get_request(e.request_id).page_ids, e.request_id
+
+
 def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Request]]:
     out = sched.schedule()
-    finished = sched.update_from_output(out, runner.execute(out))
+    sampled = runner.execute(out)
+    check_tables(sched, runner, out)
+    finished = sched.update_from_output(out, sampled)
     sched.check_invariants()
     return out, finished
 
 
 def shape(out: SchedulerOutput):
     return [(e.request_id, e.start_position, e.num_tokens, e.samples) for e in out.scheduled_requests]
+
+
+def pages_sent(out: SchedulerOutput):
+    """Each entry's page-table diff: (id, the pages the runner keeps from earlier entries, the pages after them)."""
+    return [(e.request_id, e.page_ids_from, e.page_ids) for e in out.scheduled_requests]
 
 
 # ---- config and admission ---------------------------------------------------
@@ -160,9 +186,11 @@ def test_chunked_prefill_with_a_small_budget():
     assert out.scheduled_requests[0].page_ids == (1,)
     assert out.num_scheduled_tokens == 4 and r.num_computed_tokens == 4 and r.output_token_ids == []
     out, _ = step(sched, runner)
-    assert shape(out) == [("a", 4, 4, False)] and out.scheduled_requests[0].page_ids == (1, 2)
+    # the page table as a diff: page 1 went with the first chunk, page 2 is new
+    assert shape(out) == [("a", 4, 4, False)] and pages_sent(out) == [("a", 1, (2,))]
     out, _ = step(sched, runner)
-    assert shape(out) == [("a", 8, 2, True)] and out.scheduled_requests[0].page_ids == (1, 2, 3)
+    assert shape(out) == [("a", 8, 2, True)] and pages_sent(out) == [("a", 2, (3,))]
+    assert runner.tables == {"a": [1, 2, 3]}
     assert out.scheduled_requests[0].token_ids == (18, 19)
     assert r.num_output_tokens == 1
     out, _ = step(sched, runner)
@@ -283,7 +311,7 @@ def test_preemption_takes_the_most_recently_admitted_and_recomputes_it():
 
     out, _ = step(sched, runner)  # A and B each need a 3rd page: C goes
     assert out.preempted_request_ids == ("C",)
-    assert [(e.request_id, e.page_ids) for e in out.scheduled_requests] == [("A", (1, 2, 6)), ("B", (3, 4, 5))]
+    assert pages_sent(out) == [("A", 2, (6,)), ("B", 2, (5,))] and runner.tables == {"A": [1, 2, 6], "B": [3, 4, 5]}
     assert C.status is RequestStatus.PREEMPTED and C.page_ids == [] and C.num_computed_tokens == 0
     assert list(sched.waiting) == [C] and sched.running == [A, B]
     assert C.num_output_tokens == 1 and C.num_preemptions == 1 and sched.num_preemptions == 1
@@ -313,7 +341,7 @@ def test_a_request_that_is_the_lowest_priority_preempts_itself():
     step(sched, runner)
     out, _ = step(sched, runner)
     assert out.preempted_request_ids == ("B",)
-    assert [(e.request_id, e.page_ids) for e in out.scheduled_requests] == [("A", (1, 2, 5))]
+    assert pages_sent(out) == [("A", 2, (5,))] and runner.tables == {"A": [1, 2, 5]}
     assert list(sched.waiting) == [B] and B.page_ids == []
 
 
@@ -558,6 +586,7 @@ def overlapped_step(sched: Scheduler, runner: LaggedRunner, in_flight):
     the new in-flight step, the requests N finished)."""
     out = sched.schedule()
     sampled = runner.execute(out)
+    check_tables(sched, runner, out)
     finished = sched.update_from_output(*in_flight) if in_flight else []
     sched.check_invariants()
     return out, (None if out.is_empty else (out, sampled)), finished
@@ -578,12 +607,13 @@ def test_async_decode_feeds_a_placeholder_with_exact_pages():
     assert shape(out) == [("a", 6, 1, True), ("b", 3, 1, True)]
     assert all(e.placeholder and e.token_ids == (PLACEHOLDER_TOKEN_ID,) for e in out.scheduled_requests)
     assert [e.num_output_tokens for e in out.scheduled_requests] == [1, 1]  # the PRNG step counts placeholders
-    assert [e.page_ids for e in out.scheduled_requests] == [(1, 2), (3,)]
+    assert pages_sent(out) == [("a", 2, ()), ("b", 1, ())]  # no page opened: nothing sent
     assert (a.num_output_placeholders, a.num_computed_tokens, a.num_output_tokens) == (1, 7, 1)
 
     out, flight, _ = overlapped_step(sched, runner, flight)
     assert shape(out) == [("a", 7, 1, True), ("b", 4, 1, True)]
-    assert [e.page_ids for e in out.scheduled_requests] == [(1, 2), (3, 4)]  # b's 5th token opens page 4
+    assert pages_sent(out) == [("a", 2, ()), ("b", 1, (4,))]  # b's 5th token opens page 4
+    assert runner.tables == {"a": [1, 2], "b": [3, 4]}
     samples = {"a": 3, "b": 3}
     while flight is not None:
         out, flight, _ = overlapped_step(sched, runner, flight)

@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from jaxpaged.core.page_pool import hash_page
-from jaxpaged.core.request import Request
+from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.core.scheduler_output import SchedulerOutput
-from tests.test_scheduler import EOS, VOCAB, FakeRunner, config, make, next_token, reference_output
+from tests.test_scheduler import EOS, VOCAB, FakeRunner, check_tables, config, make, next_token, reference_output
 
 
 class SpecFakeRunner(FakeRunner):
@@ -22,10 +22,12 @@ class SpecFakeRunner(FakeRunner):
     read back THROUGH THE PAGE TABLE (drafts included), accepted while it equals the draft."""
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        self.apply(out)
         for e in out.scheduled_requests:
-            assert len(e.page_ids) * self.page_size >= e.start_position + e.num_tokens
+            pages = self.tables[e.request_id]
+            assert len(pages) * self.page_size >= e.start_position + e.num_tokens
             for i, token_id in enumerate(e.token_ids):
-                self.slots[self._slot(e.page_ids, e.start_position + i)] = token_id
+                self.slots[self._slot(pages, e.start_position + i)] = token_id
         sampled = {}
         for e in out.scheduled_requests:
             if not e.samples:
@@ -33,7 +35,7 @@ class SpecFakeRunner(FakeRunner):
             real_end = e.start_position + e.num_tokens - len(e.spec_token_ids)
             emitted = []
             for j in range(len(e.spec_token_ids) + 1):
-                context = [self.slots[self._slot(e.page_ids, p)] for p in range(real_end + j)]
+                context = [self.slots[self._slot(self.tables[e.request_id], p)] for p in range(real_end + j)]
                 emitted.append(next_token(context))
                 if j == len(e.spec_token_ids) or emitted[-1] != e.spec_token_ids[j]:
                     break
@@ -359,6 +361,7 @@ def test_random_workloads_with_drafts_finish_with_reference_outputs(workload):
             r.spec_token_ids = propose(r, rng, cfg.max_model_len)
         out = sched.schedule()
         sampled = runner.execute(out)
+        check_tables(sched, runner, out)
         num_accepted += sum(len(sampled[e.request_id]) - 1 for e in out.scheduled_requests if e.samples)
         sched.update_from_output(out, sampled)
         sched.check_invariants()
@@ -435,3 +438,29 @@ def prefilled_async(sched: Scheduler, prompt, max_tokens=20) -> Request:
     sched.update_from_output(out, {"a": [100]})
     assert request.num_output_placeholders == 0 and request.num_computed_tokens == 6
     return request
+
+
+def test_stops_are_decided_once_a_given_verdict_is_the_last_tokens():
+    """The engine decides each token's stop (OutputProcessor._emit cuts a step's tokens at the first that stops) and
+    passes the last one's verdict: the scheduler appends the tokens before it as they are and checks nothing again.
+    Without verdicts (a caller that has no engine) it checks each token itself and stops at the first EOS."""
+    runs = {}
+    for given in (False, True):
+        sched = Scheduler(config(num_pages=16, page_size=4))
+        r = prefilled(sched, [1, 2, 3, 4, 5, 6], max_tokens=20)
+        r.spec_token_ids = [EOS, 8]
+        out = sched.schedule()
+        stops = {"a": None} if given else None
+        sched.update_from_output(out, {"a": [EOS, 8, 9]}, stops)  # drafts EOS and 8 accepted, 9 the bonus
+        sched.check_invariants()
+        runs[given] = (r.output_token_ids, r.finish_reason)
+    assert runs[False] == ([100, EOS], "stop")  # checked here: the EOS ends it
+    assert runs[True] == ([100, EOS, 8, 9], None)  # the caller's word: all three go on
+    # a FINISHED_ERROR verdict on the last token: the ones before it are kept, the garbage one is not
+    sched = Scheduler(config(num_pages=16, page_size=4))
+    r = prefilled(sched, [1, 2, 3, 4, 5, 6], max_tokens=20)
+    r.spec_token_ids = [7, 8]
+    out = sched.schedule()
+    sched.update_from_output(out, {"a": [7, 8, 31]}, {"a": (RequestStatus.FINISHED_ERROR, None)})
+    assert r.output_token_ids == [100, 7, 8] and r.finish_reason == "error"
+    sched.check_invariants()

@@ -236,6 +236,7 @@ class PagePool:
             if page_id != NULL_PAGE_ID:  # released by free_outside_window
                 self._release(request, page_id)
         request.page_ids.clear()
+        request.num_pages_sent = 0
 
     def truncate(self, request: Request, num_tokens: int) -> list[int]:
         """Release the request's pages past the first `num_tokens` token slots, tail page first (rejected
@@ -247,6 +248,7 @@ class PagePool:
             if page_id != NULL_PAGE_ID:
                 self._release(request, page_id)
                 freed.append(page_id)
+        request.num_pages_sent = min(request.num_pages_sent, len(request.page_ids))
         return freed
 
     def _release(self, request: Request, page_id: int) -> None:
@@ -273,6 +275,7 @@ class PagePool:
             if page_id == NULL_PAGE_ID:
                 break
             request.page_ids[i] = NULL_PAGE_ID
+            request.num_pages_sent = min(request.num_pages_sent, i)
             self._release(request, page_id)
             freed.append(page_id)
         return freed

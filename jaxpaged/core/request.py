@@ -80,6 +80,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     page_ids: list[int] = dataclasses.field(default_factory=list)  # the page table
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # filled by PagePool
+    # The leading pages of page_ids the worker holds as they are (sent in earlier entries; the scheduler sends the
+    # rest, ScheduledRequest.page_ids_from): PagePool lowers it where it changes the table before that index
+    num_pages_sent: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_preemptions: int = 0
     # async scheduling: tokens sampled by dispatched steps, not yet appended (see the module docstring)

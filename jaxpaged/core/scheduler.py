@@ -341,8 +341,10 @@ class Scheduler:
         num_output = entry.num_output_tokens
         request.num_computed_tokens += len(drafts)
         request.num_draft_placeholders += len(drafts)
+        request.num_pages_sent = len(request.page_ids)  # the drafts' pages ride on this entry's diff
         return dataclasses.replace(
-            entry, token_ids=entry.token_ids + drafts, page_ids=tuple(request.page_ids), spec_token_ids=drafts,
+            entry, token_ids=entry.token_ids + drafts, page_ids=tuple(request.page_ids[entry.page_ids_from:]),
+            spec_token_ids=drafts,
             spec_guess=request.spec_guess if entry.placeholder else None,
             spec_banned_token_ids=tuple(request.banned_token_ids_at(num_output + j + 1) for j in range(len(drafts))))
 
@@ -376,29 +378,36 @@ class Scheduler:
         placeholder the previous step sampled (see the module docstring)."""
         start = request.num_computed_tokens
         end = start + num_new
-        num_placeholders_fed = max(0, end - max(start, request.num_tokens))
+        prompt, outputs = request.prompt_token_ids, request.output_token_ids  # read once: this runs for every row
+        num_tokens = len(prompt) + len(outputs)
+        num_placeholders_fed = max(0, end - max(start, num_tokens))
         if num_placeholders_fed and (num_new != 1 or not request.num_output_placeholders):
             raise RuntimeError(f"request {request.request_id!r}: a chunk of {num_new} tokens at {start} feeds "
                                f"{num_placeholders_fed} placeholders (at most its one in-flight token)")
+        sent, page_ids = request.num_pages_sent, request.page_ids
+        num_output = len(outputs) + request.num_output_placeholders  # the next token's output number
+        drafts_in_flight = request.num_draft_placeholders
         entry = ScheduledRequest(
             request_id=request.request_id,
             # known tokens, or the one placeholder of the token in flight (async scheduling)
             token_ids=(PLACEHOLDER_TOKEN_ID,) if num_placeholders_fed else tuple(request.token_ids_slice(start, end)),
             start_position=start,
-            page_ids=tuple(request.page_ids),
-            samples=end == _num_known_and_placeholder_tokens(request),
+            page_ids=tuple(page_ids[sent:]) if len(page_ids) > sent else (),  # the diff: pages the worker lacks
+            page_ids_from=sent,
+            samples=end == num_tokens + request.num_output_placeholders + drafts_in_flight,
             sampling_params=request.sampling_params,
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=len(prompt),
             seed=request.seed,
-            num_output_tokens=request.num_output_tokens + request.num_output_placeholders +
-            request.num_draft_placeholders,
-            banned_token_ids=request.banned_token_ids,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
+            num_output_tokens=num_output + drafts_in_flight,
+            banned_token_ids=request.banned_token_ids_at(num_output),  # Request.banned_token_ids
+            prompt_token_ids=prompt,
+            output_token_ids=outputs,
             placeholder=bool(num_placeholders_fed),
         )
-        request.spec_token_ids = []
+        if request.spec_token_ids:
+            request.spec_token_ids = []
         request.num_computed_tokens = end
+        request.num_pages_sent = len(page_ids)
         if entry.samples and self.config.async_scheduling:
             request.num_output_placeholders += 1
         self.pool.cache_full_pages(request)  # full pages of known tokens only
@@ -430,7 +439,7 @@ class Scheduler:
 
         Speculative decoding: an entry that fed d drafts gets up to 1 + d tokens (the accepted drafts,
         then one sampled token; fewer when the engine cut them at a stop). The verdict is the last
-        token's (the others are checked here with `Request.check_stop`); a FINISHED_ERROR verdict
+        token's, the caller's word that the others go on (`_append_tokens`); a FINISHED_ERROR verdict
         appends the tokens before it. A request that goes on then counts as computed only its
         accepted drafts: the rejected ones' pages go back to the pool (`_roll_back_rejected`).
         """
@@ -460,17 +469,23 @@ class Scheduler:
 
     @staticmethod
     def _append_tokens(request: Request, token_ids: Sequence[int], given: bool, verdict: StopVerdict | None) -> None:
-        """Append one step's tokens (more than one only with speculative decoding), the last with the
-        caller's verdict when given, the others with `Request.check_stop`; stop at the first that ends it."""
-        error = verdict is not None and verdict[0] is RequestStatus.FINISHED_ERROR
-        if error:  # the last token is garbage: keep the ones before it, then fail
-            given, token_ids = False, token_ids[:-1]
-        for i, token_id in enumerate(token_ids):
-            last = i == len(token_ids) - 1
-            if request.append_with_verdict(token_id, verdict if last and given else request.check_stop(token_id)):
+        """Append one step's tokens (more than one only with speculative decoding). A caller's verdict (given)
+        is on the last token, and the caller decided the tokens before it go on (the engine cuts a step's tokens
+        at the first that stops: OutputProcessor._emit): nothing is checked twice. Without one, each token is
+        checked with `Request.check_stop`, stopping at the first that ends it."""
+        if given:
+            error = verdict is not None and verdict[0] is RequestStatus.FINISHED_ERROR
+            if error:  # the last token is garbage: keep the ones before it, then fail
+                token_ids = token_ids[:-1]
+            last = len(token_ids) - 1
+            for i, token_id in enumerate(token_ids):
+                request.append_with_verdict(token_id, verdict if i == last and not error else None)
+            if error:
+                request.finish(*verdict)
+            return
+        for token_id in token_ids:
+            if request.append_with_verdict(token_id, request.check_stop(token_id)):
                 return
-        if error:
-            request.finish(*verdict)
 
     def _roll_back_rejected(self, request: Request, entry: ScheduledRequest, num_emitted: int) -> None:
         """After a verification step: the KV of the last token and of the num_emitted - 1 accepted drafts is
@@ -494,6 +509,7 @@ class Scheduler:
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, request.request_id
             assert len(request.page_ids) == -(-request.num_computed_tokens // self.config.page_size)
+            assert request.num_pages_sent <= len(request.page_ids), request.request_id  # the diff starts in the table
             refs.update(request.page_ids)
             for page_id, page_hash in zip(request.page_ids, request.page_hashes):
                 stored = self.pool.page_hash(page_id)

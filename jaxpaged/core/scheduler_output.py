@@ -1,8 +1,10 @@
 """The scheduler's output: what one step runs, the one record the worker reads from the core.
 
 `SchedulerOutput.entries` holds one `ScheduledRequest` per running request scheduled this step, in step order:
-the tokens it feeds (a prefill chunk, one decode token, or a token and its drafts), its page table and what the
-sampler needs of it. A placeholder token (`PLACEHOLDER_TOKEN_ID`) stands for a token still in flight under async
+the tokens it feeds (a prefill chunk, one decode token, or a token and its drafts), what changed in its page table
+since its previous entry and what the sampler needs of it. The worker keeps each running request's page table
+(worker/input_batch.py) and applies the diff: the table is its first `page_ids_from` pages as the worker holds them,
+then `page_ids` (page_ids_from 0: the whole table, sent on a request's first step and after preemption). A placeholder token (`PLACEHOLDER_TOKEN_ID`) stands for a token still in flight under async
 scheduling; the worker fills it on the device.
 """
 
@@ -27,10 +29,11 @@ class ScheduledRequest:
     request_id: str
     token_ids: tuple[int, ...]  # the tokens at positions [start_position, start_position + len)
     start_position: int  # num_computed_tokens before this step
-    page_ids: tuple[int, ...]  # the whole page table after allocation (covers every position fed)
+    page_ids: tuple[int, ...]  # its page table after allocation from index page_ids_from on (covers every position fed)
     samples: bool  # the chunk reaches the end of the known tokens: sample a next token
     sampling_params: SamplingParams
     num_prompt_tokens: int  # tokens below this position are prompt (outputs follow after preemption)
+    page_ids_from: int = 0  # pages before this index are those the worker holds from earlier entries; 0: none
     # The sampler's per-request state (read by ModelRunner.execute_model when `samples`):
     seed: int = 0  # PRNG seed; the key of this token is fold_in(PRNGKey(seed), num_output_tokens)
     num_output_tokens: int = 0  # outputs before this step's sampled token
@@ -62,6 +65,7 @@ class SchedulerOutput:
     num_scheduled_tokens: int
     preempted_request_ids: tuple[str, ...]  # preempted by this schedule() call
     finished_request_ids: tuple[str, ...]  # finished (any reason) since the previous schedule()
+    # (the worker forgets the rows of both: every output reaches it, empty or not, `ModelRunner.remove_requests`)
 
     @property
     def is_empty(self) -> bool:

@@ -296,6 +296,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
             self._propose_drafts()
         out = self.scheduler.schedule()
         if out.is_empty:
+            self.runner.remove_requests(out)  # the rows of requests finished or preempted since the last step
             if not failed:
                 self._wait_for_grammars()
             return failed
@@ -376,6 +377,8 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
                 self._no_room_streak += 1  # wait for a token in flight again only after 2, 4, ... steps, or once the
                 # batch changes
                 self._no_room_batch, self._no_room_wait = batch, min(2 ** self._no_room_streak, NO_ROOM_MAX_WAIT)
+            if out.is_empty:
+                self.runner.remove_requests(out)  # the rows of requests finished or preempted since the last step
             if out.is_empty and previous is None:
                 if not failed:
                     self._wait_for_grammars()

@@ -5,7 +5,7 @@ turns one `RowInfo` per live slot into a `SamplingBatch`, a pytree of fixed
 shape numpy arrays (S = num_rows, the padded batch bucket). Rows beyond
 `len(rows)` are padding: greedy and neutral, their results are garbage.
 The runner builds the same batch from constants it keeps per request across
-steps (`RowConstants`: its params' scalars, its seed's key data) and RowInfos
+steps (`worker.input_batch.InputBatch`: its params' scalars, its seed's key data) and RowInfos
 only for the rows that need more (`assemble_sampling_batch`).
 
 Device side: `sample(logits, batch)` (its parts jitted; the host picks which

@@ -3,7 +3,7 @@
 `make_sampling_batch(rows, num_rows, vocab_size)` turns one `RowInfo` per live slot into a `SamplingBatch`, a
 pytree of fixed-shape numpy arrays (S = num_rows, the padded batch bucket; rows past `len(rows)` are greedy,
 neutral padding). The runner builds the same batch from constants it keeps per request across steps
-(`worker.kept_rows.RowConstants`: its params' scalars, its seed's key data) and RowInfos only for the rows that need more
+(`worker.input_batch.InputBatch`: its params' scalars, its seed's key data) and RowInfos only for the rows that need more
 (`assemble_sampling_batch`). Shapes are documented on `SamplingBatch`.
 """
 

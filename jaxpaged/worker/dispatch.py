@@ -53,7 +53,7 @@ class AsyncDispatch:
             raise RuntimeError("async scheduling needs the step's tokens on the host of every process: "
                                "multi-process runs take the synchronous loop")
         entries = scheduler_output.scheduled_requests
-        self._release(scheduler_output.finished_request_ids)
+        self.remove_requests(scheduler_output)
         step = self.prepare(entries)
         layout = self._layout_drafts(entries, step) if any(e.spec_token_ids for e in entries) else None
         sources = _placeholder_sources(entries, step, previous) if any(e.placeholder for e in entries) else None

@@ -35,7 +35,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import operator
 import sys
 import threading
 from collections.abc import Sequence
@@ -66,7 +65,7 @@ from jaxpaged.worker.compilation import StepCompilation
 from jaxpaged.worker.dispatch import AsyncDispatch
 from jaxpaged.worker.host_memory import HugePageArena, advise_huge_pages, advise_zeroed_huge_pages
 from jaxpaged.worker.in_flight import PendingStep, _draft_rows, banned_at, sampling_row
-from jaxpaged.worker.kept_rows import KeptRows, RowConstants
+from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_scales import check_kv_scales
 from jaxpaged.worker.live_weights import LiveWeights, RunnerSleep
 from jaxpaged.worker.runner_config import INT8_DOTS, RunnerConfig, check_fp8_kv_support, fp8_gemm, packs_weights
@@ -138,10 +137,9 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         self._compiled: dict[tuple[int, int, int, int], jax.stages.Compiled] = {}  # (T, S, P, L) -> step; warmup()
         options = config.compiler_options()
         self._init_fused_sampler(options)
-        # the scheduled requests' sampler constants and page tables, kept across their steps (`_sampling_batch`,
-        # `prepare`; kept_rows)
-        self._row_constants = RowConstants(model_config.vocab_size, 2 * config.max_num_seqs)
-        self._page_tables = KeptRows(2 * config.max_num_seqs, config.max_pages_per_seq, np.int32)
+        # the persistent batch: each scheduled request's page table and sampler constants, kept across its steps
+        # and updated by the scheduler's diffs (`prepare`, `_sampling_batch`; input_batch.py)
+        self.input_batch = InputBatch(2 * config.max_num_seqs, config.max_pages_per_seq, model_config.vocab_size)
         # the verify buckets this runner gives T logits rows (compiled at warm-up), none where it does not pack
         self._verify_buckets = frozenset(config.verify_buckets if self.packs_drafts_in_tokens() else ())
         self._place_params(params, packed, consume_params, options)
@@ -203,32 +201,33 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
     def multi_process(self) -> bool:
         return self.mesh is not None and jax.process_count() > 1
 
-    def _release(self, request_ids: Sequence[str]) -> None:
-        """Forget the rows kept for these requests (finished)."""
-        self._row_constants.release(request_ids)
-        self._page_tables.release(request_ids)
+    def remove_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """Forget the persistent batch's rows of the requests the output names finished or preempted (every
+        scheduler output reaches here, scheduled or empty: a row kept for them would go stale)."""
+        self.input_batch.remove(scheduler_output.finished_request_ids)
+        self.input_batch.remove(scheduler_output.preempted_request_ids)
 
     def prepare(self, entries: Sequence[ScheduledRequest]) -> StepInput:
         """Pack one step's scheduled requests into padded host arrays. With the fused sampler, a verification
         step takes an S bucket with a row for each draft too, where one has (its drafts are then sampled and
         verified in the step's program: no second pass over the LM head, no other sampler call)."""
         ps, n = self.config.page_size, len(entries)
+        rows = self.input_batch.apply(entries)  # i{p}[n]: each entry's row, its page-table diff applied
         lens = np.fromiter((len(e.token_ids) for e in entries), np.int32, n)  # i32[n]: tokens fed per entry
         starts = np.fromiter((e.start_position for e in entries), np.int32, n)  # i32[n]
-        num_pages = np.fromiter((len(e.page_ids) for e in entries), np.int32, n)  # i32[n]
+        num_pages = self.input_batch.num_pages[rows]  # i32[n]
         num_tokens = int(lens.sum())
-        rows = n + sum(len(e.spec_token_ids) for e in entries)  # logits rows: the entries', drafts'
-        num_slots = rows if self.fuse_sampler and rows <= self.config.max_num_seqs else n
+        num_logits_rows = n + sum(len(e.spec_token_ids) for e in entries)  # logits rows: the entries', drafts'
+        num_slots = num_logits_rows if self.fuse_sampler and num_logits_rows <= self.config.max_num_seqs else n
         t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, num_slots, int(num_pages.max()))
         token_ids = np.zeros(t_bucket, np.int32)
         positions = np.zeros(t_bucket, np.int32)
         slots = np.zeros(t_bucket, np.int32)  # padding: slot 0, in the null page
         page_table = np.zeros((s_bucket, p_bucket), np.int32)  # entry i's pages at [i, 0:num_pages[i]), then 0
-        page_table[:n] = self._page_tables.rows([e.request_id for e in entries], [e.page_ids for e in entries],
-                                                tuple, operator.eq, p_bucket)  # rows made again where pages changed
+        page_table[:n] = self.input_batch.page_table[rows, :p_bucket]
         kv_lens = np.zeros(s_bucket, np.int32)
         cu = np.zeros(s_bucket + 1, np.int32)
-        last = np.zeros(self._logits_rows((t_bucket, s_bucket, p_bucket), rows), np.int32)  # i32[L]
+        last = np.zeros(self._logits_rows((t_bucket, s_bucket, p_bucket), num_logits_rows), np.int32)  # i32[L]
         np.cumsum(lens, out=cu[1:n + 1])
         cu[n + 1:] = num_tokens
         # per fed token t: its entry, position and slot (page_table[entry, position // ps] * ps + position % ps)
@@ -271,7 +270,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         if any(e.placeholder for e in entries):
             raise ValueError("a step with placeholder tokens (async scheduling) runs through dispatch(), "
                              "which fills them from the previous step")
-        self._release(scheduler_output.finished_request_ids)
+        self.remove_requests(scheduler_output)
         step = self.prepare(entries)
         layout = self._layout_drafts(entries, step) if any(e.spec_token_ids for e in entries) else None
         if self.fuse_sampler and self.fault_injector is None:
@@ -316,7 +315,8 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         history: `_in_flight_history`'s, for the entries' rows (the layout's rows already have it)."""
         S, V, history = len(step.logits_indices), self.model_config.vocab_size, history or {}
         # the entries' rows from their kept constants (`sampling_row`'s RowInfo only where a row needs more)
-        scalars, key_data = self._row_constants.gather([(e.request_id, e.sampling_params, e.seed) for e in entries])
+        rows = self.input_batch.rows_of(entries)
+        scalars, key_data = self.input_batch.scalars[rows], self.input_batch.key_data[rows]
         steps = [e.num_output_tokens + len(e.spec_token_ids) for e in entries]
         special = {i: sampling_row(e, None, *history.get(e.request_id, ())) for i, e in enumerate(entries)
                    if sampling_batch.needs_row_info(e.sampling_params, banned_at(e, len(e.spec_token_ids)))}
