@@ -108,7 +108,7 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                    help="fp8: the weight dots' weights as float8_e4m3fn with a float32 scale per output channel "
                    "(FP8 gemms with per-token activation scales on a GPU with FP8 tensor cores, weight-only "
-                   "elsewhere; an FP8 checkpoint is served so by default). int8 / w8a8 (CPU: float32 weights on "
+                   "elsewhere; an FP8 checkpoint is served so without the flag). int8 / w8a8 (CPU: float32 weights on "
                    "one device, the native matmul): int8 weights with a float32 scale per output column and 32 "
                    "rows (as llama.cpp's Q8_0); int8 computes in float32 (weight-only); w8a8 quantises each "
                    "dot's input too, per row and 32 values (~1.7-2x faster prefill and batched decode on "

@@ -23,7 +23,13 @@ from jaxpaged.models.kv_scales import KVScaleError, read_kv_scales
 from jaxpaged.models.llama import causal_attention, decoder_layer, embed_tokens, layer_constants, lm_logits, rope_tables
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.worker.kv_scales import CALIBRATION_TEXT, HEADROOM, calibrate_kv_scales, check_kv_scales
+from jaxpaged.worker.kv_scales import (
+    CALIBRATION_TEXT,
+    HEADROOM,
+    calibrate_kv_scales,
+    check_kv_scales,
+    resolve_kv_scales,
+)
 from jaxpaged.worker.runner_config import resolve_kv_cache_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -131,6 +137,18 @@ def test_calibrated_scales_follow_the_heads_range(tiny):
         h, _ = decoder_layer(tiny.config, p, h, cos_t[0], sin_t[0], attend)
     np.testing.assert_allclose(k_scale, HEADROOM * np.stack([k for k, _ in seen]) / 448, rtol=1e-5)
     np.testing.assert_allclose(v_scale, HEADROOM * np.stack([v for _, v in seen]) / 448, rtol=1e-5)
+
+
+def test_a_model_without_a_tokenizer_calibrates_on_seeded_ids(tiny):
+    """Random weights for a benchmark have no tokenizer: calibration runs on 512 seeded random ids, the same
+    ones each start (so two engines over the same weights get the same scales)."""
+    scales = [resolve_kv_scales(tiny.config, tiny.params, jnp.float8_e4m3fn, tiny.source, None)
+              for _ in range(2)]
+    ids = np.random.default_rng(0).integers(0, tiny.config.vocab_size, 512, dtype=np.int32)
+    ids = ids[: tiny.config.max_position_embeddings]
+    for got in scales:
+        for have, want in zip(got, calibrate_kv_scales(tiny.config, tiny.params, ids)):
+            np.testing.assert_array_equal(have, want)
 
 
 def test_fp8_pool_holds_twice_bf16_tokens_and_the_log_says_so(tiny, caplog):

@@ -119,7 +119,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         # an fp8 KV cache's scales: the checkpoint's, else calibrated now on the model (jaxpaged/worker/kv_scales.py)
         kv_scales = resolve_kv_scales(self.model.config, self.model.params,
                                       self.runner_config.kv_dtype(self.model.params["embed"].dtype),
-                                      self.model.source, self.tokenizer.encode)
+                                      self.model.source, None if self.tokenizer is None else self.tokenizer.encode)
         self.runner = ModelRunner(self.model.config, self.model.params, self.runner_config, self.mesh,
                                   fault_injector=fault_injector, consume_params=loaded is None, kv_scales=kv_scales)
         # the engine's model holds the runner's form of the weights (on CPU the native matmul's blocks): one copy

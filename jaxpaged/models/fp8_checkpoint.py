@@ -32,7 +32,7 @@ class Fp8ScaleError(ValueError):
 def read_raw_f8(path: Path, name: str) -> np.ndarray:
     """Tensor `name` of safetensors file `path`, stored as F8_E4M3, as a read-only float8_e4m3fn array mapped from
     the file (no copy)."""
-    with open(path, "rb") as f:
+    with Path(path).open("rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
     info = header[name]

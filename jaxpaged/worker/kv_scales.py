@@ -52,7 +52,8 @@ CALIBRATION_TEXT = (
 def resolve_kv_scales(config: LlamaConfig, params: Params, kv_dtype, source, tokenize) -> \
         tuple[np.ndarray, np.ndarray] | None:
     """An fp8 pool's (k_scale, v_scale) f32 [L, K]: the checkpoint's at `source` if it stores them, else
-    calibrated on `tokenize(CALIBRATION_TEXT)` (token ids); None for a float pool (nothing is read)."""
+    calibrated on `tokenize(CALIBRATION_TEXT)` (token ids; a model without a tokenizer, e.g. random weights for a
+    benchmark: on 512 seeded random ids); None for a float pool (nothing is read)."""
     if not is_fp8(kv_dtype):
         return None
     stored = read_kv_scales(source, config)
@@ -60,7 +61,9 @@ def resolve_kv_scales(config: LlamaConfig, params: Params, kv_dtype, source, tok
         logger.info("fp8 KV cache: scales from the checkpoint (k %s, v %s)", _span(stored[0]), _span(stored[1]))
         return stored
     # within the model's context (a byte-level vocabulary makes the text ~800 tokens)
-    token_ids = np.asarray(tokenize(CALIBRATION_TEXT), np.int32)[: config.max_position_embeddings]
+    token_ids = np.random.default_rng(0).integers(0, config.vocab_size, 512, dtype=np.int32) if tokenize is None \
+        else np.asarray(tokenize(CALIBRATION_TEXT), np.int32)
+    token_ids = token_ids[: config.max_position_embeddings]
     scales = calibrate_kv_scales(config, params, token_ids)
     logger.info("fp8 KV cache: scales calibrated at start-up on %d tokens (k %s, v %s)", token_ids.size,
                 _span(scales[0]), _span(scales[1]))

@@ -31,6 +31,8 @@ ALLOWED = {
     ("jaxpaged/tokenizer.py", "read_text"): "--generation-config / the model's generation_config.json",
     ("jaxpaged/models/model_cache.py", "read_bytes"): "jaxpaged's own loader sources (part of the cache key)",
     ("jaxpaged/models/model_cache.py", "read_text"): "meta.json of the GGUF cache entry (the server's cache dir)",
+    # safetensors reads no F8_E4M3 tensor into numpy: its header is read here to map the bytes (read-only)
+    ("jaxpaged/models/fp8_checkpoint.py", "open"): "the FP8 tensors of the --model folder's safetensors files",
     # the data-parallel launcher starts its replicas and the router from the operator's command line
     ("server/data_parallel.py", "import subprocess"): "python -m server --data-parallel-size N: the replicas",
     ("server/data_parallel.py", "Popen"): "the replicas' and the router's command lines, built from the CLI's",
