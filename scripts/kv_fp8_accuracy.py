@@ -30,6 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from quant_accuracy import mean_kl as kl_between  # noqa: E402 (scripts/, beside this one)
+from quant_accuracy import prefix_shares  # noqa: E402
 
 HELD_OUT = (
     "The old lighthouse keeper climbed the spiral stairs every evening at dusk. From the lamp room he could "
@@ -84,7 +86,7 @@ def greedy_agreement(loaded, prompts: list[list[int]], max_tokens: int, scales: 
         while engine.has_unfinished_requests():
             done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
         answers[kv] = [done[str(i)] for i in range(len(prompts))]
-    return [_common_prefix(a, b) / max_tokens for a, b in zip(answers["auto"], answers["fp8"])]
+    return prefix_shares(answers["auto"], answers["fp8"])  # ignore_eos: each answer is max_tokens long
 
 
 def _set_scales(runner, scales) -> None:
@@ -92,10 +94,6 @@ def _set_scales(runner, scales) -> None:
 
     import jax.numpy as jnp
     runner.kv = dataclasses.replace(runner.kv, k_scale=jnp.asarray(scales[0]), v_scale=jnp.asarray(scales[1]))
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def mean_kl(loaded, token_ids: list[int], chunk: int, scales: str = "auto") -> float:
@@ -120,8 +118,7 @@ def mean_kl(loaded, token_ids: list[int], chunk: int, scales: str = "auto") -> f
             logits = lm_logits(loaded.config, runner.params, hidden[: step.cu_q_lens[1]])
             rows.append(np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)))
         logprobs[kv] = np.concatenate(rows)
-    p, q = logprobs["auto"], logprobs["fp8"]
-    return float(np.mean(np.sum(np.exp(p) * (p - q), axis=-1)))
+    return kl_between(logprobs["auto"], logprobs["fp8"])
 
 
 def _chunk_step(token_ids: list[int], start: int, end: int, page_size: int):

@@ -79,13 +79,18 @@ def greedy_answers(model: str, quantization: str | None, dtype: str, max_tokens:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def agreement(reference: list[list[int]], quantized: list[list[int]]) -> float:
-    """Mean over prompts of the common prefix's share of the reference answer."""
+def prefix_shares(reference: list[list[int]], quantized: list[list[int]]) -> list[float]:
+    """Per prompt: the common prefix's share of the reference answer."""
     shares = []
     for ref, got in zip(reference, quantized, strict=True):
         same = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
         shares.append(same / max(len(ref), 1))
-    return float(np.mean(shares))
+    return shares
+
+
+def agreement(reference: list[list[int]], quantized: list[list[int]]) -> float:
+    """Mean over prompts of the common prefix's share of the reference answer."""
+    return float(np.mean(prefix_shares(reference, quantized)))
 
 
 def scorer(model: str, quantization: str | None, dtype: str):

@@ -293,6 +293,13 @@ def with_live_rows(tree, rows: jax.Array):
                         is_leaf=lambda w: isinstance(w, PackedWeight))
 
 
+def dot_view(name: str, w, num_lead: int = 0):
+    """A weight dot's weight (`num_lead` stacking axes, then one layer's shape) as its 2-D view [(L,) K, N]:
+    wo [H, D, E] -> [H * D, E], the others [E, ...] -> [E, the rest] (numpy or jax arrays alike)."""
+    lead = w.shape[:num_lead]
+    return w.reshape(*lead, -1, w.shape[-1]) if name == "wo" else w.reshape(*lead, w.shape[num_lead], -1)
+
+
 def pack_weights(params: Params, pack: Callable[[jax.Array, tuple[int, ...]], PackedWeight | None], *,
                  consume: bool = False) -> Params:
     """Params with each weight dot's weight (wqkv, wo, w_gate_up, w_down, lm_head) as `pack(w2, shape)`
@@ -305,9 +312,8 @@ def pack_weights(params: Params, pack: Callable[[jax.Array, tuple[int, ...]], Pa
         if isinstance(w, PackedWeight):
             return w
         lead = w.shape[:1] if stacked else ()
-        layer_shape = w.shape[len(lead):]
-        view = w.reshape(*lead, -1, w.shape[-1]) if name == "wo" else w.reshape(*lead, layer_shape[0], -1)
-        packed = pack(view, view.shape[len(lead):] if name == "wo" else layer_shape)
+        view = dot_view(name, w, len(lead))
+        packed = pack(view, view.shape[len(lead):] if name == "wo" else w.shape[len(lead):])
         if packed is None:
             return w
         if consume and not w.is_deleted():

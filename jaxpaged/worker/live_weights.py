@@ -41,6 +41,7 @@ from jaxpaged.models.llama import (
     LlamaConfig,
     PackedWeight,
     Params,
+    dot_view,
     param_shapes,
 )
 from jaxpaged.models.weights import _hf_layer_tensors, _top_level_tensors
@@ -333,10 +334,8 @@ class LiveWeights:
         return _put_like(dense, old, self.mesh)  # a copy: never the caller's own array
 
     def _two_d(self, name: str, dense):
-        """An unpacked weight ((L,) + one layer's shape) as its dot's 2-D view [(L,) K, N] (wo: [H * D, E])."""
-        lead = dense.shape[:dense.ndim - len(_layer_shape(self.model_config, name))]
-        return dense.reshape(*lead, -1, dense.shape[-1]) if name == "wo" else \
-            dense.reshape(*lead, dense.shape[len(lead)], -1)
+        """An unpacked weight ((L,) + one layer's shape) as its dot's 2-D view [(L,) K, N] (llama.dot_view)."""
+        return dot_view(name, dense, dense.ndim - len(_layer_shape(self.model_config, name)))
 
     def _packed(self, name: str, dense, old: PackedWeight) -> PackedWeight:
         """dense ((L,) + one layer's unpacked shape) as the native matmul's blocks, as `old` was packed."""
