@@ -235,7 +235,8 @@ class DraftLengthPolicy:
 
     Model: a step feeding n rows takes t(n) seconds: the median of this engine's last STEP_SAMPLES steps
     of only decodes that fed n rows (the first such step not counted: it may have compiled or touched
-    memory for the first time; one slow step, a pause, does not move a median), made non-decreasing in n
+    memory for the first time), once MIN_SAMPLES are in (one slow step, a pause, then does not move it: a
+    size judged on a pause could be cut and never timed again), made non-decreasing in n
     (weighted pool-adjacent-violators: a row never makes a step cheaper, so one noisy size does not steer
     the plan); n not timed yet: interpolated between the nearest timed, or, past the largest, as cheap as
     it, so a larger step is tried. A request's first draft is accepted with probability p, its own rate;
@@ -259,6 +260,7 @@ class DraftLengthPolicy:
     PRIOR_WEIGHT = 1.0  # pseudo-verifications at the engine-wide first-draft rate
     POSITION_DECAY = 0.995  # weight of the engine's older verifications in c_j, per verification
     STEP_SAMPLES = 5  # step times kept per row count; t(n) is their median
+    MIN_SAMPLES = 3  # step times a row count needs before its median counts
     MARGIN = 0.03  # the least gain in expected tokens a second for which drafts are left out
     SLOWDOWN = 0.05  # what drafts may add to a step that carries a decode without drafts
 
@@ -275,6 +277,8 @@ class DraftLengthPolicy:
             self.step_times[num_rows] = collections.deque(maxlen=self.STEP_SAMPLES)
             return
         times.append(seconds)
+        if len(times) < self.MIN_SAMPLES:
+            return
         ordered = sorted(times)
         half = len(ordered) // 2
         self._medians[num_rows] = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
