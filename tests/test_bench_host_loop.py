@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from tests.conftest import ROOT, load_script
 
-import bench_host_loop  # noqa: E402
+bench_host_loop = load_script("scripts/bench_host_loop.py")
 
 
 def test_side_by_side_run_prints_both_trees_and_the_ratio(capsys):

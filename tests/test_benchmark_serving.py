@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +14,9 @@ from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
+from tests.conftest import load_script
 from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, serve
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_serving.py"
 NUM_PROMPTS = 16
 # The tiny tokenizer is bytes without merges: allowing only printable ASCII output makes the
 # streamed text re-tokenise to exactly the generated ids (no partial UTF-8, no special tokens).
@@ -32,11 +30,7 @@ SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_serving", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/benchmark_serving.py")
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +148,7 @@ def test_prompts_workload_from_a_file_or_a_latency_workload(bench, tiny_checkpoi
     reqs = bench.sample_prompts(tok, str(tmp_path / "mine.json"), 2, 64)
     assert [(r.prompt, r.output_len) for r in reqs] == [("copy this: abc", 64), ("and this: def", 64)]
     assert reqs[0].prompt_len == bench.count_tokens(tok, "copy this: abc")
-    spec = importlib.util.spec_from_file_location("_latency", SCRIPT.with_name("benchmark_latency.py"))
-    latency = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(latency)
+    latency = load_script("scripts/benchmark_latency.py")
     grounded = bench.sample_prompts(tok, "grounded-more", 20, 128)
     assert [r.prompt for r in grounded] == latency.GROUNDED_MORE
     (tmp_path / "bad.json").write_text(json.dumps(["ok", ""]))

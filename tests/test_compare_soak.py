@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def compare_soak():
-    sys.path.insert(0, str(SCRIPTS))  # it imports compare_servers and soak as the script does
-    try:
-        spec = importlib.util.spec_from_file_location("compare_soak", SCRIPTS / "compare_soak.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["compare_soak"] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return load_script("scripts/compare_soak.py")
 
 
 def report(tok_s: float, p50: float, errors: dict | None = None) -> dict:
