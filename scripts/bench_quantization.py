@@ -35,7 +35,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmark_latency import GROUNDED, GROUNDED_MORE, OPEN, chat_ids  # noqa: E402 (scripts/, beside this one)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from latency import GROUNDED, GROUNDED_MORE, OPEN, chat_ids  # noqa: E402
 
 BASE = "float32"
 

@@ -136,7 +136,8 @@ def _chunk_step(token_ids: list[int], start: int, end: int, page_size: int):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from benchmark_latency import GROUNDED, GROUNDED_MORE, OPEN, chat_ids
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    from latency import GROUNDED, GROUNDED_MORE, OPEN, chat_ids
 
     from jaxpaged.models.loader import load_model
 

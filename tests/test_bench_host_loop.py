@@ -1,4 +1,4 @@
-"""scripts/bench_host_loop.py end to end at smoke sizes: both sides measured, the side-by-side line printed."""
+"""benchmarks/micro.py host-loop end to end at smoke sizes: both sides measured, the side-by-side line printed."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import re
 
 from tests.conftest import ROOT, load_script
 
-bench_host_loop = load_script("scripts/bench_host_loop.py")
+micro = load_script("benchmarks/micro.py")
 
 
 def test_side_by_side_run_prints_both_trees_and_the_ratio(capsys):
-    assert bench_host_loop.main(["--batches", "4", "--prompt-len", "8", "--output-len", "12", "--repeats", "1",
+    assert micro.main(["host-loop", "--batches", "4", "--prompt-len", "8", "--output-len", "12", "--repeats", "1",
                                  "--tree", str(ROOT), "--rounds", "1", "--phases"]) == 0
     out = capsys.readouterr().out
     rows = re.findall(r"^(this|other)\s+b=4\s+step\s+([\d.]+) ms.*host\s+([\d.]+) ms.*\[(\d+) steady steps\]", out,

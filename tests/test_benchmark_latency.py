@@ -1,4 +1,4 @@
-"""scripts/benchmark_latency.py: its workloads and arguments (the engines themselves: docs/performance.md)."""
+"""benchmarks/latency.py: its workloads and arguments (the engines themselves: docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.conftest import load_script
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script("scripts/benchmark_latency.py")
+    return load_script("benchmarks/latency.py")
 
 
 def test_built_in_workloads(bench):

@@ -1,4 +1,4 @@
-"""scripts/compare_soak.py: the rounds' order, the ratios and the table (the servers themselves: by hand)."""
+"""benchmarks/serve.py soak --before-tree (benchmarks/soak.py): the rounds' order, the ratios and the table (the servers themselves: by hand)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tests.conftest import load_script
 
 @pytest.fixture(scope="module")
 def compare_soak():
-    return load_script("scripts/compare_soak.py")
+    return load_script("benchmarks/soak.py")
 
 
 def report(tok_s: float, p50: float, errors: dict | None = None) -> dict:
@@ -47,11 +47,11 @@ def test_errors_are_counted_in_the_table(compare_soak):
 
 def test_bad_arguments_are_refused_before_any_server_starts(compare_soak, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        compare_soak.parse_args(["--before-tree", str(tmp_path)])
+        compare_soak.trees_parse_args(["--before-tree", str(tmp_path)])
     assert "not a jaxpaged checkout" in capsys.readouterr().err
     (tmp_path / "server").mkdir()
     with pytest.raises(SystemExit):
-        compare_soak.parse_args(["--before-tree", str(tmp_path), "--rounds", "0"])
+        compare_soak.trees_parse_args(["--before-tree", str(tmp_path), "--rounds", "0"])
     assert "--rounds=0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         compare_soak.main(["--before-tree", str(tmp_path), "--concurrency", "0"])

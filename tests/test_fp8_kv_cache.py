@@ -251,7 +251,7 @@ def test_smollm2_fp8_kv_accuracy_bounds(smollm2):
     0.47-0.56 over 32 chats in three runs and 0.46-0.59 on these four (a miss, reported as one in docs/serving.md; one
     near-tie flipped changes the rest of an answer, so an ulp of difference in a scale moves it). Asserted here
     is a floor under that, 0.25: a broken cache diverges within the first tokens."""
-    latency = load_script("scripts/benchmark_latency.py")
+    latency = load_script("benchmarks/latency.py")
     GROUNDED, chat_ids = latency.GROUNDED, latency.chat_ids
     shares = kv_fp8_accuracy.greedy_agreement(smollm2, chat_ids(smollm2.tokenizer, GROUNDED[:4]), 48)
     kl = kv_fp8_accuracy.mean_kl(smollm2, smollm2.tokenizer(kv_fp8_accuracy.HELD_OUT)["input_ids"][:96], 32)

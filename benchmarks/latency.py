@@ -1,7 +1,7 @@
 """Batch-1 latency with and without n-gram speculative decoding (like `vllm bench latency`), in one run.
 
-    python scripts/benchmark_latency.py                                  # the documented run
-    python scripts/benchmark_latency.py --num-speculative-tokens 4 --max-tokens 64
+    python benchmarks/latency.py                                  # the documented run
+    python benchmarks/latency.py --num-speculative-tokens 4 --max-tokens 64
 
 Two engines over the same weights (float32, loaded once): one plain, one with
 speculative_config={"method": "ngram", ...}. Each prompt is run alone (batch 1), greedy unless
