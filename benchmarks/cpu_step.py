@@ -419,7 +419,7 @@ def table(columns: dict[str, dict], batches) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="micro.py step", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 32])
     parser.add_argument("--prefill", type=int, nargs="*", default=[],
                         help="also time the forward of a step prefilling this many tokens (multiples of 128)")

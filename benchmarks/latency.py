@@ -266,7 +266,7 @@ SCHEMAS = {"extract-json": [schema for _, schema in EXTRACT_JSON]}  # a workload
 
 def read_prompts(path: str) -> list[str]:
     """The file's prompts: a JSON list of non-empty strings; anything else is a ValueError (also read by
-    benchmark_serving.py's `--dataset prompts`)."""
+    serve.py bench's `--dataset prompts`)."""
     try:
         prompts = json.loads(pathlib.Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:

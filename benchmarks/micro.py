@@ -207,7 +207,7 @@ def host_loop_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature, seeded (random rows: the sampler's flags are read back)")
     ap.add_argument("--emulate-step-ms", type=float, default=0.0,
-                    help="time each step as a device's of this many ms (bench_engine_gpu.emulate_device)")
+                    help="time each step as a device's of this many ms (gpu_spec.emulate_device)")
     ap.add_argument("--emulate-row-ms", type=float, default=0.0, help="with --emulate-step-ms: ms a token past the first")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # the checkout a worker process imports
     return ap.parse_args(argv)
@@ -217,8 +217,8 @@ def host_loop_args(argv=None) -> argparse.Namespace:
 
 
 def tiny_model(served: bool):
-    """A 2-layer width-64 Llama of random bf16 weights (bench_engine_gpu's layout); --served: with the default
-    model's tokenizer and its vocabulary. bench_engine_gpu.random_model's recipe, not imported: a worker may run an
+    """A 2-layer width-64 Llama of random bf16 weights (gpu_engine.py's layout); --served: with the default
+    model's tokenizer and its vocabulary. gpu_engine.random_model's recipe, not imported: a worker may run an
     older checkout, whose jaxpaged may lack names that script imports."""
     import jax
     import jax.numpy as jnp
@@ -326,8 +326,7 @@ def host_loop_worker(args) -> None:
                                   fuse_sampler="on", async_scheduling=True, async_scheduling_max_tokens=2048),
                        loaded=loaded)
     if args.emulate_step_ms:
-        sys.path.insert(1, str(ROOT / "scripts"))
-        from bench_engine_gpu import emulate_device
+        from gpu_spec import emulate_device  # benchmarks/, beside this file
         emulate_device(engine.runner, args.emulate_step_ms, args.emulate_row_ms)
     clock = Clock()
     clock.watch_device_get()

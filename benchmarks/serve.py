@@ -160,7 +160,7 @@ def bench_parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=("random", "sharegpt", "prefix", "prompts"), default="random")
     g.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset sharegpt); a JSON list "
-                   "of prompts or a benchmark_latency.py workload name (--dataset prompts)")
+                   "of prompts or a benchmarks/latency.py workload name (--dataset prompts)")
     g.add_argument("--random-source", choices=("tokens", "words"), default="tokens",
                    help="random prompts from random token ids or random words")
     g.add_argument("--num-prompts", type=int, default=100)

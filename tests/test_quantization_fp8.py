@@ -31,7 +31,7 @@ from jaxpaged.worker.weight_layout import to_weight_layout
 from pallas_kernels import cuda_compile
 from tests.conftest import load_script
 
-quant_accuracy = load_script("scripts/quant_accuracy.py")  # the accuracy measures the script prints
+quant_accuracy = load_script("benchmarks/accuracy.py")  # the measures `accuracy.py quant` prints
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = quant_accuracy.PROMPTS[:4]
