@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script(relative_path: str):
-    """A script under benchmarks/ or scripts/ imported as a module, the way `python <path>` runs it: its folder
+    """A script under benchmarks/, scripts/ or examples/ imported as a module, the way `python <path>` runs it: its folder
     on sys.path (the entry points import their siblings by name) and the module registered under its file's
     name (dataclasses look their module up there). Loaded once: a second call returns the same module."""
     path = ROOT / relative_path
