@@ -266,11 +266,11 @@ def run_peer(args, name: str, port: int, out_dir: Path) -> PeerResult:
         result.status = f"not available: {type(err).__name__}: {err}"[:300]
         return result
     result.precision = spec.precision
-    print(f"[compare] starting {name}: {shlex.join(spec.command)}", flush=True)
+    print(f"[peers] starting {name}: {shlex.join(spec.command)}", flush=True)
     try:
         with servers.running_server(spec, out_dir / f"{name}.log", args.startup_timeout) as startup:
             result.startup_s = startup
-            print(f"[compare] {name} ready after {startup:.0f}s; benchmarking", flush=True)
+            print(f"[peers] {name} ready after {startup:.0f}s; benchmarking", flush=True)
             for setting, fields, concurrency, seed in bench_runs(args):
                 out_json = out_dir / f"{name}-{setting}-c{concurrency}.json"
                 argv = bench_argv(args, spec, out_json, fields, concurrency, seed)
@@ -457,12 +457,12 @@ def peers_main(argv: Sequence[str] | None = None) -> list[PeerResult]:
     results, roof = [], None
     if args.roofline:
         roof = measure_roofline()
-        print(f"[compare] roofline: {roof and round(roof['tok_s'], 1)} tok/s "
+        print(f"[peers] roofline: {roof and round(roof['tok_s'], 1)} tok/s "
               f"({NOTES.get('roofline', 'probe ok')})", flush=True)
     try:
         for i, name in enumerate(args.peers.split(",")):
             results.append(run_peer(args, name, args.base_port + i, out_dir))
-            print(f"[compare] {name}: {results[-1].status}", flush=True)
+            print(f"[peers] {name}: {results[-1].status}", flush=True)
     finally:
         servers.stop_all()
     table = format_table(results, roof, args.ratio_base)
