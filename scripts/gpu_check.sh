@@ -2,24 +2,23 @@
 # One-command GPU check for pallas_kernels and the engine (JAX 0.11.x, no
 # registry access), each section under its own time limit so one stuck part
 # cannot eat the others:
-#   1. the engine end to end (scripts/bench_engine_gpu.py): issue 15's profile
+#   1. the engine end to end (benchmarks/gpu_engine.py): issue 15's profile
 #      (batch 1, 64, 256: forward ms, weight-read ms, % of roofline, host ms not
 #      hidden, compiled-HLO counts; dispatches per step with the fused sampler;
 #      command-buffer and layer-scan variants) and issue 17's batch-1 n-gram
 #      speculative decoding ratios (grounded, grounded-exact, open: random
-#      weights with zeroed attention output projections, so the model copies),
-#   2. the layer-scan probe (scripts/bench_layer_scan.py, T = 1): does the scan
-#      over stacked weights copy each layer's weights?
-#   3. kernel tests compiled for the GPU (pytest --kernel-mode=gpu), then the
+#      weights with zeroed attention output projections, so the model copies:
+#      benchmarks/gpu_spec.py),
+#   2. kernel tests compiled for the GPU (pytest --kernel-mode=gpu), then the
 #      slow ones at the Llama-3-8B shapes (-m slow -k llama3_8b: 32 q / 8 kv
 #      heads, D=128, bf16, decode-like and mixed),
-#   4. kernel benchmarks (scripts/bench_kernels.py): the decode grid and mixed
+#   3. kernel benchmarks (benchmarks/attention.py): the decode grid and mixed
 #      batches vs the pure-JAX path and JAX's paged_attention,
-#   5. update_weights of the Llama-3-8B shape (scripts/bench_update_weights.py
+#   4. update_weights of the Llama-3-8B shape (benchmarks/offline.py update-weights
 #      --random llama3-8b: issue 65's < 2 s; PASS / MISS in the summary),
-#   6. issue 64's fp8 KV cache (scripts/bench_kv_fp8.py): pool tokens and decode
+#   5. issue 64's fp8 KV cache (benchmarks/attention.py kv-fp8): pool tokens and decode
 #      attention at 8k context, fp8 pages against bf16,
-#   7. a tiling sweep of our kernel on a few rows (bench_kernels.py --sweep),
+#   6. a tiling sweep of our kernel on a few rows (attention.py --sweep),
 #      in whatever is left of the time budget,
 # then a short summary table that decides issue 15's targets, a PASS / MISS /
 # UNMEASURED line each (batch-1 decode >= 80% of the weight-read roofline;
@@ -33,7 +32,7 @@
 #        bash scripts/gpu_check.sh --smoke   (any machine: tiny sizes, kernels
 #        in interpret mode; scripts/check_gpu_image_cpu.sh runs it in CI)
 #        bash scripts/gpu_check.sh --spec-only   (issue 17 alone: just
-#        bench_engine_gpu.py --spec-only, 86 s on the H200 on 2026-12-04, then the summary)
+#        gpu_engine.py --spec-only, 86 s on the H200 on 2026-12-04, then the summary)
 #        bash scripts/gpu_check.sh --fp8   (issue 64's FP8-weight rows alone: the engine on bf16
 #        weights and with --quantization fp8, batch 1 and 256 concurrent each, then the ratios
 #        against the targets: batch-1 >= 1.7x, 256 concurrent >= 1.3x; not yet run on a GPU)
@@ -91,7 +90,7 @@ section() {  # section NAME TIMEOUT CMD...: runs CMD, records PASS/FAIL
 summary() {
   echo
   echo "==================== gpu_check summary ===================="
-  [ -s "$DIR/bench_kernels.jsonl" ] && "$PY" - "$DIR/bench_kernels.jsonl" "$DIR/sweep.jsonl" <<'PYEOF'
+  [ -s "$DIR/attention.jsonl" ] && "$PY" - "$DIR/attention.jsonl" "$DIR/sweep.jsonl" <<'PYEOF'
 import json, os, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 if rows:
@@ -135,7 +134,6 @@ for name, label, target in (("fp8 KV capacity", "pool tokens, fp8 / bf16", 1.95)
 PYEOF
   grep -E "^(FAILED|ERROR) " "$LOG" | cut -c1-160 | head -n 12
   grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -n 2
-  sed -n '/== layer scan probe/,/^== /p' "$LOG" | grep -E "^ +[0-9]+ " | cut -c1-120
   sed -n '/== engine on device/,/^== /p' "$LOG" | sed '1!{/^== /d}' | head -n 7
   grep -E "^(PASS|MISS) +update_weights" "$LOG" | cut -c1-160
   [ -s "$DIR/engine.jsonl" ] && "$PY" - "$DIR/engine.jsonl" "${SMOKE[@]}" "${SPEC_ONLY_ARG[@]}" <<'PYEOF'
@@ -244,11 +242,9 @@ PYEOF
   # Issue 15's engine profile first: its targets are what a GPU session is for.
   if [ $ENGINE -eq 1 ]; then
     : >"$DIR/engine.jsonl"
-    section "engine end to end" 360 "$PY" scripts/bench_engine_gpu.py \
+    section "engine end to end" 360 "$PY" benchmarks/gpu_engine.py \
       "${SMOKE[@]}" --json "$DIR/engine.jsonl" || status=1
   fi
-  section "layer scan probe" 40 "$PY" scripts/bench_layer_scan.py "${SMOKE[@]}" \
-    --tokens 1 --hlo "$DIR/layer_scan_hlo.txt" || status=1
 
   local xdist=()
   "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
@@ -261,22 +257,22 @@ PYEOF
   XLA_PYTHON_CLIENT_PREALLOCATE=false section "kernel tests 8B ($MODE)" 45 \
     "$PY" -m pytest tests/pallas_kernels -q -p no:cacheprovider -m slow -k llama3_8b \
     --kernel-mode=$MODE -rfEs --tb=short --durations=4 || status=1
-  section "kernel benchmarks" 75 "$PY" scripts/bench_kernels.py "${SMOKE[@]}" \
-    --json "$DIR/bench_kernels.jsonl" || status=1
+  section "kernel benchmarks" 75 "$PY" benchmarks/attention.py "${SMOKE[@]}" \
+    --json "$DIR/attention.jsonl" || status=1
   # Issue 65: update_weights of the Llama-3-8B shape (random bf16; the smoke run: the tiny shape) < 2 s.
   local shape=llama3-8b
   [ "$MODE" = interpret ] && shape=smoke
-  section "update_weights" 120 "$PY" scripts/bench_update_weights.py --random $shape --repeats 2 \
+  section "update_weights" 120 "$PY" benchmarks/offline.py update-weights --random $shape --repeats 2 \
     --target-seconds 2 || status=1
   # Issue 64's fp8 KV cache: pool tokens and decode attention at 8k context, fp8 pages vs bf16.
   : >"$DIR/kv_fp8.jsonl"
-  section "fp8 KV cache" 40 "$PY" scripts/bench_kv_fp8.py "${SMOKE[@]}" \
+  section "fp8 KV cache" 40 "$PY" benchmarks/attention.py kv-fp8 "${SMOKE[@]}" \
     --json "$DIR/kv_fp8.jsonl" || status=1
 
   # The sweep takes what is left; stopped at its limit, it still writes the rows it timed.
   local left=$(( (BUDGET * SCALE - SECONDS - 15) / SCALE ))
   if [ $SWEEP -eq 1 ] && [ $left -ge 30 ]; then
-    section "tiling sweep" $left "$PY" scripts/bench_kernels.py --sweep \
+    section "tiling sweep" $left "$PY" benchmarks/attention.py --sweep \
       "${SMOKE[@]}" --rounds 7 --json "$DIR/sweep.jsonl" || status=1
   elif [ $SWEEP -eq 1 ]; then
     echo "== tiling sweep skipped: ${left}s left of the ${BUDGET}s budget"
@@ -287,12 +283,12 @@ PYEOF
   return $status
 }
 
-spec_only() {  # --spec-only: issue 17's rows (bench_engine_gpu.py --spec-only) and the summary
+spec_only() {  # --spec-only: issue 17's rows (gpu_engine.py --spec-only) and the summary
   local status=0
   echo "== environment ($(date -u +%FT%TZ))"
   command -v nvidia-smi >/dev/null && nvidia-smi -L
   : >"$DIR/engine.jsonl"
-  section "engine, issue 17 only" 240 "$PY" scripts/bench_engine_gpu.py \
+  section "engine, issue 17 only" 240 "$PY" benchmarks/gpu_engine.py \
     "${SMOKE[@]}" --spec-only --json "$DIR/engine.jsonl" || status=1
   summary
   echo "== gpu_check done: $([ $status -eq 0 ] && echo PASS || echo FAIL)"
@@ -306,9 +302,9 @@ fp8_only() {  # --fp8: issue 64's FP8-weight rows, bf16 and fp8 weights on the s
   : >"$DIR/engine.jsonl"
   : >"$DIR/engine_fp8.jsonl"
   local fast=(--skip-spec --skip-variants --concurrency "$([ ${#SMOKE[@]} -gt 0 ] && echo 16 || echo 256)")
-  section "engine bf16 (fp8 baseline)" 240 "$PY" scripts/bench_engine_gpu.py \
+  section "engine bf16 (fp8 baseline)" 240 "$PY" benchmarks/gpu_engine.py \
     "${SMOKE[@]}" "${fast[@]}" --json "$DIR/engine.jsonl" || status=1
-  section "engine fp8 weights" 240 "$PY" scripts/bench_engine_gpu.py \
+  section "engine fp8 weights" 240 "$PY" benchmarks/gpu_engine.py \
     "${SMOKE[@]}" "${fast[@]}" --quantization fp8 --json "$DIR/engine_fp8.jsonl" || status=1
   "$PY" - "$DIR/engine.jsonl" "$DIR/engine_fp8.jsonl" "${SMOKE[@]}" <<'PYEOF'
 import json, sys

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -13,6 +15,32 @@ import pytest
 jax.config.update("jax_compilation_cache_dir",
                   os.path.join(os.path.expanduser("~"), ".cache", "jaxpaged", "xla-tests"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative_path: str):
+    """A script under benchmarks/, scripts/ or examples/ imported as a module, the way `python <path>` runs it: its folder
+    on sys.path (the entry points import their siblings by name) and the module registered under its file's
+    name (dataclasses look their module up there). Loaded once: a second call returns the same module."""
+    path = ROOT / relative_path
+    if not path.is_file():
+        raise FileNotFoundError(f"no script {relative_path} under {ROOT}")
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    loaded = sys.modules.get(path.stem)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(path.stem, None)
+        raise
+    return module
+
 
 TINY_SPECIALS = ["<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]  # ids 256.. after the 256 bytes
 TINY_BASE = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -1,19 +1,16 @@
-"""scripts/bench_host_loop.py end to end at smoke sizes: both sides measured, the side-by-side line printed."""
+"""benchmarks/micro.py host-loop end to end at smoke sizes: both sides measured, the side-by-side line printed."""
 
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from tests.conftest import ROOT, load_script
 
-import bench_host_loop  # noqa: E402
+micro = load_script("benchmarks/micro.py")
 
 
 def test_side_by_side_run_prints_both_trees_and_the_ratio(capsys):
-    assert bench_host_loop.main(["--batches", "4", "--prompt-len", "8", "--output-len", "12", "--repeats", "1",
+    assert micro.main(["host-loop", "--batches", "4", "--prompt-len", "8", "--output-len", "12", "--repeats", "1",
                                  "--tree", str(ROOT), "--rounds", "1", "--phases"]) == 0
     out = capsys.readouterr().out
     rows = re.findall(r"^(this|other)\s+b=4\s+step\s+([\d.]+) ms.*host\s+([\d.]+) ms.*\[(\d+) steady steps\]", out,

@@ -1,22 +1,17 @@
-"""scripts/benchmark_latency.py: its workloads and arguments (the engines themselves: docs/performance.md)."""
+"""benchmarks/latency.py: its workloads and arguments (the engines themselves: docs/performance.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_latency.py"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_latency", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/latency.py")
 
 
 def test_built_in_workloads(bench):
@@ -118,3 +113,27 @@ def test_sampled_runs_seed_each_prompt_alike_on_every_side(bench, capsys):
         with pytest.raises(SystemExit) as exit_info:
             bench.parse_args(argv)
         assert exit_info.value.code == 2 and "both must be >= 0" in capsys.readouterr().err
+
+
+def test_no_benchmark_shadows_an_installed_module():
+    """python benchmarks/X.py puts benchmarks/ first on sys.path (and load_script does the same): a file there
+    named like an installed package (benchmarks/kernels.py once hid HF's `kernels`, which transformers imports)
+    would replace that package for everything the benchmark imports."""
+    import importlib.util
+    import sys
+
+    from tests.conftest import ROOT
+    folder = str(ROOT / "benchmarks")
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if p not in (folder, "", ".")]
+    try:
+        for path in sorted((ROOT / "benchmarks").glob("*.py")):
+            cached = sys.modules.pop(path.stem, None)
+            try:
+                spec = importlib.util.find_spec(path.stem)
+            finally:
+                if cached is not None:
+                    sys.modules[path.stem] = cached
+            assert spec is None, f"benchmarks/{path.name} shadows {spec.origin}"
+    finally:
+        sys.path[:] = saved

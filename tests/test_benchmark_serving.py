@@ -1,12 +1,11 @@
-"""scripts/benchmark_serving.py against a real jaxpaged server (uvicorn in a thread, tiny checkpoint)."""
+"""benchmarks/serve.py bench (the serving client) against a real jaxpaged server (uvicorn in a thread, tiny checkpoint)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,9 @@ from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from server.app import build_app
 from server.config import ServerConfig
+from tests.conftest import load_script
 from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, serve
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_serving.py"
 NUM_PROMPTS = 16
 # The tiny tokenizer is bytes without merges: allowing only printable ASCII output makes the
 # streamed text re-tokenise to exactly the generated ids (no partial UTF-8, no special tokens).
@@ -32,11 +31,10 @@ SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_serving", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/serving_client.py")
+
+
+serve_cli = load_script("benchmarks/serve.py")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +58,7 @@ def _argv(url: str, checkpoint: Path, tmp_path: Path, *extra: str) -> list[str]:
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_benchmark_against_live_server(bench, server_url, tiny_checkpoints, tmp_path, capsys, endpoint):
-    out = bench.main(_argv(server_url, tiny_checkpoints["gqa4"], tmp_path, "--endpoint", endpoint,
+    out = serve_cli.bench_main(_argv(server_url, tiny_checkpoints["gqa4"], tmp_path, "--endpoint", endpoint,
                            "--max-concurrency", "4"))
     printed = capsys.readouterr().out
     for label in ("Successful requests:", "Failed requests:", "Benchmark duration (s):", "Total input tokens:",
@@ -113,7 +111,7 @@ def test_output_tokens_are_the_servers_usage_else_the_tokenizer_count(bench, tin
 
 
 def test_sweep_and_prefix_workload(bench, server_url, tiny_checkpoints, tmp_path):
-    out = bench.main(_argv(server_url, tiny_checkpoints["gqa4"], tmp_path, "--dataset", "prefix",
+    out = serve_cli.bench_main(_argv(server_url, tiny_checkpoints["gqa4"], tmp_path, "--dataset", "prefix",
                            "--num-prefixes", "2", "--prefix-len", "5", "--max-concurrency", "1,8",
                            "--request-rate", "200"))
     assert [r["max_concurrency"] for r in out["runs"]] == [1, 8]
@@ -125,7 +123,7 @@ def test_sweep_and_prefix_workload(bench, server_url, tiny_checkpoints, tmp_path
 def test_unreachable_server_counts_failures(bench, tiny_checkpoints, tmp_path):
     from tests.server.conftest import free_port
     url = f"http://127.0.0.1:{free_port()}"
-    out = bench.main(_argv(url, tiny_checkpoints["gqa4"], tmp_path, "--num-warmups", "0", "--num-prompts", "3"))
+    out = serve_cli.bench_main(_argv(url, tiny_checkpoints["gqa4"], tmp_path, "--num-warmups", "0", "--num-prompts", "3"))
     (run,) = out["runs"]
     assert run["completed"] == 0 and run["failed"] == 3 and run["errors"]
 
@@ -147,27 +145,25 @@ def test_workloads_offline(bench, tiny_checkpoints, tmp_path):
 
 
 def test_prompts_workload_from_a_file_or_a_latency_workload(bench, tiny_checkpoints, tmp_path):
-    """--dataset prompts: a JSON list of prompts or benchmark_latency.py's workload by name, the first
+    """--dataset prompts: a JSON list of prompts or benchmarks/latency.py's workload by name, the first
     --num-prompts in order, each asking for --output-len tokens; anything else a clear SystemExit."""
     tok = bench.get_tokenizer(str(tiny_checkpoints["gqa4"]))
     (tmp_path / "mine.json").write_text(json.dumps(["copy this: abc", "and this: def", "third"]))
     reqs = bench.sample_prompts(tok, str(tmp_path / "mine.json"), 2, 64)
     assert [(r.prompt, r.output_len) for r in reqs] == [("copy this: abc", 64), ("and this: def", 64)]
     assert reqs[0].prompt_len == bench.count_tokens(tok, "copy this: abc")
-    spec = importlib.util.spec_from_file_location("_latency", SCRIPT.with_name("benchmark_latency.py"))
-    latency = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(latency)
+    latency = load_script("benchmarks/latency.py")
     grounded = bench.sample_prompts(tok, "grounded-more", 20, 128)
     assert [r.prompt for r in grounded] == latency.GROUNDED_MORE
     (tmp_path / "bad.json").write_text(json.dumps(["ok", ""]))
     (tmp_path / "notjson.json").write_text("[")
     for path, num, message in ((str(tmp_path / "mine.json"), 4, "3 prompts, --num-prompts 4"),
-                               ("no-such-workload", 1, "nor a benchmark_latency.py workload"),
+                               ("no-such-workload", 1, "nor a benchmarks/latency.py workload"),
                                (str(tmp_path / "bad.json"), 1, "non-empty prompt strings"),
                                (str(tmp_path / "notjson.json"), 1, "cannot read")):
         with pytest.raises(SystemExit, match=message):
             bench.sample_prompts(tok, path, num, 8)
-    args = bench.parse_args(["--dataset", "prompts", "--num-prompts", "1"])
+    args = serve_cli.bench_parse_args(["--dataset", "prompts", "--num-prompts", "1"])
     with pytest.raises(SystemExit, match="needs --dataset-path"):
         bench.build_requests(args, tok)
 
@@ -207,7 +203,7 @@ def test_warm_up_retries_a_dropped_connection(bench, server_url, tiny_checkpoint
     threading.Thread(target=serve, daemon=True).start()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     try:
-        out = bench.main(_argv(url, tiny_checkpoints["gqa4"], tmp_path, "--num-warmups", "1", "--num-prompts", "2",
+        out = serve_cli.bench_main(_argv(url, tiny_checkpoints["gqa4"], tmp_path, "--num-warmups", "1", "--num-prompts", "2",
                                "--max-concurrency", "1"))
     finally:
         listener.close()
@@ -215,4 +211,26 @@ def test_warm_up_retries_a_dropped_connection(bench, server_url, tiny_checkpoint
     assert run["completed"] == 2 and run["failed"] == 0
     assert len(accepted) >= 4  # the dropped one, the warm-up's retry, the two requests
     with pytest.raises(SystemExit, match="warm-up request failed.*HTTP 404"):
-        bench.main(_argv(server_url + "/nowhere", tiny_checkpoints["gqa4"], tmp_path, "--num-warmups", "1"))
+        serve_cli.bench_main(_argv(server_url + "/nowhere", tiny_checkpoints["gqa4"], tmp_path, "--num-warmups", "1"))
+
+
+def test_soak_through_the_same_client_against_live_server(server_url, tmp_path):
+    """serve.py soak: its streamed requests go through serving_client.send_request (the one client), its
+    non-streamed ones through a plain POST; every request of a short soak succeeds and the report counts them."""
+    out = tmp_path / "soak.json"
+    assert serve_cli.main(["soak", "--base-url", server_url, "--duration", "3", "--concurrency", "3",
+                           "--model", MODEL_NAME, "--max-tokens", "6", "--max-prompt-words", "5",
+                           "--sample-every", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["errors"] == {} and report["requests_ok"] >= 3
+    assert report["output_tokens_per_s"] > 0 and report["ttft_s"]["p50"] <= report["latency_s"]["p50"]
+    assert report["rss_mib_over_time"]  # read from /metrics: no --server-pid
+
+
+def test_soak_reports_a_failing_server_by_error_kind(server_url):
+    """Requests the server refuses (an unknown model: 404) are counted by kind, streamed or not, and the
+    soak exits 1."""
+    soak = load_script("benchmarks/soak.py")
+    cfg = soak.SoakConfig(base_url=server_url, duration=1.5, concurrency=2, model="no-such-model", max_tokens=4)
+    report = asyncio.run(soak.soak(cfg))
+    assert report["requests_ok"] == 0 and set(report["errors"]) == {"HTTP 404"}

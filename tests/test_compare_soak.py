@@ -1,27 +1,15 @@
-"""scripts/compare_soak.py: the rounds' order, the ratios and the table (the servers themselves: by hand)."""
+"""benchmarks/serve.py soak --before-tree (benchmarks/soak.py): the rounds' order, the ratios and the table (the servers themselves: by hand)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def compare_soak():
-    sys.path.insert(0, str(SCRIPTS))  # it imports compare_servers and soak as the script does
-    try:
-        spec = importlib.util.spec_from_file_location("compare_soak", SCRIPTS / "compare_soak.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["compare_soak"] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return load_script("benchmarks/soak.py")
 
 
 def report(tok_s: float, p50: float, errors: dict | None = None) -> dict:
@@ -59,11 +47,11 @@ def test_errors_are_counted_in_the_table(compare_soak):
 
 def test_bad_arguments_are_refused_before_any_server_starts(compare_soak, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        compare_soak.parse_args(["--before-tree", str(tmp_path)])
+        compare_soak.trees_parse_args(["--before-tree", str(tmp_path)])
     assert "not a jaxpaged checkout" in capsys.readouterr().err
     (tmp_path / "server").mkdir()
     with pytest.raises(SystemExit):
-        compare_soak.parse_args(["--before-tree", str(tmp_path), "--rounds", "0"])
+        compare_soak.trees_parse_args(["--before-tree", str(tmp_path), "--rounds", "0"])
     assert "--rounds=0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         compare_soak.main(["--before-tree", str(tmp_path), "--concurrency", "0"])

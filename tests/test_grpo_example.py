@@ -4,21 +4,15 @@ measures 0, on SmolLM2 too: docs/rl.md)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_smollm2.py"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def grpo():
-    spec = importlib.util.spec_from_file_location("grpo_smollm2", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/grpo_smollm2.py")
 
 
 def test_two_steps(grpo, tiny_checkpoints, monkeypatch):

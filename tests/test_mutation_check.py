@@ -3,21 +3,13 @@ line must move its mutation too), and, slow, the full run: every guard-removed m
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT, load_script
 
 
 def _harness():
-    spec = importlib.util.spec_from_file_location("mutation_check", ROOT / "scripts" / "mutation_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("mutation_check", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/mutation_check.py")
 
 
 def test_every_anchor_matches_exactly_once():

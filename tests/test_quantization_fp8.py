@@ -9,7 +9,6 @@ import json
 import logging
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import jax
@@ -30,9 +29,9 @@ from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.worker.runner_config import RunnerConfig, fp8_gemm
 from jaxpaged.worker.weight_layout import to_weight_layout
 from pallas_kernels import cuda_compile
+from tests.conftest import load_script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import quant_accuracy  # noqa: E402  (scripts/: the accuracy measures the script prints)
+quant_accuracy = load_script("benchmarks/accuracy.py")  # the measures `accuracy.py quant` prints
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = quant_accuracy.PROMPTS[:4]

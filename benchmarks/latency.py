@@ -1,7 +1,7 @@
 """Batch-1 latency with and without n-gram speculative decoding (like `vllm bench latency`), in one run.
 
-    python scripts/benchmark_latency.py                                  # the documented run
-    python scripts/benchmark_latency.py --num-speculative-tokens 4 --max-tokens 64
+    python benchmarks/latency.py                                  # the documented run
+    python benchmarks/latency.py --num-speculative-tokens 4 --max-tokens 64
 
 Two engines over the same weights (float32, loaded once): one plain, one with
 speculative_config={"method": "ngram", ...}. Each prompt is run alone (batch 1), greedy unless
@@ -13,15 +13,17 @@ leaves in the caches hit both sides alike, after an untimed pass over the worklo
   grounded       answers that copy spans of the prompt: rewrite, fix, extract, edit code
   open           nothing to copy: open questions and stories
   grounded-more  20 more of the first kind (formats, code edits, extraction, a template, a poem;
-                 written in session 18, after k and the lookup bounds were tuned on `grounded`): a
-                 wider check than 6 prompts (not run by default: ~3 min more)
+                 written after k and the lookup bounds were tuned on `grounded`): a wider check than 6 prompts
+                 (not run by default: ~3 min more)
   grounded-long  6 more with longer sources (164-364 prompt tokens: a 45-line Python file to edit, a
-                 story to correct or rewrite, notes to tabulate, quotes from a document; written in
-                 session 32; not run by default; try --max-tokens 256)
+                 story to correct or rewrite, notes to tabulate, quotes from a document; not run
+                 by default; try --max-tokens 256)
   extract-json   6 extractions (a listing, an invoice, a biography, meeting notes, an address, a recipe),
                  each answer constrained to its JSON schema (structured outputs, llguidance) on every
                  side: drafts the grammar forbids are cut, each verified position gets its own mask
-                 (written in session 34; not run by default)
+                 (not run by default)
+
+The built-in prompts are in benchmarks/prompts/workloads.json.
 
 --prompts-file PATH adds a workload of your own: a JSON list of prompt strings, named by the
 file's stem (`--prompts-file my_edits.json --workloads my_edits`).
@@ -52,221 +54,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import pathlib
 import time
 
-GROUNDED = [
-    "Fix the spelling mistakes in this text and write out the corrected text:\n\n"
-    "The quick brown fox jumpd over the lazy dog. The dog was not amused, and it barkd loudly at the fox, "
-    "wich ran away into the forrest. Later that day, the fox came back with its freinds.",
-    "Rename the function `add` to `add_numbers` everywhere in this Python code. Output the full code.\n\n"
-    "```python\ndef add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    return a + b\n\n\n"
-    "def total(values):\n    result = 0\n    for value in values:\n        result = add(result, value)\n"
-    "    return result\n\n\nprint(total([1, 2, 3, 4]))\n```",
-    "Copy the following paragraph exactly, word for word:\n\n"
-    "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide to make "
-    "glucose and oxygen. It takes place mainly in the leaves, inside small structures called chloroplasts.",
-    "Rewrite this list as a numbered list, keeping every item exactly as written:\n\n"
-    "- two cups of flour\n- one teaspoon of baking soda\n- half a cup of sugar\n- two large eggs\n"
-    "- one cup of milk\n- a pinch of salt",
-    "Convert this Python function to use a list comprehension. Keep the name and the docstring.\n\n"
-    "```python\ndef squares(numbers):\n    \"\"\"Return the squares of the even numbers.\"\"\"\n"
-    "    result = []\n    for n in numbers:\n        if n % 2 == 0:\n            result.append(n * n)\n"
-    "    return result\n```",
-    "Extract the sentences that mention Paris from this text and write them out unchanged:\n\n"
-    "Anna moved to Paris in 2015 to study art. Her brother stayed in Berlin. In Paris she met Louis, a "
-    "painter from Lyon. They opened a small gallery near the Seine in Paris in 2019.",
-]
-
-OPEN = [
-    "Write a short story about a dragon who is afraid of the dark.",
-    "What are three good habits for staying healthy? Explain each briefly.",
-    "Describe a sunset at the beach to someone who has never seen one.",
-    "Give me some ideas for a birthday party for a ten year old.",
-    "Why do leaves change colour in autumn?",
-    "Invent a new board game and explain its rules.",
-]
-
-GROUNDED_MORE = [
-    "Add type hints to this Python function. Output the full code.\n\n```python\ndef scale(values, "
-    "factor):\n    out = []\n    for v in values:\n        out.append(v * factor)\n    return out\n```",
-    "Convert this CSV to a Markdown table:\n\nname,age,city\nAlice,34,London\nBob,28,Paris\n"
-    "Carol,45,Madrid\nDave,39,Rome",
-    "Correct the grammar in this email and write it out again:\n\nHi Tom, I has send you the report "
-    "yesterday but you doesn't answered. Can you tell me if you receive it? I needs your comments before "
-    "friday. Thanks, Maria",
-    "Extract every email address from this text, one per line:\n\nContact sales at sales@example.com or "
-    "support at help@example.org. For press, write to press.office@news.example.net; jobs go to "
-    "careers@example.com.",
-    "Rewrite this paragraph as bullet points, keeping the wording:\n\nThe museum opens at nine in the "
-    "morning. Tickets cost twelve euros for adults. Children under six enter for free. The cafe on the top "
-    "floor closes at five.",
-    "Add a docstring to this function and output the whole function:\n\n```python\ndef clamp(x, low, "
-    "high):\n    if x < low:\n        return low\n    if x > high:\n        return high\n    return x\n```",
-    "Rename the variable `tmp` to `total` in this JavaScript code and output all of it:\n\n```javascript\n"
-    "function sum(items) {\n  let tmp = 0;\n  for (const item of items) {\n    tmp += item.price;\n  }\n  "
-    "return tmp;\n}\n```",
-    "Based only on the text below, answer: where did the expedition start, and when?\n\nText: The "
-    "expedition started in Punta Arenas on 3 January 1998. It crossed the Strait of Magellan two days "
-    "later and reached the Antarctic Peninsula on 19 January, where the team set up a camp near Hope Bay.",
-    "Replace every British spelling with the American one and write out the text:\n\nThe colour of the "
-    "theatre curtains was chosen to favour a warm atmosphere. The organisers apologised for the delay and "
-    "analysed the feedback from the neighbours.",
-    "Sort these names alphabetically and write them one per line:\n\nOliver\nCharlotte\nNoah\nAmelia\n"
-    "Liam\nSophia\nBenjamin",
-    "Convert this Python dictionary to JSON:\n\n{'title': 'Dune', 'author': 'Frank Herbert', 'year': 1965, "
-    "'tags': ['science fiction', 'desert', 'politics']}",
-    "Add a WHERE clause to this SQL query so it returns only orders above 100, and output the query:\n\n"
-    "SELECT customer_id, order_id, amount\nFROM orders\nORDER BY amount DESC;",
-    "Fill in this template with the details below and output the filled letter.\n\nTemplate: Dear [NAME], "
-    "your order [ORDER] will arrive on [DATE]. Thank you for shopping with [SHOP].\nDetails: NAME = Ms "
-    "Jensen, ORDER = #4471, DATE = 12 March, SHOP = Greenleaf Books",
-    "Rewrite these sentences in the past tense:\n\nThe train leaves the station at noon. Sarah waves at "
-    "her friends on the platform. The conductor checks every ticket and the journey begins.",
-    "Turn this Python loop into a function called `count_words` that takes the text as an argument. Output "
-    "the code.\n\n```python\ntext = \"the cat sat on the mat\"\ncounts = {}\nfor word in text.split():\n   "
-    " counts[word] = counts.get(word, 0) + 1\nprint(counts)\n```",
-    "Quote the sentence from this passage that says what the bridge is made of:\n\nThe old bridge crosses "
-    "the river at its narrowest point. It was built in 1871 by a local engineer. The bridge is made of "
-    "grey granite blocks taken from the quarry above the town. Today only pedestrians may use it.",
-    "Translate the keys of this JSON object to snake_case and output the JSON:\n\n{\"firstName\": \"Ada\", "
-    "\"lastName\": \"Lovelace\", \"birthYear\": 1815, \"knownFor\": \"Analytical Engine notes\"}",
-    "Here is a shopping list. Write it out again with quantities first:\n\napples - 6\nbread - 1 loaf\n"
-    "milk - 2 litres\neggs - 12\ncheese - 200 grams",
-    "Fix the bug in this function (it should return the largest number) and output the corrected code:\n\n"
-    "```python\ndef largest(numbers):\n    best = numbers[0]\n    for n in numbers:\n        if n < best:\n"
-    "            best = n\n    return best\n```",
-    "Copy this poem exactly and add a title above it:\n\nThe wind is cold across the hill,\nthe river runs "
-    "but time stands still;\nthe lamps are lit along the lane,\nand soon the snow will come again.",
-]
-
-_INVENTORY = '''import json
-import os
-
-
-class Inventory:
-    """A small store inventory kept in a JSON file."""
-
-    def __init__(self, path):
-        self.path = path
-        self.items = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                self.items = json.load(f)
-
-    def add(self, name, count):
-        self.items[name] = self.items.get(name, 0) + count
-        self.save()
-
-    def remove(self, name, count):
-        if self.items.get(name, 0) < count:
-            raise ValueError(f"not enough {name}")
-        self.items[name] -= count
-        if self.items[name] == 0:
-            del self.items[name]
-        self.save()
-
-    def total(self):
-        return sum(self.items.values())
-
-    def save(self):
-        with open(self.path, "w") as f:
-            json.dump(self.items, f, indent=2)
-
-
-def main():
-    inventory = Inventory("inventory.json")
-    inventory.add("apples", 10)
-    inventory.add("pears", 4)
-    inventory.remove("apples", 3)
-    print(inventory.total())
-
-
-if __name__ == "__main__":
-    main()
-'''
-_LIGHTHOUSE = (
-    "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its keeper, a "
-    "quiet man named Thomas, climbed the hundred and twelve steps to light the lamp. Ships passing in the dark "
-    "relied on its beam to find their way around the rocks. One winter, a great storm broke the glass at the top "
-    "of the tower, and Thomas had to repair it with his own hands while the wind howled around him. The villagers "
-    "brought him food and blankets, and the children drew pictures of the lighthouse to hang in his kitchen. When "
-    "Thomas finally retired, the village held a festival in his honour, and a young woman named Clara became the "
-    "new keeper. She learned every step of the tower and every sound of the sea, just as Thomas had taught her.")
-_WEEK = "\n".join(f"- {day}: {task}" for day, task in [
-    ("Monday", "meeting with the design team about the new website layout at 10 am"),
-    ("Tuesday", "send the quarterly report to the finance department before noon"),
-    ("Wednesday", "call the supplier about the delayed shipment of office chairs"),
-    ("Thursday", "review the pull requests for the payment service and merge the approved ones"),
-    ("Friday", "team lunch at the Italian restaurant on the corner of Main Street"),
-    ("Saturday", "visit the farmers market and buy vegetables for the week"),
-    ("Sunday", "call grandmother and plan the trip to the mountains in August")])
-_TYPOS = {"lighthouse": "lighthuose", "keeper": "keper", "night": "nihgt", "storm": "strom", "villagers": "vilagers"}
-
-GROUNDED_LONG = [  # session 32: longer sources (164-364 prompt tokens), answers that copy most of them
-    "Rename the class `Inventory` to `StoreInventory` everywhere in this Python code. Output the full code.\n\n"
-    f"```python\n{_INVENTORY}```",
-    "Add a method `count(self, name)` that returns how many of an item are in stock to this Python code. Output "
-    f"the full code.\n\n```python\n{_INVENTORY}```",
-    "Fix the spelling mistakes in this story and write out the corrected story:\n\n"
-    + functools.reduce(lambda text, typo: text.replace(*typo), _TYPOS.items(), _LIGHTHOUSE),
-    f"Rewrite this story in the present tense, keeping everything else the same:\n\n{_LIGHTHOUSE}",
-    "Turn these notes into a markdown table with two columns, Day and Task, keeping the text of each task "
-    f"exactly:\n\n{_WEEK}",
-    f"Here is a document:\n\n{_LIGHTHOUSE}\n\n{_WEEK}\n\nQuote, word for word, the sentence of the document that "
-    "says what happened one winter, and then the task planned for Thursday.",
-]
-
-
-def _object(**properties) -> dict:
-    """A JSON schema: an object with exactly these properties, all required."""
-    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
-
-
-_STR, _NUM, _INT = {"type": "string"}, {"type": "number"}, {"type": "integer"}
-_STRS = {"type": "array", "items": _STR}
-EXTRACT_JSON = [  # session 34: (prompt, JSON schema), the answer constrained to the schema; its strings copy the text
-    ("Extract the product details from this listing as JSON.\n\nListing: The Contoso UltraQuiet 3000 is a "
-     "bladeless desk fan with three speed settings, a built-in night light and a remote control. It costs $89.99 "
-     "and ships from Seattle, Washington within two business days.",
-     _object(name=_STR, features=_STRS, price_usd=_NUM, ships_from=_STR, delivery=_STR)),
-    ("Read this invoice and return its fields as JSON.\n\nInvoice number INV-2024-0117, issued on 12 March 2024 "
-     "by Northwind Traders, 42 Harbour Street, Bristol, to Fabrikam Ltd. Items: 12 boxes of printer paper at 4.50 "
-     "each; 3 toner cartridges at 38.00 each. Payment is due within 30 days of the invoice date.",
-     _object(invoice_number=_STR, date=_STR, seller=_STR, seller_address=_STR, buyer=_STR,
-             items={"type": "array", "items": _object(description=_STR, quantity=_INT, unit_price=_NUM)},
-             payment_terms=_STR)),
-    ("Extract the facts about this person as JSON.\n\nMarie Curie was born on 7 November 1867 in Warsaw, Poland. "
-     "She was a physicist and chemist who conducted pioneering research on radioactivity. She was the first woman "
-     "to win a Nobel Prize and the only person to win Nobel Prizes in two scientific fields.",
-     _object(name=_STR, date_of_birth=_STR, place_of_birth=_STR, occupations=_STRS, research=_STR,
-             achievements=_STRS)),
-    ("Turn these meeting notes into a JSON list of action items, each with its owner and the task in the words "
-     "of the notes.\n\nNotes: Priya will send the updated budget spreadsheet to the finance team by Friday. Tom "
-     "needs to book the large conference room for the quarterly review on the 14th. Lena will draft the press "
-     "release about the new office in Lisbon and share it with the marketing team.",
-     _object(action_items={"type": "array", "items": _object(owner=_STR, task=_STR)})),
-    ("Extract the shipping address from this message as JSON.\n\nHello, please send the replacement part to "
-     "Dr. Alan Grant, Paleontology Department, Montana State University, 600 West Kagy Boulevard, Bozeman, MT "
-     "59717, United States. Thank you!",
-     _object(name=_STR, organization=_STR, street=_STR, city=_STR, state=_STR, postal_code=_STR, country=_STR)),
-    ("Convert this recipe into JSON with its title, its ingredients and its steps, keeping the wording.\n\n"
-     "Pancakes. Ingredients: 200 grams of flour, 2 eggs, 300 millilitres of milk, a pinch of salt. Steps: Whisk "
-     "the flour, eggs and milk into a smooth batter. Add the salt. Fry ladlefuls of batter in a hot buttered pan "
-     "until golden on both sides.",
-     _object(title=_STR, ingredients=_STRS, steps=_STRS)),
-]
-
+# The built-in workloads' prompts (and extract-json's schemas), described in the docstring above.
+_BUILT_IN = json.loads((pathlib.Path(__file__).resolve().parent / "prompts" / "workloads.json").read_text())
+GROUNDED, OPEN, GROUNDED_MORE, GROUNDED_LONG = (_BUILT_IN[k] for k in ("grounded", "open", "grounded-more",
+                                                                       "grounded-long"))
 WORKLOADS = {"grounded": GROUNDED, "open": OPEN, "grounded-more": GROUNDED_MORE, "grounded-long": GROUNDED_LONG,
-             "extract-json": [prompt for prompt, _ in EXTRACT_JSON]}
-SCHEMAS = {"extract-json": [schema for _, schema in EXTRACT_JSON]}  # a workload's JSON schema per prompt
+             "extract-json": [item["prompt"] for item in _BUILT_IN["extract-json"]]}
+SCHEMAS = {"extract-json": [item["schema"] for item in _BUILT_IN["extract-json"]]}  # a workload's schema per prompt
 
 
 def read_prompts(path: str) -> list[str]:
     """The file's prompts: a JSON list of non-empty strings; anything else is a ValueError (also read by
-    benchmark_serving.py's `--dataset prompts`)."""
+    serve.py bench's `--dataset prompts`)."""
     try:
         prompts = json.loads(pathlib.Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:

@@ -25,14 +25,14 @@ not stepped, the same step input is run each round: it rewrites the same KV slot
 All jitted parts are compiled with the engine's XLA:CPU options (`runner_config.cpu_compiler_options`).
 Parts are separate programs timed alone, so they need not add up exactly on a busy machine.
 
-At batch 1 the weight-read roofline (scripts/roofline.py: a read-bandwidth probe in the same
+At batch 1 the weight-read roofline (benchmarks/micro.py roofline: a read-bandwidth probe in the same
 process, weight bytes / bandwidth) is printed next to the step's tok/s (1000 / step ms).
 
 --before-tree PATH runs the same measurement on another checkout (a subprocess importing that
 tree's jaxpaged) and prints before / after side by side; --hlo DIR writes each batch's compiled step
 HLO and prints which dots run as XLA:CPU library (YNNPACK) fusions and which stay XLA's own.
 
-    python scripts/bench_cpu_step.py --batch 1 32 [--prefill 256 512] [--steps 5] [--before-tree /tmp/main]
+    python benchmarks/micro.py step --batch 1 32 [--prefill 256 512] [--steps 5] [--before-tree /tmp/main]
         [--hlo /tmp/hlo]
 """
 
@@ -56,9 +56,9 @@ def _tree(argv: list[str]) -> pathlib.Path:
     return pathlib.Path(__file__).resolve().parents[1]
 
 
-SCRIPTS = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parent  # benchmarks/: micro.py (the roofline)
 sys.path.insert(0, str(_tree(sys.argv)))
-sys.path.insert(1, str(SCRIPTS))
+sys.path.insert(1, str(HERE))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -382,8 +382,8 @@ def run_here(args) -> dict[str, dict[str, float]]:
               ", ".join(f"{k} {v:.1f}" for k, v in results[key].items()), flush=True)
         del engine
     if 1 in args.batch and not args.no_roofline:
-        import roofline  # pylint: disable=import-outside-toplevel  (scripts/roofline.py)
-        results["roofline"] = roofline.roofline()
+        import micro  # pylint: disable=import-outside-toplevel  (benchmarks/micro.py, beside this file)
+        results["roofline"] = micro.roofline()
     return results
 
 
@@ -419,7 +419,7 @@ def table(columns: dict[str, dict], batches) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="micro.py step", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 32])
     parser.add_argument("--prefill", type=int, nargs="*", default=[],
                         help="also time the forward of a step prefilling this many tokens (multiples of 128)")
@@ -448,16 +448,16 @@ def main(argv=None) -> int:
         columns[f"before ({_commit(args.before_tree)})"] = run_tree(args.before_tree, args)
         columns[f"after ({_commit(here)})"] = run_tree(here, args)
         if 1 in args.batch and not args.no_roofline:
-            import roofline  # pylint: disable=import-outside-toplevel
-            columns[list(columns)[-1]]["roofline"] = roofline.roofline()
+            import micro  # pylint: disable=import-outside-toplevel
+            columns[list(columns)[-1]]["roofline"] = micro.roofline()
     else:
         columns[f"{pathlib.Path(here).name} ({_commit(here)})"] = run_here(args)
     rows = [*args.batch, *(f"prefill {n}" for n in args.prefill)]
     print("\n" + "\n".join(table(columns, rows)))
     roof = next((c["roofline"] for c in reversed(list(columns.values())) if "roofline" in c), None)
     if roof:
-        import roofline  # pylint: disable=import-outside-toplevel
-        print("\n" + roofline.describe(roof))
+        import micro  # pylint: disable=import-outside-toplevel
+        print("\n" + micro.describe(roof))
         for name, col in columns.items():
             if "1" in col:
                 rate = 1000.0 / col["1"]["step"]

@@ -1,15 +1,13 @@
-"""Online serving benchmark for any OpenAI-compatible endpoint (vLLM's `benchmark_serving.py`).
+"""The one streaming client of the serving benchmarks: workloads, requests, per-chunk timings, vLLM's metrics.
 
-    python scripts/benchmark_serving.py --base-url http://127.0.0.1:8000 --model smollm2-135m-instruct \\
-        --dataset random --input-len 128 --output-len 64 --num-prompts 64 --max-concurrency 1,32 \\
-        --ignore-eos --save-json out.json --plot out.png
+`benchmarks/serve.py bench` (vLLM's `benchmark_serving.py`, against any OpenAI-compatible endpoint) and
+`benchmarks/soak.py` (a mixed load for a given time) both send their streamed requests through
+`send_request`: an httpx stream that times every text chunk and keeps the server's usage.
 
-An asyncio client (httpx, streaming) sends `--num-prompts` requests, at most
-`--max-concurrency` in flight (a comma list runs a sweep, one run per value),
-arriving as a Poisson process at `--request-rate` per second (`inf`: all at
-once). It times every streamed chunk and prints vLLM's summary block:
-throughput, TTFT (time to first token), TPOT (time per output token after the
-first), ITL (gap between streamed chunks), end-to-end latency.
+`run_benchmark` sends a workload's requests, at most `--max-concurrency` in flight, arriving as a
+Poisson process at `--request-rate` per second (`inf`: all at once); `compute_metrics` gives vLLM's
+summary: throughput, TTFT (time to first token), TPOT (time per output token after the first), ITL (gap
+between streamed chunks), end-to-end latency.
 
 Output tokens are counted the way vLLM's benchmark counts them: the server's own
 `usage.completion_tokens` (asked for with `stream_options.include_usage`) where it
@@ -28,23 +26,20 @@ Workloads (`--dataset`):
   prefix   `--num-prefixes` shared prefixes of `--prefix-len` tokens, each request one of
            them plus a random suffix of `--input-len` tokens (shows prefix caching).
   prompts  prompts as written (`--dataset-path`): a JSON list of prompt strings, or the name of
-           one of benchmark_latency.py's workloads (grounded, open, grounded-more); the first
+           one of benchmarks/latency.py's workloads (grounded, open, grounded-more); the first
            `--num-prompts` in order, each asking for `--output-len` tokens (e.g. speculative
            decoding over HTTP, on prompts whose answers copy from them).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
-import importlib.util
 import json
 import math
 import random
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -52,6 +47,7 @@ import httpx
 import numpy as np
 
 SUMMARY_WIDTH = 50
+NO_TEXT = "no text streamed"  # a stream that ended without error but carried no text
 _WORDS = ("time person year way day thing man world life hand part child eye woman place work week "
           "case point government company number group problem fact water room mother area money "
           "story month lot right study book word business issue side kind head house service friend "
@@ -227,16 +223,13 @@ def sample_sharegpt(tokenizer, path: str, num: int, seed: int, output_len: int |
 
 
 def load_prompts(path: str) -> list[str]:
-    """`--dataset prompts`: a JSON list of prompt strings, or a benchmark_latency.py workload's name (that
+    """`--dataset prompts`: a JSON list of prompt strings, or a benchmarks/latency.py workload's name (that
     script reads the file, and holds the workloads)."""
-    script = Path(__file__).with_name("benchmark_latency.py")
-    spec = importlib.util.spec_from_file_location("_benchmark_latency", script)
-    latency = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(latency)  # stdlib imports only at its top
+    import latency  # benchmarks/latency.py, a sibling: stdlib imports only at its top
     if not Path(path).exists():
         if path in latency.WORKLOADS:
             return latency.WORKLOADS[path]
-        raise SystemExit(f"--dataset-path {path}: no such file, nor a benchmark_latency.py workload "
+        raise SystemExit(f"--dataset-path {path}: no such file, nor a benchmarks/latency.py workload "
                          f"({', '.join(latency.WORKLOADS)})")
     try:
         return latency.read_prompts(path)
@@ -349,7 +342,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, endpo
         result.latency = time.perf_counter() - start
         result.success = bool(result.chunk_times)
         if not result.success:
-            result.error = "no text streamed"
+            result.error = NO_TEXT
     except Exception as err:  # noqa: BLE001 - every failure is a failed request in the report
         result.error = f"{type(err).__name__}: {err}"
     return result
@@ -550,156 +543,9 @@ def format_summary(metrics: dict[str, Any], title: str, percentiles: Sequence[fl
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
-# Output files
-# ---------------------------------------------------------------------------------------------
-
 def request_records(results: list[RequestResult]) -> list[dict[str, Any]]:
     """Per-request records for --save-json (chunk times omitted; ITL kept)."""
     keys = ("prompt_len", "output_len_requested", "success", "error", "start", "ttft", "latency",
             "output_tokens", "text_tokens", "usage_prompt_tokens", "usage_completion_tokens", "itl", "generated_text")
     return [{k: getattr(r, k) for k in keys} for r in results]
 
-
-def save_json(path: str, args, runs: list[dict[str, Any]]) -> None:
-    """All metrics, per-request records and the arguments; one run's metrics also at the top level."""
-    doc: dict[str, Any] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                           "args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
-                                    for k, v in vars(args).items()},
-                           "runs": runs}
-    if len(runs) == 1:
-        doc.update({k: v for k, v in runs[0].items() if k != "requests"})
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=2, default=str))
-
-
-def plot_sweep(path: str, runs: list[dict[str, Any]], title: str = "") -> None:
-    """PNG: output throughput, and median TTFT/TPOT, against max concurrency."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'jaxpaged[bench]' (or pip install matplotlib)") from None
-    xs = [r["max_concurrency"] or r["completed"] for r in runs]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(xs, [r["output_throughput"] for r in runs], "o-")
-    ax1.set(xlabel="max concurrency", ylabel="output tokens/s", title="Output throughput")
-    ax2.plot(xs, [r["median_ttft_ms"] for r in runs], "o-", label="median TTFT")
-    ax2.plot(xs, [r["median_tpot_ms"] for r in runs], "s-", label="median TPOT")
-    ax2.set(xlabel="max concurrency", ylabel="ms", title="Latency")
-    ax2.legend()
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        ax.grid(True, alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------
-
-def _concurrency_list(text: str) -> list[int | None]:
-    """'1,4,16' -> [1, 4, 16]; 'inf' or 'none' -> [None] (unbounded)."""
-    out: list[int | None] = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if part in ("inf", "none", ""):
-            out.append(None)
-            continue
-        value = int(part)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"concurrency must be >= 1, got {value}")
-        out.append(value)
-    return out
-
-
-def _json_object(text: str) -> dict:
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--extra-body must be a JSON object")
-    return value
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("server")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
-    g.add_argument("--model", default="smollm2-135m-instruct", help="the `model` field sent")
-    g.add_argument("--served-model-name", default=None, help="send this as `model` instead of --model")
-    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    g.add_argument("--api-key", default=None, help="sent as a Bearer token")
-    g.add_argument("--tokenizer", default=None,
-                   help="counts tokens: jaxpaged model name, .gguf, HF folder or repo id (default: --model)")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="per-request read timeout (s)")
-    g = p.add_argument_group("workload")
-    g.add_argument("--dataset", choices=("random", "sharegpt", "prefix", "prompts"), default="random")
-    g.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset sharegpt); a JSON list "
-                   "of prompts or a benchmark_latency.py workload name (--dataset prompts)")
-    g.add_argument("--random-source", choices=("tokens", "words"), default="tokens",
-                   help="random prompts from random token ids or random words")
-    g.add_argument("--num-prompts", type=int, default=100)
-    g.add_argument("--input-len", type=int, default=128)
-    g.add_argument("--output-len", type=int, default=64)
-    g.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="override ShareGPT's reply lengths")
-    g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L*(1 -/+ r)")
-    g.add_argument("--num-prefixes", type=int, default=4, help="--dataset prefix: shared prefixes")
-    g.add_argument("--prefix-len", type=int, default=512, help="--dataset prefix: tokens per prefix")
-    g.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("load")
-    g.add_argument("--max-concurrency", type=_concurrency_list, default=[None],
-                   help="most requests in flight; a comma list (1,4,16,64) runs a sweep")
-    g.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals per second; inf sends all at once")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
-    g.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests sent first")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos: true")
-    g.add_argument("--extra-body", type=_json_object, default=None, help="JSON merged into every body")
-    g = p.add_argument_group("output")
-    g.add_argument("--metric-percentiles", default="99", help="comma list of percentiles to report")
-    g.add_argument("--save-json", default=None, metavar="PATH")
-    g.add_argument("--plot", default=None, metavar="PATH", help="PNG of a --max-concurrency sweep")
-    g.add_argument("--label", default=None, help="title of the summary blocks and the plot")
-    g.add_argument("--disable-tqdm", action="store_true")
-    args = p.parse_args(argv)
-    if args.num_prompts < 1:
-        p.error("--num-prompts must be >= 1")
-    if args.request_rate <= 0:
-        p.error("--request-rate must be > 0 (inf for all at once)")
-    args.metric_percentiles = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark (one run per --max-concurrency value); return {"runs": [metrics, ...]}."""
-    args = parse_args(argv)
-    tokenizer = get_tokenizer(args.tokenizer or args.model)
-    requests = build_requests(args, tokenizer)
-    asyncio.run(warm_up(args, requests))
-    runs = []
-    for concurrency in args.max_concurrency:
-        results, duration = asyncio.run(run_benchmark(args, requests, concurrency, tokenizer))
-        metrics = compute_metrics(results, duration, args.metric_percentiles)
-        metrics.update(max_concurrency=concurrency, request_rate=str(args.request_rate),
-                       endpoint=args.endpoint, base_url=args.base_url, dataset=args.dataset)
-        title = f"Serving Benchmark Result{' - ' + args.label if args.label else ''}"
-        print(format_summary(metrics, title, args.metric_percentiles), flush=True)
-        runs.append({**metrics, "requests": request_records(results)})
-    if args.save_json:
-        save_json(args.save_json, args, runs)
-    if args.plot:
-        plot_sweep(args.plot, runs, args.label or args.base_url)
-    return {"runs": runs}
-
-
-if __name__ == "__main__":
-    main()
