@@ -30,7 +30,7 @@ if not any(isinstance(f, _NoTorchAdvice) for f in logging.getLogger("transformer
     logging.getLogger("transformers").addFilter(_NoTorchAdvice())
 
 # pylint: disable=wrong-import-position
-from transformers import (PreTrainedTokenizerBase,  # noqa: E402  (after the filter above)
+from transformers import (PreTrainedTokenizerBase,  # noqa: E402, F401  (after the filter; loader imports it here)
                           PreTrainedTokenizerFast)  # not AutoTokenizer: importing it imports torch
 
 if TYPE_CHECKING:  # the gguf package is needed only to read GGUF files

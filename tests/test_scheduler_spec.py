@@ -445,15 +445,15 @@ def test_stops_are_decided_once_a_given_verdict_is_the_last_tokens():
     passes the last one's verdict: the scheduler appends the tokens before it as they are and checks nothing again.
     Without verdicts (a caller that has no engine) it checks each token itself and stops at the first EOS."""
     runs = {}
-    for given in (False, True):
+    for verdicts_given in (False, True):
         sched = Scheduler(config(num_pages=16, page_size=4))
         r = prefilled(sched, [1, 2, 3, 4, 5, 6], max_tokens=20)
         r.spec_token_ids = [EOS, 8]
         out = sched.schedule()
-        stops = {"a": None} if given else None
+        stops = {"a": None} if verdicts_given else None
         sched.update_from_output(out, {"a": [EOS, 8, 9]}, stops)  # drafts EOS and 8 accepted, 9 the bonus
         sched.check_invariants()
-        runs[given] = (r.output_token_ids, r.finish_reason)
+        runs[verdicts_given] = (r.output_token_ids, r.finish_reason)
     assert runs[False] == ([100, EOS], "stop")  # checked here: the EOS ends it
     assert runs[True] == ([100, EOS, 8, 9], None)  # the caller's word: all three go on
     # a FINISHED_ERROR verdict on the last token: the ones before it are kept, the garbage one is not

@@ -4,7 +4,7 @@ The step should read each weight once, in place. A layer scan over stacked weigh
 layer's weights out of the stack at run time (a dynamic slice, which XLA may materialise as a copy
 before the gemm). `weight_copies` finds any instruction that produces a buffer the size of one
 layer's weight matrix; `stablehlo_weight_slices` finds dynamic slices of that size in a lowering
-(StableHLO, e.g. for CUDA lowered on a CPU). scripts/bench_engine_gpu.py prints `op_counts` of each
+(StableHLO, e.g. for CUDA lowered on a CPU). benchmarks/gpu_engine.py prints `op_counts` of each
 compiled step; tests/test_weight_layout.py holds the chosen layouts to zero copies.
 """
 

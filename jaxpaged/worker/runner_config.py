@@ -130,7 +130,7 @@ def _xla_cpu_accepts(options: tuple[tuple[str, str], ...]) -> bool:
 # launch (`xla_gpu_enable_command_buffer`). "xla": XLA's own default set; "off": every kernel launched one
 # by one (the baseline that shows the launch overhead); "full": also while loops and conditionals, so a
 # step's layer loop and attention's branches sit inside graphs too. RunnerConfig.command_buffers picks one;
-# scripts/bench_engine_gpu.py times the batch-1 forward under each.
+# benchmarks/gpu_engine.py times the batch-1 forward under each.
 GPU_COMMAND_BUFFERS: dict[str, str | None] = {
     "xla": None, "off": "", "full": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
 DEFAULT_GPU_COMMAND_BUFFERS = "full"  # "auto"; no difference measured at batch 1 on an H200 (docs/performance.md)

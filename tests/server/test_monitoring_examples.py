@@ -40,7 +40,7 @@ def test_every_dashboard_metric_is_exposed(live):
     missing = sorted(queried - exposed)
     assert not missing, f"the dashboard queries metrics /metrics does not expose: {missing}"
     panels = [e for e in dashboard_queries() if not e.startswith("label_values(vllm:num_requests_running, ")]
-    assert all(f"model_name=~\"$model_name\"" in e for e in panels)
+    assert all("model_name=~\"$model_name\"" in e for e in panels)
 
 
 def test_dashboard_shape():
