@@ -261,7 +261,7 @@ def seeded_rows(sides: dict[str, LLMEngine], report: Report, workloads: dict, n:
     """The copying workloads again with seeded sampling at a `temperature` so low that the copying model samples
     its greedy tokens (or nearly: a near-tie may go the other way, the same on every side), through the random rows'
     machinery: the candidate pass and its flags, read back before the next step is dispatched, and key steps moved
-    back by the drafts rejected in flight (seeded rows verify overlapped since session 38). On / off and, verifying
+    back by the drafts rejected in flight. On / off and, verifying
     synchronously, sync / off, best of `rounds`; same tokens on every side (seeded: batch-independent)."""
     for name, (prompt, expected, _) in workloads.items():
         best, same, copied, counts = race(sides, prompt, expected, n, rounds, temperature)

@@ -65,7 +65,7 @@ HOST_LOOP_DOC = """The engine's host work per step at high concurrency, on any m
     python benchmarks/micro.py host-loop --tree /tmp/jp-base      # ... and another checkout, in one run
     python benchmarks/micro.py host-loop --served --phases        # DELTA outputs, detokenized; where the time goes
 
-On the H200 (session 35) a 256-row decode step took 22.3 ms against an 11.6 ms forward: the Python host loop
+On the H200 (2026-12-04 run) a 256-row decode step took 22.3 ms against an 11.6 ms forward: the Python host loop
 (schedule, step inputs, launch, outputs for 256 requests) outran the device, so async scheduling could not hide
 it. This measures that host work on a CPU with a model so small (2 layers of width 64, random weights) that the
 device's part is about a ms: the GPU's engine (async scheduling with every step kept in flight, the sampler fused
