@@ -470,8 +470,9 @@ def _num_partial_prefills(scheduled: list) -> int:
 
 def _num_known_and_placeholder_tokens(request: Request) -> int:
     """Tokens the request has, counting those sampled by dispatched steps (async scheduling) not yet appended,
-    and their drafts as if accepted."""
-    return request.num_tokens + request.num_output_placeholders + request.num_draft_placeholders
+    and their drafts as if accepted. (The lists' lengths, not Request's properties: this runs for every row.)"""
+    return len(request.prompt_token_ids) + len(request.output_token_ids) + request.num_output_placeholders + \
+        request.num_draft_placeholders
 
 
 def _ends_in_flight(request: Request) -> bool:
@@ -480,7 +481,10 @@ def _ends_in_flight(request: Request) -> bool:
     placeholders = request.num_output_placeholders
     if not placeholders:
         return False
-    max_tokens = request.max_tokens
-    if max_tokens is not None and request.num_output_tokens + placeholders >= max_tokens:
+    num_outputs = len(request.output_token_ids) + placeholders
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is None:
+        max_tokens = request.max_tokens  # what max_model_len leaves, if set
+    if max_tokens is not None and num_outputs >= max_tokens:
         return True
-    return request.max_model_len is not None and request.num_tokens + placeholders >= request.max_model_len
+    return request.max_model_len is not None and len(request.prompt_token_ids) + num_outputs >= request.max_model_len

@@ -90,6 +90,15 @@ class InputBatch:
         index = self._rows
         return np.fromiter((index[e.request_id] for e in entries), np.intp, len(entries))
 
+    def may_need_row_info(self, entries: Sequence[ScheduledRequest], rows: np.ndarray) -> list[int]:
+        """The indices of a step's entries (at `rows`, `apply`'s) whose sampler rows may need more than their kept
+        constants (`sampling_batch.needs_row_info`): params with a logit bias or penalties (a kept flag), banned
+        ids or drafts this step; increasing. The rest (most decodes) are never looked at again."""
+        biased = self.biased[rows]
+        maybe = set(np.flatnonzero(biased).tolist()) if biased.any() else set()
+        maybe.update(i for i, e in enumerate(entries) if e.banned_token_ids or e.spec_token_ids)
+        return sorted(maybe)
+
     def _make(self, entry: ScheduledRequest, row: int | None) -> int:
         """The entry's row made anew (its whole page table, its constants), in its old row if it has one."""
         RowInfo(entry.sampling_params, entry.seed)  # validates

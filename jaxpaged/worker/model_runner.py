@@ -217,8 +217,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         lens = np.array([len(t) for t in fed], np.int32)  # i32[n]: tokens fed per entry
         starts = np.array([e.start_position for e in entries], np.int32)  # i32[n]
         num_pages = self.input_batch.num_pages[rows]  # i32[n]
-        num_tokens = int(lens.sum())
-        # logits rows: the entries', then their drafts' (a decode: len(token_ids) 1, no drafts)
+        num_tokens = int(lens.sum())  # logits rows: the entries', then their drafts' (none where each fed one token)
         num_logits_rows = n if num_tokens == n else n + sum(len(e.spec_token_ids) for e in entries)
         num_slots = num_logits_rows if self.fuse_sampler and num_logits_rows <= self.config.max_num_seqs else n
         t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, num_slots, int(num_pages.max()))
@@ -316,15 +315,13 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         history: `_in_flight_history`'s, for the entries' rows (the layout's rows already have it)."""
         S, V, history = len(step.logits_indices), self.model_config.vocab_size, history or {}
         # the entries' rows from their kept constants (`sampling_row`'s RowInfo only where a row needs more)
-        rows, kept = self.input_batch.rows_of(entries), self.input_batch
-        scalars, key_data = kept.scalars[rows], kept.key_data[rows]
+        kept = self.input_batch
+        entry_rows = kept.rows_of(entries)  # (`rows` below counts the batch's rows)
+        scalars, key_data = kept.scalars[entry_rows], kept.key_data[entry_rows]
         steps = [e.num_output_tokens for e in entries] if layout is None else \
             [e.num_output_tokens + len(e.spec_token_ids) for e in entries]
-        # rows that may need a RowInfo: those whose params bias or penalise (kept), those with banned ids or drafts
-        maybe = set(np.flatnonzero(kept.biased[rows]).tolist()) if kept.biased[rows].any() else set()
-        maybe.update(i for i, e in enumerate(entries) if e.banned_token_ids or e.spec_token_ids)
         special = {i: sampling_row(e, None, *history.get(e.request_id, ())) for i, e in
-                   ((i, entries[i]) for i in sorted(maybe))
+                   ((i, entries[i]) for i in kept.may_need_row_info(entries, entry_rows))
                    if sampling_batch.needs_row_info(e.sampling_params, banned_at(e, len(e.spec_token_ids)))}
         drafts = layout.rows if layout is not None and layout.packed else ()
         if drafts:
@@ -335,7 +332,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         rows = len(entries) + len(drafts)
         batch = sampling_batch.assemble_sampling_batch(scalars, key_data, steps, special, S, V,
                                                 token_bitmask=_pad_bitmask(grammar_bitmask, S, rows))
-        return batch, num_top_logprobs_for([True] if kept.logprobs[rows].any() else [])  # 0 unless a row asks
+        return batch, num_top_logprobs_for([True] if kept.logprobs[entry_rows].any() else [])  # 0 unless a row asks
 
     def _step_sampling(self, batch: SamplingBatch, step: StepInput, *, layout: DraftRows | None = None,
                        sources: np.ndarray | None = None, previous: jax.Array | None = None,
