@@ -120,3 +120,21 @@ def test_pages_freed_out_of_a_sliding_window_reach_the_rows():
     # index 0 again); position 6 frees page 2 (from index 1) and opens page 4; 7 changes nothing; 8 frees page 3,
     # opens page 5
     assert sent == [(0, (1, 2, 3)), (0, (0, 2, 3)), (1, (0, 3, 4)), (4, ()), (2, (0, 4, 5)), (5, ())]
+
+
+def test_rows_keep_which_params_need_more_than_constants_and_rows_of_reuses_the_step_applied():
+    biased = SamplingParams(temperature=0.0, logit_bias={3: 1.0})
+    penalised = SamplingParams(temperature=0.5, presence_penalty=0.5)
+    logprobs = SamplingParams(temperature=0.0, logprobs=2)
+    batch = InputBatch(capacity=4, max_pages=4, vocab_size=64)
+    step = (entry("a", (1,), params=biased), entry("b", (2,), params=penalised), entry("c", (3,), params=logprobs),
+            entry("d", (4,)))
+    rows = batch.apply(step)
+    assert batch.biased[rows].tolist() == [True, True, False, False]
+    assert batch.logprobs[rows].tolist() == [False, False, True, False]
+    assert batch.rows_of(step) is rows  # the tuple just applied: its rows, not looked up again
+    assert batch.rows_of(list(step)).tolist() == rows.tolist()  # another sequence: looked up
+    batch.remove(["a"])  # a row freed may be reused: the rows handed back are never stale
+    (e,) = batch.apply([entry("e", (5,))])
+    assert e == rows[0] and not batch.biased[e]
+    assert batch.rows_of(step[1:]).tolist() == rows[1:].tolist()

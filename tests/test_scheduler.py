@@ -715,3 +715,29 @@ def test_async_random_workloads_finish_with_reference_outputs(workload):
     sched.check_invariants()
     assert sched.pool.num_free_pages == cfg.num_pages - 1
     assert all(sched.pool.ref_count(p) == 0 for p in range(cfg.num_pages))
+
+
+def test_decode_pages_are_hashed_as_each_fills_and_the_count_follows_preemption():
+    """The scheduler asks the pool to hash a request's pages only once another has filled (its
+    `num_full_pages_cached`): each page is still hashed on the step that fills it with known tokens, and a
+    preempted request counts none again."""
+    sched, runner = Scheduler(config(page_size=2)), None
+    runner = FakeRunner(sched.config)
+    r = make("a", [1, 2, 3], max_tokens=6, ignore_eos=True)
+    sched.add_request(r)
+    hashed = []
+    while not r.is_finished:
+        step(sched, runner)
+        full = min(r.num_computed_tokens, r.num_tokens) // 2 if not r.is_finished else None
+        if full is not None:
+            assert r.num_full_pages_cached == full
+            assert [sched.pool.page_hash(p) is not None for p in r.page_ids] == [i < full for i in
+                                                                                 range(len(r.page_ids))]
+            hashed.append(full)
+    assert hashed == [1, 2, 2, 3, 3]  # prompt 3 + outputs: one more page each 2 tokens fed
+    other = make("b", [4, 5, 6, 7, 8], max_tokens=2, ignore_eos=True)
+    sched.add_request(other)
+    step(sched, runner)
+    assert other.num_full_pages_cached == 2
+    sched._preempt(sched.running.pop())
+    assert other.num_full_pages_cached == 0 and other.page_ids == []

@@ -142,6 +142,7 @@ class PagePool:
         if not self.enable_prefix_caching or request.request_id in self._uncacheable:
             return
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.page_size
+        request.num_full_pages_cached = num_full
         first = num_full
         while first > 0 and request.page_ids[first - 1] != NULL_PAGE_ID and \
                 self._page_hashes[request.page_ids[first - 1]] is None:
@@ -236,7 +237,7 @@ class PagePool:
             if page_id != NULL_PAGE_ID:  # released by free_outside_window
                 self._release(request, page_id)
         request.page_ids.clear()
-        request.num_pages_sent = 0
+        request.num_pages_sent = request.num_full_pages_cached = 0
 
     def truncate(self, request: Request, num_tokens: int) -> list[int]:
         """Release the request's pages past the first `num_tokens` token slots, tail page first (rejected
@@ -249,6 +250,7 @@ class PagePool:
                 self._release(request, page_id)
                 freed.append(page_id)
         request.num_pages_sent = min(request.num_pages_sent, len(request.page_ids))
+        request.num_full_pages_cached = min(request.num_full_pages_cached, len(request.page_ids))
         return freed
 
     def _release(self, request: Request, page_id: int) -> None:

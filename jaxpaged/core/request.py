@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Sequence
 
 from jaxpaged.sampling_params import SamplingParams
 
@@ -80,6 +81,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     page_ids: list[int] = dataclasses.field(default_factory=list)  # the page table
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # filled by PagePool
+    # Its pages before this index are hashed into the prefix cache (PagePool.cache_full_pages's last count, lowered
+    # where the table shrinks): the scheduler calls the pool again only once another page has filled
+    num_full_pages_cached: int = 0
     # The leading pages of page_ids the worker holds as they are (sent in earlier entries; the scheduler sends the
     # rest, ScheduledRequest.page_ids_from): PagePool lowers it where it changes the table before that index
     num_pages_sent: int = 0
@@ -224,6 +228,25 @@ class Request:
         if self.max_model_len is not None and self.num_tokens + ahead + 1 >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None
+
+    def append_step_tokens(self, token_ids: Sequence[int], given: bool, verdict: StopVerdict | None) -> None:
+        """Append one step's tokens (more than one only with speculative decoding). A caller's verdict (given)
+        is on the last token, and the caller decided the tokens before it go on (the engine cuts a step's tokens
+        at the first that stops: OutputProcessor._emit): nothing is checked twice. Without one, each token is
+        checked with `check_stop`, stopping at the first that ends it."""
+        if given:
+            error = verdict is not None and verdict[0] is RequestStatus.FINISHED_ERROR
+            if error:  # the last token is garbage: keep the ones before it, then fail
+                token_ids = token_ids[:-1]
+            last = len(token_ids) - 1
+            for i, token_id in enumerate(token_ids):
+                self.append_with_verdict(token_id, verdict if i == last and not error else None)
+            if error:
+                self.finish(*verdict)
+            return
+        for token_id in token_ids:
+            if self.append_with_verdict(token_id, self.check_stop(token_id)):
+                return
 
     def append_output_token(self, token_id: int) -> bool:
         """Append one sampled token and finish the request if `check_stop` says it stops; True when it

@@ -79,69 +79,15 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from jaxpaged.core.page_pool import CachedPrefix, PagePool
 from jaxpaged.core.request import Request, RequestStatus, StopVerdict
+from jaxpaged.core.scheduler_config import SchedulerConfig
 from jaxpaged.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from jaxpaged.errors import InvalidRequestError
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    num_pages: int  # including the null page 0
-    page_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    enable_prefix_caching: bool = True
-    long_prefill_token_threshold: int = 0  # 0: no cap on one request's prefill chunk
-    # Most requests fed more than one token in a step (prefill chunks); None: no cap. Attention
-    # sizes its prefill tiles for this many sequences (RunnerConfig.max_num_partial_prefills); this is
-    # the one place it is enforced.
-    max_num_partial_prefills: int | None = None
-    # Set when EVERY layer of the model attends through this sliding window: pages wholly before a
-    # running request's window are returned to the pool before it is scheduled (see PagePool).
-    sliding_window: int | None = None
-    # vLLM v1's async scheduling: a sampled token becomes a placeholder the next step feeds (module docstring)
-    async_scheduling: bool = False
-    # The runner's T buckets (step sizes it pads to), for speculative decoding: a step that carries a request
-    # without drafts takes drafts only into the rows its bucket pads anyway (see `_draft_room`); (): no cap
-    token_buckets: tuple[int, ...] = ()
-    # ... or up to this many tokens, where a step costs about the same whatever its size (the weights' read
-    # dominates: a GPU); 0 where every row adds compute (a CPU)
-    memory_bound_tokens: int = 0
-
-    def __post_init__(self):
-        def bad(field: str, why: str) -> None:
-            raise ValueError(f"SchedulerConfig.{field}={getattr(self, field)!r}: {why}")
-
-        for field in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                bad(field, "must be an integer >= 1")
-        if self.num_pages < 2:
-            bad("num_pages", "must be >= 2 (page 0 is the null page)")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            bad("max_num_batched_tokens",
-                f"must be >= max_num_seqs={self.max_num_seqs} so every running request can decode each step")
-        for field in ("enable_prefix_caching", "async_scheduling"):
-            if not isinstance(getattr(self, field), bool):
-                bad(field, "must be a bool")
-        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
-            bad("long_prefill_token_threshold", "must be an integer >= 0 (0 disables it)")
-        window = self.sliding_window
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-            bad("sliding_window", "must be an integer >= 1, or None")
-        cap = self.max_num_partial_prefills
-        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
-            bad("max_num_partial_prefills", "must be an integer >= 1, or None for no cap")
-        buckets = self.token_buckets
-        if not isinstance(buckets, tuple) or any(not isinstance(b, int) or isinstance(b, bool) or b < 1
-                                                 for b in buckets) or list(buckets) != sorted(set(buckets)):
-            bad("token_buckets", "must be a tuple of increasing integers >= 1 (or () for no cap on drafts)")
-        if not isinstance(self.memory_bound_tokens, int) or isinstance(self.memory_bound_tokens, bool) or \
-                self.memory_bound_tokens < 0:
-            bad("memory_bound_tokens", "must be an integer >= 0")
-
-
 class Scheduler:
+    """The step planner (module docstring); `schedule` makes a `SchedulerOutput`, `update_from_output` applies a
+    step's tokens."""
+
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.pool = PagePool(config.num_pages, config.page_size, config.enable_prefix_caching)
@@ -271,12 +217,14 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, scheduled: list, preempted: list, drafting: list) -> int:
         """Running requests in order: their next chunk (a decode: one token), preempting from the back of
-        the queue when pages run out. A decode with drafts is noted in `drafting` (see `_schedule_drafts`)."""
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        the queue when pages run out. A decode with drafts is noted in `drafting` (see `_schedule_drafts`).
+        This loop runs for every running request every step: a plain decode (one token, its last page has room)
+        takes no call but `_advance`."""
+        index, running, page_size = 0, self.running, self.config.page_size
+        while index < len(running) and budget > 0:
+            request = running[index]
             num_left = _num_known_and_placeholder_tokens(request) - request.num_computed_tokens
-            num_new = self._chunk_size(num_left, budget)
+            num_new = 1 if num_left == 1 else self._chunk_size(num_left, budget)
             # 0: its sampled token hasn't come back yet; or its prefill waits for a free slot; or (async)
             # the placeholders in flight end it
             if num_new == 0 or not self._prefill_slot_free(num_new, scheduled) or _ends_in_flight(request):
@@ -284,12 +232,13 @@ class Scheduler:
                 continue
             if self.config.sliding_window is not None:
                 self.pool.free_outside_window(request, self.config.sliding_window)
-            while self.pool.allocate(request, num_new) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    return budget
+            if request.num_computed_tokens + num_new > len(request.page_ids) * page_size or not request.page_ids:
+                while self.pool.allocate(request, num_new) is None:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is request:
+                        return budget
             if request.spec_token_ids and num_new == num_left == 1:  # a decode
                 drafting.append((len(scheduled), request, tuple(request.spec_token_ids)))
             scheduled.append(self._advance(request, num_new))
@@ -372,45 +321,47 @@ class Scheduler:
 
     def _advance(self, request: Request, num_new: int) -> ScheduledRequest:
         """Snapshot the request's chunk, then count it as computed and cache its full pages (of real tokens
-        only: placeholders are never hashed; drafts, added later by `_with_drafts`, neither).
+        only: placeholders are never hashed; drafts, added later by `_with_drafts`, neither): the pool is
+        called only when a page has filled since its last call (`Request.num_full_pages_cached`).
 
         Async scheduling: a chunk that samples adds a placeholder; a chunk past the known tokens is the one
         placeholder the previous step sampled (see the module docstring)."""
         start = request.num_computed_tokens
         end = start + num_new
         prompt, outputs = request.prompt_token_ids, request.output_token_ids  # read once: this runs for every row
-        num_tokens = len(prompt) + len(outputs)
+        num_prompt = len(prompt)
+        num_tokens = num_prompt + len(outputs)
         num_placeholders_fed = max(0, end - max(start, num_tokens))
         if num_placeholders_fed and (num_new != 1 or not request.num_output_placeholders):
             raise RuntimeError(f"request {request.request_id!r}: a chunk of {num_new} tokens at {start} feeds "
                                f"{num_placeholders_fed} placeholders (at most its one in-flight token)")
+        if num_placeholders_fed:  # the token in flight (async scheduling)
+            token_ids = _PLACEHOLDER_TOKENS
+        elif num_new == 1 and start >= num_prompt:  # a decode of a known token
+            token_ids = (outputs[start - num_prompt],)
+        else:
+            token_ids = tuple(request.token_ids_slice(start, end))
         sent, page_ids = request.num_pages_sent, request.page_ids
         num_output = len(outputs) + request.num_output_placeholders  # the next token's output number
         drafts_in_flight = request.num_draft_placeholders
-        entry = ScheduledRequest(
-            request_id=request.request_id,
-            # known tokens, or the one placeholder of the token in flight (async scheduling)
-            token_ids=(PLACEHOLDER_TOKEN_ID,) if num_placeholders_fed else tuple(request.token_ids_slice(start, end)),
-            start_position=start,
-            page_ids=tuple(page_ids[sent:]) if len(page_ids) > sent else (),  # the diff: pages the worker lacks
-            page_ids_from=sent,
-            samples=end == num_tokens + request.num_output_placeholders + drafts_in_flight,
-            sampling_params=request.sampling_params,
-            num_prompt_tokens=len(prompt),
-            seed=request.seed,
-            num_output_tokens=num_output + drafts_in_flight,
-            banned_token_ids=request.banned_token_ids_at(num_output),  # Request.banned_token_ids
-            prompt_token_ids=prompt,
-            output_token_ids=outputs,
-            placeholder=bool(num_placeholders_fed),
-        )
+        params = request.sampling_params
+        samples = end == num_tokens + request.num_output_placeholders + drafts_in_flight
+        entry = ScheduledRequest(  # by position, in the fields' order: a third of the time keywords take
+            request.request_id, token_ids, start,
+            tuple(page_ids[sent:]) if len(page_ids) > sent else (),  # the diff: pages the worker lacks
+            samples, params, num_prompt, sent, request.seed, num_output + drafts_in_flight,
+            # Request.banned_token_ids (none past min_tokens: most rows)
+            request.banned_token_ids_at(num_output) if params.min_tokens else (),
+            prompt, outputs, bool(num_placeholders_fed))
         if request.spec_token_ids:
             request.spec_token_ids = []
         request.num_computed_tokens = end
         request.num_pages_sent = len(page_ids)
-        if entry.samples and self.config.async_scheduling:
+        if samples and self.config.async_scheduling:
             request.num_output_placeholders += 1
-        self.pool.cache_full_pages(request)  # full pages of known tokens only
+        if self.config.enable_prefix_caching and \
+                min(end, num_tokens) // self.config.page_size != request.num_full_pages_cached:
+            self.pool.cache_full_pages(request)  # full pages of known tokens only
         return entry
 
     def _preempt(self, request: Request) -> None:
@@ -439,26 +390,32 @@ class Scheduler:
 
         Speculative decoding: an entry that fed d drafts gets up to 1 + d tokens (the accepted drafts,
         then one sampled token; fewer when the engine cut them at a stop). The verdict is the last
-        token's, the caller's word that the others go on (`_append_tokens`); a FINISHED_ERROR verdict
+        token's, the caller's word that the others go on (`Request.append_step_tokens`); a FINISHED_ERROR verdict
         appends the tokens before it. A request that goes on then counts as computed only its
         accepted drafts: the rejected ones' pages go back to the pool (`_roll_back_rejected`).
         """
         stops = stops or {}
-        finished = []
+        finished, requests = [], self._requests
         for entry in scheduler_output.scheduled_requests:
-            request = self._requests.get(entry.request_id)
+            rid, drafts = entry.request_id, entry.spec_token_ids
+            request = requests.get(rid)
             if not entry.samples or request is None:
                 continue
             if request.num_output_placeholders:  # async scheduling: the token in flight has arrived
                 request.num_output_placeholders -= 1
-            request.num_draft_placeholders -= len(entry.spec_token_ids)
-            token_ids = sampled_token_ids.get(entry.request_id)
+            if drafts:
+                request.num_draft_placeholders -= len(drafts)
+            token_ids = sampled_token_ids.get(rid)
             if not token_ids:
-                raise ValueError(f"no sampled token for request {entry.request_id!r}, whose chunk samples")
-            if len(token_ids) > 1 + len(entry.spec_token_ids):
-                raise ValueError(f"{len(token_ids)} tokens for request {entry.request_id!r}, which fed "
-                                 f"{len(entry.spec_token_ids)} drafts")
-            self._append_tokens(request, token_ids, entry.request_id in stops, stops.get(entry.request_id))
+                raise ValueError(f"no sampled token for request {rid!r}, whose chunk samples")
+            if len(token_ids) > 1 + len(drafts):
+                raise ValueError(f"{len(token_ids)} tokens for request {rid!r}, which fed {len(drafts)} drafts")
+            verdict = stops.get(rid, _NO_VERDICT)
+            if verdict is None and len(token_ids) == 1 and not drafts:  # a decode that goes on (most rows)
+                request.output_token_ids.append(int(token_ids[0]))  # (a live request: never finished)
+                continue
+            given = verdict is not _NO_VERDICT
+            request.append_step_tokens(token_ids, given, verdict if given else None)
             if not request.is_finished:
                 if entry.spec_token_ids and request.status is RequestStatus.RUNNING:  # (not preempted since)
                     self._roll_back_rejected(request, entry, len(token_ids))
@@ -466,26 +423,6 @@ class Scheduler:
             self._release(request)
             finished.append(request)
         return finished
-
-    @staticmethod
-    def _append_tokens(request: Request, token_ids: Sequence[int], given: bool, verdict: StopVerdict | None) -> None:
-        """Append one step's tokens (more than one only with speculative decoding). A caller's verdict (given)
-        is on the last token, and the caller decided the tokens before it go on (the engine cuts a step's tokens
-        at the first that stops: OutputProcessor._emit): nothing is checked twice. Without one, each token is
-        checked with `Request.check_stop`, stopping at the first that ends it."""
-        if given:
-            error = verdict is not None and verdict[0] is RequestStatus.FINISHED_ERROR
-            if error:  # the last token is garbage: keep the ones before it, then fail
-                token_ids = token_ids[:-1]
-            last = len(token_ids) - 1
-            for i, token_id in enumerate(token_ids):
-                request.append_with_verdict(token_id, verdict if i == last and not error else None)
-            if error:
-                request.finish(*verdict)
-            return
-        for token_id in token_ids:
-            if request.append_with_verdict(token_id, request.check_stop(token_id)):
-                return
 
     def _roll_back_rejected(self, request: Request, entry: ScheduledRequest, num_emitted: int) -> None:
         """After a verification step: the KV of the last token and of the num_emitted - 1 accepted drafts is
@@ -522,6 +459,10 @@ class Scheduler:
         assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(self._requests)
 
 
+_PLACEHOLDER_TOKENS = (PLACEHOLDER_TOKEN_ID,)  # the token_ids of every entry that feeds its token in flight
+_NO_VERDICT = object()  # update_from_output: the caller gave no verdict on the request's token
+
+
 def _num_partial_prefills(scheduled: list) -> int:
     """The step's entries fed more than one token (prefill chunks, verifications): max_num_partial_prefills'."""
     return sum(entry.num_tokens > 1 for entry in scheduled)
@@ -529,8 +470,9 @@ def _num_partial_prefills(scheduled: list) -> int:
 
 def _num_known_and_placeholder_tokens(request: Request) -> int:
     """Tokens the request has, counting those sampled by dispatched steps (async scheduling) not yet appended,
-    and their drafts as if accepted."""
-    return request.num_tokens + request.num_output_placeholders + request.num_draft_placeholders
+    and their drafts as if accepted. (The lists' lengths, not Request's properties: this runs for every row.)"""
+    return len(request.prompt_token_ids) + len(request.output_token_ids) + request.num_output_placeholders + \
+        request.num_draft_placeholders
 
 
 def _ends_in_flight(request: Request) -> bool:
@@ -539,7 +481,10 @@ def _ends_in_flight(request: Request) -> bool:
     placeholders = request.num_output_placeholders
     if not placeholders:
         return False
-    max_tokens = request.max_tokens
-    if max_tokens is not None and request.num_output_tokens + placeholders >= max_tokens:
+    num_outputs = len(request.output_token_ids) + placeholders
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is None:
+        max_tokens = request.max_tokens  # what max_model_len leaves, if set
+    if max_tokens is not None and num_outputs >= max_tokens:
         return True
-    return request.max_model_len is not None and request.num_tokens + placeholders >= request.max_model_len
+    return request.max_model_len is not None and len(request.prompt_token_ids) + num_outputs >= request.max_model_len

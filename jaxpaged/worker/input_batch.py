@@ -9,6 +9,8 @@ persistent input batch, host side):
     num_pages   i32[C]     pages in its table
     scalars     f64[C, 7]  `row_scalars` of its params
     key_data    u32[C, 2]  its seed's key data
+    biased      bool[C]    its params have a logit bias or penalties (its sampler row needs more than constants)
+    logprobs    bool[C]    its params ask for log-probs
 
 (C = capacity rows, P = max pages a sequence.) The scheduler sends a page table as a diff
 (`ScheduledRequest.page_ids_from`, `page_ids`): the table is the row's first page_ids_from pages followed by
@@ -43,6 +45,9 @@ class InputBatch:
         self.num_pages = np.zeros(capacity, np.int32)  # i32[C]
         self.scalars = np.zeros((capacity, 7), np.float64)  # f64[C, 7]: row_scalars
         self.key_data = np.zeros((capacity, 2), np.uint32)  # u32[C, 2]
+        self.biased = np.zeros(capacity, bool)  # bool[C]
+        self.logprobs = np.zeros(capacity, bool)  # bool[C]
+        self._applied: tuple[Sequence[ScheduledRequest], np.ndarray] = ((), np.empty(0, np.intp))  # apply's last
         self._rows: dict[str, int] = {}  # request id -> its row
         self._pages: list[int] = [0] * capacity  # num_pages as Python ints: `apply`'s check per entry
         self._free = list(range(capacity - 1, -1, -1))
@@ -57,9 +62,9 @@ class InputBatch:
         """intp[n]: the rows of a step's n entries (distinct request ids), in order, each made or updated from its
         entry's diff first. ValueError for an entry the rows cannot hold (its diff starts past the pages its row
         holds, or it has none; too many pages; ids repeated), RuntimeError when no row is free."""
-        rows = np.empty(len(entries), np.intp)
+        found = []  # the rows as Python ints (a list append is a fifth of a numpy element write)
         index, pages = self._rows, self._pages
-        for i, entry in enumerate(entries):
+        for entry in entries:
             row, start = index.get(entry.request_id), entry.page_ids_from
             if start == 0:
                 row = self._make(entry, row)
@@ -68,16 +73,31 @@ class InputBatch:
                                  f"batch holds {'no row' if row is None else f'{pages[row]} pages'} for it")
             elif entry.page_ids or start != pages[row]:
                 self._write_pages(row, start, entry.page_ids, entry.request_id)
-            rows[i] = row
-        if len(entries) > 1 and len(np.unique(rows)) != len(entries):  # one row per id: a repeat would share it
+            found.append(row)
+        rows = np.array(found, np.intp)
+        if len(set(found)) != len(found):  # one row per id: a repeat would share it
             ids = [e.request_id for e in entries]
             raise ValueError(f"request ids repeat in one step: {sorted({r for r in ids if ids.count(r) > 1})}")
+        if isinstance(entries, tuple):  # immutable: `rows_of` may hand these rows back for the same tuple
+            self._applied = (entries, rows)
         return rows
 
     def rows_of(self, entries: Sequence[ScheduledRequest]) -> np.ndarray:
-        """intp[n]: the rows of entries already applied (`apply`) this step."""
+        """intp[n]: the rows of entries already applied (`apply`) this step: `apply`'s answer when they are the
+        tuple it was last given (the step's sampler rows, built after its inputs), else looked up."""
+        if entries is self._applied[0]:
+            return self._applied[1]
         index = self._rows
         return np.fromiter((index[e.request_id] for e in entries), np.intp, len(entries))
+
+    def may_need_row_info(self, entries: Sequence[ScheduledRequest], rows: np.ndarray) -> list[int]:
+        """The indices of a step's entries (at `rows`, `apply`'s) whose sampler rows may need more than their kept
+        constants (`sampling_batch.needs_row_info`): params with a logit bias or penalties (a kept flag), banned
+        ids or drafts this step; increasing. The rest (most decodes) are never looked at again."""
+        biased = self.biased[rows]
+        maybe = set(np.flatnonzero(biased).tolist()) if biased.any() else set()
+        maybe.update(i for i, e in enumerate(entries) if e.banned_token_ids or e.spec_token_ids)
+        return sorted(maybe)
 
     def _make(self, entry: ScheduledRequest, row: int | None) -> int:
         """The entry's row made anew (its whole page table, its constants), in its old row if it has one."""
@@ -96,6 +116,9 @@ class InputBatch:
             self.remove([entry.request_id])
             raise
         self.scalars[row], self.key_data[row] = scalars, key_data
+        params = entry.sampling_params
+        self.biased[row] = bool(params.logit_bias or params.uses_penalties)
+        self.logprobs[row] = params.logprobs is not None
         return row
 
     def _write_pages(self, row: int, start: int, page_ids: Sequence[int], request_id: str) -> None:
@@ -117,3 +140,4 @@ class InputBatch:
                 self.page_table[row, :self._pages[row]] = 0
                 self.num_pages[row] = self._pages[row] = 0
                 self._free.append(row)
+        self._applied = ((), self._applied[1][:0])  # a removed row may be reused: nothing handed back stale

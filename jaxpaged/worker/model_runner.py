@@ -213,11 +213,12 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         verified in the step's program: no second pass over the LM head, no other sampler call)."""
         ps, n = self.config.page_size, len(entries)
         rows = self.input_batch.apply(entries)  # i{p}[n]: each entry's row, its page-table diff applied
-        lens = np.fromiter((len(e.token_ids) for e in entries), np.int32, n)  # i32[n]: tokens fed per entry
-        starts = np.fromiter((e.start_position for e in entries), np.int32, n)  # i32[n]
+        fed = [e.token_ids for e in entries]
+        lens = np.array([len(t) for t in fed], np.int32)  # i32[n]: tokens fed per entry
+        starts = np.array([e.start_position for e in entries], np.int32)  # i32[n]
         num_pages = self.input_batch.num_pages[rows]  # i32[n]
-        num_tokens = int(lens.sum())
-        num_logits_rows = n + sum(len(e.spec_token_ids) for e in entries)  # logits rows: the entries', drafts'
+        num_tokens = int(lens.sum())  # logits rows: the entries', then their drafts' (none where each fed one token)
+        num_logits_rows = n if num_tokens == n else n + sum(len(e.spec_token_ids) for e in entries)
         num_slots = num_logits_rows if self.fuse_sampler and num_logits_rows <= self.config.max_num_seqs else n
         t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, num_slots, int(num_pages.max()))
         token_ids = np.zeros(t_bucket, np.int32)
@@ -236,8 +237,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         page_index = pos // ps  # i32[num_tokens]: each fed token's place in its entry's page table
         if num_tokens and (page_index >= num_pages[token_rows]).any():
             raise ValueError("a scheduled entry feeds a position past its page table")
-        token_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(e.token_ids for e in entries), np.int32,
-                                             num_tokens)
+        token_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(fed), np.int32, num_tokens)
         positions[:num_tokens] = pos
         slots[:num_tokens] = page_table[token_rows, page_index] * ps + pos % ps
         kv_lens[:n] = starts + lens
@@ -315,10 +315,13 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         history: `_in_flight_history`'s, for the entries' rows (the layout's rows already have it)."""
         S, V, history = len(step.logits_indices), self.model_config.vocab_size, history or {}
         # the entries' rows from their kept constants (`sampling_row`'s RowInfo only where a row needs more)
-        rows = self.input_batch.rows_of(entries)
-        scalars, key_data = self.input_batch.scalars[rows], self.input_batch.key_data[rows]
-        steps = [e.num_output_tokens + len(e.spec_token_ids) for e in entries]
-        special = {i: sampling_row(e, None, *history.get(e.request_id, ())) for i, e in enumerate(entries)
+        kept = self.input_batch
+        entry_rows = kept.rows_of(entries)  # (`rows` below counts the batch's rows)
+        scalars, key_data = kept.scalars[entry_rows], kept.key_data[entry_rows]
+        steps = [e.num_output_tokens for e in entries] if layout is None else \
+            [e.num_output_tokens + len(e.spec_token_ids) for e in entries]
+        special = {i: sampling_row(e, None, *history.get(e.request_id, ())) for i, e in
+                   ((i, entries[i]) for i in kept.may_need_row_info(entries, entry_rows))
                    if sampling_batch.needs_row_info(e.sampling_params, banned_at(e, len(e.spec_token_ids)))}
         drafts = layout.rows if layout is not None and layout.packed else ()
         if drafts:
@@ -329,7 +332,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         rows = len(entries) + len(drafts)
         batch = sampling_batch.assemble_sampling_batch(scalars, key_data, steps, special, S, V,
                                                 token_bitmask=_pad_bitmask(grammar_bitmask, S, rows))
-        return batch, num_top_logprobs_for([e.sampling_params.logprobs for e in entries])  # 0 unless a row asks
+        return batch, num_top_logprobs_for([True] if kept.logprobs[entry_rows].any() else [])  # 0 unless a row asks
 
     def _step_sampling(self, batch: SamplingBatch, step: StepInput, *, layout: DraftRows | None = None,
                        sources: np.ndarray | None = None, previous: jax.Array | None = None,

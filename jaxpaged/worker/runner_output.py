@@ -55,10 +55,11 @@ class ModelRunnerOutput:
     def from_sampler(cls, entries: Sequence[ScheduledRequest], sampled: SamplerOutput,
                      prompt_logprobs: dict[str, PromptLogprobs] | None = None,
                      drafts: VerifiedDrafts | None = None) -> ModelRunnerOutput:
-        rows = np.array([i for i, e in enumerate(entries) if e.samples], np.int64)
+        sampling = [i for i, e in enumerate(entries) if e.samples]  # Python ints: indexing entries by numpy's is slow
+        rows = np.array(sampling, np.int64)
         arrays = [np.asarray(a)[rows] for a in (sampled.token_ids, sampled.logprobs, sampled.top_token_ids,
                                                  sampled.top_logprobs, sampled.finite)]
-        req_ids = tuple(entries[i].request_id for i in rows)
+        req_ids = tuple(entries[i].request_id for i in sampling)
         if drafts is None:
             return cls(req_ids, *arrays, prompt_logprobs or {})
         x = drafts.sampled  # its rows follow the R rows
