@@ -50,8 +50,7 @@ from jaxpaged.config import (EngineArgs, _configure_compilation_cache, make_mesh
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.drafting import NO_ROOM_MAX_WAIT, Drafting
 from jaxpaged.engine.grammar import GrammarSupport
-from jaxpaged.engine.output_processor import (FloatArray, OutputProcessor, _Child, _Parent, _record_token_time,
-                                              plan_child)
+from jaxpaged.engine.output_processor import FloatArray, OutputProcessor, _Child, _Parent, plan_child
 from jaxpaged.engine.validation import validate_request
 from jaxpaged.engine.weight_control import WeightControl
 from jaxpaged.errors import InvalidRequestError
@@ -440,11 +439,14 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
                 self._record_prompt_logprobs(*self._child_to_parent[rid], chunk)
         sampled, stops, touched = self._emit_step(result, live)
         redrafted, wrong = self._settle_guesses(sampled) if self.proposer is not None else ({}, set())
-        out = flight.scheduler_output
-        entries = tuple(e for e in out.scheduled_requests if e.request_id in live)
+        out = live_out = flight.scheduler_output
+        entries = out.scheduled_requests
+        if len(live) < len(flight.requests):  # some request ended since (else every entry is live)
+            entries = tuple(e for e in entries if e.request_id in live)
+            live_out = dataclasses.replace(out, scheduled_requests=entries)
         if self.spec_decoding_stats is not None:
             self._observe_drafts(entries, result, redrafted)
-        self.scheduler.update_from_output(dataclasses.replace(out, scheduled_requests=entries), sampled, stops)
+        self.scheduler.update_from_output(live_out, sampled, stops)
         if wrong and following is not None:
             self._note_redrafts(following, wrong)
         outputs = self._outputs(touched)
@@ -465,20 +467,6 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
                 wrong.add(rid)
             request.spec_guess, request.spec_redrafts = None, None
         return redrafted, wrong
-
-    def _outputs(self, touched: dict[str, _Parent]) -> list[RequestOutput]:
-        """The outputs of the parents whose children got tokens this step (their token times recorded)."""
-        now = time.time()
-        outputs = []
-        for parent in touched.values():
-            _record_token_time(parent.metrics, now)
-            fresh = parent.fresh
-            if fresh is not None:  # n > 1: the next step's start afresh
-                parent.fresh = set()
-            output = self._make_output(parent, fresh)
-            if output is not None:
-                outputs.append(output)
-        return outputs
 
     def _raise_deferred_error(self) -> None:
         if self._deferred_error is not None:

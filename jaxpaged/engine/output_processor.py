@@ -7,10 +7,11 @@ state of one sample and of one request (n samples).
 
 A step's rows are handled in one pass (`_emit_step`). A sample that records nothing per token but its cumulative
 log-prob (no logprobs, no text, no grammar: `_Child.lean`, decided once when it is queued) skips the per-token
-record when its token cannot end it: `might_stop` screens the token against what it knows at queue time (its stop
-ids, its length limit, a non-finite row), and a token that passes the screen is decided by `_stop_verdict` as any
-other; the screen decides nothing itself, so stopping stays decided in one place. A request of one sample (n = 1)
-makes its output without adding up children.
+record when its token cannot end it: `might_stop` screens the token against what is known at queue time (its stop
+ids, its length limit) and a non-finite row. A token the screen does not rule out is decided by `_stop_verdict` as
+any other (which uses the same screen to skip `Request.check_stop` for a token it rules out); the screen decides no
+stop itself, so stopping stays decided in one place. A request of one sample (n = 1) makes its output without
+adding up children.
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ class _Child:
     token_logprobs: FloatArray | None = None  # params.array_logprobs: each sampled token's log-prob
     # Set by `plan_child` once queued: whether a token needs no per-token record but its log-prob's sum (lean), the
     # ids that may end it (EOS unless ignore_eos, stop_token_ids) and the output count that ends it by length
+    # (until planned: not lean, and a length limit of 0 lets every token through `might_stop`)
     lean: bool = False
     stop_ids: frozenset[int] = frozenset()
-    length_limit: int = sys.maxsize
+    length_limit: int = 0
 
 
 @dataclasses.dataclass
@@ -182,6 +184,20 @@ class OutputProcessor:
                 break
         return tokens, verdict
 
+    def _outputs(self, touched: dict[str, _Parent]) -> list[RequestOutput]:
+        """The outputs of the parents whose children got tokens this step (their token times recorded)."""
+        now = time.time()
+        outputs = []
+        for parent in touched.values():
+            _record_token_time(parent.metrics, now)
+            fresh = parent.fresh
+            if fresh is not None:  # n > 1: the next step's start afresh
+                parent.fresh = set()
+            output = self._make_output(parent, fresh)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
     def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int, ahead: int = 0) -> StopVerdict | None:
         """Record one sampled token (logprobs, text) and decide whether it ends the request.
 
@@ -193,9 +209,11 @@ class OutputProcessor:
         if not finite[row]:  # NaN/inf logits fail only their own request; the token is garbage
             return RequestStatus.FINISHED_ERROR, None
         token_id = sampled[row]
-        verdict = request.check_stop(token_id, ahead)
+        # check_stop is pure: for a token `might_stop` rules out it would say None
+        verdict = request.check_stop(token_id, ahead) if might_stop(child, token_id, True, ahead) else None
         # A completed grammar stops after its last token, whose text is kept (unlike an EOS / stop id's).
-        grammar_verdict = self._grammar_verdict(child, token_id) if verdict is None else None
+        grammar_verdict = None if verdict is not None or child.matcher is None else \
+            self._grammar_verdict(child, token_id)
         if child.logprobs is not None:
             child.logprobs.append(self._logprob_entry(result, row, token_id, request.sampling_params.logprobs))
         if child.token_logprobs is not None:
