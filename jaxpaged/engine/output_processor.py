@@ -160,16 +160,16 @@ class OutputProcessor:
             touched[parent.request_id] = parent
             if parent.fresh is not None:
                 parent.fresh.add(child.index)
-            if child.lean and rid not in spec_rows:  # one token: its verdict only where it might stop
-                token = tokens[row]
-                sampled[rid] = [token]
-                if might_stop(child, token, finite[row]):
-                    stops[rid] = self._stop_verdict(child, result, row)
-                else:
-                    child.cumulative_logprob += logprobs[row]
-                    stops[rid] = None
+            if rid in spec_rows:  # verified drafts: several tokens
+                sampled[rid], stops[rid] = self._emit(child, result, spec_rows[rid])
+                continue
+            token = tokens[row]
+            sampled[rid] = [token]
+            if child.lean and not might_stop(child, token, finite[row]):  # nothing to record, nothing to decide
+                child.cumulative_logprob += logprobs[row]
+                stops[rid] = None
             else:
-                sampled[rid], stops[rid] = self._emit(child, result, result.token_rows(rid))
+                stops[rid] = self._stop_verdict(child, result, row)
         return sampled, stops, touched
 
     def _emit(self, child: _Child, result: ModelRunnerOutput,
