@@ -73,9 +73,12 @@ class _TextBuffer:
     def __init__(self):
         self._buffer = io.StringIO(newline="")
         self.length = 0
+        self._at_end = True  # the stream's position is `length` (no seek before the next append)
 
     def append(self, text: str) -> None:
-        self._buffer.seek(self.length)
+        if not self._at_end:
+            self._buffer.seek(self.length)
+            self._at_end = True
         self._buffer.write(text)
         self.length += len(text)
 
@@ -86,11 +89,13 @@ class _TextBuffer:
         if start >= end:
             return ""
         self._buffer.seek(start)
+        self._at_end = end == self.length
         return self._buffer.read(end - start)
 
     def truncate(self, length: int) -> None:
         self._buffer.truncate(length)
         self.length = length
+        self._at_end = False
 
     def getvalue(self) -> str:
         return self._buffer.getvalue()
@@ -154,22 +159,26 @@ class IncrementalDetokenizer:
         """Append generated tokens; return the stop string they completed, or None.
 
         `stop_terminated`: the last id ended the request (EOS or a stop token id); as in
-        vLLM, its text is left out unless `include_stop_str_in_output`.
+        vLLM, its text is left out unless `include_stop_str_in_output`. The engine calls this for every token of
+        every request that wants text: one plain loop, no list built.
         """
-        if self.finished:
+        if self.stop_reason is not None:
             raise RuntimeError(f"stop string {self.stop_reason!r} already ended this request")
-        new_token_ids = [int(t) for t in new_token_ids]
-        skipped = None
-        if new_token_ids and stop_terminated and not self.include_stop_str_in_output:
-            skipped = new_token_ids.pop()
-        check_from = self._text.length
-        for token_id in new_token_ids:
-            self.output_token_ids.append(token_id)
-            self._text.append(self._decode_next(token_id))
-            if self.num_output_tokens <= self.min_tokens:
-                check_from = self._text.length
-        if skipped is not None:
-            self.output_token_ids.append(skipped)
+        skip_last = stop_terminated and not self.include_stop_str_in_output
+        last, text_buffer, output_ids = len(new_token_ids) - 1, self._text, self.output_token_ids
+        check_from = text_buffer.length
+        for i, token_id in enumerate(new_token_ids):
+            token_id = int(token_id)
+            output_ids.append(token_id)
+            if skip_last and i == last:  # its text is left out
+                break
+            text = self._decode_next(token_id)
+            if text:
+                text_buffer.append(text)
+            if len(output_ids) <= self.min_tokens:
+                check_from = text_buffer.length
+        if not self.stop:
+            return None
         return self._check_stop(check_from)
 
     def flush(self) -> str | None:
@@ -196,10 +205,15 @@ class IncrementalDetokenizer:
         """
         if finished:
             self.flush()
-        length = self._text.length if finished else self._text.length - self._held_back()
+        length = self._text.length
+        if self.stop_buffer_length and not finished:
+            length -= self._held_back()
         if not delta:
             return self._text.read(0, length)
-        start, self._released = self._released, max(self._released, length)
+        start = self._released
+        if start >= length:
+            return ""
+        self._released = length
         return self._text.read(start, length)
 
     def _held_back(self) -> int:
@@ -211,24 +225,23 @@ class IncrementalDetokenizer:
                     if tail.endswith(s[:k])), default=0)
 
     def _decode_next(self, token_id: int) -> str:
-        """The text `token_id` completes ('' while a character is still incomplete)."""
+        """The text `token_id` completes ('' while a character is still incomplete). A fast (Rust) tokenizer decodes it
+        in the DecodeStream, whose window moves as this one does (kept for `flush`); where that fails (a window whose
+        text does not extend its prefix's), this request decodes in Python from then on."""
         if token_id in self._skip_ids:
             return ""
         self._window_ids.append(token_id)
-        text = self._stream_step(token_id) if self._stream is not None else self._window_delta(allow_partial=False)
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._backend, token_id) or ""
+            except Exception:  # pylint: disable=broad-except  (tokenizers raises its own errors as Exception)
+                self._stream = None
+                text = self._window_delta(allow_partial=False)
+        else:
+            text = self._window_delta(allow_partial=False)
         if text:
             self._prefix_offset, self._read_offset = self._read_offset, len(self._window_ids)
         return text
-
-    def _stream_step(self, token_id: int) -> str:
-        """`_window_delta(allow_partial=False)` for the token just added, by the DecodeStream, whose window moves as
-        this one does (kept for `flush`). Where it fails (a window whose text does not extend its prefix's), this
-        request decodes in Python from then on."""
-        try:
-            return self._stream.step(self._backend, token_id) or ""
-        except Exception:  # pylint: disable=broad-except  (tokenizers raises its own errors as Exception)
-            self._stream = None
-            return self._window_delta(allow_partial=False)
 
     def _window_delta(self, allow_partial: bool) -> str:
         """Text of `ids[prefix:]` beyond that of `ids[prefix:read]`; '' if it ends mid-character."""

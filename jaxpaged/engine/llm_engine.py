@@ -50,7 +50,7 @@ from jaxpaged.config import (EngineArgs, _configure_compilation_cache, make_mesh
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.drafting import NO_ROOM_MAX_WAIT, Drafting
 from jaxpaged.engine.grammar import GrammarSupport
-from jaxpaged.engine.output_processor import FloatArray, OutputProcessor, _Child, _Parent, _record_token_time
+from jaxpaged.engine.output_processor import FloatArray, OutputProcessor, _Child, _Parent, plan_child
 from jaxpaged.engine.validation import validate_request
 from jaxpaged.engine.weight_control import WeightControl
 from jaxpaged.errors import InvalidRequestError
@@ -172,7 +172,8 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         validate_request(token_ids, params, vocab_size=self.vocab_size, eos_token_ids=eos)
         now = arrival_time or time.time()
         parent = _Parent(request_id, text, token_ids, params, [],
-                         RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)))
+                         RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)),
+                         fresh=set() if params.n > 1 else None)
         if params.prompt_logprobs is not None and params.array_logprobs:
             parent.prompt_token_logprobs = np.full(len(token_ids), np.nan, np.float32)
         elif params.prompt_logprobs is not None:
@@ -195,6 +196,8 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
             except ValueError:
                 self.scheduler.abort_requests([c.request.request_id for c in parent.children])
                 raise
+        for child in parent.children:  # queued: its max_model_len is the scheduler's
+            plan_child(child)
 
     def _register(self, parent: _Parent) -> None:
         self._parents[parent.request_id] = parent
@@ -313,11 +316,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         result = self.runner.execute_model(out, functools.partial(self._grammar_bitmask, out.scheduled_requests))
         for rid, chunk in result.prompt_logprobs.items():
             self._record_prompt_logprobs(*self._child_to_parent[rid], chunk)
-        sampled, stops, touched = {}, {}, {}
-        for rid in result.req_ids:
-            parent, child = self._child_to_parent[rid]
-            sampled[rid], stops[rid] = self._emit(child, result, result.token_rows(rid))
-            touched.setdefault(parent.request_id, (parent, set()))[1].add(child.index)
+        sampled, stops, touched = self._emit_step(result)
         if self.spec_decoding_stats is not None:
             self._observe_drafts(out.scheduled_requests, result)
         self.scheduler.update_from_output(out, sampled, stops)
@@ -438,24 +437,16 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         for rid, chunk in result.prompt_logprobs.items():
             if rid in live:
                 self._record_prompt_logprobs(*self._child_to_parent[rid], chunk)
-        stops, touched, sampled, redrafted, wrong = {}, {}, {}, {}, set()
-        for rid in result.req_ids:
-            if rid not in live:
-                continue
-            parent, child = self._child_to_parent[rid]
-            sampled[rid], stops[rid] = self._emit(child, result, result.token_rows(rid))
-            touched.setdefault(parent.request_id, (parent, set()))[1].add(child.index)
-            request = child.request  # the next step's drafts (in flight) were proposed on a guess of these tokens
-            if request.spec_redrafts is not None:
-                redrafted[rid] = request.spec_redrafts  # this step's drafts, as the device proposed them again
-            if request.spec_guess is not None and tuple(sampled[rid]) != request.spec_guess:
-                wrong.add(rid)
-            request.spec_guess, request.spec_redrafts = None, None
-        out = flight.scheduler_output
-        entries = tuple(e for e in out.scheduled_requests if e.request_id in live)
+        sampled, stops, touched = self._emit_step(result, live)
+        redrafted, wrong = self._settle_guesses(sampled) if self.proposer is not None else ({}, set())
+        out = live_out = flight.scheduler_output
+        entries = out.scheduled_requests
+        if len(live) < len(flight.requests):  # some request ended since (else every entry is live)
+            entries = tuple(e for e in entries if e.request_id in live)
+            live_out = dataclasses.replace(out, scheduled_requests=entries)
         if self.spec_decoding_stats is not None:
             self._observe_drafts(entries, result, redrafted)
-        self.scheduler.update_from_output(dataclasses.replace(out, scheduled_requests=entries), sampled, stops)
+        self.scheduler.update_from_output(live_out, sampled, stops)
         if wrong and following is not None:
             self._note_redrafts(following, wrong)
         outputs = self._outputs(touched)
@@ -464,16 +455,18 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         self._observe_step(out, max(flight.dispatched_at, self._last_handled), timed=bool(entries))
         return outputs
 
-    def _outputs(self, touched: dict[str, tuple[_Parent, set[int]]]) -> list[RequestOutput]:
-        """The outputs of the parents whose children got tokens this step (their token times recorded)."""
-        now = time.time()
-        outputs = []
-        for parent, fresh in touched.values():
-            _record_token_time(parent.metrics, now)
-            output = self._make_output(parent, fresh)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+    def _settle_guesses(self, sampled: dict[str, list[int]]) -> tuple[dict[str, list[int]], set[str]]:
+        """Speculative decoding: the next step's drafts (in flight) were proposed on a guess of these tokens. Returns
+        this step's drafts as the device proposed them again, by request, and the requests guessed wrong."""
+        redrafted, wrong = {}, set()
+        for rid, tokens in sampled.items():
+            request = self._child_to_parent[rid][1].request
+            if request.spec_redrafts is not None:
+                redrafted[rid] = request.spec_redrafts
+            if request.spec_guess is not None and tuple(tokens) != request.spec_guess:
+                wrong.add(rid)
+            request.spec_guess, request.spec_redrafts = None, None
+        return redrafted, wrong
 
     def _raise_deferred_error(self) -> None:
         if self._deferred_error is not None:

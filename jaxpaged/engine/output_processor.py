@@ -4,11 +4,20 @@ Outputs follow vLLM's RequestOutputKind: CUMULATIVE (everything so far), DELTA (
 log-probs and text; a step costs O(new tokens)) or FINAL_ONLY (one output at the end). The finish record is the
 scheduler Request's (status, stop_reason); outputs read it from there. `_Child` and `_Parent` are the engine-side
 state of one sample and of one request (n samples).
+
+A step's rows are handled in one pass (`_emit_step`). A sample that records nothing per token but its cumulative
+log-prob (no logprobs, no text, no grammar: `_Child.lean`, decided once when it is queued) skips the per-token
+record when its token cannot end it: `might_stop` screens the token against what is known at queue time (its stop
+ids, its length limit) and a non-finite row. A token the screen does not rule out is decided by `_stop_verdict` as
+any other (which uses the same screen to skip `Request.check_stop` for a token it rules out); the screen decides no
+stop itself, so stopping stays decided in one place. A request of one sample (n = 1) makes its output without
+adding up children.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Sequence
 
@@ -53,6 +62,12 @@ class _Child:
     num_sent_tokens: int = 0  # DELTA: output tokens already handed out
     matcher: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
     token_logprobs: FloatArray | None = None  # params.array_logprobs: each sampled token's log-prob
+    # Set by `plan_child` once queued: whether a token needs no per-token record but its log-prob's sum (lean), the
+    # ids that may end it (EOS unless ignore_eos, stop_token_ids) and the output count that ends it by length
+    # (until planned: not lean, and a length limit of 0 lets every token through `might_stop`)
+    lean: bool = False
+    stop_ids: frozenset[int] = frozenset()
+    length_limit: int = 0
 
 
 @dataclasses.dataclass
@@ -68,6 +83,30 @@ class _Parent:
     prompt_logprobs_sent: bool = False  # DELTA: they went out with the first output
     # params.array_logprobs with prompt_logprobs: f32[len(prompt)] (index 0 NaN), in place of prompt_logprobs
     prompt_token_logprobs: np.ndarray | None = None
+    # n > 1: the indices of the children that got a token since the last output (n = 1: None, the one child)
+    fresh: set[int] | None = None
+
+
+def plan_child(child: _Child) -> None:
+    """Decide once, when the child is queued (its Request's max_model_len set by the scheduler), what a token of it
+    needs: see `_Child.lean` and `might_stop`."""
+    request, params = child.request, child.request.sampling_params
+    child.lean = (child.detokenizer is None and child.logprobs is None and child.token_logprobs is None
+                  and child.matcher is None)
+    eos = () if params.ignore_eos else request.eos_token_ids
+    child.stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
+    limits = [request.max_tokens]
+    if request.max_model_len is not None:
+        limits.append(request.max_model_len - request.num_prompt_tokens)
+    child.length_limit = min((n for n in limits if n is not None), default=sys.maxsize)
+
+
+def might_stop(child: _Child, token_id: int, finite: bool, ahead: int = 0) -> bool:
+    """Whether `token_id` (after `ahead` tokens of the same step) could end the lean child: a screen, never the
+    decision (`_stop_verdict` decides every token it lets through). It must let through every token that
+    `Request.check_stop` stops: the test_output_processor tests hold it to that."""
+    return (not finite or token_id in child.stop_ids
+            or len(child.request.output_token_ids) + ahead + 1 >= child.length_limit)
 
 
 def _record_token_time(metrics: RequestMetrics, now: float) -> None:
@@ -78,24 +117,60 @@ def _record_token_time(metrics: RequestMetrics, now: float) -> None:
     metrics.last_token_time = now
 
 
+def _add_up(children: list[_Child], metrics: RequestMetrics) -> bool:
+    """n > 1: the children's totals into the parent's metrics; whether all of them finished."""
+    finished, num_generated, num_cached = True, 0, 0
+    for child in children:
+        request = child.request
+        finished = finished and request.is_finished
+        num_generated += request.num_output_tokens
+        num_cached = max(num_cached, request.num_cached_tokens)
+    metrics.num_generation_tokens, metrics.num_cached_tokens = num_generated, num_cached
+    return finished
+
+
 def _completion(child: _Child, delta: bool) -> CompletionOutput:
     """One child's CompletionOutput: everything so far, or (delta) only what is new since the last one."""
     request = child.request
-    finished = request.is_finished
+    status, token_ids = request.status, request.output_token_ids
     start = child.num_sent_tokens if delta else 0
-    token_ids = request.output_token_ids[start:]  # a copy of the new part only, in DELTA
+    child.num_sent_tokens = len(token_ids)
     logprobs = None if child.logprobs is None else child.logprobs[start:]
     token_logprobs = None if child.token_logprobs is None else child.token_logprobs.copy(start)
-    child.num_sent_tokens = request.num_output_tokens
-    text = "" if child.detokenizer is None else child.detokenizer.get_next_output_text(finished, delta=delta)
-    return CompletionOutput(index=child.index, text=text, token_ids=token_ids,
-                            cumulative_logprob=child.cumulative_logprob, logprobs=logprobs,
-                            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-                            token_logprobs=token_logprobs)
+    text = "" if child.detokenizer is None else child.detokenizer.get_next_output_text(status.is_finished, delta)
+    # token_ids[start:]: a copy (the new part only, in DELTA), so the output is not changed by later steps
+    return CompletionOutput(child.index, text, token_ids[start:], child.cumulative_logprob, logprobs,
+                            status.finish_reason, request.stop_reason, token_logprobs)
 
 
 class OutputProcessor:
     """LLMEngine's methods for its outputs: they share its state (see LLMEngine.__init__)."""
+
+    def _emit_step(self, result: ModelRunnerOutput, live: set[str] | None = None) -> tuple[
+            dict[str, list[int]], dict[str, StopVerdict | None], dict[str, _Parent]]:
+        """Every row's tokens and verdict (`_emit`) for Scheduler.update_from_output, and the parents they touched
+        (in row order). live: the ids still scheduled (async: a request finished or aborted since is skipped)."""
+        tokens, logprobs, finite = result.row_values
+        sampled, stops, touched = {}, {}, {}
+        lookup, spec_rows = self._child_to_parent, result.spec_token_rows
+        for row, rid in enumerate(result.req_ids):
+            if live is not None and rid not in live:
+                continue
+            parent, child = lookup[rid]
+            touched[parent.request_id] = parent
+            if parent.fresh is not None:
+                parent.fresh.add(child.index)
+            if rid in spec_rows:  # verified drafts: several tokens
+                sampled[rid], stops[rid] = self._emit(child, result, spec_rows[rid])
+                continue
+            token = tokens[row]
+            sampled[rid] = [token]
+            if child.lean and not might_stop(child, token, finite[row]):  # nothing to record, nothing to decide
+                child.cumulative_logprob += logprobs[row]
+                stops[rid] = None
+            else:
+                stops[rid] = self._stop_verdict(child, result, row)
+        return sampled, stops, touched
 
     def _emit(self, child: _Child, result: ModelRunnerOutput,
               rows: Sequence[int]) -> tuple[list[int], StopVerdict | None]:
@@ -109,6 +184,20 @@ class OutputProcessor:
                 break
         return tokens, verdict
 
+    def _outputs(self, touched: dict[str, _Parent]) -> list[RequestOutput]:
+        """The outputs of the parents whose children got tokens this step (their token times recorded)."""
+        now = time.time()
+        outputs = []
+        for parent in touched.values():
+            _record_token_time(parent.metrics, now)
+            fresh = parent.fresh
+            if fresh is not None:  # n > 1: the next step's start afresh
+                parent.fresh = set()
+            output = self._make_output(parent, fresh)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
     def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int, ahead: int = 0) -> StopVerdict | None:
         """Record one sampled token (logprobs, text) and decide whether it ends the request.
 
@@ -120,9 +209,11 @@ class OutputProcessor:
         if not finite[row]:  # NaN/inf logits fail only their own request; the token is garbage
             return RequestStatus.FINISHED_ERROR, None
         token_id = sampled[row]
-        verdict = request.check_stop(token_id, ahead)
+        # check_stop is pure: for a token `might_stop` rules out it would say None
+        verdict = request.check_stop(token_id, ahead) if might_stop(child, token_id, True, ahead) else None
         # A completed grammar stops after its last token, whose text is kept (unlike an EOS / stop id's).
-        grammar_verdict = self._grammar_verdict(child, token_id) if verdict is None else None
+        grammar_verdict = None if verdict is not None or child.matcher is None else \
+            self._grammar_verdict(child, token_id)
         if child.logprobs is not None:
             child.logprobs.append(self._logprob_entry(result, row, token_id, request.sampling_params.logprobs))
         if child.token_logprobs is not None:
@@ -167,24 +258,28 @@ class OutputProcessor:
     def _decode_token(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-    def _make_output(self, parent: _Parent, fresh: set[int]) -> RequestOutput | None:
-        """The parent's output after a step in which its children `fresh` got a token (None: nothing due)."""
+    def _make_output(self, parent: _Parent, fresh: set[int] | None) -> RequestOutput | None:
+        """The parent's output after a step in which its children `fresh` got a token (None: nothing due; n = 1:
+        fresh is not read, the one child got it)."""
         kind, children, metrics = parent.params.output_kind, parent.children, parent.metrics
-        finished, num_generated, num_cached = True, 0, 0
-        for child in children:  # one plain loop: this runs for every request every step
-            request = child.request
-            finished = finished and request.is_finished
-            num_generated += request.num_output_tokens
-            num_cached = max(num_cached, request.num_cached_tokens)
-        metrics.num_generation_tokens, metrics.num_cached_tokens = num_generated, num_cached
+        if len(children) == 1:  # nothing to add up
+            request = children[0].request
+            finished = request.status.is_finished
+            metrics.num_generation_tokens, metrics.num_cached_tokens = len(request.output_token_ids), \
+                request.num_cached_tokens
+        else:
+            finished = _add_up(children, metrics)
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind is RequestOutputKind.DELTA
-        outputs = [_completion(c, delta) for c in children if not delta or c.index in fresh]
+        if len(children) == 1:
+            outputs = [_completion(children[0], delta)]
+        else:
+            outputs = [_completion(c, delta) for c in children if not delta or c.index in fresh]
         if finished:
             metrics.finished_time = time.time()
             self._parents.pop(parent.request_id, None)
-            for child in parent.children:
+            for child in children:
                 self._child_to_parent.pop(child.request.request_id, None)
         prompt_logprobs, prompt_array = parent.prompt_logprobs, parent.prompt_token_logprobs
         if delta and parent.prompt_logprobs_sent:
