@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 import time
 from collections.abc import Sequence
 
@@ -212,7 +213,8 @@ class Request:
         (unless ignore_eos; stop_reason None); stop_token_ids (stop_reason = the id);
         max_tokens -> "length"; the max_model_len bound -> "length". Stop strings are text:
         the engine checks them with the detokenizer and hands the verdict to
-        `Scheduler.update_from_output`, which applies every stop in one place.
+        `Scheduler.update_from_output`, which applies every stop in one place. `stop_screen` says what this
+        can stop on: change the two together.
         """
         token_id = int(token_id)
         params = self.sampling_params
@@ -228,6 +230,19 @@ class Request:
         if self.max_model_len is not None and self.num_tokens + ahead + 1 >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None
+
+    def stop_screen(self) -> tuple[frozenset[int], int]:
+        """What `check_stop` can stop on, for a caller that screens tokens before asking it (the engine's lean
+        path: OutputProcessor): the ids that may end the request (EOS unless ignore_eos, stop_token_ids; min_tokens
+        left out, so a superset) and the output count at which length ends it (max_tokens, max_model_len). A token
+        outside the ids that brings fewer outputs is one check_stop passes. A rule added to check_stop is added
+        here too (tests/test_output_processor.py holds the screen to check_stop)."""
+        params = self.sampling_params
+        ids = frozenset(() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
+        limits = [self.max_tokens]
+        if self.max_model_len is not None:
+            limits.append(self.max_model_len - self.num_prompt_tokens)
+        return ids, min((n for n in limits if n is not None), default=sys.maxsize)
 
     def append_step_tokens(self, token_ids: Sequence[int], given: bool, verdict: StopVerdict | None) -> None:
         """Append one step's tokens (more than one only with speculative decoding). A caller's verdict (given)

@@ -8,16 +8,15 @@ state of one sample and of one request (n samples).
 A step's rows are handled in one pass (`_emit_step`). A sample that records nothing per token but its cumulative
 log-prob (no logprobs, no text, no grammar: `_Child.lean`, decided once when it is queued) skips the per-token
 record when its token cannot end it: `might_stop` screens the token against what is known at queue time (its stop
-ids, its length limit) and a non-finite row. A token the screen does not rule out is decided by `_stop_verdict` as
-any other (which uses the same screen to skip `Request.check_stop` for a token it rules out); the screen decides no
-stop itself, so stopping stays decided in one place. A request of one sample (n = 1) makes its output without
-adding up children.
+ids and length limit, from `Request.stop_screen`, beside `check_stop`) and a non-finite row. A token the screen
+does not rule out is decided by `_stop_verdict` as any other (which uses the same screen to skip
+`Request.check_stop` for a token it rules out); the screen decides no stop itself, so stopping stays decided in
+one place. A request of one sample (n = 1) makes its output without adding up children.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from collections.abc import Sequence
 
@@ -90,15 +89,9 @@ class _Parent:
 def plan_child(child: _Child) -> None:
     """Decide once, when the child is queued (its Request's max_model_len set by the scheduler), what a token of it
     needs: see `_Child.lean` and `might_stop`."""
-    request, params = child.request, child.request.sampling_params
     child.lean = (child.detokenizer is None and child.logprobs is None and child.token_logprobs is None
                   and child.matcher is None)
-    eos = () if params.ignore_eos else request.eos_token_ids
-    child.stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
-    limits = [request.max_tokens]
-    if request.max_model_len is not None:
-        limits.append(request.max_model_len - request.num_prompt_tokens)
-    child.length_limit = min((n for n in limits if n is not None), default=sys.maxsize)
+    child.stop_ids, child.length_limit = child.request.stop_screen()  # the rules stay beside check_stop
 
 
 def might_stop(child: _Child, token_id: int, finite: bool, ahead: int = 0) -> bool:
