@@ -49,7 +49,7 @@ from jaxpaged.worker import hlo_stats  # noqa: E402
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpaged.worker.runner_config import command_buffer_options
-from jaxpaged.worker.model_runner import count_dispatches
+from jaxpaged.worker.dispatch_count import count_dispatches
 from jaxpaged.worker.step_program import paged_forward  # noqa: E402
 from jaxpaged.models.llama import LlamaConfig, init_params  # noqa: E402
 from jaxpaged.models.loader import LoadedModel  # noqa: E402

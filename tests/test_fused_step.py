@@ -23,7 +23,8 @@ from jaxpaged.sample import sampler
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.worker.runner_config import FUSE_SAMPLER, RunnerConfig
-from jaxpaged.worker.model_runner import ModelRunner, count_dispatches
+from jaxpaged.worker.dispatch_count import count_dispatches
+from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from pallas_kernels import cuda_compile

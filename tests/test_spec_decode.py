@@ -23,7 +23,7 @@ from jaxpaged.engine.drafting import BLANK_DRAFT_STEPS
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.worker.runner_config import RunnerConfig
-from jaxpaged.worker.model_runner import count_dispatches
+from jaxpaged.worker.dispatch_count import count_dispatches
 from jaxpaged.generate import greedy_generate
 from jaxpaged.models.llama import forward
 from jaxpaged.models.loader import load_model

@@ -483,9 +483,6 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         for request in self.scheduler.waiting:
             request.num_output_placeholders = request.num_draft_placeholders = 0
 
-    # ---- stats ------------------------------------------------------------
-
-
 
 def _as_ids(ids) -> list[int]:
     try:

@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-
 @dataclasses.dataclass(frozen=True)
 class BuiltinModel:
     """A GGUF shipped on PyPI: the package, the file in it, and how to install it. `chunked`: the
