@@ -5,10 +5,10 @@
     python benchmarks/offline.py update-weights [--random llama3-8b --target-seconds 2]   # vs a new engine
 
 throughput      offline output tok/s: jaxpaged's LLM against transformers' `generate` in static batches
-structured      what structured outputs cost a serving batch (an in-process server; needs the test tree)
+structured      what structured outputs cost a serving batch (`python -m server`, from servers.py's launcher)
 update-weights  seconds of `update_weights` against a new engine and the bare copy of the same bytes
 
-`offline.py <command> -h` prints the command's full description. transformers and the server are
+`offline.py <command> -h` prints the command's full description. transformers and the HTTP client are
 imported by the command that needs them (update-weights runs on the GPU image, which has no HTTP server).
 """
 
@@ -19,6 +19,7 @@ import asyncio
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,8 +48,8 @@ constrained vs the same load unconstrained, side by side in one run (one server,
 
     python benchmarks/offline.py structured --model smollm2-135m-instruct --concurrency 32
 
-Loads, each `--concurrency` chat requests sent at once through the OpenAI API (an in-process
-server on 127.0.0.1):
+Loads, each `--concurrency` chat requests sent at once through the OpenAI API (`python -m server` on
+127.0.0.1, started by benchmarks/servers.py):
   unconstrained      every request free text (ignore_eos, `--max-tokens` tokens)
   half constrained   every other request constrained by a JSON schema (response_format json_schema),
                      the rest as above
@@ -231,20 +232,6 @@ async def run_load(url: str, model: str, concurrency: int, max_tokens: int, cons
             "constrained_tokens": constrained_tokens, "valid_json": valid}
 
 
-def start_server(args):
-    from jaxpaged.engine.async_llm import AsyncLLM
-    from jaxpaged.config import EngineArgs
-    from jaxpaged.engine.llm_engine import LLMEngine
-    from server.app import build_app
-    from server.config import ServerConfig
-    from tests.server.conftest import serve
-
-    engine = LLMEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len,
-                                  max_num_seqs=args.concurrency, max_num_batched_tokens=args.max_num_batched_tokens))
-    llm = AsyncLLM(engine)
-    return llm, serve(build_app(llm, ServerConfig(served_model_names=(args.model,))), timeout=120)
-
-
 def structured_main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="offline.py structured", description=STRUCTURED_DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -255,15 +242,18 @@ def structured_main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2, help="times each load runs (alternating)")
     args = p.parse_args(argv)
-    llm, server = start_server(args)
-    with server as url:
+    import servers  # benchmarks/servers.py, the one server launcher (it imports httpx)
+    port = servers.free_port()
+    spec = servers.jaxpaged_spec(None, port, f"--max-model-len {args.max_model_len} --max-num-seqs "
+                                 f"{args.concurrency} --max-num-batched-tokens {args.max_num_batched_tokens}", args.model)
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as logs, servers.running_server(spec, Path(logs) / "server.log", 900):
         asyncio.run(run_load(url, args.model, 4, 8, 2))  # compiles the schema, touches every path once
         rows: dict[str, list[dict]] = {"unconstrained": [], "half constrained": []}
         for _ in range(args.rounds):
             rows["unconstrained"].append(asyncio.run(run_load(url, args.model, args.concurrency, args.max_tokens, 0)))
             rows["half constrained"].append(asyncio.run(run_load(url, args.model, args.concurrency,
                                                                  args.max_tokens, 2)))
-    llm.shutdown()
     print(f"{args.concurrency} concurrent chat requests, {args.max_tokens} max tokens, model {args.model}")
     print(f"{'load':<18} {'round':>5} {'wall s':>8} {'out tokens':>10} {'out tok/s':>10} {'valid JSON':>10}")
     for name, results in rows.items():

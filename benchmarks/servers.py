@@ -1,7 +1,8 @@
 """The one server launcher of the serving benchmarks: how each server is prepared, started, waited for and stopped.
 
-`benchmarks/serve.py peers` and `benchmarks/soak.py --before-tree` start their servers here, on 127.0.0.1, one
-at a time, each in its own process group (stopped whole, also on errors and Ctrl-C):
+`benchmarks/serve.py peers`, `benchmarks/soak.py --before-tree` and `benchmarks/micro.py startup` (the start-up
+benchmark, at the end of this file) start their servers here, on 127.0.0.1, one at a time, each in its own
+process group (stopped whole, also on errors and Ctrl-C):
 
   jaxpaged      `python -m server --model smollm2-135m-instruct` (+ --jaxpaged-args); it
                 dequantises the built-in Q4_1 GGUF to float32.
@@ -39,12 +40,17 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
@@ -147,10 +153,10 @@ def hf_folder(src: Path, dst: Path) -> Path:
 # Server specs
 # ---------------------------------------------------------------------------------------------
 
-def jaxpaged_spec(args, port: int, flags: str | None = None) -> ServerSpec:
-    cmd = [sys.executable, "-m", "server", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
+def jaxpaged_spec(args, port: int, flags: str | None = None, model: str = MODEL) -> ServerSpec:
+    cmd = [sys.executable, "-m", "server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", *shlex.split(args.jaxpaged_args if flags is None else flags)]
-    return ServerSpec("jaxpaged", cmd, port, MODEL, precision="float32 (dequantised from Q4_1)")
+    return ServerSpec("jaxpaged", cmd, port, model, precision="float32 (dequantised from Q4_1)")
 
 
 def jaxpaged_int8_spec(args, port: int) -> ServerSpec:
@@ -302,8 +308,9 @@ def running_server(spec: ServerSpec, log_path: Path, timeout: float):
         log.close()
 
 
-def wait_ready(spec: ServerSpec, proc: subprocess.Popen, timeout: float, log_path: Path) -> None:
-    """Poll the server's ready paths until one answers 200 (bounded by `timeout`)."""
+def wait_ready(spec: ServerSpec, proc: subprocess.Popen, timeout: float, log_path: Path | None = None,
+               poll: float = 1.0) -> None:
+    """Poll the server's ready paths every `poll` seconds until one answers 200 (bounded by `timeout`)."""
     deadline = time.monotonic() + timeout
     base = f"http://127.0.0.1:{spec.port}"
     with httpx.Client(timeout=2) as client:  # one client: httpx.get builds one (and its SSL context) a call
@@ -314,11 +321,131 @@ def wait_ready(spec: ServerSpec, proc: subprocess.Popen, timeout: float, log_pat
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(base + path).status_code == 200:
                         return
-            time.sleep(1.0)
+            time.sleep(poll)
     raise RuntimeError(f"not ready after {timeout:.0f}s: {_tail(log_path)}")
 
 
-def _tail(path: Path, chars: int = 400) -> str:
+def _tail(path: Path | None, chars: int = 400) -> str:
     with contextlib.suppress(OSError):
-        return " | ".join(path.read_text(errors="replace")[-chars:].splitlines())
+        return " | ".join(path.read_text(errors="replace")[-chars:].splitlines()) if path else ""
     return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# micro.py startup: `python -m server` to /health 200, timed per phase
+# ---------------------------------------------------------------------------------------------
+
+STARTUP_DOC = """Start-up time of `python -m server`: a cold start (empty caches), then warm ones, with a breakdown.
+
+    python benchmarks/micro.py startup                        # the default model, 1 cold + 2 warm starts
+    python benchmarks/micro.py startup --tree /old/checkout --tree . --warm-runs 1   # before/after, one table
+    python benchmarks/micro.py startup --warm-runs 3 -- --max-model-len 1024
+
+Each start runs `python -m server` (from --tree, default this checkout; several --tree run one after
+the other) as a subprocess with XDG_CACHE_HOME pointing at a fresh folder per tree (so the compilation
+cache and the model cache start empty, as on a fresh machine, and are warm for the later starts), polls
+GET /health until it answers 200, then stops the server (SIGTERM) and waits for it to exit. Arguments
+after `--` go to the server.
+
+The breakdown comes from the server's own log lines (stderr), timed as they arrive:
+  imports       spawn -> the server's "starting" line (interpreter, jax, transformers, server imports)
+  load ... sampler  the engine's phases, from its "jaxpaged ready in ... (load x s, ...)" line
+  engine other  the rest of the engine's construction (JAX backend start, configuration)
+  http          "jaxpaged ready" line -> /health 200 (app build, uvicorn start)
+A tree whose server does not log these lines (e.g. an older checkout) gets only the total."""
+READY = re.compile(r"jaxpaged ready in ([\d.]+) s \(([^)]*)\)")
+PHASE = re.compile(r"(\w+) ([\d.]+) s")
+STARTING = "python -m server: starting"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_lines(stream, lines: list[tuple[float, str]]) -> None:
+    for line in stream:
+        lines.append((time.perf_counter(), line.rstrip("\n")))
+
+
+def start_once(tree: Path, cache_home: Path, server_args: list[str], timeout: float) -> dict:
+    """One start (`wait_ready` polling /health every 50 ms): seconds to /health 200 and the phases in the log."""
+    port = free_port()
+    spec = ServerSpec("jaxpaged", [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
+                                   *server_args], port, MODEL, ready_paths=("/health",), cwd=tree,
+                      env={"XDG_CACHE_HOME": str(cache_home), "PYTHONPATH": str(tree)})
+    spawned = time.perf_counter()
+    proc = subprocess.Popen(spec.command, cwd=tree, env={**os.environ, **spec.env}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _RUNNING.append(proc)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=read_lines, args=(proc.stderr, lines), daemon=True)
+    reader.start()
+    try:
+        wait_ready(spec, proc, timeout, poll=0.05)
+        total = time.perf_counter() - spawned
+    except RuntimeError as err:
+        raise RuntimeError(f"{err}\n" + "\n".join(line for _, line in lines[-30:])) from None
+    finally:
+        stop_process(proc, grace=60)
+        reader.join(5)
+    return {"total": total, **phases(lines, spawned, spawned + total), "exit": proc.returncode,
+            "log": [line for _, line in lines]}
+
+
+def phases(lines: list[tuple[float, str]], spawned: float, healthy: float) -> dict[str, float]:
+    found: dict[str, float] = {}
+    starting = next((t for t, line in lines if STARTING in line), None)
+    if starting is not None:
+        found["imports"] = starting - spawned
+    ready = next(((t, m) for t, line in lines if (m := READY.search(line))), None)
+    if ready is not None:
+        t_ready, match = ready
+        engine = {name: float(v) for name, v in PHASE.findall(match.group(2))}
+        found.update(engine)
+        found["engine other"] = float(match.group(1)) - sum(engine.values())
+        found["http"] = healthy - t_ready
+    return found
+
+
+def startup_table(runs: list[tuple[str, dict]]) -> str:
+    names: list[str] = []
+    for _, run in runs:
+        names += [k for k in run if k not in ("total", "exit", "log") and k not in names]
+    head = "| phase (s) | " + " | ".join(label for label, _ in runs) + " |"
+    rows = [head, "|---|" + "---:|" * len(runs)]
+    for name in names + ["total"]:
+        cells = [f"{run[name]:.1f}" if name in run else "-" for _, run in runs]
+        rows.append(f"| {'**total to /health 200**' if name == 'total' else name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def startup_main(argv: list[str]) -> int:
+    server_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="micro.py startup", description=STARTUP_DOC,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tree", type=Path, action="append", help="checkout whose `python -m server` is started "
+                   "(repeat to compare checkouts; default: this one)")
+    p.add_argument("--warm-runs", type=int, default=2, help="starts after the cold one")
+    p.add_argument("--timeout", type=float, default=900, help="seconds one start may take")
+    p.add_argument("--show-log", action="store_true", help="print each start's server log")
+    args = p.parse_args(own)
+    trees = [t.resolve() for t in args.tree or [REPO]]
+    runs = []
+    for n, tree in enumerate(trees):
+        prefix = f"{tree.name} " if len(trees) > 1 else ""
+        with tempfile.TemporaryDirectory(prefix="jaxpaged-startup-") as cache_home:
+            for i in range(1 + args.warm_runs):
+                label = prefix + ("cold" if i == 0 else f"warm {i}")
+                run = start_once(tree, Path(cache_home), server_args, args.timeout)
+                print(f"{label}: {run['total']:.1f} s to /health 200 (exit {run['exit']}), load average "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
+                if args.show_log:
+                    print("\n".join("    " + line for line in run["log"]))
+                runs.append((label, run))
+    print(f"\n{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, trees {', '.join(map(str, trees))}, server args "
+          f"{server_args or '(defaults)'}, load average {os.getloadavg()[0]:.1f}")
+    print(startup_table(runs))
+    return 0
