@@ -1,22 +1,17 @@
 """Benchmark ragged paged attention (decode and mixed batches).
 
-GPU (default): Llama-3-8B attention shapes (32 q heads, 8 kv heads, D=128),
-bf16, page_size 16; decode batch {1,16,64,256} x context {512,2048,8192} and
-mixed prefill+decode batches. Per row: device time (median of rounds of
-back-to-back calls after warm-up), achieved GB/s over the bytes the step
-really needs (K/V of every key a query sees + Q + O), % of a device-to-device
-copy bandwidth measured in the same run, and speed ratio vs the blocked
-pure-JAX path (backend="xla") and vs jax.experimental.pallas.ops.gpu.
-paged_attention (decode only, no windows). The error column is against the
-readable reference (backend="reference", run once, untimed). Rows named
-"win=W" run with a sliding window of W keys (a traced int32).
+GPU (default): Llama-3-8B attention shapes (32 q heads, 8 kv heads, D=128), bf16, page_size 16;
+decode batch {1,16,64,256} x context {512,2048,8192} and mixed prefill+decode batches. Per row: device
+time (median of rounds of back-to-back calls after warm-up), achieved GB/s over the bytes the step really
+needs (K/V of every key a query sees + Q + O), % of a device-to-device copy bandwidth measured in the same
+run, and speed ratio vs the blocked pure-JAX path (backend="xla") and vs jax.experimental.pallas.ops.gpu.
+paged_attention (decode only, no windows). The error column is against the readable reference
+(backend="reference", run once, untimed). Rows named "win=W" run with a sliding window of W keys.
 
   python benchmarks/attention.py               # GPU
   python benchmarks/attention.py --smoke       # CPU: tiny, reference+interpret
   python benchmarks/attention.py --sweep       # tiling variants of our kernel on a few rows
   python benchmarks/attention.py kv-fp8 [--smoke] [--json rows.jsonl]   # fp8 KV pages against bf16 (below)
-
-The kernel is written with two-space indents (as pallas_kernels/ is); the fp8 KV part with four.
 """
 
 from __future__ import annotations
@@ -43,9 +38,8 @@ from pallas_kernels.tiling import plan_kernel_calls  # noqa: E402
 
 KV_FP8_DOC = """fp8 KV cache against bf16 on a GPU, in one run: the pool's token capacity and decode attention at 8k context.
 
-    python benchmarks/attention.py kv-fp8         # H200/H100: Llama-3-8B's attention shape, 64 x 8,192 tokens
+    python benchmarks/attention.py kv-fp8 [--json rows.jsonl]  # H200/H100: Llama-3-8B's attention, 64 x 8,192 tokens
     python benchmarks/attention.py kv-fp8 --smoke  # any machine: tiny sizes, the kernel in interpret mode
-    python benchmarks/attention.py kv-fp8 --json rows.jsonl
 
 capacity  the engine's pool sizing (jaxpaged/config.py: pages from the bytes a token takes) for a Llama-3-8B
           config on this device's free memory (gpu_memory_utilization 0.9, 16 GB of bf16 weights set aside), with
@@ -424,7 +418,8 @@ def run_table(opts, copy_bw, rng, shapes, dtype, rows):
 # ---- kv-fp8 ----------------------------------------------------------------------------------------------------
 
 LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192)
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                        rope_theta=500000.0, max_position_embeddings=8192)  # gpu_engine.py's model too
 WEIGHT_BYTES = 16 << 30  # Llama-3-8B's bf16 weights, set aside from the device's memory
 
 

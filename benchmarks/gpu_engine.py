@@ -1,30 +1,22 @@
-"""The engine end to end on a GPU with a Llama-3-8B-shaped model of random bf16 weights (no download).
+"""The engine end to end on a GPU, Llama-3-8B-shaped random bf16 weights (no download): issue 15's profile of the
+step, then issue 17's n-gram speculative decoding at batch 1, on / off side by side.
 
-    python benchmarks/gpu_engine.py            # on the GPU machine (part of scripts/gpu_check.sh)
-    python benchmarks/gpu_engine.py --smoke    # tiny shapes, any device: checks the script runs
+    python benchmarks/gpu_engine.py              # on the GPU machine (part of scripts/gpu_check.sh)
+    python benchmarks/gpu_engine.py --smoke      # tiny shapes, any device: checks the script runs
     python benchmarks/gpu_engine.py --spec-only  # issue 17's rows alone (random weights, three small engines)
-    python benchmarks/gpu_engine.py --host-bound --spec-rounds 7  # those rows on a CPU, a host-bound model
-    python benchmarks/gpu_engine.py --host-bound --emulate-step-ms 4.4  # ... steps timed as an H200's (below)
 
-A profile of the step, for issue 15's targets (batch-1 decode at >= 80% of the weight-read roofline,
->= 6,000 / 12,000 output tok/s at 64 / 256 concurrent, host time not hidden by the device < 5% of a
-step at 256). Prints, each line as soon as it is measured:
-  - start-up: warm-up seconds (every step shape compiled: cold on a fresh machine), and again on the
-    warm compilation cache (in-memory caches dropped, the persistent cache read back);
-  - batch-1 decode tokens/s (its decode steps' wall time) against the roofline (weight bytes / the copy
-    bandwidth measured here);
-  - 64 and 256 concurrent (128 in / 128 out, EOS ignored): output tokens/s;
-  - per batch (1, 64, 256), over its steady decode steps: the engine step's wall ms; the forward's
-    device ms (the same step inputs replayed back to back through the compiled program, so dispatch
-    is hidden) and the sampler's; the weight read at the copy bandwidth, the K/V read, % of that
-    roofline; the host ms per step the device did not hide (step wall - forward - sampler); the
-    compiled program's counts of copies, dynamic slices, gemms, fusions and loops;
-  - dispatches per step: the device programs (executables) a batch-1 decode step launches; with the
-    fused sampler (the GPU default) the forward and the sampler are one program;
-  - issue 17, n-gram speculative decoding at batch 1: benchmarks/gpu_spec.py (its docstring says how);
-  - the batch-1 forward in other builds of the step: XLA command buffers off / XLA's default set
-    (the launch overhead the runner's "full" command buffers save) and the stacked layer scan the
-    engine ran before issue 15 (alone and with dynamic-slice fusion).
+Issue 15 (batch-1 decode >= 80% of the weight-read roofline, >= 6,000 / 12,000 output tok/s at 64 / 256
+concurrent, host time not hidden by the device < 5% of a step at 256): start-up (cold, then from the persistent
+compilation cache); batch-1 decode tok/s against the roofline (weight bytes / the copy bandwidth measured here);
+64 and 256 concurrent (128 in / 128 out, EOS ignored); per batch, over its steady decode steps, the step's wall
+ms, the forward's and the sampler's device ms (`replay_ms`), the reads' share of the forward, the host ms the
+device did not hide, a launch's host time and the program's op counts; the dispatches per step.
+Issue 17 (on / off: grounded >= 1.8x, open >= 0.95x; in a mixed batch the requests without drafts not slowed):
+random weights copy nothing, so these rows zero every attention output projection (`copying_model`: a bigram
+model, whose greedy continuation O of a random prompt P follows P + ... + P again, at full attention cost); the
+workloads are in `speculative_decoding`. "off", "on" and "sync" (on, verification steps synchronous: the engine
+before the overlap) differ only in speculative_config and overlap_verification, so their tokens compare. The
+copying workloads run again seeded at a near-greedy --spec-temperature; then a mixed batch (2 grounded + 2 open).
 --json appends one JSON object per measurement (scripts/gpu_check.sh decides the targets from it).
 """
 
@@ -32,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -41,38 +34,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import copy_bandwidth  # noqa: E402  (one definition for both GPU benchmarks)
-from jaxpaged.worker import hlo_stats  # noqa: E402
-from jaxpaged.config import EngineArgs
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # benchmarks/, root
+from attention import LLAMA3_8B, copy_bandwidth  # noqa: E402  (one definition for both GPU benchmarks)
+from jaxpaged.config import EngineArgs  # noqa: E402
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
-from jaxpaged.worker.runner_config import command_buffer_options
-from jaxpaged.worker.dispatch_count import count_dispatches
-from jaxpaged.worker.step_program import paged_forward  # noqa: E402
-from jaxpaged.models.llama import LlamaConfig, init_params  # noqa: E402
+from jaxpaged.models.llama import LlamaConfig, WeightLayout, init_params  # noqa: E402
 from jaxpaged.models.loader import LoadedModel  # noqa: E402
-from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch
 from jaxpaged.sample.sampler import sample_jit  # noqa: E402
-from jaxpaged.sampling_params import SamplingParams  # noqa: E402
-from jaxpaged.core.scheduler_output import ScheduledRequest  # noqa: E402
+from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch  # noqa: E402
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from jaxpaged.tokenizer import GenerationConfig  # noqa: E402
+from jaxpaged.worker import hlo_stats  # noqa: E402
+from jaxpaged.worker.dispatch_count import count_dispatches  # noqa: E402
 from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout  # noqa: E402
 
-LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                        rope_theta=500000.0, max_position_embeddings=8192)
 SMOKE = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
-# --host-bound: issue 17's rows on any device (a CPU) with steps of ~1 ms, 32 layers of width 64: the host's share
-# of a step is large there, as on a GPU (a proxy for overlapping verification steps; the forward of a few rows
-# costs more than one row's here, unlike the memory-bound 8B step)
-HOST_BOUND = dataclasses.replace(SMOKE, vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=32,
-                                 head_dim=16, max_position_embeddings=2048)
-# Lets a cuBLAS gemm read a layer's weights in place from the stacked params a layer scan slices.
-DSF = {"xla_gpu_enable_dynamic_slice_fusion": True}
-
+# issue 17's batch-1 setting: k = 3, so 1 + 3 tokens fit the S = 4 logits rows of the fused GPU step (the CPU
+# benchmark, benchmarks/latency.py, uses k = 7: its unfused verify buckets take T logits rows)
+SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+COPYING = "random weights, every wo = 0: a bigram model, it copies"  # the spec rows' model, in a few words
 
 class Report:
     """Prints rows and appends them as JSON objects to --json (gpu_check.sh reads them)."""
@@ -88,8 +69,7 @@ class Report:
 
 
 def random_model(config: LlamaConfig) -> LoadedModel:
-    """Random bf16 weights, converted to the step's layout here (the source deleted as it goes), so the
-    device never holds two copies while the KV pool is sized."""
+    """Random bf16 weights in the step's layout (the source deleted as it goes: never two copies on the device)."""
     layout = resolve_weight_layout("auto", True, jax.default_backend())
     params = to_weight_layout(config, init_params(config, jax.random.PRNGKey(0), jnp.bfloat16), layout,
                               consume=True)
@@ -104,11 +84,6 @@ def engine_args(args, **overrides) -> EngineArgs:
                                 gpu_memory_utilization=args.gpu_memory_utilization,
                                 kv_cache_memory=args.kv_cache_memory, fuse_sampler=args.fuse_sampler,
                                 quantization=args.quantization), **overrides})
-
-
-def build_engine(config: LlamaConfig, args) -> LLMEngine:
-    """The bench engine on random bf16 weights (`random_model`)."""
-    return LLMEngine(engine_args(args), loaded=random_model(config))
 
 
 def record_steps(engine: LLMEngine) -> list:
@@ -134,8 +109,8 @@ def counted_step(engine: LLMEngine, dispatches: list | None):
 
 
 def run(engine: LLMEngine, num_seqs: int, prompt_len: int, output_len: int, vocab: int, dispatches=None):
-    """Generate num_seqs x (prompt_len in, output_len out); (seconds, output tokens, [(step wall s, StepInput)]).
-    dispatches: a list that gets each step's {program: calls} (count_dispatches; a little host time each)."""
+    """Generate num_seqs x (prompt_len in, output_len out): (seconds, output tokens, [(step wall s, StepInput)]);
+    dispatches: a list that gets each step's {program: calls}."""
     rng = np.random.default_rng(num_seqs)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     for i in range(num_seqs):
@@ -175,17 +150,14 @@ def decode_steps(timed, num_seqs: int, limit: int):
 
 
 def program_args(runner, step) -> tuple:
-    """What `runner.step_program(step)` takes after (params, kv): the step, and for the fused program (the GPU
-    default, which samples too) its greedy sampler inputs, so its time is forward + sampler."""
+    """`runner.step_program(step)`'s arguments after (params, kv); a fused program's (forward + sampler) greedy."""
     return (step, runner.neutral_sampling(step)) if runner.fuse_sampler else (step,)
 
 
 def replay_ms(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float, float]:
-    """(forward, greedy sampler, sampled sampler) device ms per step: the recorded step inputs run back to
-    back through the warm compiled programs (dispatch hidden), then the sampler alone on their logits with
-    every row greedy, and with every row at temperature 0.8, top_p 0.95 (what clients send: the sampler's
-    cost must not depend on it). The steps rewrite the same K/V into the same slots (same tokens and
-    positions); the pool goes back to the runner each call, as in `execute`."""
+    """(forward, greedy sampler, sampled sampler) device ms per step: the recorded step inputs run back to back
+    through the warm compiled programs (dispatch hidden; the same K/V rewritten into the same slots), then the
+    sampler alone on their logits, every row greedy, then every row at temperature 0.8, top_p 0.95."""
     runner = engine.runner
     programs = [runner.step_program(step) for step in steps]
     rows = [int(step.num_seqs) for step in steps]
@@ -211,10 +183,8 @@ def replay_ms(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float, 
 
 
 def launch_us(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float, int]:
-    """(host us per call with the inputs as the host builds them, with the same inputs already on the device,
-    the number of host arrays): the step programs of `steps` called one at a time on an idle device, timed
-    until each call returns (enqueued). Each host (numpy) input is a transfer of its own; the difference is
-    what sending them as one buffer could save a step (the `packed-inputs` branch)."""
+    """(host us per call with the inputs as the host builds them, with them already on the device, the number of
+    host arrays): each host input is a transfer of its own; the difference is what one buffer could save a step."""
     runner = engine.runner
     programs = [runner.step_program(step) for step in steps]
     host = [program_args(runner, step) for step in steps]
@@ -261,83 +231,192 @@ def profile(engine: LLMEngine, report: Report, num_seqs: int, timed, bandwidth: 
                unhidden_host_pct=100 * unhidden / wall, launch_host_us=launch_host, launch_device_us=launch_device,
                launch_host_arrays=num_host, hlo=counts)
 
-
-def forward_ms(engine: LLMEngine, lowered, params, step, options: dict | None, iters: int) -> float:
-    """Device ms per call of the step `lowered` (at `step`'s shape) compiled with XLA `options`, run on
-    `params` back to back (the pool donated and handed back, as in `execute`)."""
-    runner = engine.runner
-    program = lowered.compile(compiler_options=options)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            logits, _, runner.kv = program(params, runner.kv, step)
-        jax.block_until_ready(logits)
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return 1e3 * best
-
-
-def probe_step(engine: LLMEngine, context: int):
-    """A batch-1 decode at `context` tokens whose page table is all null page (touches no live page)."""
-    pages = (0,) * (context // engine.runner_config.page_size + 1)
-    return engine.runner.prepare([ScheduledRequest("probe", (1,), context, pages, True, SamplingParams(), context)])
-
-
-def plain_lowering(engine: LLMEngine, params, step):
-    """The step lowered by a jit without the runner's XLA options (XLA's defaults, command buffers included)."""
-    runner = engine.runner
-    return jax.jit(paged_forward, static_argnums=(0, 1), donate_argnums=(3,)).lower(
-        runner.model_config, runner.config.attention, params, runner.kv, step)
-
-
-def stacked_copy(engine: LLMEngine):
-    """The runner's layer weights restacked ({name: [L, ...]}, fused): the scan's layout, a transient copy."""
-    layers = engine.runner.params["layers"]
-    if not isinstance(layers, list):
-        return engine.runner.params
-    return dict(engine.runner.params, layers={name: jnp.stack([layer[name] for layer in layers])
-                                              for name in layers[0]})
-
-
-def forward_variants(engine: LLMEngine, report: Report, context: int, iters: int) -> None:
-    """The batch-1 forward under other command-buffer settings and as the stacked scan, each printed when done."""
-    runner = engine.runner
-    step = probe_step(engine, context)
-    default = forward_ms(engine, runner.lower(step), runner.params, step, None, iters)
-    report.row("b=1 forward", f"{default:.2f} ms", f"the runner's forward, unfused (command_buffers="
-               f"{engine.runner_config.command_buffers}, layout {runner.layout})",
-               variant="default", forward_ms=default)
-    variants = [  # (name, layout, lowering, options)
-        ("command buffers off", None, plain_lowering, command_buffer_options("off")),
-        ("command buffers xla", None, plain_lowering, None),
-        ("stacked scan", "stacked", lambda e, p, s: e.runner.lower(s, p), None),
-        ("stacked scan + dsf", "stacked", lambda e, p, s: e.runner.lower(s, p),
-         {**runner.config.compiler_options(), **DSF})]
-    stacked = None
-    for name, layout, lower, options in variants:
-        try:
-            if layout == "stacked" and stacked is None:
-                stacked = stacked_copy(engine)
-            params = stacked if layout == "stacked" else runner.params
-            ms = forward_ms(engine, lower(engine, params, step), params, step, options, iters)
-            report.row("b=1 forward", f"{ms:.2f} ms", f"{name} ({ms / default:.2f}x the runner's build)",
-                       variant=name, forward_ms=ms)
-        except Exception as e:  # pylint: disable=broad-except  (an XLA without the option; memory)
-            report.row("b=1 forward", "failed", f"{name}: {type(e).__name__}: {str(e)[:160]}", variant=name)
-    if stacked is not None and stacked is not runner.params:
-        for x in jax.tree.leaves(stacked["layers"]):
-            x.delete()
-
-
 def warm_cache_warmup(engine: LLMEngine) -> float:
-    """Seconds of the runner's warm-up again with JAX's in-memory caches dropped: every program comes back
-    from the persistent compilation cache (what a restart on this machine pays)."""
+    """Seconds of the runner's warm-up again from the persistent compilation cache (in-memory caches dropped)."""
     engine.runner.forget_compiled()
     jax.clear_caches()
     start = time.perf_counter()
     engine.runner.warmup(engine.async_scheduling)
     return time.perf_counter() - start
 
+
+# ---- issue 17: speculative decoding -------------------------------------------------------------------------
+
+def copying_model(loaded: LoadedModel) -> LoadedModel:
+    """`loaded` with every layer's wo [H, D, E] zero (the other arrays shared): the residual stream depends on the
+    current token only. bf16 weights are plain arrays in any layout (only float32 on CPU is packed)."""
+    layers = loaded.params["layers"]
+    if isinstance(layers, (list, tuple)):  # per-layer: L dicts of {name: [...]}
+        layers = [dict(layer, wo=jnp.zeros_like(layer["wo"])) for layer in layers]
+    else:  # stacked: {name: [L, ...]}
+        layers = dict(layers, wo=jnp.zeros_like(layers["wo"]))
+    return dataclasses.replace(loaded, params=dict(loaded.params, layers=layers),
+                               source=Path(f"{loaded.source}-wo-zero"))
+
+
+def spec_sizes(args) -> tuple[int, int]:
+    """(half, n): P's and O's lengths; at least 16 out, so the smoke run's acceptance counts say something."""
+    return max(4, args.prompt_len // 2), max(16, args.output_len // 2)
+
+
+def spec_engine(loaded: LoadedModel, args, speculative: bool, overlap: bool = True) -> LLMEngine:
+    """A batch-1 sized engine over `loaded` (already in the step's layout): few step shapes to compile, a small KV
+    pool beside the bench engine's; speculating or not, all else the same, so greedy tokens compare."""
+    half, n = spec_sizes(args)
+    small = engine_args(args, max_model_len=2 * half + 2 * n + 16, max_num_seqs=4, max_num_batched_tokens=64,
+                        kv_cache_memory=(64 << 20) if args.smoke else (1 << 30),
+                        speculative_config=SPEC_CONFIG if speculative else None, overlap_verification=overlap)
+    return LLMEngine(small, loaded=loaded)
+
+
+def edited(tokens: list[int], rng, vocab: int, every: int = 8) -> list[int]:
+    """tokens with every `every`-th one (positions every - 1, 2 * every - 1, ...) replaced by another token."""
+    return [(t + int(rng.integers(1, vocab))) % vocab if i % every == every - 1 else t for i, t in enumerate(tokens)]
+
+
+def timed_decode(engine: LLMEngine, prompt: list[int], max_tokens: int, dispatches=None,
+                 temperature: float = 0.0) -> tuple[float, list[int]]:
+    """(decode tok/s after the first token, the output ids) of one request alone, greedy or seeded at `temperature`;
+    dispatches: a list that gets each step's {program: calls}."""
+    params = SamplingParams(temperature=temperature, seed=0 if temperature else None, max_tokens=max_tokens,
+                            ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.CUMULATIVE)
+    engine.add_request(f"b1-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params)
+    first, ids = None, []
+    while engine.has_unfinished_requests():
+        outputs = counted_step(engine, dispatches)
+        now = time.perf_counter()
+        for out in outputs:
+            ids = list(out.outputs[0].token_ids)
+        if first is None and ids:
+            first = (now, len(ids))
+    return (len(ids) - first[1]) / max(time.perf_counter() - first[0], 1e-9), ids
+
+
+def speculative_decoding(loaded: LoadedModel, report: Report, args, vocab: int) -> None:
+    """Issue 17's rows (module docstring): engines off, on and sync over `loaded` with wo zeroed, built here and
+    freed when done; per workload each side's best of --spec-rounds interleaved runs, the acceptance beside."""
+    print("\n== issue 17: n-gram speculation at batch 1, small engines (off / on / sync) over the random weights "
+          "with every attention output projection zeroed (a bigram model: it copies)")
+    copying, sides, rounds = copying_model(loaded), {}, args.spec_rounds
+    for side in ("off", "on", "sync"):
+        start = time.perf_counter()
+        sides[side] = spec_engine(copying, args, speculative=side != "off", overlap=side == "on")
+        report.row("spec engine", f"{time.perf_counter() - start:.1f} s",
+                   f"speculation {side}: built and warmed up (max_num_seqs 4, 64 tokens a step"
+                   f"{f'; {SPEC_CONFIG}' if side != 'off' else ''}; {COPYING})",
+                   side=side, seconds=time.perf_counter() - start)
+    off, on = sides["off"], sides["on"]
+    half, n = spec_sizes(args)
+    rng = np.random.default_rng(17)
+    p = rng.integers(0, vocab, half).tolist()
+    _, o = timed_decode(off, p, n)  # the first run: o, the greedy continuation of p (so of p + ... + p)
+    workloads = {  # name: (prompt, the continuation a bigram model gives (None: unknown), what)
+        "grounded": (p + edited(o, rng, vocab) + p, o, "prompt = P + O' + P, O the greedy output after P, O' = O "
+                     "with every 8th token replaced (drafts copied from the prompt are wrong there, as in an edit)"),
+        "grounded-exact": (p + o + p, o, "prompt = P + O + P: the whole continuation is in the prompt (the ceiling)"),
+        "open": (rng.integers(0, vocab, 2 * half + n).tolist(), None, "a random prompt: nothing to copy")}
+    for engine in sides.values():
+        timed_decode(engine, p[:8], 4)  # first calls of its programs
+    for name, (prompt, expected, what) in workloads.items():
+        best, same, copied, counts = race(sides, prompt, expected, n, rounds)
+        (accepted, drafted), sync = counts["on"], counts["sync"]
+        rate, ratio, sync_ratio = accepted / max(drafted, 1), best["on"] / best["off"], best["sync"] / best["off"]
+        emitted = "" if expected is None else f"; off emitted O: {'yes' if copied else 'NO'}"
+        report.row("spec decode", f"{ratio:.2f}x (verifying synchronously: {sync_ratio:.2f}x, {sync[0]}/{sync[1]} "
+                   f"drafts accepted)", f"{name}: on {best['on']:.1f} / off {best['off']:.1f} tok/s, "
+                   f"acceptance {rate:.0%} ({accepted}/{drafted} draft tokens); same tokens: "
+                   f"{'yes' if same else 'NO'}{emitted}; workload: {what}; {len(prompt)} in, {n} out, best of "
+                   f"{rounds}; {COPYING}",
+                   workload=name, ratio=ratio, on_tok_s=best["on"], off_tok_s=best["off"], acceptance=rate,
+                   draft_tokens=drafted, accepted_tokens=accepted, same=same,
+                   emitted_o=None if expected is None else copied, sync_tok_s=best["sync"], sync_ratio=sync_ratio,
+                   sync_accepted_tokens=sync[0], sync_draft_tokens=sync[1])
+    if args.spec_temperature:
+        seeded_rows(sides, report, {k: workloads[k] for k in ("grounded", "grounded-exact")}, n, rounds,
+                    args.spec_temperature)
+    other_open = rng.integers(0, vocab, 2 * half + n).tolist()  # a second random prompt: nothing to copy either
+    mixed = [workloads["grounded"][0]] * 2 + [workloads["open"][0], other_open]
+    mixed_batch(off, on, report, mixed, n)
+    mixed_batch(off, sides["sync"], report, mixed, n, label="spec mixed batch, verifying synchronously")
+    dispatches = []
+    timed_decode(on, workloads["grounded"][0], n, dispatches)
+    report_dispatches(report, "b=1 spec decode (grounded)", on, dispatches)
+    del sides, off, on, copying
+    gc.collect()  # the engines' KV pools and the zeroed wo go back before what follows
+
+
+def race(sides: dict[str, LLMEngine], prompt: list[int], expected: list[int] | None, n: int, rounds: int,
+         temperature: float = 0.0) -> tuple[dict[str, float], bool, bool, dict[str, list[int]]]:
+    """`prompt` alone on each side in turn, `rounds` times: (each side's best tok/s, whether every side emitted the
+    same tokens every time, whether "off" emitted `expected` every time (None: not checked), each speculating
+    side's [accepted, drafted] tokens over the rounds)."""
+    best, same, copied = dict.fromkeys(sides, 0.0), True, True
+    before = {side: engine.stats() for side, engine in sides.items() if side != "off"}
+    for _ in range(rounds):
+        ids = {}
+        for side, engine in sides.items():
+            tok_s, ids[side] = timed_decode(engine, prompt, n, temperature=temperature)
+            best[side] = max(best[side], tok_s)
+        same &= all(x == ids["off"] for x in ids.values())
+        copied &= expected is None or ids["off"] == expected
+    counts = {side: [engine.stats()[key] - before[side][key] for key in
+                     ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens")]
+              for side, engine in sides.items() if side != "off"}
+    return best, same, copied, counts
+
+
+def seeded_rows(sides: dict[str, LLMEngine], report: Report, workloads: dict, n: int, rounds: int,
+                temperature: float) -> None:
+    """The copying workloads seeded at a `temperature` so low that the model samples (nearly) its greedy tokens,
+    through the random rows' machinery (the candidate pass, its flags read back before the next dispatch, key
+    steps moved back by drafts rejected in flight): on / off and sync / off; same tokens on every side."""
+    for name, (prompt, expected, _) in workloads.items():
+        best, same, copied, counts = race(sides, prompt, expected, n, rounds, temperature)
+        ratios = {side: best[side] / best["off"] for side in sides if side != "off"}
+        shown = ", ".join(f"{side} {ratios[side]:.2f}x ({counts[side][0]}/{counts[side][1]} drafts accepted)"
+                          for side in ratios)
+        report.row("spec decode, seeded", f"{ratios['on']:.2f}x", f"{name}, seeded at temperature {temperature:g}: "
+                   f"{shown}; on {best['on']:.1f} / off {best['off']:.1f} tok/s; same tokens: "
+                   f"{'yes' if same else 'NO'}; off emitted O: {'yes' if copied else 'NO'}; best of {rounds}",
+                   workload=name, temperature=temperature, ratio=ratios["on"], sync_ratio=ratios.get("sync"),
+                   on_tok_s=best["on"], off_tok_s=best["off"], accepted_tokens=counts["on"][0],
+                   draft_tokens=counts["on"][1], same=same, emitted_o=copied)
+
+
+def timed_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[list[int]]]:
+    """All prompts at once, greedy: (each one's decode tok/s after its first token, the output ids)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.CUMULATIVE)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"mix{i}-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params)
+    first, last, ids = {}, {}, {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            rid, ids[out.request_id] = out.request_id, list(out.outputs[0].token_ids)
+            first.setdefault(rid, (now, len(ids[rid])))
+            last[rid] = now
+    rids = sorted(ids, key=lambda r: int(r[3:r.index("-")]))
+    return [(len(ids[r]) - first[r][1]) / max(last[r] - first[r][0], 1e-9) for r in rids], [ids[r] for r in rids]
+
+
+def mixed_batch(off: LLMEngine, on: LLMEngine, report: Report, prompts: list[list[int]], n: int,
+                label: str = "spec mixed batch") -> None:
+    """Issue 17's "in a mixed batch, requests without drafts are not slowed": 2 grounded and 2 open requests at
+    once, each one's decode tok/s with speculation on / off (best of 2 a side)."""
+    best = {"off": [0.0] * len(prompts), "on": [0.0] * len(prompts)}
+    same = True
+    for _ in range(2):
+        off_tok_s, ids_off = timed_batch(off, prompts, n)
+        on_tok_s, ids_on = timed_batch(on, prompts, n)
+        best = {"off": list(map(max, best["off"], off_tok_s)), "on": list(map(max, best["on"], on_tok_s))}
+        same &= ids_on == ids_off
+    ratios = [a / b for a, b in zip(best["on"], best["off"])]
+    report.row(label, f"{min(ratios[2:]):.2f}x", f"the slower non-copying request's decode tok/s on / off "
+               f"(>= 1 = not slowed); copying (grounded): {ratios[0]:.2f}x, {ratios[1]:.2f}x; non-copying (open): "
+               f"{ratios[2]:.2f}x, {ratios[3]:.2f}x; same tokens: {'yes' if same else 'NO'}; 4 requests at once, "
+               f"{n} out, best of 2; {COPYING}", ratios=ratios, same=same)
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -347,16 +426,13 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     # A few thousand tokens a step, as the engine's GPU default (8192) but with fewer shapes to compile.
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.7)  # room for the variants' copy
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.7)
     parser.add_argument("--kv-cache-memory", type=int, default=None)
     parser.add_argument("--concurrency", default="64,256")
     parser.add_argument("--json", default=None, help="append one JSON object per measurement here")
-    parser.add_argument("--skip-variants", action="store_true")
     parser.add_argument("--skip-spec", action="store_true", help="leave out issue 17's speculative decoding rows")
     parser.add_argument("--spec-only", action="store_true",
-                        help="only issue 17's rows: random weights and the two small engines, nothing else")
-    parser.add_argument("--host-bound", action="store_true",
-                        help="issue 17's rows alone on any device, a 32-layer model of width 64 (HOST_BOUND)")
+                        help="only issue 17's rows: random weights and the small engines, nothing else")
     parser.add_argument("--spec-rounds", type=int, default=2, help="issue 17's rows: best of this many runs a side")
     parser.add_argument("--spec-temperature", type=float, default=1e-5,
                         help="issue 17's copying workloads again, seeded at this temperature (0: not)")
@@ -364,30 +440,25 @@ def main(argv=None) -> int:
                         help="the engine's weight dots (EngineArgs.quantization; gpu_check.sh --fp8 runs both sides)")
     parser.add_argument("--fuse-sampler", default="auto", choices=["auto", "on", "off"],
                         help="the engine's fuse_sampler (auto: on with a GPU)")
-    parser.add_argument("--emulate-step-ms", type=float, default=0.0,
-                        help="with --host-bound: steps timed as a device's of this many ms (module docstring)")
-    parser.add_argument("--emulate-row-ms", type=float, default=0.05,
-                        help="with --emulate-step-ms: ms more a step per token fed past the first")
     args = parser.parse_args(argv)
-    if args.emulate_step_ms and not args.host_bound:
-        parser.error("--emulate-step-ms needs --host-bound")
-    if not (args.smoke or args.host_bound) and jax.default_backend() != "gpu":
-        parser.error(f"needs a GPU (backend is {jax.default_backend()!r}); use --smoke or --host-bound elsewhere")
-    config = SMOKE if args.smoke else HOST_BOUND if args.host_bound else LLAMA3_8B
-    if args.emulate_step_ms:  # real forwards well within a step; not every read of seeded verifications is timed
-        config, args.spec_temperature = dataclasses.replace(HOST_BOUND, num_hidden_layers=2), 0.0
-        args.fuse_sampler = "on" if args.fuse_sampler == "auto" else args.fuse_sampler  # a GPU's step program
+    if not args.smoke and jax.default_backend() != "gpu":
+        parser.error(f"needs a GPU (backend is {jax.default_backend()!r}); use --smoke elsewhere")
+    config = SMOKE if args.smoke else LLAMA3_8B
     if args.smoke:
         args.prompt_len, args.output_len, args.max_num_seqs, args.max_num_batched_tokens = 16, 8, 16, 64
         args.kv_cache_memory, args.concurrency = args.kv_cache_memory or (64 << 20), "4,16"
     report = Report(args.json)
     print(f"device: {jax.devices()[0]} | jax {jax.__version__}")
-    import gpu_spec  # issue 17's rows (it imports this module's helpers back)
-    if args.spec_only or args.host_bound:
-        return gpu_spec.spec_only(config, report, args)
+    if args.spec_only:
+        start = time.perf_counter()
+        loaded = random_model(config)
+        report.row("random weights", f"{time.perf_counter() - start:.1f} s", f"layout {WeightLayout.of(loaded.params)}",
+                   seconds=time.perf_counter() - start)
+        speculative_decoding(loaded, report, args, config.vocab_size)
+        return 0
     bandwidth = copy_bandwidth(1 << (24 if args.smoke else 30), rounds=5, inner=20)
     start = time.perf_counter()
-    engine = build_engine(config, args)
+    engine = LLMEngine(engine_args(args), loaded=random_model(config))
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.model.params))
     rc = engine.runner_config
     programs = " x 2 fused programs" if engine.runner.fuse_sampler else ""
@@ -418,10 +489,7 @@ def main(argv=None) -> int:
     report.row("warm-up, warm", f"{warm:.1f} s", f"{len(rc.buckets)} step shapes and the sampler from the "
                "persistent compilation cache", warm_warmup_s=warm)
     if not args.skip_spec:
-        print(gpu_spec.SPEC_HEADER)
-        gpu_spec.speculative_decoding(engine.model, report, args, config.vocab_size)
-    if not args.skip_variants:
-        forward_variants(engine, report, args.prompt_len, 5 if args.smoke else 30)
+        speculative_decoding(engine.model, report, args, config.vocab_size)
     return 0
 
 

@@ -184,7 +184,7 @@ def host_loop_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature, seeded (random rows: the sampler's flags are read back)")
     ap.add_argument("--emulate-step-ms", type=float, default=0.0,
-                    help="time each step as a device's of this many ms (gpu_spec.emulate_device)")
+                    help="time each step as a device's of this many ms (emulate_device)")
     ap.add_argument("--emulate-row-ms", type=float, default=0.0, help="with --emulate-step-ms: ms a token past the first")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # the checkout a worker process imports
     return ap.parse_args(argv)
@@ -300,7 +300,6 @@ def host_loop_worker(args) -> None:
                                   fuse_sampler="on", async_scheduling=True, async_scheduling_max_tokens=2048),
                        loaded=loaded)
     if args.emulate_step_ms:
-        from gpu_spec import emulate_device  # benchmarks/, beside this file
         emulate_device(engine.runner, args.emulate_step_ms, args.emulate_row_ms)
     clock = Clock()
     clock.watch_device_get()
@@ -311,6 +310,52 @@ def host_loop_worker(args) -> None:
         run_batch(engine, clock, batch, args, vocab, f"warm-{batch}")  # compiles what warm-up left, fills caches
         runs = [run_batch(engine, clock, batch, args, vocab, f"run-{batch}-{i}") for i in range(args.repeats)]
         print(json.dumps(min(runs, key=lambda r: r["host_ms"])), flush=True)
+
+
+def emulate_device(runner, step_ms: float, row_ms: float) -> None:
+    """--emulate-step-ms: give `runner` a device timeline. A step program (`_run_fused`, `_run`) occupies the
+    device from its launch, or the end of the step before if later, for step_ms + row_ms per token the step feeds
+    past the first; reading the step's tokens (`PendingStep.result`, the end of `execute_model`) waits for its end,
+    and so does reading a fused step's sampler flags when it has random rows (its `finish_sample`: the next step's
+    dispatch reads them, `PendingStep.carry`; other reads of a verification's random rows are not modelled).
+    The host's work before the launch (inputs) and after the read (outputs) stays exposed, as on a device; the real
+    forward (a 2-layer model) runs meanwhile, well within a step."""
+    free_at, fed, ends = [0.0], [1], {}  # ends: {id(pending step): when its program ends}, until dispatch_sample
+
+    def launch(program):
+        def launched(*args, **kwargs):
+            out = program(*args, **kwargs)
+            free_at[0] = max(time.perf_counter(), free_at[0]) + (step_ms + row_ms * max(fed[0] - 1, 0)) / 1e3
+            return out
+        return launched
+
+    def wait(until: float) -> None:
+        time.sleep(max(0.0, until - time.perf_counter()))
+
+    dispatch, execute, dispatch_sample = runner.dispatch, runner.execute_model, runner.dispatch_sample
+
+    def dispatched(out, *rest):
+        fed[0] = out.num_scheduled_tokens
+        pending = dispatch(out, *rest)
+        result, end = pending.result, free_at[0]
+        pending.result = lambda: wait(end) or result()
+        ends[id(pending)] = end
+        return pending
+
+    def sample_dispatched(pending, *rest):  # a fused step with random rows: its finish reads the sampler's flags
+        dispatch_sample(pending, *rest)
+        finish, end = pending.finish_sample, ends.pop(id(pending), 0.0)
+        if pending.fused is not None and pending.fused.sample.flags is not None:
+            pending.finish_sample = lambda: wait(end) or finish()
+
+    def executed(out, *rest):
+        fed[0] = out.num_scheduled_tokens
+        output = execute(out, *rest)
+        wait(free_at[0])
+        return output
+
+    runner._run_fused, runner._run = launch(runner._run_fused), launch(runner._run)
+    runner.dispatch, runner.execute_model, runner.dispatch_sample = dispatched, executed, sample_dispatched
 
 
 # ---- the driver: sides in their own processes ---------------------------------------------------------------

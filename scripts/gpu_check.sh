@@ -4,11 +4,10 @@
 # cannot eat the others:
 #   1. the engine end to end (benchmarks/gpu_engine.py): issue 15's profile
 #      (batch 1, 64, 256: forward ms, weight-read ms, % of roofline, host ms not
-#      hidden, compiled-HLO counts; dispatches per step with the fused sampler;
-#      command-buffer and layer-scan variants) and issue 17's batch-1 n-gram
-#      speculative decoding ratios (grounded, grounded-exact, open: random
-#      weights with zeroed attention output projections, so the model copies:
-#      benchmarks/gpu_spec.py),
+#      hidden, compiled-HLO counts; dispatches per step with the fused sampler)
+#      and issue 17's batch-1 n-gram speculative decoding ratios (grounded,
+#      grounded-exact, open: random weights with zeroed attention output
+#      projections, so the model copies),
 #   2. kernel tests compiled for the GPU (pytest --kernel-mode=gpu), then the
 #      slow ones at the Llama-3-8B shapes (-m slow -k llama3_8b: 32 q / 8 kv
 #      heads, D=128, bf16, decode-like and mixed),
@@ -207,8 +206,6 @@ for r in rows:
     print(f"  {r['name']:14s} forward {r['forward_ms']:.2f} ms, weight read {r['weight_ms']:.2f} ms, "
           f"{r['roofline_pct']:.0f}% of roofline, host not hidden {r['unhidden_host_ms']:.2f} ms; HLO "
           + " ".join(f"{k}={v}" for k, v in r["hlo"].items()))
-  elif r["name"] == "b=1 forward" and "forward_ms" in r:
-    print(f"  b=1 forward {r['variant']:22s} {r['forward_ms']:.2f} ms")
   elif r["name"] in ("start-up", "warm-up, warm"):
     print(f"  {r['name']:14s} " + (f"{r['seconds']:.1f} s (warm-up {r['phases'].get('compile', 0):.1f} s "
           "compiling step shapes)" if r["name"] == "start-up" else f"{r['warm_warmup_s']:.1f} s"))
@@ -301,7 +298,7 @@ fp8_only() {  # --fp8: issue 64's FP8-weight rows, bf16 and fp8 weights on the s
   command -v nvidia-smi >/dev/null && nvidia-smi -L
   : >"$DIR/engine.jsonl"
   : >"$DIR/engine_fp8.jsonl"
-  local fast=(--skip-spec --skip-variants --concurrency "$([ ${#SMOKE[@]} -gt 0 ] && echo 16 || echo 256)")
+  local fast=(--skip-spec --concurrency "$([ ${#SMOKE[@]} -gt 0 ] && echo 16 || echo 256)")
   section "engine bf16 (fp8 baseline)" 240 "$PY" benchmarks/gpu_engine.py \
     "${SMOKE[@]}" "${fast[@]}" --json "$DIR/engine.jsonl" || status=1
   section "engine fp8 weights" 240 "$PY" benchmarks/gpu_engine.py \
