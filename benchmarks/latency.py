@@ -67,9 +67,17 @@ WORKLOADS = {"grounded": GROUNDED, "open": OPEN, "grounded-more": GROUNDED_MORE,
 SCHEMAS = {"extract-json": [item["schema"] for item in _BUILT_IN["extract-json"]]}  # a workload's schema per prompt
 
 
+def named_or_file_prompts(path: str) -> list[str]:
+    """A built-in workload's prompts by name, else the file's (serve.py bench's `--dataset prompts`)."""
+    if pathlib.Path(path).exists():
+        return read_prompts(path)
+    if path not in WORKLOADS:
+        raise ValueError(f"no such file, nor a benchmarks/latency.py workload ({', '.join(WORKLOADS)})")
+    return WORKLOADS[path]
+
+
 def read_prompts(path: str) -> list[str]:
-    """The file's prompts: a JSON list of non-empty strings; anything else is a ValueError (also read by
-    serve.py bench's `--dataset prompts`)."""
+    """The file's prompts: a JSON list of non-empty strings; anything else is a ValueError."""
     try:
         prompts = json.loads(pathlib.Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:

@@ -9,26 +9,17 @@ Poisson process at `--request-rate` per second (`inf`: all at once); `compute_me
 summary: throughput, TTFT (time to first token), TPOT (time per output token after the first), ITL (gap
 between streamed chunks), end-to-end latency.
 
-Output tokens are counted the way vLLM's benchmark counts them: the server's own
-`usage.completion_tokens` (asked for with `stream_options.include_usage`) where it
-sends one, else the tokenizer (`--tokenizer`, default the `--model` name) over the
-request's streamed text. The tokenizer count is recorded too, and the summary says
-how many requests disagree: text without the special tokens a server skips (e.g. a
-chat model's end-of-turn marker, generated again under `ignore_eos`) retokenizes
-shorter than what was generated, so a text count would undercount such a server.
+Output tokens are counted the way vLLM's benchmark counts them: the server's own `usage.completion_tokens`
+(asked for with `stream_options.include_usage`) where it sends one, else the tokenizer (`--tokenizer`, default
+the `--model` name) over the request's streamed text. The tokenizer count is recorded too, and the summary says
+how many requests disagree: text without the special tokens a server skips (e.g. a chat model's end-of-turn
+marker, generated again under `ignore_eos`) retokenizes shorter, so a text count would undercount such a server.
 
-Workloads (`--dataset`):
-  random   synthetic prompts of random token ids decoded to text (`--random-source tokens`,
-           the default) or random English words (`--random-source words`); lengths uniform in
-           [L * (1 - r), L * (1 + r)] for `--input-len`/`--output-len` L and `--range-ratio` r.
-  sharegpt a ShareGPT-format JSON file (`--dataset-path`): the first human turn is the
-           prompt, the first reply's token count the output length (or `--output-len`).
-  prefix   `--num-prefixes` shared prefixes of `--prefix-len` tokens, each request one of
-           them plus a random suffix of `--input-len` tokens (shows prefix caching).
-  prompts  prompts as written (`--dataset-path`): a JSON list of prompt strings, or the name of
-           one of benchmarks/latency.py's workloads (grounded, open, grounded-more); the first
-           `--num-prompts` in order, each asking for `--output-len` tokens (e.g. speculative
-           decoding over HTTP, on prompts whose answers copy from them).
+Workloads (`--dataset`): `random` (random token ids decoded to text, or random words; lengths uniform in
+[L * (1 - r), L * (1 + r)] for `--input-len` / `--output-len` L and `--range-ratio` r), `sharegpt` (a ShareGPT
+JSON file: the first human turn, the first reply's length), `prefix` (`--num-prefixes` shared prefixes of
+`--prefix-len` tokens, each request one of them and a random suffix: prefix caching), `prompts` (a JSON list of
+prompts, or a benchmarks/latency.py workload by name: e.g. speculative decoding over HTTP).
 """
 
 from __future__ import annotations
@@ -56,9 +47,7 @@ _WORDS = ("time person year way day thing man world life hand part child eye wom
           "party result change morning reason research girl guy moment air teacher force education").split()
 
 
-# ---------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------
+# ---- data ----------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class SampleRequest:
@@ -89,9 +78,7 @@ class RequestResult:
     usage_completion_tokens: int | None = None
 
 
-# ---------------------------------------------------------------------------------------------
-# Tokenizer
-# ---------------------------------------------------------------------------------------------
+# ---- tokenizer -----------------------------------------------------------------------------------------------------
 
 def get_tokenizer(name: str):
     """A tokenizer from a jaxpaged model name, a .gguf file, a HF folder or a HF repo id.
@@ -99,16 +86,11 @@ def get_tokenizer(name: str):
     jaxpaged names (e.g. smollm2-135m-instruct) resolve through
     `jaxpaged.models.loader.resolve_model_path`; a GGUF file gives the tokenizer it embeds.
     """
-    path = None
+    from jaxpaged.models.loader import ModelNotFoundError, resolve_model_path
     try:
-        from jaxpaged.models.loader import ModelNotFoundError, resolve_model_path
-        try:
-            path = resolve_model_path(name)
-        except ModelNotFoundError:
-            path = None
-    except ImportError:  # used outside the jaxpaged package: plain HF names only
-        candidate = Path(name).expanduser()
-        path = candidate if candidate.exists() else None
+        path = resolve_model_path(name)
+    except ModelNotFoundError:
+        path = None
     if path is not None and path.is_file() and path.suffix == ".gguf":
         from jaxpaged.models.gguf_loader import open_gguf
         from jaxpaged.tokenizer import load_gguf_tokenizer
@@ -160,13 +142,6 @@ def _lengths(mean: int, ratio: float, n: int, rng: np.random.Generator) -> list[
     return rng.integers(low, high + 1, size=n).tolist()
 
 
-def _random_prompt(tokenizer, n: int, source: str, rng: np.random.Generator, vocab: np.ndarray):
-    if source == "words":
-        text = " ".join(rng.choice(_WORDS, size=n).tolist())
-        return text, count_tokens(tokenizer, text)
-    return _text_of_len(tokenizer, rng.choice(vocab, size=n), n, rng, vocab)
-
-
 def sample_random(tokenizer, num: int, input_len: int, output_len: int, ratio: float, seed: int,
                   source: str = "tokens") -> list[SampleRequest]:
     """vLLM's random dataset: random tokens (or words) of uniformly distributed lengths."""
@@ -175,8 +150,12 @@ def sample_random(tokenizer, num: int, input_len: int, output_len: int, ratio: f
     in_lens, out_lens = _lengths(input_len, ratio, num, rng), _lengths(output_len, ratio, num, rng)
     requests = []
     for n_in, n_out in zip(in_lens, out_lens):
-        text, n_tok = _random_prompt(tokenizer, n_in, source, rng, vocab)
-        requests.append(SampleRequest(text, n_tok, n_out))
+        if source == "words":
+            text = " ".join(rng.choice(_WORDS, size=n_in).tolist())
+            requests.append(SampleRequest(text, count_tokens(tokenizer, text), n_out))
+        else:
+            requests.append(SampleRequest(*_text_of_len(tokenizer, rng.choice(vocab, size=n_in), n_in, rng, vocab),
+                                          n_out))
     return requests
 
 
@@ -185,16 +164,10 @@ def sample_prefix(tokenizer, num: int, num_prefixes: int, prefix_len: int, input
     """`num_prefixes` long shared prefixes; each request = one of them + its own random suffix."""
     if num_prefixes < 1:
         raise SystemExit("--num-prefixes must be >= 1")
-    rng = np.random.default_rng(seed)
-    vocab = _normal_ids(tokenizer)
-    prefixes = [_random_prompt(tokenizer, prefix_len, source, rng, vocab)[0] for _ in range(num_prefixes)]
-    in_lens, out_lens = _lengths(input_len, ratio, num, rng), _lengths(output_len, ratio, num, rng)
-    requests = []
-    for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens)):
-        suffix = _random_prompt(tokenizer, n_in, source, rng, vocab)[0]
-        prompt = prefixes[i % num_prefixes] + " " + suffix
-        requests.append(SampleRequest(prompt, count_tokens(tokenizer, prompt), n_out))
-    return requests
+    prefixes = [r.prompt for r in sample_random(tokenizer, num_prefixes, prefix_len, 1, 0.0, seed + 1, source)]
+    suffixes = sample_random(tokenizer, num, input_len, output_len, ratio, seed, source)
+    prompts = [prefixes[i % num_prefixes] + " " + r.prompt for i, r in enumerate(suffixes)]
+    return [SampleRequest(p, count_tokens(tokenizer, p), r.output_len) for p, r in zip(prompts, suffixes)]
 
 
 def sample_sharegpt(tokenizer, path: str, num: int, seed: int, output_len: int | None = None,
@@ -222,24 +195,14 @@ def sample_sharegpt(tokenizer, path: str, num: int, seed: int, output_len: int |
     return requests
 
 
-def load_prompts(path: str) -> list[str]:
-    """`--dataset prompts`: a JSON list of prompt strings, or a benchmarks/latency.py workload's name (that
-    script reads the file, and holds the workloads)."""
-    import latency  # benchmarks/latency.py, a sibling: stdlib imports only at its top
-    if not Path(path).exists():
-        if path in latency.WORKLOADS:
-            return latency.WORKLOADS[path]
-        raise SystemExit(f"--dataset-path {path}: no such file, nor a benchmarks/latency.py workload "
-                         f"({', '.join(latency.WORKLOADS)})")
+def sample_prompts(tokenizer, path: str, num: int, output_len: int) -> list[SampleRequest]:
+    """`--dataset prompts`: the first `num` prompts of a JSON list or of a benchmarks/latency.py workload (by
+    name), in order, each asking for `output_len` tokens."""
+    import latency  # benchmarks/latency.py, a sibling: it holds the workloads (stdlib imports only at its top)
     try:
-        return latency.read_prompts(path)
+        prompts = latency.named_or_file_prompts(path)
     except ValueError as err:
         raise SystemExit(f"--dataset-path {path}: {err}") from None
-
-
-def sample_prompts(tokenizer, path: str, num: int, output_len: int) -> list[SampleRequest]:
-    """The first `num` prompts of `load_prompts(path)`, in order, each asking for `output_len` tokens."""
-    prompts = load_prompts(path)
     if num > len(prompts):
         raise SystemExit(f"--dataset-path {path}: {len(prompts)} prompts, --num-prompts {num} asked")
     return [SampleRequest(p, count_tokens(tokenizer, p), output_len) for p in prompts[:num]]
@@ -247,6 +210,8 @@ def sample_prompts(tokenizer, path: str, num: int, output_len: int) -> list[Samp
 
 def build_requests(args, tokenizer) -> list[SampleRequest]:
     """The workload `args.dataset` names."""
+    if args.dataset in ("sharegpt", "prompts") and not args.dataset_path:
+        raise SystemExit(f"--dataset {args.dataset} needs --dataset-path")
     if args.dataset == "random":
         return sample_random(tokenizer, args.num_prompts, args.input_len, args.output_len,
                              args.range_ratio, args.seed, args.random_source)
@@ -254,21 +219,13 @@ def build_requests(args, tokenizer) -> list[SampleRequest]:
         return sample_prefix(tokenizer, args.num_prompts, args.num_prefixes, args.prefix_len, args.input_len,
                              args.output_len, args.range_ratio, args.seed, args.random_source)
     if args.dataset == "sharegpt":
-        if not args.dataset_path:
-            raise SystemExit("--dataset sharegpt needs --dataset-path")
-        return sample_sharegpt(tokenizer, args.dataset_path, args.num_prompts, args.seed,
-                               args.sharegpt_output_len)
+        return sample_sharegpt(tokenizer, args.dataset_path, args.num_prompts, args.seed, args.sharegpt_output_len)
     if args.dataset == "prompts":
-        if not args.dataset_path:
-            raise SystemExit("--dataset prompts needs --dataset-path (a JSON list of prompts, or grounded, "
-                             "open, grounded-more)")
         return sample_prompts(tokenizer, args.dataset_path, args.num_prompts, args.output_len)
     raise SystemExit(f"unknown --dataset {args.dataset!r}")
 
 
-# ---------------------------------------------------------------------------------------------
-# HTTP
-# ---------------------------------------------------------------------------------------------
+# ---- http ----------------------------------------------------------------------------------------------------------
 
 def build_payload(args, req: SampleRequest) -> dict[str, Any]:
     """The JSON body for one request (streaming, usage included, vLLM's ignore_eos when asked)."""
@@ -293,12 +250,8 @@ def endpoint_url(args) -> str:
 
 
 def _chunk_text(chunk: dict, endpoint: str) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
-    if endpoint == "chat":
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
+    choice = (chunk.get("choices") or [{}])[0]
+    return ((choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")) or ""
 
 
 async def send_request(client: httpx.AsyncClient, url: str, payload: dict, endpoint: str,
@@ -398,12 +351,8 @@ def count_output(res: RequestResult, tokenizer) -> None:
     """Set a request's output token counts: the server's usage where it sent one (as vLLM's benchmark
     does), else the tokenizer over its text; the tokenizer count is kept either way."""
     res.text_tokens = count_tokens(tokenizer, res.generated_text) if res.success else 0
-    if not res.success:
-        res.output_tokens = 0
-    elif res.usage_completion_tokens is None:
-        res.output_tokens = res.text_tokens
-    else:
-        res.output_tokens = res.usage_completion_tokens
+    usage = res.usage_completion_tokens
+    res.output_tokens = 0 if not res.success else res.text_tokens if usage is None else usage
 
 
 WARMUP_ATTEMPTS = 3
@@ -442,9 +391,7 @@ def _progress(total: int, disabled: bool, desc: str):
     return tqdm(total=total, desc=desc, file=sys.stderr)
 
 
-# ---------------------------------------------------------------------------------------------
-# Metrics
-# ---------------------------------------------------------------------------------------------
+# ---- metrics -------------------------------------------------------------------------------------------------------
 
 def _stats(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
     """mean/median/std/p<N> of `values_s` (seconds) in milliseconds, keyed like vLLM's JSON."""
