@@ -3,12 +3,10 @@
     python benchmarks/accuracy.py quant [--quantizations fp8,int8,w8a8]   # greedy agreement, KL, lm-eval
     python benchmarks/accuracy.py kv-fp8 [--tiny] [--scales unit]         # an fp8 KV cache against the float one
     python benchmarks/accuracy.py int8 [--batch-sizes 1,8,32]             # int8 / w8a8 weights: quality and speed
-    python benchmarks/accuracy.py dtypes [--steps 3]                      # decode step time by weight / KV dtype
 
 quant   each `--quantization` against the same weights in full precision (issue #64's targets)
 kv-fp8  kv_cache_dtype="fp8" against the float cache on the same weights (issue #64's targets)
 int8    weight-only int8 and W8A8 against float32: perplexity, agreement, greedy answers; output tok/s
-dtypes  batch-1 decode step time on CPU by weight and KV cache dtype, SmolLM2-135M shapes
 
 `accuracy.py <command> -h` prints the command's full description. The chats are benchmarks/latency.py's.
 """
@@ -31,11 +29,9 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's jaxpaged (and tests/, for kv-fp8 --tiny and the lm-eval task)
 from jaxpaged.core.scheduler_output import ScheduledRequest  # noqa: E402
-from jaxpaged.models.llama import LlamaConfig, init_params  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
 from jaxpaged.worker.model_runner import ModelRunner  # noqa: E402
-from jaxpaged.worker.runner_config import RunnerConfig, resolve_kv_cache_dtype  # noqa: E402
-from jaxpaged.worker.step_input import kv_bytes_per_page  # noqa: E402
+from jaxpaged.worker.runner_config import RunnerConfig  # noqa: E402
 from latency import GROUNDED, GROUNDED_MORE, OPEN, chat_ids  # noqa: E402  (benchmarks/, beside this file)
 
 QUANT_DOC = """What each `--quantization` costs in accuracy against full precision, side by side from one run.
@@ -58,7 +54,6 @@ own fp8 side against `--reference` (its full-precision original)."""
 KV_FP8_DOC = """What an fp8 KV cache costs in accuracy against the float cache, in one run, on the same weights.
 
     python benchmarks/accuracy.py kv-fp8                              # SmolLM2: 32 chats, 48 tokens; held-out KL
-    python benchmarks/accuracy.py kv-fp8 --prompts 8 --max-tokens 24  # smaller
     python benchmarks/accuracy.py kv-fp8 --scales unit                # vLLM's default scales (1.0) instead
 
 Two measures, each against the same model with a float KV cache (float32 weights and pool on CPU):
@@ -97,14 +92,6 @@ Speed: for each batch size B (--batch-sizes), B of those chats at once decoding 
 tok/s per round, the medians and each side / float32. At batch 1 a decode step reads every weight once per
 token, so int8 reads a quarter of the bytes; at 8-32 rows the step is bound by the multiply-adds, which
 weight-only int8 does not cut (its values are widened to float32 in registers) and W8A8's VNNI dots do."""
-DTYPES_DOC = """Batch-1 decode step time on CPU by weight and KV cache dtype, SmolLM2-135M shapes.
-
-Random weights (no download), the engine's default CPU KV budget (1 GiB), the
-XLA attention path. Each row times `ModelRunner.execute` on one decode token
-at context 64, median of a few steps after a warm-up, and its ratio to the
-f32/f32 row. "auto" is what `--kv-cache-dtype auto` picks for that model.
-
-    python benchmarks/accuracy.py dtypes [--kv-cache-memory BYTES] [--steps N]"""
 
 
 # ---- quant ---------------------------------------------------------------------------------------------------
@@ -163,11 +150,11 @@ def greedy_answers(model: str, quantization: str | None, dtype: str, max_tokens:
 
 def prefix_shares(reference: list[list[int]], quantized: list[list[int]]) -> list[float]:
     """Per prompt: the common prefix's share of the reference answer."""
-    shares = []
-    for ref, got in zip(reference, quantized, strict=True):
-        same = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-        shares.append(same / max(len(ref), 1))
-    return shares
+    return [common_prefix(ref, got) / max(len(ref), 1) for ref, got in zip(reference, quantized, strict=True)]
+
+
+def common_prefix(x: list[int], y: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
 
 
 def agreement(reference: list[list[int]], quantized: list[list[int]]) -> float:
@@ -286,28 +273,27 @@ def kv_fp8_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _kv_engine_args(kv_cache_dtype: str, config) -> dict:
-    return dict(dtype="float32", kv_cache_dtype=kv_cache_dtype,
-                max_model_len=min(1024, config.max_position_embeddings), max_num_seqs=32,
-                max_num_batched_tokens=256, kv_cache_memory=64 << 20, warmup=False, compilation_cache_dir=None)
+def _kv_engine(loaded, kv_cache_dtype: str, scales: str):
+    """An engine over `loaded` with a float ("auto") or an fp8 KV pool; scales "unit": every fp8 scale 1.0."""
+    from jaxpaged.config import EngineArgs
+    from jaxpaged.engine.llm_engine import LLMEngine
 
-
-def unit_scales(config):
-    shape = (config.num_hidden_layers, config.num_key_value_heads)
-    return np.ones(shape, np.float32), np.ones(shape, np.float32)
+    engine = LLMEngine(EngineArgs(model="unused", dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                                  max_model_len=min(1024, loaded.config.max_position_embeddings), max_num_seqs=32,
+                                  max_num_batched_tokens=256, kv_cache_memory=64 << 20, warmup=False,
+                                  compilation_cache_dir=None), loaded=loaded)
+    if kv_cache_dtype == "fp8" and scales == "unit":
+        shape = (loaded.config.num_hidden_layers, loaded.config.num_key_value_heads)  # two buffers: both donated
+        engine.runner.kv = dataclasses.replace(engine.runner.kv, k_scale=jnp.ones(shape), v_scale=jnp.ones(shape))
+    return engine
 
 
 def greedy_agreement(loaded, prompts: list[list[int]], max_tokens: int, scales: str = "auto") -> list[float]:
     """Per prompt: the common prefix of the fp8-KV and float-KV greedy answers / max_tokens."""
-    from jaxpaged.config import EngineArgs
-    from jaxpaged.engine.llm_engine import LLMEngine
-
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     answers = {}
     for kv in ("auto", "fp8"):
-        engine = LLMEngine(EngineArgs(model="unused", **_kv_engine_args(kv, loaded.config)), loaded=loaded)
-        if kv == "fp8" and scales == "unit":
-            _set_scales(engine.runner, unit_scales(loaded.config))
+        engine = _kv_engine(loaded, kv, scales)
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
         done = {}
@@ -317,25 +303,14 @@ def greedy_agreement(loaded, prompts: list[list[int]], max_tokens: int, scales: 
     return prefix_shares(answers["auto"], answers["fp8"])  # ignore_eos: each answer is max_tokens long
 
 
-def _set_scales(runner, scales) -> None:
-    import dataclasses
-
-    runner.kv = dataclasses.replace(runner.kv, k_scale=jnp.asarray(scales[0]), v_scale=jnp.asarray(scales[1]))
-
-
 def kv_mean_kl(loaded, token_ids: list[int], chunk: int, scales: str = "auto") -> float:
     """Mean KL(float KV || fp8 KV) of the next-token distributions at every position of token_ids, the text fed
     `chunk` tokens a step through each engine's own runner (later chunks read the earlier ones' pages)."""
-    from jaxpaged.config import EngineArgs
-    from jaxpaged.engine.llm_engine import LLMEngine
     from jaxpaged.models.llama import lm_logits
 
     logprobs = {}
     for kv in ("auto", "fp8"):
-        engine = LLMEngine(EngineArgs(model="unused", **_kv_engine_args(kv, loaded.config)), loaded=loaded)
-        if kv == "fp8" and scales == "unit":
-            _set_scales(engine.runner, unit_scales(loaded.config))
-        runner, rows = engine.runner, []
+        runner, rows = _kv_engine(loaded, kv, scales).runner, []
         for start in range(0, len(token_ids), chunk):
             step = _chunk_step(token_ids, start, min(len(token_ids), start + chunk), runner.config.page_size)
             _, hidden = runner._forward(step)  # pylint: disable=protected-access
@@ -364,8 +339,8 @@ def kv_fp8_main(argv=None) -> int:
     from jaxpaged.models.loader import load_model
 
     loaded = load_model(args.model, dtype="float32")
-    kinds = (["grounded"] * len(GROUNDED) + ["open"] * len(OPEN) + ["grounded-more"] * len(GROUNDED_MORE))
-    kinds = kinds[: args.prompts]
+    kinds = (["grounded"] * len(GROUNDED) + ["open"] * len(OPEN) + ["grounded-more"] * len(GROUNDED_MORE))[
+        :args.prompts]
     prompts = chat_ids(loaded.tokenizer, (GROUNDED + OPEN + GROUNDED_MORE)[: args.prompts])
     shares = greedy_agreement(loaded, prompts, args.max_tokens, args.scales)
     kl = kv_mean_kl(loaded, loaded.tokenizer(KV_HELD_OUT)["input_ids"], args.chunk, args.scales)
@@ -458,8 +433,7 @@ def int8_quality(engines: dict, prompts: list[list[int]], max_tokens: int) -> di
            "mean_answer_tokens": float(np.mean([len(a) for a in answers[BASE]])),
            "perplexity": {side: math.exp(float(np.mean(nll[side]))) for side in sides}}
     for side in sides[1:]:
-        prefixes = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-                    for x, y in zip(answers[BASE], answers[side])]
+        prefixes = [common_prefix(x, y) for x, y in zip(answers[BASE], answers[side])]
         out[side] = {"top1_agreement": agree[side] / len(diffs[side]),
                      "mean_abs_logprob_diff": float(np.mean(diffs[side])),
                      "identical_answers": sum(x == y for x, y in zip(answers[BASE], answers[side])),
@@ -513,53 +487,9 @@ def int8_main(argv=None) -> int:
     return 0
 
 
-# ---- dtypes --------------------------------------------------------------------------------------------------
-
-SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                           num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                           max_position_embeddings=2048, tie_word_embeddings=True)
-ROWS = [("float32", "auto"), ("bfloat16", "bfloat16"), ("bfloat16", "auto")]  # (weights, kv_cache_dtype)
-
-
-def step_ms(weights: str, kv_cache_dtype: str, budget: int, steps: int) -> tuple[float, str, int]:
-    """(median ms a decode step, the pool's dtype, pages) for one configuration."""
-    params = init_params(SMOLLM2_135M, jax.random.PRNGKey(0), jnp.dtype(weights))
-    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, params["embed"].dtype, jax.default_backend())
-    pages = budget // kv_bytes_per_page(SMOLLM2_135M, 16, kv_dtype)
-    runner = ModelRunner(SMOLLM2_135M, params, RunnerConfig(
-        max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, page_size=16, num_pages=pages,
-        attention_backend="xla", kv_cache_dtype=kv_cache_dtype))
-    entry = ScheduledRequest("r", (1,), 64, tuple(range(1, 6)), True, SamplingParams(), 64)
-    step = runner.prepare([entry])
-    jax.block_until_ready(runner.execute(step))
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(runner.execute(step))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times)), np.dtype(kv_dtype).name, pages
-
-
-def dtypes_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="accuracy.py dtypes", description=DTYPES_DOC,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV pool bytes (engine's CPU default)")
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args(argv)
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}; SmolLM2-135M shapes, random weights, "
-          f"KV budget {args.kv_cache_memory / 2**30:.2f} GiB, batch-1 decode at context 64")
-    print(f"{'weights':9s} {'kv_cache_dtype':15s} {'pool dtype':10s} {'pages':>6s} {'ms/step':>9s} {'x f32':>7s}")
-    base = None
-    for weights, kv in ROWS:
-        ms, pool, pages = step_ms(weights, kv, args.kv_cache_memory, args.steps)
-        base = base or ms
-        print(f"{weights:9s} {kv:15s} {pool:10s} {pages:6d} {ms:9.1f} {ms / base:7.2f}", flush=True)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"quant": quant_main, "kv-fp8": kv_fp8_main, "int8": int8_main, "dtypes": dtypes_main}
+    commands = {"quant": quant_main, "kv-fp8": kv_fp8_main, "int8": int8_main}
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
         return 2

@@ -365,17 +365,18 @@ def run_here(args) -> dict[str, dict[str, float]]:
     """{batch: {part: ms}} measured in this process (this --tree's jaxpaged)."""
     results = {}
     for batch in args.batch:
-        engine = LLMEngine(EngineArgs(model="smollm2-135m-instruct", dtype="float32", max_num_seqs=max(batch, 4),
-                                      max_model_len=512, warmup=False, quantization=args.quantization))
+        engine = LLMEngine(EngineArgs(model="smollm2-135m-instruct", dtype=args.dtype, max_num_seqs=max(batch, 4),
+                                      max_model_len=512, warmup=False, quantization=args.quantization,
+                                      kv_cache_dtype=args.kv_cache_dtype))
         decode_batch(engine, batch, args.context)
         results[str(batch)] = measure(engine, args.steps, args.sampling, args.xla_options, args.hlo, batch)
         print(f"  [{_tree(sys.argv).name}] batch {batch}: " +
               ", ".join(f"{k} {v:.1f}" for k, v in results[str(batch)].items()), flush=True)
         del engine
     for tokens in args.prefill:
-        engine = LLMEngine(EngineArgs(model="smollm2-135m-instruct", dtype="float32", max_num_seqs=32,
+        engine = LLMEngine(EngineArgs(model="smollm2-135m-instruct", dtype=args.dtype, max_num_seqs=32,
                                       max_model_len=512, max_num_batched_tokens=max(512, tokens), warmup=False,
-                                      quantization=args.quantization))
+                                      quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
         key = f"prefill {tokens}"
         results[key] = measure_prefill(engine, args.steps, tokens, args.hlo)
         print(f"  [{_tree(sys.argv).name}] {key}: " +
@@ -383,7 +384,7 @@ def run_here(args) -> dict[str, dict[str, float]]:
         del engine
     if 1 in args.batch and not args.no_roofline:
         import micro  # pylint: disable=import-outside-toplevel  (benchmarks/micro.py, beside this file)
-        results["roofline"] = micro.roofline()
+        results["roofline"] = micro.roofline(dtype=args.dtype)
     return results
 
 
@@ -391,7 +392,8 @@ def run_tree(tree: str, args) -> dict:
     """run_here in a subprocess importing `tree`'s jaxpaged; its JSON result."""
     argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--tree", tree, "--json", "--no-roofline",
             "--batch", *map(str, args.batch), "--prefill", *map(str, args.prefill),
-            "--context", str(args.context), "--steps", str(args.steps)]
+            "--context", str(args.context), "--steps", str(args.steps), "--dtype", args.dtype,
+            "--kv-cache-dtype", args.kv_cache_dtype]
     argv += ["--quantization", args.quantization] if args.quantization else []
     argv += ["--sampling"] if args.sampling else []
     proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
@@ -431,6 +433,10 @@ def main(argv=None) -> int:
     parser.add_argument("--before-tree", default=None, help="another checkout to measure first (before / after)")
     parser.add_argument("--quantization", choices=["int8", "w8a8"], default=None,
                         help="quantisation of the engine measured (EngineArgs.quantization)")
+    parser.add_argument("--dtype", default="float32", help="the weights' dtype (EngineArgs.dtype; on CPU a bf16 "
+                        "model's weights are upcast for every dot)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="EngineArgs.kv_cache_dtype (auto: a float32 pool "
+                        "for a bf16 model on CPU, whose bf16 pool is converted around every layer's write)")
     parser.add_argument("--no-roofline", action="store_true")
     parser.add_argument("--tree", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
@@ -440,7 +446,8 @@ def main(argv=None) -> int:
         print(json.dumps(run_here(args)), flush=True)
         return 0
     print(f"jax {jax.__version__}, {jax.default_backend()}, {os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.1f}; SmolLM2-135M f32, decode at context ~{args.context}, "
+          f"{os.getloadavg()[0]:.1f}; SmolLM2-135M {args.dtype} (KV {args.kv_cache_dtype}), decode at context "
+          f"~{args.context}, "
           f"fastest of {args.steps} rounds; "
           f"engine compiler options {_options()}", flush=True)
     columns = {}
@@ -449,7 +456,7 @@ def main(argv=None) -> int:
         columns[f"after ({_commit(here)})"] = run_tree(here, args)
         if 1 in args.batch and not args.no_roofline:
             import micro  # pylint: disable=import-outside-toplevel
-            columns[list(columns)[-1]]["roofline"] = micro.roofline()
+            columns[list(columns)[-1]]["roofline"] = micro.roofline(dtype=args.dtype)
     else:
         columns[f"{pathlib.Path(here).name} ({_commit(here)})"] = run_here(args)
     rows = [*args.batch, *(f"prefill {n}" for n in args.prefill)]
