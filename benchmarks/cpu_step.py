@@ -29,11 +29,9 @@ At batch 1 the weight-read roofline (benchmarks/micro.py roofline: a read-bandwi
 process, weight bytes / bandwidth) is printed next to the step's tok/s (1000 / step ms).
 
 --before-tree PATH runs the same measurement on another checkout (a subprocess importing that
-tree's jaxpaged) and prints before / after side by side; --hlo DIR writes each batch's compiled step
-HLO and prints which dots run as XLA:CPU library (YNNPACK) fusions and which stay XLA's own.
+tree's jaxpaged) and prints before / after side by side.
 
     python benchmarks/micro.py step --batch 1 32 [--prefill 256 512] [--steps 5] [--before-tree /tmp/main]
-        [--hlo /tmp/hlo]
 """
 
 from __future__ import annotations
@@ -43,7 +41,6 @@ import functools
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import time
@@ -73,10 +70,6 @@ from jaxpaged.sampling_params import SamplingParams  # noqa: E402
 
 SETTINGS = {"greedy": SamplingParams(temperature=0.0), "t0.8 top_p0.95": SamplingParams(temperature=0.8, top_p=0.95),
             "top_k40": SamplingParams(temperature=1.0, top_k=40), "t0.8": SamplingParams(temperature=0.8)}
-OPTION_SETS = {
-    "default": {},
-    "ynn dot": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
-}
 PROMPT = ("You are a helpful assistant. Explain, step by step and with a short example, how a hash map handles "
           "collisions, and when a balanced tree would be the better choice for a given workload. ")
 PARTS = ("step", "forward", "matmuls", "attention", "kv write", "rest", "sampler greedy", "prepare", "sampling batch",
@@ -223,8 +216,7 @@ def split_forward(out: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def measure(engine: LLMEngine, steps: int, sampling: bool, xla_options: bool, hlo_dir: str | None,
-            batch: int) -> dict[str, float]:
+def measure(engine: LLMEngine, steps: int, sampling: bool) -> dict[str, float]:
     """{part: ms} for the engine's current decode batch (see the module docstring): the fastest of
     `steps` rounds; within a round every part (but the whole step, timed first) runs once, in turn."""
     step_times = _rounds({"step": engine.step}, steps)
@@ -244,33 +236,9 @@ def measure(engine: LLMEngine, steps: int, sampling: bool, xla_options: bool, hl
         if name != "greedy" and sampling:
             sb = make_sampling_batch(_rows(engine, entries, params), logits.shape[0], logits.shape[1])
             parts[f"sampler {name}"] = functools.partial(sample_jit, logits, sb, num_top_logprobs=0)
-    if xla_options:
-        for name, opts in OPTION_SETS.items():
-            parts[f"forward[{name}]"] = _option_forward(runner, step, opts)
     out = split_forward({**step_times, **_rounds(parts, steps)})
     out["host other"] = out["step"] - out["forward"] - out["sampler greedy"] - out["prepare"] - out["sampling batch"]
-    if hlo_dir:
-        _write_hlo(runner, step, pathlib.Path(hlo_dir) / f"step-b{batch}.hlo.txt")
     return out
-
-
-def _option_forward(runner, step, opts):
-    """The runner's forward compiled with other XLA options, the pool threaded through (donated)."""
-    compiled = jax.jit(step_program.paged_forward, static_argnums=(0, 1), donate_argnums=(3,),
-                       compiler_options=opts).lower(runner.model_config, runner.config.attention, runner.params,
-                                                    runner.kv, step).compile()
-
-    def call():
-        logits, _, runner.kv = compiled(runner.params, runner.kv, step)
-        return logits
-    return call
-
-
-def _write_hlo(runner, step, path: pathlib.Path):
-    text = runner.lower(step).compile().as_text()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    print(f"  compiled step HLO: {path}\n" + "\n".join("  " + line for line in hlo_summary(text)), flush=True)
 
 
 def prefill_step(engine: LLMEngine, tokens: int, prompt_len: int = 128):
@@ -287,14 +255,10 @@ def prefill_step(engine: LLMEngine, tokens: int, prompt_len: int = 128):
     return entries
 
 
-def measure_prefill(engine: LLMEngine, steps: int, tokens: int, hlo_dir: str | None) -> dict[str, float]:
+def measure_prefill(engine: LLMEngine, steps: int, tokens: int) -> dict[str, float]:
     """{part: ms} of the forward of one step prefilling `tokens` prompt tokens (see the docstring)."""
     runner = engine.runner
-    step = runner.prepare(prefill_step(engine, tokens))
-    out = split_forward(_rounds(forward_parts(runner, step), steps))
-    if hlo_dir:
-        _write_hlo(runner, step, pathlib.Path(hlo_dir) / f"step-prefill{tokens}.hlo.txt")
-    return out
+    return split_forward(_rounds(forward_parts(runner, runner.prepare(prefill_step(engine, tokens))), steps))
 
 
 def _rounds(fns: dict, rounds: int) -> dict[str, float]:
@@ -310,54 +274,6 @@ def _rounds(fns: dict, rounds: int) -> dict[str, float]:
     return {name: min(t) for name, t in times.items()}
 
 
-# ------------------------------------------------------------------------------------------ HLO
-
-
-def hlo_summary(text: str) -> list[str]:
-    """Which dots of a compiled XLA:CPU module run in a library fusion (YNNPACK/oneDNN) and which stay
-    XLA's own (its emitter or Eigen), with their shapes; plus the copies, transposes and dynamic
-    slices the module holds."""
-    comps, current = {}, None
-    for line in text.splitlines():
-        m = re.match(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if m and "=" not in line.split("{")[0]:
-            current = m.group(1)
-            comps[current] = []
-        elif current is not None and "=" in line:
-            comps[current].append(line.strip())
-    library = set()
-    for lines in comps.values():
-        for line in lines:
-            if re.search(r"__(ynn|onednn|xnn)_fusion", line):
-                library.update(re.findall(r"calls=%?([\w.\-]+)", line))
-    dots = {"library": [], "xla": []}
-    counts = {"copy": 0, "transpose": 0, "dynamic-slice": 0, "while": 0, "gather": 0, "scatter": 0}
-    for name, lines in comps.items():
-        for line in lines:
-            for opcode in counts:
-                counts[opcode] += bool(re.search(rf"\s{opcode}\(", line))
-            dot = re.search(r"=\s*(\S+)\s+dot\((.*?)\)", line)
-            if dot:
-                operands = [re.sub(r"[.\d]+$", "", x.strip().lstrip("%")) for x in dot.group(2).split(",")]
-                contract = re.findall(r"(lhs|rhs)_contracting_dims=\{([\d,]*)\}", line)
-                desc = (f"{dot.group(1).split('{')[0]} = dot({', '.join(operands)}) "
-                        f"({', '.join(f'{s} {d}' for s, d in contract)})")
-                dots["library" if name in library else "xla"].append(desc)
-    lines = [f"library fusions: {len(library)}, dots in them: {len(dots['library'])}, dots left to XLA: "
-             f"{len(dots['xla'])}; " + ", ".join(f"{k} {v}" for k, v in counts.items())]
-    for kind in ("library", "xla"):
-        for desc, n in sorted(_count(dots[kind]).items()):
-            lines.append(f"  {kind:7s} dot x{n}: {desc}")
-    return lines
-
-
-def _count(items):
-    out = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out
-
-
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -369,7 +285,7 @@ def run_here(args) -> dict[str, dict[str, float]]:
                                       max_model_len=512, warmup=False, quantization=args.quantization,
                                       kv_cache_dtype=args.kv_cache_dtype))
         decode_batch(engine, batch, args.context)
-        results[str(batch)] = measure(engine, args.steps, args.sampling, args.xla_options, args.hlo, batch)
+        results[str(batch)] = measure(engine, args.steps, args.sampling)
         print(f"  [{_tree(sys.argv).name}] batch {batch}: " +
               ", ".join(f"{k} {v:.1f}" for k, v in results[str(batch)].items()), flush=True)
         del engine
@@ -378,7 +294,7 @@ def run_here(args) -> dict[str, dict[str, float]]:
                                       max_model_len=512, max_num_batched_tokens=max(512, tokens), warmup=False,
                                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
         key = f"prefill {tokens}"
-        results[key] = measure_prefill(engine, args.steps, tokens, args.hlo)
+        results[key] = measure_prefill(engine, args.steps, tokens)
         print(f"  [{_tree(sys.argv).name}] {key}: " +
               ", ".join(f"{k} {v:.1f}" for k, v in results[key].items()), flush=True)
         del engine
@@ -428,8 +344,6 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=170)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--sampling", action="store_true", help="also time the sampler at top_p, top_k, temperature")
-    parser.add_argument("--xla-options", action="store_true", help="also time the forward per XLA option set")
-    parser.add_argument("--hlo", default=None, help="write the compiled step HLO here and summarise its dots")
     parser.add_argument("--before-tree", default=None, help="another checkout to measure first (before / after)")
     parser.add_argument("--quantization", choices=["int8", "w8a8"], default=None,
                         help="quantisation of the engine measured (EngineArgs.quantization)")
