@@ -275,3 +275,21 @@ def test_the_gpu_step_runs_every_weight_dot_on_the_kernel(tied):
     cpu_text = cpu_runner.lower(step, params=gpu_params).as_text()
     assert "batch_invariant_matmul" not in cpu_text and "stablehlo.dot_general" in cpu_text
 
+
+
+def test_off_cuda_the_invariant_matmul_is_xlas_dots():
+    """Where a step is not lowered for CUDA (here the CPU), `gpu_invariant_matmul`'s products and sums are XLA's
+    ops: float32 results equal to jnp's (the tied head's transposed product too)."""
+    from jaxpaged.worker.invariant_dots import gpu_invariant_matmul
+
+    rng = np.random.default_rng(4)
+    x, w = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((5, 48), (48, 24)))
+    matmul = gpu_invariant_matmul()
+    got, got_t = jax.jit(matmul.fn)(x, w), jax.jit(matmul.fn_t)(x, w.T)
+    want = jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32)
+    assert got.dtype == got_t.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got_t), np.asarray(want))
+    sums = jax.jit(matmul.row_sums)(x.reshape(5, 2, 24))
+    np.testing.assert_allclose(np.asarray(sums)[..., 0], np.asarray(x, np.float32).reshape(5, 2, 24).sum(-1),
+                               rtol=1e-6, atol=1e-6)
