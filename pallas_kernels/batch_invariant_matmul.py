@@ -83,9 +83,7 @@ def batch_invariant_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = Fa
   n = _check_operands(x, w, transpose_w)
   m, k = x.shape
   out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-  if m == 0 or n == 0:
-    return jnp.zeros((m, n), out_dtype)
-  if k == 0:   # an empty sum: no program would load anything
+  if m == 0 or n == 0 or k == 0:   # nothing to compute, or empty sums
     return jnp.zeros((m, n), out_dtype)
   tiles = gemm_tiles(x.dtype, n)
   padded = pl.cdiv(m, tiles.block_m) * tiles.block_m
