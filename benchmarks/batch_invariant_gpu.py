@@ -134,7 +134,7 @@ def engine_rows(args) -> None:
         equal = alone[0][0] == together[0][0] and same_bits(alone[0][1], together[0][1])
         emit(args.json, f"engine {label}: alone == beside {len(prompts) - 1}",
              f"{'EQUAL BITS' if equal else 'DIFFER'} (tokens {alone[0][0] == together[0][0]})",
-             part="engine_bits", mode=label, equal=equal)
+             part="engine_bits", mode=label, equal=equal, others=len(prompts) - 1)
         _, seconds = generate(engine, prompts, args.output_len, logprobs=False)
         rates[label] = args.concurrency * args.output_len / seconds
         emit(args.json, f"engine {label}: {args.concurrency} concurrent", f"{rates[label]:9.1f} out tok/s",
@@ -142,7 +142,7 @@ def engine_rows(args) -> None:
         del engine
     ratio = rates["default"] / rates["batch-invariant"]
     emit(args.json, "engine batch-invariant cost", f"default / batch-invariant x{ratio:.2f}", part="engine_cost",
-         ratio=ratio)
+         ratio=ratio, concurrency=args.concurrency)
 
 
 def main(argv=None) -> int:
