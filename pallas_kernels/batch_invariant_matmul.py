@@ -87,6 +87,9 @@ def batch_invariant_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = Fa
     return jnp.zeros((m, n), out_dtype)
   tiles = gemm_tiles(x.dtype, n)
   padded = pl.cdiv(m, tiles.block_m) * tiles.block_m
+  if max(padded * k, w.size, padded * n) >= 2**31:   # the kernel's element offsets are int32
+    raise ValueError(f"batch_invariant_matmul: x {x.shape} @ w {w.shape} has operands of 2**31 elements or "
+                     "more, past the kernel's int32 offsets; split the product")
   xp = jnp.pad(x, ((0, padded - m), (0, 0)))                 # [M', K], M' a multiple of block_m
   out = _pallas_call(xp, w, n=n, tiles=tiles, transpose_w=transpose_w, out_dtype=out_dtype,
                      precision=precision, interpret=interpret)

@@ -102,6 +102,7 @@ def test_empty_operands():
     (SDS((4, 8), jnp.int8), SDS((8, 16), jnp.int8), {}, "quantized weights are not supported"),
     (SDS((4, 8), jnp.float32), SDS((9, 16), jnp.float32), {}, "disagree on K"),
     (SDS((4, 8), jnp.float32), SDS((8, 16), jnp.float32), {"transpose_w": True}, "as \\[N, K\\]"),
+    (SDS((4, 1 << 16), jnp.bfloat16), SDS((1 << 16, 1 << 15), jnp.bfloat16), {}, "int32 offsets"),
 ])
 def test_bad_operands_are_refused(x, w, kw, match):
   with pytest.raises(ValueError, match=match):
