@@ -5,7 +5,8 @@ head, a tied head's embedding too) and for the norms' row sums; XLA's dots and s
 XLA:GPU's own dots (cuBLAS, its Triton GEMMs) choose their tiles and split-K by the row count, so a row's logits
 would change with the batch; the kernel sums each row over K in one order at any row count. Which branch runs is
 decided where the step is lowered (`lax.platform_dependent`): a step lowered for "cuda" holds the kernel, whatever
-machine traced it (tests lower the GPU step from a CPU), and a CPU or TPU step keeps XLA's ops.
+machine traced it (tests lower the GPU step from a CPU), and a CPU or TPU step keeps XLA's ops. What the mode needs
+on a GPU (float weights, one device) is checked here too (`check_gpu_batch_invariant`).
 """
 
 from __future__ import annotations
