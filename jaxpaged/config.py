@@ -219,7 +219,8 @@ def resolve_engine_config(args: EngineArgs, model: LoadedModel, mesh: Mesh | Non
     sized from the memory left) on this machine."""
     on_gpu = jax.default_backend() == "gpu"
     if args.batch_invariant:
-        check_batch_invariant(_packs_weights(args, model, mesh), jax.default_backend())
+        check_batch_invariant(_packs_weights(args, model, mesh), jax.default_backend(),
+                              quantization=resolve_quantization(args, model, mesh), sharded=mesh is not None)
     overlap = on_gpu if args.overlap_verification is None else args.overlap_verification
     runner = _runner_config(args, model, mesh, on_gpu, overlap)
     config = model.config

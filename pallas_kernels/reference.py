@@ -1,6 +1,6 @@
-"""Ragged paged attention, the readable reference (the oracle of the kernels).
+"""The readable references (the oracles of the kernels): ragged paged attention, and a plain matmul.
 
-One query token at a time: find its sequence and position, gather that
+Attention: one query token at a time: find its sequence and position, gather that
 sequence's whole page-table row of keys and values, and take a masked softmax
 in float32 at full precision. It shares no code with the kernels (no tiles,
 no blocks, no planning), so their bugs cannot hide in it. Jittable (traced
@@ -107,3 +107,13 @@ def _attend_one(q_t, k_pages, v_pages, pages, kv_len, pos, window, sm_scale,
                    precision=lax.Precision.HIGHEST)
   total = jnp.sum(weights, axis=-1, keepdims=True)
   return (out / jnp.where(total > 0, total, 1.0)).reshape(hq, d)
+
+
+def matmul_reference(x, w, *, transpose_w=False, out_dtype=None):
+  """x [M, K] @ w [K, N] (w [N, K] with transpose_w) -> [M, N] in out_dtype
+  (default x's): both operands widened to float32, one dot at full
+  precision; the oracle of `batch_invariant_matmul` (no tiles, no loop)."""
+  w32 = w.astype(jnp.float32)
+  y = jnp.dot(x.astype(jnp.float32), w32.T if transpose_w else w32,
+              precision=lax.Precision.HIGHEST)
+  return y.astype(x.dtype if out_dtype is None else out_dtype)

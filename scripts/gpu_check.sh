@@ -15,6 +15,8 @@
 #      batches vs the pure-JAX path and JAX's paged_attention,
 #   4. update_weights of the Llama-3-8B shape (benchmarks/offline.py update-weights
 #      --random llama3-8b: issue 65's < 2 s; PASS / MISS in the summary),
+#   4b. issue 65's batch-invariant mode (benchmarks/batch_invariant_gpu.py): the fixed-tile GEMM vs
+#      XLA's dots at the 8B shapes, a request alone vs beside 63 (equal bits: PASS / MISS), its cost,
 #   5. issue 64's fp8 KV cache (benchmarks/attention.py kv-fp8): pool tokens and decode
 #      attention at 8k context, fp8 pages against bf16,
 #   6. a tiling sweep of our kernel on a few rows (attention.py --sweep),
@@ -130,6 +132,25 @@ for name, label, target in (("fp8 KV capacity", "pool tokens, fp8 / bf16", 1.95)
     print(f"{'UNMEASURED':10s} {label}")
   else:
     print(f"{'PASS' if r['ratio'] >= target else 'MISS':10s} {label}: {r['ratio']:.2f}x (>= {target}x)")
+PYEOF
+  [ -s "$DIR/batch_invariant.jsonl" ] && "$PY" - "$DIR/batch_invariant.jsonl" "${SMOKE[@]}" <<'PYEOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print("issue 65 batch-invariant mode on this device" + (" (smoke: tiny sizes; not the target)" if "--smoke" in sys.argv
+                                                          else "") + ":")
+bits = {r["mode"]: r for r in rows if r.get("part") == "engine_bits"}
+if "batch-invariant" in bits:
+  r = bits["batch-invariant"]
+  print(f"{'PASS' if r['equal'] else 'MISS':10s} a request alone vs beside {r['others']}: same tokens and "
+        f"log-prob bits (default mode: {'equal' if bits.get('default', {}).get('equal') else 'differ'})")
+else:
+  print(f"{'UNMEASURED':10s} a request alone vs beside others")
+for r in rows:
+  if r.get("part") == "engine_cost":
+    print(f"{'COST':10s} default / batch-invariant output tok/s at {r['concurrency']} concurrent: "
+          f"{r['ratio']:.2f}x (no GPU target)")
+  if r.get("part") == "dot_bits" and not r["ours_equal"]:
+    print(f"{'MISS':10s} {r['dot']}: the fixed-tile GEMM's row 0 differs alone vs in 64 rows")
 PYEOF
   grep -E "^(FAILED|ERROR) " "$LOG" | cut -c1-160 | head -n 12
   grep -E "[0-9]+ (passed|failed)" "$LOG" | tail -n 2
@@ -261,6 +282,10 @@ PYEOF
   [ "$MODE" = interpret ] && shape=smoke
   section "update_weights" 120 "$PY" benchmarks/offline.py update-weights --random $shape --repeats 2 \
     --target-seconds 2 || status=1
+  # Issue 65's batch-invariant mode: the fixed-tile GEMM vs XLA's dots, a row alone vs in a batch (bits), its cost.
+  : >"$DIR/batch_invariant.jsonl"
+  section "batch-invariant" 150 "$PY" benchmarks/batch_invariant_gpu.py "${SMOKE[@]}" \
+    --json "$DIR/batch_invariant.jsonl" || status=1
   # Issue 64's fp8 KV cache: pool tokens and decode attention at 8k context, fp8 pages vs bf16.
   : >"$DIR/kv_fp8.jsonl"
   section "fp8 KV cache" 40 "$PY" benchmarks/attention.py kv-fp8 "${SMOKE[@]}" \

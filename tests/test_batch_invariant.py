@@ -5,6 +5,9 @@ off) would run for prefill chunks."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +20,8 @@ from jaxpaged.models import llama
 from jaxpaged.worker import model_runner as runner_module
 from jaxpaged.worker.runner_config import CPU_SMALL_STEP_OPTIONS, RunnerConfig
 from jaxpaged.worker.step_program import batch_invariant_matmul
-from pallas_kernels import cpu_attention, cpu_matmul, plan_kernel_calls, ragged_paged_attention
+from jaxpaged.worker.weight_layout import to_weight_layout
+from pallas_kernels import cpu_attention, cpu_matmul, cuda_compile, plan_kernel_calls, ragged_paged_attention
 from pallas_kernels.tiling import batch_invariant_tiling
 from tests.conftest import TINY_BASE, tiny_tokenizer
 
@@ -213,12 +217,79 @@ def test_cli_flag():
     assert engine_args(build_parser().parse_args([])).batch_invariant is False
 
 
-def test_the_gpu_gets_a_warning_the_cpu_a_refusal(caplog):
+def test_the_gpu_gets_the_kernel_the_cpu_a_refusal(caplog):
     from jaxpaged.worker.runner_config import check_batch_invariant
 
     check_batch_invariant(True, "cpu")  # packed weights: fine, silently
     with pytest.raises(ValueError, match="XLA's own dots"):
         check_batch_invariant(False, "cpu")
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         check_batch_invariant(False, "gpu")
-    assert "not batch-invariant yet" in caplog.text
+    assert "weight dots, the LM head and the norms' sums on the fixed-tile Pallas GEMM" in caplog.text
+    with pytest.raises(ValueError, match="quantization='fp8'.*serve the checkpoint unquantized"):
+        check_batch_invariant(False, "gpu", quantization="fp8")
+    with pytest.raises(ValueError, match="one device"):
+        check_batch_invariant(False, "gpu", sharded=True)
+    with caplog.at_level("WARNING"):
+        check_batch_invariant(False, "tpu")
+    assert "not batch-invariant there" in caplog.text
+    with pytest.raises(ValueError, match="fuse_projections=True"):  # the unfused q/k/v, gate/up are XLA's einsums
+        RunnerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=16, num_pages=10,
+                     fuse_projections=False, batch_invariant=True)
+
+
+# ----------------------------------------------------------------------------- on the GPU: the fixed-tile GEMM
+
+GPU_MODEL = llama.LlamaConfig(vocab_size=200, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                              tie_word_embeddings=True)
+_KERNEL_NAME = re.compile(r'name = "(batch_invariant_matmul_\w+)"')
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied head", "own head"])
+def test_the_gpu_step_runs_every_weight_dot_on_the_kernel(tied):
+    """The step lowered for CUDA from this CPU (bfloat16 weights, the Pallas attention): with batch_invariant=True
+    the one traced layer's four weight dots (wqkv, wo, w_gate_up, w_down) and the LM head (a tied one's [V, E]
+    embedding too) are the fixed-tile GEMM's custom calls, the norms' sums (the layer's two, the final one) its
+    16-wide product, and no dot_general is left; without it, none; lowered for the CPU, none either (XLA's dots)."""
+    config = dataclasses.replace(GPU_MODEL, tie_word_embeddings=tied)
+    params = llama.init_params(config, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+    counts = {}
+    for invariant in (True, False):
+        runner_config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=16,
+                                     num_pages=32, attention_backend="pallas", min_token_bucket=1,
+                                     batch_invariant=invariant)
+        runner = runner_module.ModelRunner(config, params, runner_config)
+        gpu_params = to_weight_layout(config, params, runner.layout)  # as a GPU runner holds them (head not untied)
+        step = runner.prepare([ScheduledRequest("a", (11,), 40, (3, 7, 9), True, SamplingParams(), 41)])
+        with cuda_compile.gpu_target():
+            text = runner.lower(step, params=gpu_params, platforms=("cuda",)).as_text()
+        names = _KERNEL_NAME.findall(text)
+        counts[invariant] = {name: names.count(name) for name in set(names)}
+        if invariant:
+            assert "stablehlo.dot_general" not in text
+    assert counts == {True: {"batch_invariant_matmul_m64_n64_k64": 5, "batch_invariant_matmul_m64_n16_k32": 3},
+                      False: {}}
+    cpu_runner = runner_module.ModelRunner(config, params, dataclasses.replace(
+        runner_config, attention_backend="xla", batch_invariant=True))
+    cpu_text = cpu_runner.lower(step, params=gpu_params).as_text()
+    assert "batch_invariant_matmul" not in cpu_text and "stablehlo.dot_general" in cpu_text
+
+
+
+def test_off_cuda_the_invariant_matmul_is_xlas_dots():
+    """Where a step is not lowered for CUDA (here the CPU), `gpu_invariant_matmul`'s products and sums are XLA's
+    ops: float32 results equal to jnp's (the tied head's transposed product too)."""
+    from jaxpaged.worker.invariant_dots import gpu_invariant_matmul
+
+    rng = np.random.default_rng(4)
+    x, w = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((5, 48), (48, 24)))
+    matmul = gpu_invariant_matmul()
+    got, got_t = jax.jit(matmul.fn)(x, w), jax.jit(matmul.fn_t)(x, w.T)
+    want = jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32)
+    assert got.dtype == got_t.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got_t), np.asarray(want))
+    sums = jax.jit(matmul.row_sums)(x.reshape(5, 2, 24))
+    np.testing.assert_allclose(np.asarray(sums)[..., 0], np.asarray(x, np.float32).reshape(5, 2, 24).sum(-1),
+                               rtol=1e-6, atol=1e-6)

@@ -343,6 +343,9 @@ class Matmul(NamedTuple):
     # batch-invariant mode: x [..., E] -> sums over E [..., 1], each row in one order at any row count (the
     # norms' reductions; `rms_norm`); None: XLA's
     row_sums: Callable[[jax.Array], jax.Array] | None = None
+    # x [M, E] @ embed [V, E] transposed -> [M, V]: a tied LM head's product on the step's own GEMM
+    # (batch-invariant mode on a GPU, jaxpaged/worker/invariant_dots.py); None: XLA's einsum
+    fn_t: Callable[[jax.Array, jax.Array], jax.Array] | None = None
 
 
 def dot_weight(x: jax.Array, w: jax.Array, matmul: Matmul | None, spec: str,
@@ -462,6 +465,8 @@ def lm_logits(config: LlamaConfig, params: Params, h: jax.Array, matmul: Matmul 
         return dot_weight(x, params["lm_head"], matmul, "...e,ev->...v", preferred_element_type=jnp.float32)
     if not config.tie_word_embeddings:
         raise KeyError("params lack lm_head (the model's embeddings are not tied)")
+    if matmul is not None and matmul.fn_t is not None and x.ndim == 2:
+        return matmul.fn_t(x, params["embed"]).astype(jnp.float32)
     return jnp.einsum("...e,ve->...v", x, params["embed"], preferred_element_type=jnp.float32)
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.models.llama import WeightLayout
+from jaxpaged.worker.invariant_dots import check_gpu_batch_invariant
 from jaxpaged.worker.weight_layout import check_weight_layout, resolve_weight_layout
 from pallas_kernels import cpu_attention, cpu_build, cpu_matmul, cpu_rope, cpu_sampler
 from pallas_kernels.cpu_attention import load_cpu_attention
@@ -221,18 +222,21 @@ FP8_PLATFORMS = ("cpu", "gpu")  # where "fp8" runs (JAX's default backend)
 FP8_GEMM_MIN_CAPABILITY = (8, 9)  # CUDA compute capability of the first FP8 tensor cores (Ada; Hopper is 9.0)
 
 
-def check_batch_invariant(packed: bool, platform: str) -> None:
+def check_batch_invariant(packed: bool, platform: str, *, quantization: str | None = None,
+                          sharded: bool = False) -> None:
     """Batch-invariant mode on a CPU backend needs the weight dots on the native matmul's packed blocks (float32
     weights, one device, the native kernels: `packs_weights`): XLA:CPU's dots block their rows by the step's
-    row count, so a row's sums would change with the batch. Raises a ValueError naming what to change. Elsewhere
-    (a GPU) it warns: only the attention is batch-invariant there."""
-    if platform != "cpu":  # the attention's tiling is fixed; XLA's GEMMs pick their tiles by the row count
-        logger.warning("batch_invariant=True on %s: attention runs one tiling for every batch, but the weight "
-                       "dots are XLA's GEMMs, which are not batch-invariant yet (docs/rl.md)", platform)
+    row count, so a row's sums would change with the batch. On a GPU: `invariant_dots.check_gpu_batch_invariant`.
+    Raises a ValueError naming what to change."""
     if platform == "cpu" and not packed:
         raise ValueError("batch_invariant=True on CPU needs float32 weights (dtype='float32' or 'auto' for a "
                          "float32 checkpoint), one device and the native CPU kernels (attention_backend 'auto' or "
                          "'cpu', a C++ compiler): XLA's own dots are not batch-invariant")
+    if platform == "gpu":
+        check_gpu_batch_invariant(quantization, sharded)
+    elif platform != "cpu":
+        logger.warning("batch_invariant=True on %s: attention runs one tiling for every batch, but the weight "
+                       "dots are XLA's, which are not batch-invariant there (docs/rl.md)", platform)
 
 
 def check_quantization(quantization: str | None) -> None:
@@ -337,12 +341,16 @@ class RunnerConfig:
     # the batch, however its prompt was chunked, whichever bucket runs it. Attention gets one reduction order per
     # query (ragged_paged_attention's batch_invariant), every CPU step shape XLA's own codegen
     # (`compiler_options`); the weight dots must be row-invariant: the native CPU matmul's float or W8A8 blocks,
-    # which sum each row over K in one fixed order at any row count (`check_batch_invariant`).
+    # which sum each row over K in one fixed order at any row count, on a GPU the fixed-tile Pallas GEMM
+    # (invariant_dots.py; `check_batch_invariant`).
     batch_invariant: bool = False
 
     def __post_init__(self):
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be a bool")
+        if self.batch_invariant and not self.fuse_projections:  # the unfused projections are XLA's einsums
+            raise ValueError("batch_invariant=True runs the fused projections (wqkv, w_gate_up) on the step's "
+                             "row-invariant matmul: set fuse_projections=True")
         if self.batch_invariant and self.quantization == "int8":
             raise ValueError("batch_invariant=True does not take quantization='int8': its product dequantises "
                              "whole chunks of weights from 19 rows on and widens in registers below, two roundings; "

@@ -50,6 +50,7 @@ from jaxpaged.spec_decode.verify import accept_drafts, merge_redrafts
 from jaxpaged.worker import parallel
 from jaxpaged.worker.host_memory import HugePageArena, cpu_array_over
 from jaxpaged.worker.in_flight import fill_in_flight, outputs_in_flight, steps_moved_back
+from jaxpaged.worker.invariant_dots import gpu_invariant_matmul
 from jaxpaged.worker.runner_config import INT8_DOTS, AttentionConfig
 from jaxpaged.worker.step_input import FusedStep, KVPool, StepInput, StepSampling, pad_sampled_tokens
 from pallas_kernels import cpu_matmul, cpu_rope, cpu_sampler, ragged_paged_attention, write_kv_inner
@@ -128,6 +129,8 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     matmul = Matmul(cpu_matmul.matmul_cpu, cpu_matmul.supports) if use_native else None
     if use_native and attention.batch_invariant:  # every row count on the native call, the norms' sums too
         matmul = batch_invariant_matmul()
+    elif attention.batch_invariant:  # a GPU's: the fixed-tile Pallas GEMM where the step is lowered for CUDA
+        matmul = gpu_invariant_matmul()
     consts = layer_constants(config)  # per layer: window [L], row of the RoPE tables [L]
     if kv.k_scale is not None:  # an fp8 pool: its scales [L, K], each layer's scanned or picked with it
         consts = dict(consts, k_scale=kv.k_scale, v_scale=kv.v_scale)
