@@ -15,7 +15,7 @@
 #      batches vs the pure-JAX path and JAX's paged_attention,
 #   4. update_weights of the Llama-3-8B shape (benchmarks/offline.py update-weights
 #      --random llama3-8b: issue 65's < 2 s; PASS / MISS in the summary),
-#   4b. issue 65's batch-invariant mode (benchmarks/batch_invariant_gpu.py): the fixed-tile GEMM vs
+#   4b. issue 65's batch-invariant mode (benchmarks/offline.py batch-invariant): the fixed-tile GEMM vs
 #      XLA's dots at the 8B shapes, a request alone vs beside 63 (equal bits: PASS / MISS), its cost,
 #   5. issue 64's fp8 KV cache (benchmarks/attention.py kv-fp8): pool tokens and decode
 #      attention at 8k context, fp8 pages against bf16,
@@ -284,7 +284,7 @@ PYEOF
     --target-seconds 2 || status=1
   # Issue 65's batch-invariant mode: the fixed-tile GEMM vs XLA's dots, a row alone vs in a batch (bits), its cost.
   : >"$DIR/batch_invariant.jsonl"
-  section "batch-invariant" 150 "$PY" benchmarks/batch_invariant_gpu.py "${SMOKE[@]}" \
+  section "batch-invariant" 150 "$PY" benchmarks/offline.py batch-invariant "${SMOKE[@]}" \
     --json "$DIR/batch_invariant.jsonl" || status=1
   # Issue 64's fp8 KV cache: pool tokens and decode attention at 8k context, fp8 pages vs bf16.
   : >"$DIR/kv_fp8.jsonl"
