@@ -29,11 +29,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import tokenizers
-
-try:  # tokenizers >= 0.21; with an older one every request decodes its window in Python
-    from tokenizers.decoders import DecodeStream
-except ImportError:  # pragma: no cover  (the pinned environments have it)
-    DecodeStream = None
+from tokenizers.decoders import DecodeStream
 
 # Prompt tokens decoded as context before the first output token (vLLM's
 # INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): enough for decoders whose output depends on the
@@ -116,11 +112,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (), *,
                  skip_special_tokens: bool = True, stop: Iterable[str] = (),
                  include_stop_str_in_output: bool = False, min_tokens: int = 0):
-        self.stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop={self.stop!r}: stop strings must be non-empty strings")
-        if min_tokens < 0:
-            raise ValueError(f"min_tokens={min_tokens} must be >= 0")
+        self.stop = (stop,) if isinstance(stop, str) else tuple(stop)  # checked by SamplingParams
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -272,13 +264,10 @@ class IncrementalDetokenizer:
 
 def _decode_stream(backend: Any, context: list[int], skip_special_tokens: bool):
     """A DecodeStream over `backend` (a `tokenizers.Tokenizer`) after the decode context, or None where there is no
-    Rust tokenizer or no DecodeStream that takes context ids (tokenizers < 0.22)."""
-    if DecodeStream is None or not isinstance(backend, tokenizers.Tokenizer):
+    Rust tokenizer (a slow tokenizer decodes in Python)."""
+    if not isinstance(backend, tokenizers.Tokenizer):
         return None
-    try:
-        return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-    except TypeError:
-        return None
+    return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
 
 
 def find_stop_string(text: str, new_from: int, stop: Sequence[str]) -> tuple[str, int] | None:
