@@ -156,19 +156,19 @@ class IncrementalDetokenizer:
         """
         if self.stop_reason is not None:
             raise RuntimeError(f"stop string {self.stop_reason!r} already ended this request")
-        skip_last = stop_terminated and not self.include_stop_str_in_output
-        last, text_buffer, output_ids = len(new_token_ids) - 1, self._text, self.output_token_ids
+        skip_last = stop_terminated and not self.include_stop_str_in_output  # the last id's text is left out
+        text_buffer, output_ids, min_tokens = self._text, self.output_token_ids, self.min_tokens
         check_from = text_buffer.length
-        for i, token_id in enumerate(new_token_ids):
+        for token_id in new_token_ids[:-1] if skip_last else new_token_ids:
             token_id = int(token_id)
             output_ids.append(token_id)
-            if skip_last and i == last:  # its text is left out
-                break
             text = self._decode_next(token_id)
             if text:
                 text_buffer.append(text)
-            if len(output_ids) <= self.min_tokens:
+            if len(output_ids) <= min_tokens:
                 check_from = text_buffer.length
+        if skip_last:
+            output_ids.append(int(new_token_ids[-1]))
         if not self.stop:
             return None
         return self._check_stop(check_from)
