@@ -83,9 +83,9 @@ class EngineArgs:
     # scan compiles faster), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up one gemm each
     weight_layout: str = "auto"
     fuse_projections: bool = True
-    # XLA:GPU command buffers (CUDA graphs) over the step: "auto", "xla", "off" or "full" (model_runner)
+    # XLA:GPU command buffers (CUDA graphs) over the step: "auto", "xla", "off" or "full" (runner_config.GPU_COMMAND_BUFFERS)
     command_buffers: str = "auto"
-    # The sampler inside the step's jitted program, one executable call per step (model_runner.FUSE_SAMPLER):
+    # The sampler inside the step's jitted program, one executable call per step (runner_config.FUSE_SAMPLER):
     # "auto" (on with a GPU backend, off on CPU, where it measured slower: docs/performance.md), "on" or "off"
     fuse_sampler: str = "auto"
     tensor_parallel_size: int = 1  # devices in the "tp" mesh (see jaxpaged/worker/parallel.py)

@@ -323,25 +323,15 @@ class RunnerConfig:
     # in flight (async scheduling) to be proposed again on the device where it proves wrong (`redraft_in_flight`);
     # None: they are verified as they are
     prompt_lookup: tuple[int, int] | None = None
-    # The step's weight layout (jaxpaged/worker/weight_layout.py): "auto" (per-layer arrays on GPU, and on CPU where
-    # the weights are not packed; the stacked scan compiles faster), "stacked" or "per_layer"; fuse_projections:
-    # q/k/v and gate/up as one gemm each.
-    weight_layout: str = "auto"
+    # The choices below are EngineArgs' (jaxpaged/config.py says what each does); here what the runner makes of them.
+    weight_layout: str = "auto"  # resolved by `layout` (jaxpaged/worker/weight_layout.py)
     fuse_projections: bool = True
-    # XLA:GPU command buffers over the step: "auto" or a GPU_COMMAND_BUFFERS key (ignored off GPU)
-    command_buffers: str = "auto"
-    # The sampler inside the step's jitted program (`fused_step`): "auto" (on with a GPU backend; off on CPU,
-    # where it measured slower: docs/performance.md), "on" or "off". One device only.
-    fuse_sampler: str = "auto"
-    # Quantisation of the weight dots (QUANTIZATIONS) or None: "fp8" (fused projections, CPU or GPU, one device),
-    # "int8" weight-only or "w8a8" with x too, which need the native CPU matmul's packed weights (`packs_weights`:
-    # float32 on one device), which the ModelRunner checks.
+    command_buffers: str = "auto"  # a GPU_COMMAND_BUFFERS key or "auto" (ignored off GPU)
+    fuse_sampler: str = "auto"  # `sampler_fused`: the step program samples too (`fused_step`)
+    # QUANTIZATIONS or None: "int8" and "w8a8" need the packed weights (`packs_weights`), which the ModelRunner checks
     quantization: str | None = None
-    # Batch-invariant mode (docs/rl.md): a request's logits and log-probs the same to the bit whatever else is in
-    # the batch, however its prompt was chunked, whichever bucket runs it. Attention gets one reduction order per
-    # query (ragged_paged_attention's batch_invariant), every CPU step shape XLA's own codegen
-    # (`compiler_options`); the weight dots must be row-invariant: the native CPU matmul's float or W8A8 blocks,
-    # which sum each row over K in one fixed order at any row count (`check_batch_invariant`).
+    # Attention gets one reduction order per query (ragged_paged_attention's batch_invariant), every CPU step shape
+    # XLA's own codegen (`compiler_options`); the weight dots must be row-invariant (`check_batch_invariant`)
     batch_invariant: bool = False
 
     def __post_init__(self):
