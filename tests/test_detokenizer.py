@@ -143,6 +143,20 @@ def test_a_failing_decode_stream_falls_back_to_python(tiny):
     assert detok._stream is None and detok.get_next_output_text(finished=True, delta=False) == text
 
 
+@pytest.mark.parametrize("old", ["no DecodeStream", "no context ids"])
+def test_an_older_tokenizers_decodes_in_python(tiny, monkeypatch, old):
+    """tokenizers before 0.21 has no DecodeStream, before 0.22 one without context ids: the window then decodes in
+    Python (the same text)."""
+    from jaxpaged.engine import detokenizer
+
+    def without_ids(*, skip_special_tokens=False):
+        return object()
+    monkeypatch.setattr(detokenizer, "DecodeStream", None if old == "no DecodeStream" else without_ids)
+    text = "héllo 🎉 wörld"
+    deltas, detok = stream(tiny, [[t] for t in encode(tiny, text)], prompt_token_ids=encode(tiny, "ctx"))
+    assert detok._stream is None and "".join(deltas) == text
+
+
 def test_a_tokenizer_without_a_rust_backend_decodes_in_python(tiny):
     """A slow tokenizer (no `backend_tokenizer`) has no DecodeStream: the window decodes in Python, the same text."""
     class Slow:

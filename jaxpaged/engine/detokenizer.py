@@ -29,7 +29,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import tokenizers
-from tokenizers.decoders import DecodeStream
+
+try:  # tokenizers >= 0.21; with an older one (an image where nothing can be installed) the window decodes in Python
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover  (the pinned environments have it)
+    DecodeStream = None
 
 # Prompt tokens decoded as context before the first output token (vLLM's
 # INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): enough for decoders whose output depends on the
@@ -264,10 +268,13 @@ class IncrementalDetokenizer:
 
 def _decode_stream(backend: Any, context: list[int], skip_special_tokens: bool):
     """A DecodeStream over `backend` (a `tokenizers.Tokenizer`) after the decode context, or None where there is no
-    Rust tokenizer (a slow tokenizer decodes in Python)."""
-    if not isinstance(backend, tokenizers.Tokenizer):
+    Rust tokenizer (a slow tokenizer) or no DecodeStream that takes context ids (tokenizers < 0.22)."""
+    if DecodeStream is None or not isinstance(backend, tokenizers.Tokenizer):
         return None
-    return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+    try:
+        return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+    except TypeError:
+        return None
 
 
 def find_stop_string(text: str, new_from: int, stop: Sequence[str]) -> tuple[str, int] | None:
