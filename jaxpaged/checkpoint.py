@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
@@ -57,12 +58,7 @@ def read_checkpoint_meta(path: Path) -> tuple[LlamaConfig, np.dtype]:
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path / CONFIG_FILE}: format {meta.get('format')!r}, this jaxpaged reads "
                          f"{FORMAT_VERSION}")
-    return config_from_dict(meta["config"]), np.dtype(_dtype_by_name(meta["dtype"]))
-
-
-def _dtype_by_name(name: str):
-    import ml_dtypes
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+    return config_from_dict(meta["config"]), np.dtype(jnp.dtype(meta["dtype"]))  # jnp's names: bfloat16 too
 
 
 @contextlib.contextmanager

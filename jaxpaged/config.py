@@ -23,17 +23,14 @@ from jaxpaged.models.model_cache import default_model_cache_dir
 from jaxpaged.spec_decode.ngram import SpeculativeConfig
 from jaxpaged.worker import parallel
 from jaxpaged.worker.runner_config import (
-    GPU_COMMAND_BUFFERS,
     RunnerConfig,
     check_batch_invariant,
-    check_fuse_sampler,
-    check_kv_cache_dtype,
-    check_quantization,
+    check_step_choices,
     packs_weights,
     resolve_kv_cache_dtype,
 )
 from jaxpaged.worker.step_input import kv_bytes_per_page
-from jaxpaged.worker.weight_layout import check_weight_layout, resolve_weight_layout
+from jaxpaged.worker.weight_layout import resolve_weight_layout
 
 _CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU when no size is given
 _CPU_DEFAULT_MAX_MODEL_LEN = 2048  # keeps the CPU warm-up (one compile per step shape) short
@@ -86,9 +83,9 @@ class EngineArgs:
     # scan compiles faster), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up one gemm each
     weight_layout: str = "auto"
     fuse_projections: bool = True
-    # XLA:GPU command buffers (CUDA graphs) over the step: "auto", "xla", "off" or "full" (model_runner)
+    # XLA:GPU command buffers (CUDA graphs) over the step: "auto", "xla", "off" or "full" (runner_config.GPU_COMMAND_BUFFERS)
     command_buffers: str = "auto"
-    # The sampler inside the step's jitted program, one executable call per step (model_runner.FUSE_SAMPLER):
+    # The sampler inside the step's jitted program, one executable call per step (runner_config.FUSE_SAMPLER):
     # "auto" (on with a GPU backend, off on CPU, where it measured slower: docs/performance.md), "on" or "off"
     fuse_sampler: str = "auto"
     tensor_parallel_size: int = 1  # devices in the "tp" mesh (see jaxpaged/worker/parallel.py)
@@ -126,11 +123,9 @@ class EngineArgs:
     batch_invariant: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"batch_invariant={self.batch_invariant!r} must be a bool")
-        if self.batch_invariant and self.quantization == "int8":
-            raise ValueError("batch_invariant=True does not take quantization='int8' (its rounding depends on the "
-                             "step's row count); use 'w8a8' or float32 weights")
+        check_step_choices(kv_cache_dtype=self.kv_cache_dtype, quantization=self.quantization,  # before the model loads
+                           weight_layout=self.weight_layout, command_buffers=self.command_buffers,
+                           fuse_sampler=self.fuse_sampler, batch_invariant=self.batch_invariant)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None (auto)")
         if self.overlap_verification is not None and not isinstance(self.overlap_verification, bool):
@@ -146,19 +141,12 @@ class EngineArgs:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
-        check_kv_cache_dtype(self.kv_cache_dtype)  # before the model loads
         if self.kv_cache_dtype.startswith("fp8") and (self.tensor_parallel_size > 1 or self.num_processes > 1):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with tensor parallelism or "
                              "several processes yet (its scales are not sharded)")
-        check_quantization(self.quantization)
         if self.quantization is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
             raise ValueError(f"quantization={self.quantization!r} is not supported with tensor parallelism or several "
                              "processes yet (one device)")
-        check_weight_layout(self.weight_layout)
-        if self.command_buffers not in ("auto", *GPU_COMMAND_BUFFERS):
-            raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
-                             f"{('auto', *GPU_COMMAND_BUFFERS)}")
-        check_fuse_sampler(self.fuse_sampler)
         if self.fuse_sampler == "on" and (self.tensor_parallel_size > 1 or self.num_processes > 1):
             raise ValueError("fuse_sampler='on' is not supported with tensor parallelism or several processes: "
                              "leave it 'auto' (off there) or 'off'")

@@ -11,6 +11,7 @@ line on stderr and a non-zero exit; `--log-level debug` adds the traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import re
@@ -264,6 +265,16 @@ def main(argv: list[str] | None = None) -> int:
             sock.close()
 
 
+def freeze_startup_objects() -> int:
+    """Move every object made so far (the engine, its model and tokenizer, the app: they live as long as the process)
+    out of the cyclic collector's sight (gc.freeze, as vLLM does after start-up); returns how many. A full collection
+    walked them all: ~730k objects with the default model, a 0.45 s stall of every running request about once
+    every 800 served requests (CPU); serving's own objects are collected as before."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def start(ns: argparse.Namespace, config: ServerConfig, shutdown, sock) -> int:
     """Load the engine, then serve on `sock` (process 0) or follow process 0's steps (sock None)."""
     from jaxpaged.engine.async_llm import AsyncLLM, AsyncLLMConfig  # imports JAX: seconds
@@ -295,6 +306,7 @@ def start(ns: argparse.Namespace, config: ServerConfig, shutdown, sock) -> int:
         except ValueError as err:  # e.g. --tool-call-parser auto on a model whose format it cannot tell
             return fail(err, USAGE_ERROR)
         log_context_cap(engine, ns.max_model_len)
+        freeze_startup_objects()
         serve(engine, app, ns, config, shutdown, sock)
     except ListenError as err:
         return fail(err, STARTUP_ERROR)

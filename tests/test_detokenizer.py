@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer, detokenize, find_stop_string
+from jaxpaged.sampling_params import SamplingParams
 from tests.conftest import tiny_tokenizer
 
 MULTIBYTE_TEXTS = [
@@ -156,6 +157,18 @@ def test_an_older_tokenizers_decodes_in_python(tiny, monkeypatch, old):
     assert detok._stream is None and "".join(deltas) == text
 
 
+def test_a_tokenizer_without_a_rust_backend_decodes_in_python(tiny):
+    """A slow tokenizer (no `backend_tokenizer`) has no DecodeStream: the window decodes in Python, the same text."""
+    class Slow:
+        def __getattr__(self, name):
+            if name == "backend_tokenizer":
+                raise AttributeError(name)
+            return getattr(tiny, name)
+    text = "héllo 🎉 wörld"
+    deltas, detok = stream(Slow(), [[t] for t in encode(tiny, text)], prompt_token_ids=encode(tiny, "ctx"))
+    assert detok._stream is None and "".join(deltas) == text
+
+
 def test_non_incremental_text_reads_do_not_consume_deltas(tiny):
     detok = IncrementalDetokenizer(tiny, ())
     detok.update(encode(tiny, "hello"))
@@ -288,10 +301,11 @@ def test_update_after_stop_and_bad_arguments_raise(tiny):
     assert detok.update(encode(tiny, "ax")) == "x" and detok.finished
     with pytest.raises(RuntimeError, match="already ended"):
         detok.update(encode(tiny, "b"))
+    # the detokenizer's stop strings and min_tokens come from SamplingParams, which refuses bad ones
     with pytest.raises(ValueError, match="non-empty"):
-        IncrementalDetokenizer(tiny, (), stop=("",))
+        SamplingParams(stop=("",))
     with pytest.raises(ValueError, match="min_tokens"):
-        IncrementalDetokenizer(tiny, (), min_tokens=-1)
+        SamplingParams(min_tokens=-1)
 
 
 # --- special tokens ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any
 
 import tokenizers
 
-try:  # tokenizers >= 0.21; with an older one every request decodes its window in Python
+try:  # tokenizers >= 0.21; with an older one (an image where nothing can be installed) the window decodes in Python
     from tokenizers.decoders import DecodeStream
 except ImportError:  # pragma: no cover  (the pinned environments have it)
     DecodeStream = None
@@ -116,11 +116,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (), *,
                  skip_special_tokens: bool = True, stop: Iterable[str] = (),
                  include_stop_str_in_output: bool = False, min_tokens: int = 0):
-        self.stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop={self.stop!r}: stop strings must be non-empty strings")
-        if min_tokens < 0:
-            raise ValueError(f"min_tokens={min_tokens} must be >= 0")
+        self.stop = (stop,) if isinstance(stop, str) else tuple(stop)  # checked by SamplingParams
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -164,19 +160,19 @@ class IncrementalDetokenizer:
         """
         if self.stop_reason is not None:
             raise RuntimeError(f"stop string {self.stop_reason!r} already ended this request")
-        skip_last = stop_terminated and not self.include_stop_str_in_output
-        last, text_buffer, output_ids = len(new_token_ids) - 1, self._text, self.output_token_ids
+        skip_last = stop_terminated and not self.include_stop_str_in_output  # the last id's text is left out
+        text_buffer, output_ids, min_tokens = self._text, self.output_token_ids, self.min_tokens
         check_from = text_buffer.length
-        for i, token_id in enumerate(new_token_ids):
+        for token_id in new_token_ids[:-1] if skip_last else new_token_ids:
             token_id = int(token_id)
             output_ids.append(token_id)
-            if skip_last and i == last:  # its text is left out
-                break
             text = self._decode_next(token_id)
             if text:
                 text_buffer.append(text)
-            if len(output_ids) <= self.min_tokens:
+            if len(output_ids) <= min_tokens:
                 check_from = text_buffer.length
+        if skip_last:
+            output_ids.append(int(new_token_ids[-1]))
         if not self.stop:
             return None
         return self._check_stop(check_from)
@@ -272,7 +268,7 @@ class IncrementalDetokenizer:
 
 def _decode_stream(backend: Any, context: list[int], skip_special_tokens: bool):
     """A DecodeStream over `backend` (a `tokenizers.Tokenizer`) after the decode context, or None where there is no
-    Rust tokenizer or no DecodeStream that takes context ids (tokenizers < 0.22)."""
+    Rust tokenizer (a slow tokenizer) or no DecodeStream that takes context ids (tokenizers < 0.22)."""
     if DecodeStream is None or not isinstance(backend, tokenizers.Tokenizer):
         return None
     try:

@@ -102,14 +102,6 @@ def might_stop(child: _Child, token_id: int, finite: bool, ahead: int = 0) -> bo
             or len(child.request.output_token_ids) + ahead + 1 >= child.length_limit)
 
 
-def _record_token_time(metrics: RequestMetrics, now: float) -> None:
-    if metrics.first_token_time is None:
-        metrics.first_token_time = now
-    else:
-        metrics.inter_token_latencies.append(now - metrics.last_token_time)
-    metrics.last_token_time = now
-
-
 def _add_up(children: list[_Child], metrics: RequestMetrics) -> bool:
     """n > 1: the children's totals into the parent's metrics; whether all of them finished."""
     finished, num_generated, num_cached = True, 0, 0
@@ -122,18 +114,19 @@ def _add_up(children: list[_Child], metrics: RequestMetrics) -> bool:
     return finished
 
 
-def _completion(child: _Child, delta: bool) -> CompletionOutput:
+def _completion(child: _Child, delta: bool, status: RequestStatus) -> CompletionOutput:
     """One child's CompletionOutput: everything so far, or (delta) only what is new since the last one."""
     request = child.request
-    status, token_ids = request.status, request.output_token_ids
+    token_ids = request.output_token_ids
     start = child.num_sent_tokens if delta else 0
     child.num_sent_tokens = len(token_ids)
     logprobs = None if child.logprobs is None else child.logprobs[start:]
     token_logprobs = None if child.token_logprobs is None else child.token_logprobs.copy(start)
-    text = "" if child.detokenizer is None else child.detokenizer.get_next_output_text(status.is_finished, delta)
+    finished = status.is_finished
+    text = "" if child.detokenizer is None else child.detokenizer.get_next_output_text(finished, delta)
     # token_ids[start:]: a copy (the new part only, in DELTA), so the output is not changed by later steps
     return CompletionOutput(child.index, text, token_ids[start:], child.cumulative_logprob, logprobs,
-                            status.finish_reason, request.stop_reason, token_logprobs)
+                            status.finish_reason if finished else None, request.stop_reason, token_logprobs)
 
 
 class OutputProcessor:
@@ -178,15 +171,21 @@ class OutputProcessor:
         return tokens, verdict
 
     def _outputs(self, touched: dict[str, _Parent]) -> list[RequestOutput]:
-        """The outputs of the parents whose children got tokens this step (their token times recorded)."""
+        """The outputs of the parents whose children got tokens this step, their token times recorded (one clock
+        read a step)."""
         now = time.time()
         outputs = []
         for parent in touched.values():
-            _record_token_time(parent.metrics, now)
+            metrics = parent.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            else:
+                metrics.inter_token_latencies.append(now - metrics.last_token_time)
+            metrics.last_token_time = now
             fresh = parent.fresh
             if fresh is not None:  # n > 1: the next step's start afresh
                 parent.fresh = set()
-            output = self._make_output(parent, fresh)
+            output = self._make_output(parent, fresh, now)
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -251,29 +250,33 @@ class OutputProcessor:
     def _decode_token(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-    def _make_output(self, parent: _Parent, fresh: set[int] | None) -> RequestOutput | None:
+    def _make_output(self, parent: _Parent, fresh: set[int] | None, now: float | None = None) -> RequestOutput | None:
         """The parent's output after a step in which its children `fresh` got a token (None: nothing due; n = 1:
-        fresh is not read, the one child got it)."""
+        fresh is not read, the one child got it). now: the step's time.time(), read once a step."""
         kind, children, metrics = parent.params.output_kind, parent.children, parent.metrics
         if len(children) == 1:  # nothing to add up
             request = children[0].request
-            finished = request.status.is_finished
+            status = request.status
+            finished = status.is_finished
             metrics.num_generation_tokens, metrics.num_cached_tokens = len(request.output_token_ids), \
                 request.num_cached_tokens
         else:
             finished = _add_up(children, metrics)
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+        if not finished and kind is RequestOutputKind.FINAL_ONLY:
             return None
         delta = kind is RequestOutputKind.DELTA
         if len(children) == 1:
-            outputs = [_completion(children[0], delta)]
+            outputs = [_completion(children[0], delta, status)]
         else:
-            outputs = [_completion(c, delta) for c in children if not delta or c.index in fresh]
+            outputs = [_completion(c, delta, c.request.status) for c in children if not delta or c.index in fresh]
         if finished:
-            metrics.finished_time = time.time()
+            metrics.finished_time = time.time() if now is None else now
             self._parents.pop(parent.request_id, None)
             for child in children:
                 self._child_to_parent.pop(child.request.request_id, None)
+        if parent.prompt_logprobs is None and parent.prompt_token_logprobs is None:  # none asked for: nothing to send
+            return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
+                                 metrics, metrics.num_cached_tokens)
         prompt_logprobs, prompt_array = parent.prompt_logprobs, parent.prompt_token_logprobs
         if delta and parent.prompt_logprobs_sent:
             prompt_logprobs = prompt_array = None

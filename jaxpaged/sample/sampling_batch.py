@@ -85,10 +85,6 @@ class SamplingBatch:
     def has_penalties(self) -> bool:
         return self.output_counts is not None
 
-    @property
-    def has_token_bitmask(self) -> bool:
-        return self.token_bitmask is not None
-
 
 jax.tree_util.register_dataclass(
     SamplingBatch, data_fields=[f.name for f in dataclasses.fields(SamplingBatch)], meta_fields=[])

@@ -83,21 +83,17 @@ class StepCompilation:
     def _run(self, step: StepInput) -> tuple[jax.Array, jax.Array]:
         """(logits, hidden) from the step's program compiled by `warmup` (else the jitted step, compiling
         on first use)."""
-        compiled = self.compiled_program(step)
-        if self.mesh is None:
-            if compiled is not None:
-                logits, hidden, self.kv = compiled(self.params, self.kv, step)
-            else:
-                logits, hidden, self.kv = self._step(self.model_config, self.config.attention, self.params,
-                                                     self.kv, step)
-            return logits, hidden
-        rep = parallel.replicated(self.mesh)
-        step = jax.tree.map(lambda x: parallel.put_global(x, rep), step)
+        compiled, mesh = self.compiled_program(step), () if self.mesh is None else (self.mesh,)
+        if mesh:
+            rep = parallel.replicated(self.mesh)
+            step = jax.tree.map(lambda x: parallel.put_global(x, rep), step)
         if compiled is not None:
             logits, hidden, self.kv = compiled(self.params, self.kv, step)
         else:
             logits, hidden, self.kv = self._step(self.model_config, self.config.attention, self.params, self.kv,
-                                                 step, self.mesh)
+                                                 step, *mesh)
+        if not mesh:
+            return logits, hidden
         # replicated: this process's full copies, sampled locally
         return logits.addressable_data(0), hidden.addressable_data(0)
 

@@ -348,8 +348,8 @@ class LiveWeights:
 
     def _repacked(self, name: str, old: PackedWeight, sources, given, to_ours) -> PackedWeight:
         """A packed layer stack made anew a layer at a time: a layer no given tensor touches keeps its blocks
-        (copied as they are); the others are assembled in one layer's scratch buffer (fused parts written in
-        place, missing parts read back from `old`) and blocked (int8: quantised) straight into the new stack, as
+        (copied as they are); the others are assembled in one layer's scratch buffer (fused parts joined,
+        missing parts read back from `old`) and blocked (int8: quantised) straight into the new stack, as
         `_pack_for_cpu_matmul` blocks a stack. No stacked temporary: the stack's bytes are written about once."""
         config = self.model_config
         data = np.asarray(old.data)  # [L, N / 64, K, 64]
@@ -371,7 +371,7 @@ class LiveWeights:
                 else:
                     current = current or _split(config, name, _dense(config, name, old, i))
                     parts[key] = current[key]
-            _join_into(config, name, parts, scratch)
+            np.copyto(scratch, _join(config, name, parts, np))  # a layer's temporary at most
             if scale is None:
                 np.copyto(blocks[i], cpu_matmul.block_weight(view))
             else:
@@ -380,18 +380,6 @@ class LiveWeights:
                 np.copyto(scale[i], cpu_matmul.block_weight(s))
         return dataclasses.replace(old, data=cpu_array_over(blocks),
                                    scale=None if scale is None else jnp.asarray(scale))
-
-
-def _join_into(config: LlamaConfig, name: str, parts: dict[str, Any], out: np.ndarray) -> None:
-    """`_join` for one layer, written into `out` (that layer's unpacked shape) instead of a new array."""
-    if name == "wqkv":  # [E, K, G + 2, D]
-        g = config.num_queries_per_kv
-        out[..., :g, :] = parts["wq"].reshape(*out.shape[:2], g, out.shape[-1])
-        out[..., g, :], out[..., g + 1, :] = parts["wk"], parts["wv"]
-    elif name == "w_gate_up":  # [E, 2, F]
-        out[..., 0, :], out[..., 1, :] = parts["w_gate"], parts["w_up"]
-    else:
-        out[...] = parts[name]
 
 
 _FLOATS = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))

@@ -49,14 +49,6 @@ HEADS_SPEC = P(None, TP, None)  # q [T, H, D], k/v [T, K, D]
 _STOP, _STEP = 0, 1
 
 
-def _shard_map():
-    """jax.shard_map (JAX >= 0.7, `check_vma`), else the experimental one (`check_rep`)."""
-    if hasattr(jax, "shard_map"):
-        return lambda f, **kw: jax.shard_map(f, check_vma=False, **kw)
-    from jax.experimental.shard_map import shard_map  # pragma: no cover - old JAX
-    return lambda f, **kw: shard_map(f, check_rep=False, **kw)
-
-
 # ----------------------------------------------------------------------------- validation, mesh
 
 
@@ -166,9 +158,9 @@ def shard_attention(attend: Callable, mesh: Mesh) -> Callable:
     on K; the step input (any pytree), the layer index and its sliding window are replicated. Each
     shard writes and attends its own heads, so no collective is needed inside.
     """
-    return _shard_map()(attend, mesh=mesh,
-                        in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, POOL_SPEC, POOL_SPEC, P(), P(), P()),
-                        out_specs=(HEADS_SPEC, POOL_SPEC, POOL_SPEC))
+    return jax.shard_map(attend, mesh=mesh, check_vma=False,
+                         in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, POOL_SPEC, POOL_SPEC, P(), P(), P()),
+                         out_specs=(HEADS_SPEC, POOL_SPEC, POOL_SPEC))
 
 
 # ----------------------------------------------------------------------------- multi-host

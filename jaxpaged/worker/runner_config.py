@@ -37,14 +37,30 @@ KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float16": jnp.float1
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: choose one of {tuple(KV_CACHE_DTYPES)}")
+def check_choice(name: str, value, choices, note: str = "") -> None:
+    """ValueError naming `name` and its `choices` where `value` is not one of them."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: choose one of {tuple(choices)}{note}")
 
 
-def check_fuse_sampler(fuse_sampler: str) -> None:
-    if fuse_sampler not in FUSE_SAMPLER:
-        raise ValueError(f"fuse_sampler={fuse_sampler!r}: choose one of {FUSE_SAMPLER}")
+def check_step_choices(*, kv_cache_dtype: str, quantization: str | None, weight_layout: str, command_buffers: str,
+                       fuse_sampler: str, batch_invariant: bool) -> None:
+    """The step's choices that EngineArgs and RunnerConfig both take, validated alike (EngineArgs: before the model
+    loads)."""
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant={batch_invariant!r} must be a bool")
+    if batch_invariant and quantization == "int8":
+        raise ValueError("batch_invariant=True does not take quantization='int8': its product dequantises whole "
+                         "chunks of weights from 19 rows on and widens in registers below, two roundings (its "
+                         "rounding depends on the step's row count); use 'w8a8' (the same bits at any row count) "
+                         "or float32 weights")
+    check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    if quantization is not None:
+        check_choice("quantization", quantization, QUANTIZATIONS,
+                     " or None (the checkpoint's weights as loaded)")
+    check_weight_layout(weight_layout)
+    check_choice("command_buffers", command_buffers, ("auto", *GPU_COMMAND_BUFFERS))
+    check_choice("fuse_sampler", fuse_sampler, FUSE_SAMPLER)
 
 
 def check_fp8_kv_support(kv_dtype, backend: str, sharded: bool = False, device=None) -> None:
@@ -74,13 +90,12 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype, platform: str) -> n
     path computes in f32 anyway; the price is half as many pages for the same bytes.
     "fp8"/"fp8_e4m3": float8_e4m3fn on every platform (written quantized, read by every attention path).
     """
-    check_kv_cache_dtype(kv_cache_dtype)
+    check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
     if kv_cache_dtype != "auto":
         return np.dtype(KV_CACHE_DTYPES[kv_cache_dtype])
     if np.dtype(model_dtype) == np.dtype(jnp.bfloat16) and platform == "cpu":
         return np.dtype(np.float32)
     return np.dtype(model_dtype)
-    # RunnerConfig.verify_buckets); padding rows read token 0
 
 
 # XLA:CPU library fusions for dots (YNNPACK, a dot with its elementwise neighbours). jaxlib 0.10.2's
@@ -112,17 +127,18 @@ def cpu_compiler_options(platform: str | None = None, num_tokens: int | None = N
         return {}
     options = CPU_SMALL_STEP_OPTIONS if num_tokens is not None and num_tokens <= CPU_SMALL_STEP_TOKENS else \
         CPU_COMPILER_OPTIONS
-    return dict(options) if _xla_cpu_accepts(tuple(sorted(options.items()))) else {}
+    return dict(options) if _xla_accepts("XLA:CPU", tuple(sorted(options.items()))) else {}
 
 
 @functools.cache
-def _xla_cpu_accepts(options: tuple[tuple[str, str], ...]) -> bool:
-    """Whether this jaxlib compiles a tiny program with `options` (once per option set, not per step shape)."""
+def _xla_accepts(xla: str, options: tuple[tuple[str, str], ...]) -> bool:
+    """Whether this jaxlib compiles a tiny program with `options` (once per option set, not per step shape); where
+    it does not (an XLA that does not know an option or a value), a warning naming `xla`."""
     try:
         x = np.ones((2, 2), np.float32)
         jax.jit(lambda a: a @ a, compiler_options=dict(options)).lower(x).compile()
-    except Exception as err:  # an XLA that does not know the option
-        logger.warning("XLA:CPU does not take %s (%s); compiling with its defaults", dict(options), err)
+    except Exception as err:  # pylint: disable=broad-except  (XLA raises its own errors)
+        logger.warning("%s does not take %s (%s); compiling with its defaults", xla, dict(options), err)
         return False
     return True
 
@@ -150,13 +166,7 @@ def gpu_compiler_options(command_buffers: str = "auto", platform: str | None = N
     if (platform or jax.default_backend()) != "gpu":
         return {}
     options = command_buffer_options(command_buffers)
-    try:
-        x = np.ones((2, 2), np.float32)
-        jax.jit(lambda a: a @ a, compiler_options=options).lower(x).compile()
-    except Exception as err:  # an XLA that does not know the option or the value
-        logger.warning("XLA:GPU does not take %s (%s); compiling with its defaults", options, err)
-        return {}
-    return options
+    return options if _xla_accepts("XLA:GPU", tuple(sorted(options.items()))) else {}
 
 
 def _geometric_buckets(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
@@ -239,12 +249,6 @@ def check_batch_invariant(packed: bool, platform: str, *, quantization: str | No
                        "dots are XLA's, which are not batch-invariant there (docs/rl.md)", platform)
 
 
-def check_quantization(quantization: str | None) -> None:
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r}: choose one of {QUANTIZATIONS} or None (the checkpoint's "
-                         "weights as loaded)")
-
-
 def fp8_gemm(platform: str | None = None) -> bool:
     """Whether quantization "fp8" runs FP8 x FP8 gemms (True: a CUDA GPU of compute capability >= 8.9) or
     weight-only dots (False: CPU, older GPUs) on `platform` (default: JAX's default backend); a ValueError
@@ -323,41 +327,26 @@ class RunnerConfig:
     # in flight (async scheduling) to be proposed again on the device where it proves wrong (`redraft_in_flight`);
     # None: they are verified as they are
     prompt_lookup: tuple[int, int] | None = None
-    # The step's weight layout (jaxpaged/worker/weight_layout.py): "auto" (per-layer arrays on GPU, and on CPU where
-    # the weights are not packed; the stacked scan compiles faster), "stacked" or "per_layer"; fuse_projections:
-    # q/k/v and gate/up as one gemm each.
-    weight_layout: str = "auto"
+    # The choices below are EngineArgs' (jaxpaged/config.py says what each does); here what the runner makes of them.
+    weight_layout: str = "auto"  # resolved by `layout` (jaxpaged/worker/weight_layout.py)
     fuse_projections: bool = True
-    # XLA:GPU command buffers over the step: "auto" or a GPU_COMMAND_BUFFERS key (ignored off GPU)
-    command_buffers: str = "auto"
-    # The sampler inside the step's jitted program (`fused_step`): "auto" (on with a GPU backend; off on CPU,
-    # where it measured slower: docs/performance.md), "on" or "off". One device only.
-    fuse_sampler: str = "auto"
-    # Quantisation of the weight dots (QUANTIZATIONS) or None: "fp8" (fused projections, CPU or GPU, one device),
-    # "int8" weight-only or "w8a8" with x too, which need the native CPU matmul's packed weights (`packs_weights`:
-    # float32 on one device), which the ModelRunner checks.
+    command_buffers: str = "auto"  # a GPU_COMMAND_BUFFERS key or "auto" (ignored off GPU)
+    fuse_sampler: str = "auto"  # `sampler_fused`: the step program samples too (`fused_step`)
+    # QUANTIZATIONS or None: "int8" and "w8a8" need the packed weights (`packs_weights`), which the ModelRunner checks
     quantization: str | None = None
-    # Batch-invariant mode (docs/rl.md): a request's logits and log-probs the same to the bit whatever else is in
-    # the batch, however its prompt was chunked, whichever bucket runs it. Attention gets one reduction order per
-    # query (ragged_paged_attention's batch_invariant), every CPU step shape XLA's own codegen
-    # (`compiler_options`); the weight dots must be row-invariant: the native CPU matmul's float or W8A8 blocks,
-    # which sum each row over K in one fixed order at any row count, on a GPU the fixed-tile Pallas GEMM
-    # (invariant_dots.py; `check_batch_invariant`).
+    # Attention gets one reduction order per query (ragged_paged_attention's batch_invariant), every CPU step shape
+    # XLA's own codegen (`compiler_options`); the weight dots must be row-invariant: the native CPU matmul's blocks,
+    # on a GPU the fixed-tile Pallas GEMM (invariant_dots.py; `check_batch_invariant`)
     batch_invariant: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"batch_invariant={self.batch_invariant!r} must be a bool")
+        check_step_choices(kv_cache_dtype=self.kv_cache_dtype, quantization=self.quantization,
+                           weight_layout=self.weight_layout, command_buffers=self.command_buffers,
+                           fuse_sampler=self.fuse_sampler, batch_invariant=self.batch_invariant)
         if self.batch_invariant and not self.fuse_projections:  # the unfused projections are XLA's einsums
             raise ValueError("batch_invariant=True runs the fused projections (wqkv, w_gate_up) on the step's "
                              "row-invariant matmul: set fuse_projections=True")
-        if self.batch_invariant and self.quantization == "int8":
-            raise ValueError("batch_invariant=True does not take quantization='int8': its product dequantises "
-                             "whole chunks of weights from 19 rows on and widens in registers below, two roundings; "
-                             "use 'w8a8' (the same bits at any row count) or float32 weights")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
-        check_kv_cache_dtype(self.kv_cache_dtype)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.page_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"page_size (block_size)={self.page_size}: choose 8, 16, 32, 64 or 128")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_pages"):
@@ -374,12 +363,6 @@ class RunnerConfig:
                 all(isinstance(n, int) and not isinstance(n, bool) for n in self.prompt_lookup) and
                 1 <= self.prompt_lookup[0] <= self.prompt_lookup[1]):
             raise ValueError(f"prompt_lookup={self.prompt_lookup!r}: must be None or (min, max) with 1 <= min <= max")
-        check_weight_layout(self.weight_layout)
-        if self.command_buffers not in ("auto", *GPU_COMMAND_BUFFERS):
-            raise ValueError(f"command_buffers={self.command_buffers!r}: choose one of "
-                             f"{('auto', *GPU_COMMAND_BUFFERS)}")
-        check_fuse_sampler(self.fuse_sampler)
-        check_quantization(self.quantization)
         if self.quantization == "fp8" and not self.fuse_projections:
             raise ValueError("quantization='fp8' quantises the fused projections (wqkv, w_gate_up): set "
                              "fuse_projections=True")

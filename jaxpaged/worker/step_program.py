@@ -157,29 +157,35 @@ def paged_forward(config: LlamaConfig, attention: AttentionConfig, params: Param
     carry = (embed_tokens(params, step.token_ids, config), kv.k, kv.v)  # h [T, E], the pool
     # packed layer weights compute the step's real tokens only (padding comes last: cu_q_lens[-1] of T)
     params = dict(params, layers=with_live_rows(params["layers"], step.cu_q_lens[-1]))
-    if isinstance(params["layers"], Sequence):
+    h, k, v = _over_layers(layer_fn, params["layers"], consts, carry, (step, cos_table, sin_table))
+    logits = lm_logits(config, params, h[step.logits_indices], matmul)  # [S, V]
+    return logits, h, KVPool(k, v, kv.k_scale, kv.v_scale)
+
+
+def _over_layers(layer_fn, layers, consts: dict, carry, args: tuple):
+    """`layer_fn(carry, (layer_params, layer, consts[layer]), *args)` over every layer: a Python loop over
+    per-layer weights (a list) or a scan over stacked ones (a dict of [L, ...])."""
+    if isinstance(layers, Sequence):
         # One traced layer called L times: XLA inlines the calls (the program is the unrolled one), but
         # Python traces and lowers one layer, not L, per step shape, which shortens start-up
         traced_layer = jax.jit(layer_fn)
-        for layer, layer_params in enumerate(params["layers"]):
+        for layer, layer_params in enumerate(layers):
             c = jax.tree.map(lambda x, i=layer: x[i], consts)
-            carry = traced_layer(carry, (layer_params, jnp.int32(layer), c), step, cos_table, sin_table)
-    else:
-        # Packed weights (the native CPU matmul's blocks, stacked) stay out of the scanned xs: each layer's
-        # product reads its layer of the whole stack in place, where a scanned slice would be copied out
-        packed = {n: w for n, w in params["layers"].items() if isinstance(w, PackedWeight)}
-        sliced = {n: w for n, w in params["layers"].items() if n not in packed}
+            carry = traced_layer(carry, (layer_params, jnp.int32(layer), c), *args)
+        return carry
+    # Packed weights (the native CPU matmul's blocks, stacked) stay out of the scanned xs: each layer's
+    # product reads its layer of the whole stack in place, where a scanned slice would be copied out
+    packed = {n: w for n, w in layers.items() if isinstance(w, PackedWeight)}
+    sliced = {n: w for n, w in layers.items() if n not in packed}
 
-        def body(carry, xs):
-            layer_params, layer, c = xs
-            layer_params = {**layer_params, **{n: w.at_layer(layer) for n, w in packed.items()}}
-            return layer_fn(carry, (layer_params, layer, c), step, cos_table, sin_table), None
+    def body(carry, xs):
+        layer_params, layer, c = xs
+        layer_params = {**layer_params, **{n: w.at_layer(layer) for n, w in packed.items()}}
+        return layer_fn(carry, (layer_params, layer, c), *args), None
 
-        layers = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(body, carry, (sliced, layers, consts))
-    h, k, v = carry
-    logits = lm_logits(config, params, h[step.logits_indices], matmul)  # [S, V]
-    return logits, h, KVPool(k, v, kv.k_scale, kv.v_scale)
+    layer_ids = jnp.arange(consts["window"].shape[0], dtype=jnp.int32)  # [L]
+    carry, _ = jax.lax.scan(body, carry, (sliced, layer_ids, consts))
+    return carry
 
 
 def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, params: Params, kv: KVPool,

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 from pallas_kernels import cuda_compile
 from pallas_kernels.batch_invariant_matmul import (GemmTiles, batch_invariant_matmul, gemm_tiles,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 
-from server.__main__ import build_parser, engine_args, server_config
+from server.__main__ import build_parser, engine_args, freeze_startup_objects, server_config
 
 FLAGS = ["--model", "--served-model-name", "--tokenizer", "--revision", "--dtype", "--max-model-len",
          "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-cache-memory",
@@ -80,3 +81,15 @@ def test_the_defaults_restated_for_help_are_the_engines():
     assert cli.KV_CACHE_DTYPES == tuple(KV_CACHE_DTYPES)
     assert engine_args(build_parser().parse_args(["--kv-cache-dtype", "fp8"])).kv_cache_dtype == "fp8"
     assert AsyncLLMConfig(max_waiting_requests=ns.max_waiting_requests) == AsyncLLMConfig()
+
+
+def test_start_up_objects_are_frozen_out_of_the_collector():
+    kept = [[i] for i in range(1000)]  # alive at start-up, as the engine's objects are
+    try:
+        assert freeze_startup_objects() >= len(kept)
+        alive = {id(x) for x in gc.get_objects()}  # the generations a collection walks
+        assert not any(id(x) in alive for x in kept)
+        made_later = [0]
+        assert id(made_later) in {id(x) for x in gc.get_objects()}
+    finally:
+        gc.unfreeze()
