@@ -188,7 +188,7 @@ def roofline_main(argv=None) -> int:
 # ---- host-loop -----------------------------------------------------------------------------------------------
 
 # (object attribute path from the engine, method) timed by --phases; a name a tree lacks is skipped
-PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runner", "prepare"),
+PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runner", "prepare"), ("runner", "pack"),
           ("runner", "_sampling_batch"), ("runner", "_step_sampling"), ("runner", "_run_fused"),
           ("runner", "dispatch"), ("", "_emit"), ("", "_emit_step"), ("", "_outputs"))
 

@@ -48,6 +48,7 @@ class PendingStep:
     carried: tuple[jax.Array, jax.Array, jax.Array] | None = None  # `carry`'s result, once called
     shifts: np.ndarray | None = None  # i32[T]: `_shift_rows`, when a verification was in flight at dispatch
     rejected: jax.Array | None = None  # i32[R]: its drafts rejected per row (its `carry`), with shifts
+    batch_rows: np.ndarray | None = None  # intp[n]: the entries' rows of the persistent batch (`ModelRunner.pack`)
 
     @functools.cached_property
     def rows(self) -> dict[str, int]:
