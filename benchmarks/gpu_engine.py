@@ -112,14 +112,14 @@ def build_engine(config: LlamaConfig, args) -> LLMEngine:
 
 
 def record_steps(engine: LLMEngine) -> list:
-    """Wraps the runner's `prepare` so each engine step's StepInput is kept (bench instrumentation)."""
-    steps, prepare = [], engine.runner.prepare
+    """Wraps the runner's `pack` so each engine step's StepInput is kept (bench instrumentation)."""
+    steps, pack = [], engine.runner.pack
 
     def recording(entries):
-        step = prepare(entries)
+        step, rows = pack(entries)
         steps.append(step)
-        return step
-    engine.runner.prepare = recording
+        return step, rows
+    engine.runner.pack = recording
     return steps
 
 

@@ -67,7 +67,17 @@ class AsyncDispatch:
         layout, redraft = self._redraft(entries, step, layout, previous, carry) if sources is not None else \
             (layout, None)
         if self.fuse_sampler:
-            return self._dispatch_fused(entries, rows, step, layout, sources, carry, shifts, redraft, previous)
+            pending = self._dispatch_fused(entries, rows, step, layout, sources, carry, shifts, redraft, previous)
+        else:
+            pending = self._dispatch_unfused(entries, rows, step, layout, sources, carry, shifts, redraft)
+        pending.scheduler_output = scheduler_output
+        return pending
+
+    def _dispatch_unfused(self, entries: Sequence[ScheduledRequest], rows: np.ndarray, step: StepInput,
+                          layout: DraftRows | None, sources: np.ndarray | None, carry: Callable[[], tuple],
+                          shifts: np.ndarray | None, redraft: Redraft | None) -> PendingStep:
+        """`dispatch`'s forward alone (the sampler separate, `dispatch_sample`): placeholders filled, positions
+        moved back after a verification in flight, on the device."""
         carried = carry()
         if shifts is not None or redraft is not None:  # positions moved back, drafts fed: a program per (T, S, P)
             filled = fill_in_flight_jit(

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest
+from jaxpaged.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from jaxpaged.sample.sampler import SamplerOutput
 from jaxpaged.sample.sampling_batch import RowInfo, SamplingBatch
 from jaxpaged.sampling_params import SamplingParams
@@ -27,7 +27,9 @@ from jaxpaged.worker.step_input import FusedStep, StepInput, has_random_rows, pa
 
 @dataclasses.dataclass(eq=False)
 class PendingStep:
-    """A step dispatched by `ModelRunner.dispatch` (async scheduling); its device work may still run.
+    """A step dispatched by `ModelRunner.dispatch` (async scheduling); its device work may still run. The
+    engine keeps it as its step in flight (the one record of the step across the engine/runner seam): the
+    scheduler output it runs, each entry's Request as scheduled, when it was dispatched.
 
     Sampler row r is entry r (rows past the entries are padding); `rows` maps the entries that sample."""
 
@@ -49,6 +51,11 @@ class PendingStep:
     shifts: np.ndarray | None = None  # i32[T]: `_shift_rows`, when a verification was in flight at dispatch
     rejected: jax.Array | None = None  # i32[R]: its drafts rejected per row (its `carry`), with shifts
     batch_rows: np.ndarray | None = None  # intp[n]: the entries' rows of the persistent batch (`ModelRunner.pack`)
+    scheduler_output: SchedulerOutput | None = None  # the output it runs (its scheduled_requests are `entries`)
+    # the engine's (LLMEngine._dispatch_async): each entry's Request when scheduled (ids are reusable after an
+    # abort), and time.perf_counter() once its forward was dispatched
+    requests: dict[str, object] | None = None
+    dispatched_at: float = 0.0
 
     @functools.cached_property
     def rows(self) -> dict[str, int]:
