@@ -112,7 +112,7 @@ def emulate_device(runner, step_ms: float, row_ms: float) -> None:
     def sample_dispatched(pending, *rest):  # a fused step with random rows: its finish reads the sampler's flags
         dispatch_sample(pending, *rest)
         finish, end = pending.finish_sample, ends.pop(id(pending), 0.0)
-        if pending.fused is not None and pending.fused.sample.flags is not None:
+        if pending.fused_sample is not None and pending.fused_sample.flags is not None:
             pending.finish_sample = lambda: wait(end) or finish()
 
     def executed(out, *rest):

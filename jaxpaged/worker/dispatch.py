@@ -152,12 +152,13 @@ class AsyncDispatch:
         count_from = None if sources is None else _count_from(step, sources, num_rows)
         carried = carry()  # the wait, if any, after the sampler's rows are built
         tokens, rejected, accepted = carried
-        fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout, sources=sources,
-                                                                  previous=tokens, rejected=rejected, shifts=shifts,
-                                                                  redraft=redraft, accepted=accepted,
-                                                                  count_from=count_from))
-        pending = PendingStep(entries, step, None, hidden, fused=fused, batch=batch, num_top_logprobs=top,
-                              layout=layout, redraft=redraft, shifts=shifts, rejected=rejected, batch_rows=rows)
+        (sample, num_accepted, next_tokens), hidden = self._run_fused(
+            step, self._step_sampling(batch, step, layout=layout, sources=sources, previous=tokens,
+                                      rejected=rejected, shifts=shifts, redraft=redraft, accepted=accepted,
+                                      count_from=count_from))
+        pending = PendingStep(entries, step, None, hidden, batch=batch, num_top_logprobs=top, layout=layout,
+                              redraft=redraft, shifts=shifts, rejected=rejected, batch_rows=rows,
+                              fused_sample=sample, num_accepted=num_accepted, fused_tokens=next_tokens)
         if layout is not None and not layout.packed:  # random or penalised rows after a verification in flight: wait
             outcome = None if sources is None else functools.partial(_outcome_in_flight, previous, carried, entries)
             pending.layout = layout = _with_history(entries, layout, _in_flight_history(entries, layout, outcome))
@@ -168,8 +169,8 @@ class AsyncDispatch:
         """Dispatch the sampler (and prompt log-probs) of a dispatched step: execute_model's second half.
         A fused step sampled in its own program: only its fallbacks are left (run by `pending.result`)."""
         entries, layout = pending.entries, pending.layout
-        if pending.fused is not None:
-            pending.finish_sample = sampler.finish_in_step(pending.fused.sample, pending.batch,
+        if pending.fused_sample is not None:
+            pending.finish_sample = sampler.finish_in_step(pending.fused_sample, pending.batch,
                                                            pending.num_top_logprobs)
         else:
             logits = pending.logits

@@ -69,7 +69,6 @@ from jaxpaged.worker.runner_config import INT8_DOTS, RunnerConfig, check_fp8_kv_
 from jaxpaged.worker.runner_output import ModelRunnerOutput, PromptLogprobs, prompt_logprob_spans
 from jaxpaged.worker.step_input import (
     FaultInjector,
-    FusedStep,
     GrammarBitmask,
     KVPool,
     StepInput,
@@ -78,7 +77,8 @@ from jaxpaged.worker.step_input import (
     empty_step,
     has_random_rows,
 )
-from jaxpaged.worker.step_program import _pack_for_cpu_matmul, fused_step, paged_forward, prompt_logprobs_step
+from jaxpaged.worker.step_program import (FusedSample, _pack_for_cpu_matmul, fused_step, paged_forward,
+                                          prompt_logprobs_step)
 from jaxpaged.worker.weight_layout import to_weight_layout
 
 logger = logging.getLogger(__name__)
@@ -297,11 +297,11 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
             grammar_bitmask = grammar_bitmask()
         grammar_bitmask = _check_bitmask(grammar_bitmask, entries)
         batch, top = self._sampling_batch(entries, rows, step, layout, grammar_bitmask)
-        fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout))
-        sampled = sampler.finish_in_step(fused.sample, batch, top)()
+        (sample, num_accepted, _), hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout))
+        sampled = sampler.finish_in_step(sample, batch, top)()
         drafts = None
         if layout is not None and layout.packed:
-            drafts = verify_packed(layout, sampled, fused)
+            drafts = verify_packed(layout, sampled, sample, num_accepted)
         elif layout is not None:
             drafts = self._verify_drafts(layout, sampled, hidden, top, grammar_bitmask)
         prompt = self._prompt_logprobs(entries, step, hidden)
@@ -360,8 +360,8 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         return StepSampling(sampler.with_neutral_arrays(batch, neutral), previous, sources, rejected, shifts,
                             accepted, count_from, draft_rows, draft_ids, redraft)
 
-    def _run_fused(self, step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array]:
-        """(FusedStep, hidden [T, E]) from the fused program `warmup` compiled for the step's shape and batch
+    def _run_fused(self, step: StepInput, sampling: StepSampling) -> tuple[FusedSample, jax.Array]:
+        """((sample, num_accepted, next_tokens), hidden [T, E]) from the fused program `warmup` compiled for the step's shape and batch
         (greedy-only or not; else the jitted one, compiling on first use)."""
         random = has_random_rows(sampling.batch)
         compiled = self.compiled_fused_program(step, random)
@@ -453,7 +453,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
             fused, hidden = self._run_fused(step, self._step_sampling(batch, step, sources=sources, previous=previous,
                                                                       rejected=rejected, shifts=shifts,
                                                                       redraft=redraft))
-            return fused.sample.logits, hidden
+            return fused[0].logits, hidden
         if self.multi_process:
             parallel.broadcast_step(step, empty_step)
         return self._run(step)
