@@ -298,10 +298,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
     def _run_sync(self, out: SchedulerOutput, outputs: list[RequestOutput], start: float) -> list[RequestOutput]:
         """Run a scheduled step and handle its outputs; return `outputs` (those this call made before) and its
         own. start: when the step's host work began (the draft policy's clock)."""
-        now = time.time()
-        for entry in out.scheduled_requests:
-            parent, _ = self._child_to_parent[entry.request_id]
-            parent.metrics.first_scheduled_time = parent.metrics.first_scheduled_time or now
+        self._stamp_first_scheduled(out)
         # the grammar bitmask is filled while the forward runs (the runner calls it after dispatching it)
         result = self.runner.execute_model(out, functools.partial(self._grammar_bitmask, out.scheduled_requests))
         for rid, chunk in result.prompt_logprobs.items():
@@ -313,6 +310,15 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         outputs = outputs + self._outputs(touched)
         self._observe_step(out, start)
         return outputs
+
+    def _stamp_first_scheduled(self, out: SchedulerOutput) -> None:
+        """Each request's first scheduling time, from the entries sent whole (page_ids_from 0: a request's
+        first step is one; the others, most rows, are only looked at)."""
+        now = time.time()
+        for entry in out.scheduled_requests:
+            if not entry.page_ids_from:
+                metrics = self._child_to_parent[entry.request_id][0].metrics
+                metrics.first_scheduled_time = metrics.first_scheduled_time or now
 
     def _observe_step(self, out: SchedulerOutput, start: float, timed: bool = True) -> None:
         """A step's outputs are handled: the adaptive draft policy times it (from `start`) if it fed only decodes
@@ -387,11 +393,9 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
     def _dispatch_async(self, out: SchedulerOutput, previous: PendingStep | None) -> PendingStep | None:
         """Dispatch the step's forward; None (the error deferred to the next step()) if that fails. The step in
         flight notes each entry's Request as scheduled and when it was dispatched."""
-        now, requests = time.time(), {}
-        for entry in out.scheduled_requests:
-            metrics = self._child_to_parent[entry.request_id][0].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
-            requests[entry.request_id] = self.scheduler.get_request(entry.request_id)
+        self._stamp_first_scheduled(out)
+        get = self.scheduler.get_request
+        requests = {e.request_id: get(e.request_id) for e in out.scheduled_requests}
         try:
             pending = self.runner.dispatch(out, previous)
         except Exception as err:
