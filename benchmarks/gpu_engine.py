@@ -87,14 +87,14 @@ def engine_args(args, **overrides) -> EngineArgs:
 
 
 def record_steps(engine: LLMEngine) -> list:
-    """Wraps the runner's `prepare` so each engine step's StepInput is kept (bench instrumentation)."""
-    steps, prepare = [], engine.runner.prepare
+    """Wraps the runner's `pack` so each engine step's StepInput is kept (bench instrumentation)."""
+    steps, pack = [], engine.runner.pack
 
     def recording(entries):
-        step = prepare(entries)
+        step, rows = pack(entries)
         steps.append(step)
-        return step
-    engine.runner.prepare = recording
+        return step, rows
+    engine.runner.pack = recording
     return steps
 
 
@@ -125,7 +125,7 @@ def run(engine: LLMEngine, num_seqs: int, prompt_len: int, output_len: int, voca
             produced += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
             timed.append((time.perf_counter() - t0, steps[-1]))
     finally:
-        del engine.runner.prepare  # the instance attribute: back to the class's method
+        del engine.runner.pack  # the instance attribute: back to the class's method
     return time.perf_counter() - start, produced, timed
 
 

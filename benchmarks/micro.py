@@ -165,7 +165,7 @@ def roofline_main(argv=None) -> int:
 # ---- host-loop -----------------------------------------------------------------------------------------------
 
 # (object attribute path from the engine, method) timed by --phases; a name a tree lacks is skipped
-PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runner", "prepare"),
+PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runner", "prepare"), ("runner", "pack"),
           ("runner", "_sampling_batch"), ("runner", "_step_sampling"), ("runner", "_run_fused"),
           ("runner", "dispatch"), ("", "_emit"), ("", "_emit_step"), ("", "_outputs"))
 
@@ -345,7 +345,7 @@ def emulate_device(runner, step_ms: float, row_ms: float) -> None:
     def sample_dispatched(pending, *rest):  # a fused step with random rows: its finish reads the sampler's flags
         dispatch_sample(pending, *rest)
         finish, end = pending.finish_sample, ends.pop(id(pending), 0.0)
-        if pending.fused is not None and pending.fused.sample.flags is not None:
+        if pending.fused_sample is not None and pending.fused_sample.flags is not None:
             pending.finish_sample = lambda: wait(end) or finish()
 
     def executed(out, *rest):

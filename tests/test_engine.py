@@ -422,3 +422,21 @@ def test_request_running_and_prefix_cache_reset(tiny):
         engine.step()
     assert not engine.is_request_running("r")
     assert engine.reset_prefix_cache() and engine.scheduler.pool.num_cached_pages == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_first_scheduled_time_is_the_first_steps_and_stays(tiny, async_scheduling):
+    """A request's first scheduling time is stamped by its first step (an entry sent whole) and no later step moves
+    it; the n children of one prompt share their parent's."""
+    engine = make_engine(tiny, async_scheduling=async_scheduling)
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, dataclasses.replace(GREEDY, max_tokens=6))
+    engine.add_request("b", {"prompt_token_ids": [8, 9]}, dataclasses.replace(GREEDY, max_tokens=4, n=2))
+    metrics = {rid: engine._parents[rid].metrics for rid in "ab"}
+    assert all(m.first_scheduled_time is None for m in metrics.values())
+    engine.step()
+    first = {rid: m.first_scheduled_time for rid, m in metrics.items()}
+    assert all(t is not None and t >= metrics[rid].arrival_time for rid, t in first.items())
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert {rid: m.first_scheduled_time for rid, m in metrics.items()} == first
+    assert all(m.first_token_time >= first[rid] for rid, m in metrics.items())

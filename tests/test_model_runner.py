@@ -478,10 +478,10 @@ def test_sampling_batch_from_kept_constants_is_the_batch_of_the_entries_rows(tin
                make("c", biased, 5, 2, token_ids=(7, 8, 9), spec_token_ids=(8, 9), spec_banned_token_ids=((), (3,))),
                make("d", seeded, 12, 0, token_ids=(7, 6), spec_token_ids=(6,), spec_banned_token_ids=((),))]
     for order in (entries[::-1], entries):  # the second step reads what the first kept
-        step = runner.prepare(order)
+        step, batch_rows = runner.pack(order)
         layout = runner._layout_drafts(order, step)
         assert layout.packed
-        batch, _ = runner._sampling_batch(order, step, layout, None)
+        batch, _ = runner._sampling_batch(order, batch_rows, step, layout, None)
         rows = [sampling_row(e) for e in order] + list(layout.rows)
         want = make_sampling_batch(rows, len(step.logits_indices), V)
         for field in dataclasses.fields(want):
@@ -489,8 +489,8 @@ def test_sampling_batch_from_kept_constants_is_the_batch_of_the_entries_rows(tin
             assert (got is None) == (expected is None) and (got is None or np.array_equal(got, expected)), field.name
     assert len(runner.input_batch) == 4
     again = [make("a", greedy, 11, 4)]  # "a" came back with other params
-    step = runner.prepare(again)
-    assert runner._sampling_batch(again, step, None, None)[0].temperature.tolist() == [0.0] * 4
+    step, batch_rows = runner.pack(again)
+    assert runner._sampling_batch(again, batch_rows, step, None, None)[0].temperature.tolist() == [0.0] * 4
     runner.execute_model(SchedulerOutput(tuple(again), 1, (), ("b", "c")))  # a step told b and c finished
     assert len(runner.input_batch) == 2
 

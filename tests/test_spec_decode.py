@@ -444,15 +444,15 @@ def test_verification_samples_drafts_from_the_steps_own_lm_head(tiny):
     greedy output exact, no compile."""
     engine = make_engine(tiny, max_num_batched_tokens=128)
     runner, shapes = engine.runner, []
-    prepare = runner.prepare
+    pack = runner.pack
 
     def spy(entries):
-        step = prepare(entries)
+        step, rows = pack(entries)
         drafts = sum(len(e.spec_token_ids) for e in entries)
         shapes.append((len(step.token_ids), len(step.kv_lens), len(step.logits_indices), len(entries) + drafts))
-        return step
+        return step, rows
 
-    runner.prepare = spy
+    runner.pack = spy
     drafting, long = repetitive_prompts(12, seed=7), mixed_prompts(4, seed=7, max_len=100)
     long = [p + p[:90 - len(p)] if len(p) < 90 else p for p in (q or [1] for q in long)]  # 90-token prefills
     with count_traces() as traces, count_dispatches(runner) as calls:
@@ -467,7 +467,7 @@ def test_verification_samples_drafts_from_the_steps_own_lm_head(tiny):
             done.update({o.request_id: o for o in engine.step() if o.finished})
             if not engine.has_unfinished_requests():
                 break
-    runner.prepare = prepare
+    runner.pack = pack
     assert traces == []
     for i, prompt in enumerate(drafting + long):
         assert done[str(i)].outputs[0].token_ids == greedy_generate(tiny.config, tiny.params, prompt, 24), i
@@ -1027,7 +1027,7 @@ def test_drafts_proposed_on_a_wrong_guess_are_proposed_again_on_the_device(tiny,
     handle = engine._handle_in_flight
 
     def handled(flight, following=None):  # checks the drafts `flight` verified, their outcome still in flight
-        layout = flight.pending.layout
+        layout = flight.layout
         verified = np.asarray(layout.verified_ids) if layout is not None else ()
         for m, rid in enumerate(layout.request_ids if layout is not None else ()):
             request, d = flight.requests[rid], layout.num_drafts[m]
@@ -1074,7 +1074,7 @@ def test_a_copy_that_breaks_reserves_blank_drafts_the_device_fills(tiny):
     handle = engine._handle_in_flight
 
     def handled(flight, following=None):
-        layout = flight.pending.layout
+        layout = flight.layout
         entries = {e.request_id: e for e in flight.scheduler_output.scheduled_requests}
         for m, rid in enumerate(layout.request_ids if layout is not None else ()):
             if entries[rid].spec_guess == ():  # blank: proposed on the device from the real sequence
@@ -1087,7 +1087,7 @@ def test_a_copy_that_breaks_reserves_blank_drafts_the_device_fills(tiny):
                 seen["found" if real else "nothing"] += 1
                 seen["limit"] += misses[rid] == BLANK_DRAFT_STEPS
         outputs = handle(flight, following)
-        for rid, num_accepted in flight.pending.result().num_accepted_drafts.items():
+        for rid, num_accepted in flight.result().num_accepted_drafts.items():
             misses[rid] = 0 if num_accepted else misses[rid]
         return outputs
 

@@ -69,16 +69,6 @@ from jaxpaged.worker.weight_layout import to_weight_layout
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _InFlightStep:
-    """Async scheduling: a dispatched step whose outputs the engine has not handled yet."""
-
-    scheduler_output: SchedulerOutput
-    pending: PendingStep
-    requests: dict[str, Request | None]  # each entry's Request when scheduled (ids are reusable after an abort)
-    dispatched_at: float  # time.perf_counter() when its forward was dispatched
-
-
 class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None,
                  fault_injector: FaultInjector | None = None):
@@ -111,7 +101,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         if args.async_scheduling is not False and not self.async_scheduling:
             logger.info("async scheduling: off with num_processes=%d (the synchronous loop runs)", args.num_processes)
         self.async_max_tokens = self.config.async_max_tokens  # the steps kept in flight (None: all)
-        self._in_flight: _InFlightStep | None = None  # async scheduling: the step dispatched, not yet handled
+        self._in_flight: PendingStep | None = None  # async scheduling: the step dispatched, not yet handled
         self._last_handled = 0.0  # time.perf_counter() when the last step's outputs were handled
         self._deferred_error: BaseException | None = None  # async: a dispatch failure, raised by the next step()
         self.scheduler = Scheduler(self.config.scheduler)
@@ -308,10 +298,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
     def _run_sync(self, out: SchedulerOutput, outputs: list[RequestOutput], start: float) -> list[RequestOutput]:
         """Run a scheduled step and handle its outputs; return `outputs` (those this call made before) and its
         own. start: when the step's host work began (the draft policy's clock)."""
-        now = time.time()
-        for entry in out.scheduled_requests:
-            parent, _ = self._child_to_parent[entry.request_id]
-            parent.metrics.first_scheduled_time = parent.metrics.first_scheduled_time or now
+        self._stamp_first_scheduled(out)
         # the grammar bitmask is filled while the forward runs (the runner calls it after dispatching it)
         result = self.runner.execute_model(out, functools.partial(self._grammar_bitmask, out.scheduled_requests))
         for rid, chunk in result.prompt_logprobs.items():
@@ -323,6 +310,15 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         outputs = outputs + self._outputs(touched)
         self._observe_step(out, start)
         return outputs
+
+    def _stamp_first_scheduled(self, out: SchedulerOutput) -> None:
+        """Each request's first scheduling time, from the entries sent whole (page_ids_from 0: a request's
+        first step is one; the others, most rows, are only looked at)."""
+        now = time.time()
+        for entry in out.scheduled_requests:
+            if not entry.page_ids_from:
+                metrics = self._child_to_parent[entry.request_id][0].metrics
+                metrics.first_scheduled_time = metrics.first_scheduled_time or now
 
     def _observe_step(self, out: SchedulerOutput, start: float, timed: bool = True) -> None:
         """A step's outputs are handled: the adaptive draft policy times it (from `start`) if it fed only decodes
@@ -394,31 +390,31 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
             raise
         return outputs
 
-    def _dispatch_async(self, out: SchedulerOutput, previous: _InFlightStep | None) -> _InFlightStep | None:
-        """Dispatch the step's forward; None (the error deferred to the next step()) if that fails."""
-        now, requests = time.time(), {}
-        for entry in out.scheduled_requests:
-            metrics = self._child_to_parent[entry.request_id][0].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
-            requests[entry.request_id] = self.scheduler.get_request(entry.request_id)
+    def _dispatch_async(self, out: SchedulerOutput, previous: PendingStep | None) -> PendingStep | None:
+        """Dispatch the step's forward; None (the error deferred to the next step()) if that fails. The step in
+        flight notes each entry's Request as scheduled and when it was dispatched."""
+        self._stamp_first_scheduled(out)
+        get = self.scheduler.get_request
+        requests = {e.request_id: get(e.request_id) for e in out.scheduled_requests}
         try:
-            pending = self.runner.dispatch(out, None if previous is None else previous.pending)
+            pending = self.runner.dispatch(out, previous)
         except Exception as err:
             self._deferred_error = err
             return None
-        return _InFlightStep(out, pending, requests, time.perf_counter())
+        pending.requests, pending.dispatched_at = requests, time.perf_counter()
+        return pending
 
-    def _dispatch_sampler_async(self, flight: _InFlightStep) -> bool:
+    def _dispatch_sampler_async(self, flight: PendingStep) -> bool:
         """Dispatch the step's sampler; False (the error deferred to the next step()) if that fails."""
         entries = flight.scheduler_output.scheduled_requests
         try:
-            self.runner.dispatch_sample(flight.pending, functools.partial(self._grammar_bitmask, entries))
+            self.runner.dispatch_sample(flight, functools.partial(self._grammar_bitmask, entries))
         except Exception as err:
             self._deferred_error = err
             return False
         return True
 
-    def _handle_now(self, flight: _InFlightStep) -> list[RequestOutput]:
+    def _handle_now(self, flight: PendingStep) -> list[RequestOutput]:
         """`_handle_in_flight` for the step just dispatched; a failure is raised by the next step(), so the
         outputs already made this call (the previous step's) are still returned."""
         try:
@@ -427,11 +423,11 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
             self._deferred_error = err
             return []
 
-    def _handle_in_flight(self, flight: _InFlightStep, following: SchedulerOutput | None = None) -> list[RequestOutput]:
+    def _handle_in_flight(self, flight: PendingStep, following: SchedulerOutput | None = None) -> list[RequestOutput]:
         """Bring a dispatched step's tokens to the host and apply them, as `step` does, to the requests
         still live: the same Request objects it scheduled (one finished or aborted since is skipped, even
         if a new request took its id). `following`: the step dispatched after it, if any (`_note_redrafts`)."""
-        result = flight.pending.result()
+        result = flight.result()
         live = {rid for rid, request in flight.requests.items()
                 if request is not None and self.scheduler.get_request(rid) is request}
         for rid, chunk in result.prompt_logprobs.items():

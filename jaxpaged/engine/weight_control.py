@@ -98,7 +98,7 @@ class WeightControl:
             raise RuntimeError(f"the engine is already asleep (level {self.sleep_level})")
         if self._in_flight is not None:  # the last step's leftovers (requests that had already finished)
             flight, self._in_flight = self._in_flight, None
-            flight.pending.result()
+            flight.result()
         self.runner.sleep(level)
         if level == 2:
             self.model = dataclasses.replace(self.model, params=None)

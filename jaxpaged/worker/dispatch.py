@@ -54,7 +54,7 @@ class AsyncDispatch:
                                "multi-process runs take the synchronous loop")
         entries = scheduler_output.scheduled_requests
         self.remove_requests(scheduler_output)
-        step = self.prepare(entries)
+        step, rows = self.pack(entries)
         layout = self._layout_drafts(entries, step) if any(e.spec_token_ids for e in entries) else None
         sources = _placeholder_sources(entries, step, previous) if any(e.placeholder for e in entries) else None
         shifts = None if sources is None else _shift_rows(entries, step, previous)
@@ -67,7 +67,17 @@ class AsyncDispatch:
         layout, redraft = self._redraft(entries, step, layout, previous, carry) if sources is not None else \
             (layout, None)
         if self.fuse_sampler:
-            return self._dispatch_fused(entries, step, layout, sources, carry, shifts, redraft, previous)
+            pending = self._dispatch_fused(entries, rows, step, layout, sources, carry, shifts, redraft, previous)
+        else:
+            pending = self._dispatch_unfused(entries, rows, step, layout, sources, carry, shifts, redraft)
+        pending.scheduler_output = scheduler_output
+        return pending
+
+    def _dispatch_unfused(self, entries: Sequence[ScheduledRequest], rows: np.ndarray, step: StepInput,
+                          layout: DraftRows | None, sources: np.ndarray | None, carry: Callable[[], tuple],
+                          shifts: np.ndarray | None, redraft: Redraft | None) -> PendingStep:
+        """`dispatch`'s forward alone (the sampler separate, `dispatch_sample`): placeholders filled, positions
+        moved back after a verification in flight, on the device."""
         carried = carry()
         if shifts is not None or redraft is not None:  # positions moved back, drafts fed: a program per (T, S, P)
             filled = fill_in_flight_jit(
@@ -80,7 +90,7 @@ class AsyncDispatch:
             step = dataclasses.replace(step, token_ids=merge_sampled_tokens(step.token_ids, carried[0], sources))
         logits, hidden = self._forward(step)  # f32[S, V] (L rows), [T, E]; dispatched
         return PendingStep(entries, step, logits, hidden, layout=layout, redraft=redraft, shifts=shifts,
-                           rejected=carried[1])
+                           rejected=carried[1], batch_rows=rows)
 
     def _redraft(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
                  previous: PendingStep, carry: Callable[[], tuple]) -> tuple[DraftRows | None, Redraft | None]:
@@ -118,9 +128,10 @@ class AsyncDispatch:
                                                previous_slots, self._redraft_slots, lookup)
         return dataclasses.replace(layout, redrafted=draft_ids), redraft
 
-    def _dispatch_fused(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
-                        sources: np.ndarray | None, carry: Callable[[], tuple], shifts: np.ndarray | None,
-                        redraft: Redraft | None = None, previous: PendingStep | None = None) -> PendingStep:
+    def _dispatch_fused(self, entries: Sequence[ScheduledRequest], rows: np.ndarray, step: StepInput,
+                        layout: DraftRows | None, sources: np.ndarray | None, carry: Callable[[], tuple],
+                        shifts: np.ndarray | None, redraft: Redraft | None = None,
+                        previous: PendingStep | None = None) -> PendingStep:
         """`dispatch` as one program, its sampler rows known now (penalties count the tokens in flight on the
         device: `outputs_in_flight`). A step with a constrained row (its grammar mask needs the previous step's
         token on the host) or a fault injector runs the program's forward only; `dispatch_sample` then samples
@@ -132,21 +143,22 @@ class AsyncDispatch:
             tokens, rejected, _ = carry()
             logits, hidden = self._forward(step, sources, tokens, rejected, shifts, redraft)
             return PendingStep(entries, step, logits, hidden, layout=layout, redraft=redraft, shifts=shifts,
-                               rejected=rejected)
+                               rejected=rejected, batch_rows=rows)
         history = _in_flight_history(entries, layout, None)  # the device counts what the lists lack
         if history and layout is not None and layout.packed:
             layout = _with_history(entries, layout, history)
-        batch, top = self._sampling_batch(entries, step, layout, None, history)
+        batch, top = self._sampling_batch(entries, rows, step, layout, None, history)
         num_rows = len(entries) + (len(layout.rows) if layout is not None and layout.packed else 0)
         count_from = None if sources is None else _count_from(step, sources, num_rows)
         carried = carry()  # the wait, if any, after the sampler's rows are built
         tokens, rejected, accepted = carried
-        fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout, sources=sources,
-                                                                  previous=tokens, rejected=rejected, shifts=shifts,
-                                                                  redraft=redraft, accepted=accepted,
-                                                                  count_from=count_from))
-        pending = PendingStep(entries, step, None, hidden, fused=fused, batch=batch, num_top_logprobs=top,
-                              layout=layout, redraft=redraft, shifts=shifts, rejected=rejected)
+        (sample, num_accepted, next_tokens), hidden = self._run_fused(
+            step, self._step_sampling(batch, step, layout=layout, sources=sources, previous=tokens,
+                                      rejected=rejected, shifts=shifts, redraft=redraft, accepted=accepted,
+                                      count_from=count_from))
+        pending = PendingStep(entries, step, None, hidden, batch=batch, num_top_logprobs=top, layout=layout,
+                              redraft=redraft, shifts=shifts, rejected=rejected, batch_rows=rows,
+                              fused_sample=sample, num_accepted=num_accepted, fused_tokens=next_tokens)
         if layout is not None and not layout.packed:  # random or penalised rows after a verification in flight: wait
             outcome = None if sources is None else functools.partial(_outcome_in_flight, previous, carried, entries)
             pending.layout = layout = _with_history(entries, layout, _in_flight_history(entries, layout, outcome))
@@ -157,8 +169,8 @@ class AsyncDispatch:
         """Dispatch the sampler (and prompt log-probs) of a dispatched step: execute_model's second half.
         A fused step sampled in its own program: only its fallbacks are left (run by `pending.result`)."""
         entries, layout = pending.entries, pending.layout
-        if pending.fused is not None:
-            pending.finish_sample = sampler.finish_in_step(pending.fused.sample, pending.batch,
+        if pending.fused_sample is not None:
+            pending.finish_sample = sampler.finish_in_step(pending.fused_sample, pending.batch,
                                                            pending.num_top_logprobs)
         else:
             logits = pending.logits
@@ -169,7 +181,8 @@ class AsyncDispatch:
             grammar_bitmask = _check_bitmask(grammar_bitmask, entries)
             history = _in_flight_history(entries, layout, lambda: {})  # the step in flight handled: its outputs listed
             pending.layout = layout = _with_history(entries, layout, history)
-            batch, top = self._sampling_batch(entries, pending.step, layout, grammar_bitmask, history)
+            batch, top = self._sampling_batch(entries, pending.batch_rows, pending.step, layout, grammar_bitmask,
+                                              history)
             batch = pending.key_steps(batch, pending.step.logits_indices)
             pending.finish_sample = sample_deferred(logits, batch, num_top_logprobs=top)
             if layout is not None and not layout.packed:  # the draft rows' own pass, from the hidden states

@@ -16,18 +16,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest
-from jaxpaged.sample.sampler import SamplerOutput
+from jaxpaged.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from jaxpaged.sample.sampler import SamplerOutput, StepSample
 from jaxpaged.sample.sampling_batch import RowInfo, SamplingBatch
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode.verify import DraftRows, Redraft, VerifiedDrafts, verify_packed
 from jaxpaged.worker.runner_output import ModelRunnerOutput, PromptLogprobs
-from jaxpaged.worker.step_input import FusedStep, StepInput, has_random_rows, pad_sampled_tokens
+from jaxpaged.worker.step_input import StepInput, has_random_rows, pad_sampled_tokens
 
 
 @dataclasses.dataclass(eq=False)
 class PendingStep:
-    """A step dispatched by `ModelRunner.dispatch` (async scheduling); its device work may still run.
+    """A step dispatched by `ModelRunner.dispatch` (async scheduling); its device work may still run. The
+    engine keeps it as its step in flight (the one record of the step across the engine/runner seam): the
+    scheduler output it runs, each entry's Request as scheduled, when it was dispatched.
 
     Sampler row r is entry r (rows past the entries are padding); `rows` maps the entries that sample."""
 
@@ -36,7 +38,10 @@ class PendingStep:
     logits: jax.Array | None  # f32[S, V]; dropped once the sampler is dispatched
     hidden: jax.Array | None  # [T, E]; idem
     finish_sample: Callable[[], SamplerOutput] | None = None  # set by dispatch_sample (sampler.sample_deferred)
-    fused: FusedStep | None = None  # the fused sampler's device results (ModelRunner._dispatch_fused)
+    # the fused program's sampling results, on device (ModelRunner._dispatch_fused; `step_program.FusedSample`):
+    fused_sample: StepSample | None = None  # the sampler's output before its rare fallbacks
+    num_accepted: jax.Array | None = None  # i32[S]: slot m's accepted drafts, valid when no fallback changed a token
+    fused_tokens: jax.Array | None = None  # i32[R]: its sampled ids zero-padded, the next step's previous_tokens
     batch: SamplingBatch | None = None  # the fused step's host batch (its fallbacks read it)
     num_top_logprobs: int = 0  # the fused step's (its finish adds the top log-probs when > 0)
     sampled: SamplerOutput | None = None  # finish_sample's result, once called (`sampler_output`)
@@ -48,6 +53,12 @@ class PendingStep:
     carried: tuple[jax.Array, jax.Array, jax.Array] | None = None  # `carry`'s result, once called
     shifts: np.ndarray | None = None  # i32[T]: `_shift_rows`, when a verification was in flight at dispatch
     rejected: jax.Array | None = None  # i32[R]: its drafts rejected per row (its `carry`), with shifts
+    batch_rows: np.ndarray | None = None  # intp[n]: the entries' rows of the persistent batch (`ModelRunner.pack`)
+    scheduler_output: SchedulerOutput | None = None  # the output it runs (its scheduled_requests are `entries`)
+    # the engine's (LLMEngine._dispatch_async): each entry's Request when scheduled (ids are reusable after an
+    # abort), and time.perf_counter() once its forward was dispatched
+    requests: dict[str, object] | None = None
+    dispatched_at: float = 0.0
 
     @functools.cached_property
     def rows(self) -> dict[str, int]:
@@ -61,7 +72,7 @@ class PendingStep:
                 raise RuntimeError("the step's sampler was never dispatched (ModelRunner.dispatch_sample)")
             self.sampled, self.finish_sample = self.finish_sample(), None
             if self.layout is not None and self.drafts is None:  # packed drafts: counted on the final tokens
-                self.drafts = verify_packed(self.layout, self.sampled, self.fused)
+                self.drafts = verify_packed(self.layout, self.sampled, self.fused_sample, self.num_accepted)
         return self.sampled
 
     def result(self) -> ModelRunnerOutput:
@@ -108,8 +119,8 @@ class PendingStep:
         """i32[size]: the step's sampled tokens, zero-padded (the next fused step's previous_tokens): the
         program's own copy unless a fallback (or a separate sampler) produced them."""
         sampled = self.sampler_output()
-        if self.fused is not None and sampled.token_ids is self.fused.sample.out.token_ids:
-            return self.fused.next_tokens
+        if self.fused_sample is not None and sampled.token_ids is self.fused_sample.out.token_ids:
+            return self.fused_tokens
         return pad_sampled_tokens(sampled.token_ids, size)
 
 

@@ -47,7 +47,6 @@ class InputBatch:
         self.key_data = np.zeros((capacity, 2), np.uint32)  # u32[C, 2]
         self.biased = np.zeros(capacity, bool)  # bool[C]
         self.logprobs = np.zeros(capacity, bool)  # bool[C]
-        self._applied: tuple[Sequence[ScheduledRequest], np.ndarray] = ((), np.empty(0, np.intp))  # apply's last
         self._rows: dict[str, int] = {}  # request id -> its row
         self._pages: list[int] = [0] * capacity  # num_pages as Python ints: `apply`'s check per entry
         self._free = list(range(capacity - 1, -1, -1))
@@ -78,17 +77,7 @@ class InputBatch:
         if len(set(found)) != len(found):  # one row per id: a repeat would share it
             ids = [e.request_id for e in entries]
             raise ValueError(f"request ids repeat in one step: {sorted({r for r in ids if ids.count(r) > 1})}")
-        if isinstance(entries, tuple):  # immutable: `rows_of` may hand these rows back for the same tuple
-            self._applied = (entries, rows)
         return rows
-
-    def rows_of(self, entries: Sequence[ScheduledRequest]) -> np.ndarray:
-        """intp[n]: the rows of entries already applied (`apply`) this step: `apply`'s answer when they are the
-        tuple it was last given (the step's sampler rows, built after its inputs), else looked up."""
-        if entries is self._applied[0]:
-            return self._applied[1]
-        index = self._rows
-        return np.fromiter((index[e.request_id] for e in entries), np.intp, len(entries))
 
     def may_need_row_info(self, entries: Sequence[ScheduledRequest], rows: np.ndarray) -> list[int]:
         """The indices of a step's entries (at `rows`, `apply`'s) whose sampler rows may need more than their kept
@@ -140,4 +129,3 @@ class InputBatch:
                 self.page_table[row, :self._pages[row]] = 0
                 self.num_pages[row] = self._pages[row] = 0
                 self._free.append(row)
-        self._applied = ((), self._applied[1][:0])  # a removed row may be reused: nothing handed back stale

@@ -69,7 +69,6 @@ from jaxpaged.worker.runner_config import INT8_DOTS, RunnerConfig, check_fp8_kv_
 from jaxpaged.worker.runner_output import ModelRunnerOutput, PromptLogprobs, prompt_logprob_spans
 from jaxpaged.worker.step_input import (
     FaultInjector,
-    FusedStep,
     GrammarBitmask,
     KVPool,
     StepInput,
@@ -78,7 +77,8 @@ from jaxpaged.worker.step_input import (
     empty_step,
     has_random_rows,
 )
-from jaxpaged.worker.step_program import _pack_for_cpu_matmul, fused_step, paged_forward, prompt_logprobs_step
+from jaxpaged.worker.step_program import (FusedSample, _pack_for_cpu_matmul, fused_step, paged_forward,
+                                          prompt_logprobs_step)
 from jaxpaged.worker.weight_layout import to_weight_layout
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         options = config.compiler_options()
         self._init_fused_sampler(options)
         # the persistent batch: each scheduled request's page table and sampler constants, kept across its steps
-        # and updated by the scheduler's diffs (`prepare`, `_sampling_batch`; input_batch.py)
+        # and updated by the scheduler's diffs (`pack`, `_sampling_batch`; input_batch.py)
         self.input_batch = InputBatch(2 * config.max_num_seqs, config.max_pages_per_seq, model_config.vocab_size)
         # the verify buckets this runner gives T logits rows (compiled at warm-up), none where it does not pack
         self._verify_buckets = frozenset(config.verify_buckets if self.packs_drafts_in_tokens() else ())
@@ -203,9 +203,15 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         self.input_batch.remove(scheduler_output.preempted_request_ids)
 
     def prepare(self, entries: Sequence[ScheduledRequest]) -> StepInput:
-        """Pack one step's scheduled requests into padded host arrays. With the fused sampler, a verification
-        step takes an S bucket with a row for each draft too, where one has (its drafts are then sampled and
-        verified in the step's program: no second pass over the LM head, no other sampler call)."""
+        """Pack one step's scheduled requests into padded host arrays (`pack`, its rows dropped)."""
+        return self.pack(entries)[0]
+
+    def pack(self, entries: Sequence[ScheduledRequest]) -> tuple[StepInput, np.ndarray]:
+        """(StepInput, rows intp[n]): one step's scheduled requests packed into padded host arrays, and each
+        entry's row of the persistent batch (its diff applied), which the step's sampler rows are gathered from
+        (`_sampling_batch`). With the fused sampler, a verification step takes an S bucket with a row for each
+        draft too, where one has (its drafts are then sampled and verified in the step's program: no second
+        pass over the LM head, no other sampler call)."""
         ps, n = self.config.page_size, len(entries)
         rows = self.input_batch.apply(entries)  # i{p}[n]: each entry's row, its page-table diff applied
         fed = [e.token_ids for e in entries]
@@ -237,7 +243,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         slots[:num_tokens] = page_table[token_rows, page_index] * ps + pos % ps
         kv_lens[:n] = starts + lens
         last[:n] = cu[1:n + 1] - 1
-        return StepInput(token_ids, positions, slots, page_table, kv_lens, cu, np.int32(len(entries)), last)
+        return StepInput(token_ids, positions, slots, page_table, kv_lens, cu, np.int32(len(entries)), last), rows
 
     def packs_drafts_in_tokens(self) -> bool:
         """Whether verification steps of `RunnerConfig.verify_buckets` shapes take T logits rows (warm-up
@@ -266,52 +272,52 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
             raise ValueError("a step with placeholder tokens (async scheduling) runs through dispatch(), "
                              "which fills them from the previous step")
         self.remove_requests(scheduler_output)
-        step = self.prepare(entries)
+        step, rows = self.pack(entries)
         layout = self._layout_drafts(entries, step) if any(e.spec_token_ids for e in entries) else None
         if self.fuse_sampler and self.fault_injector is None:
-            return self._execute_fused(entries, step, layout, grammar_bitmask)
+            return self._execute_fused(entries, rows, step, layout, grammar_bitmask)
         logits, hidden = self._forward(step)  # f32[S, V], [T, E]; dispatched (asynchronous)
         if callable(grammar_bitmask):
             grammar_bitmask = grammar_bitmask()
         if self.fault_injector is not None:
             logits = self.fault_injector(entries, logits)
         grammar_bitmask = _check_bitmask(grammar_bitmask, entries)
-        batch, top = self._sampling_batch(entries, step, layout, grammar_bitmask)
+        batch, top = self._sampling_batch(entries, rows, step, layout, grammar_bitmask)
         sampled = sample_jit(logits, batch, num_top_logprobs=top)
         drafts = None if layout is None else self._verify_drafts(layout, sampled, hidden, top, grammar_bitmask)
         prompt = self._prompt_logprobs(entries, step, hidden)
         return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt,
                                               None if drafts is None else drafts.to_host())
 
-    def _execute_fused(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
-                       grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput:
+    def _execute_fused(self, entries: Sequence[ScheduledRequest], rows: np.ndarray, step: StepInput,
+                       layout: DraftRows | None, grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput:
         """execute_model in one program (`fused_step`); the grammar bitmask, one of its inputs, is filled first.
         Only the rare sampler fallbacks, top log-probs, unpacked drafts and prompt log-probs run other programs."""
         if callable(grammar_bitmask):
             grammar_bitmask = grammar_bitmask()
         grammar_bitmask = _check_bitmask(grammar_bitmask, entries)
-        batch, top = self._sampling_batch(entries, step, layout, grammar_bitmask)
-        fused, hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout))
-        sampled = sampler.finish_in_step(fused.sample, batch, top)()
+        batch, top = self._sampling_batch(entries, rows, step, layout, grammar_bitmask)
+        (sample, num_accepted, _), hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout))
+        sampled = sampler.finish_in_step(sample, batch, top)()
         drafts = None
         if layout is not None and layout.packed:
-            drafts = verify_packed(layout, sampled, fused)
+            drafts = verify_packed(layout, sampled, sample, num_accepted)
         elif layout is not None:
             drafts = self._verify_drafts(layout, sampled, hidden, top, grammar_bitmask)
         prompt = self._prompt_logprobs(entries, step, hidden)
         return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt,
                                               None if drafts is None else drafts.to_host())
 
-    def _sampling_batch(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
-                        grammar_bitmask: np.ndarray | None,
+    def _sampling_batch(self, entries: Sequence[ScheduledRequest], entry_rows: np.ndarray, step: StepInput,
+                        layout: DraftRows | None, grammar_bitmask: np.ndarray | None,
                         history: dict[str, tuple] | None = None) -> tuple[SamplingBatch, int]:
-        """The step's sampler rows (the entries', then packed draft rows) and its num_top_logprobs. The grammar
-        bitmask (`_check_bitmask`'s) has its rows in that order: packed drafts follow the entries in step order.
-        history: `_in_flight_history`'s, for the entries' rows (the layout's rows already have it)."""
+        """The step's sampler rows (the entries', then packed draft rows) and its num_top_logprobs. entry_rows:
+        the entries' rows of the persistent batch (`pack`'s). The grammar bitmask (`_check_bitmask`'s) has its
+        rows in that order: packed drafts follow the entries in step order. history: `_in_flight_history`'s,
+        for the entries' rows (the layout's rows already have it)."""
         S, V, history = len(step.logits_indices), self.model_config.vocab_size, history or {}
         # the entries' rows from their kept constants (`sampling_row`'s RowInfo only where a row needs more)
         kept = self.input_batch
-        entry_rows = kept.rows_of(entries)  # (`rows` below counts the batch's rows)
         scalars, key_data = kept.scalars[entry_rows], kept.key_data[entry_rows]
         steps = [e.num_output_tokens for e in entries] if layout is None else \
             [e.num_output_tokens + len(e.spec_token_ids) for e in entries]
@@ -354,8 +360,8 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         return StepSampling(sampler.with_neutral_arrays(batch, neutral), previous, sources, rejected, shifts,
                             accepted, count_from, draft_rows, draft_ids, redraft)
 
-    def _run_fused(self, step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array]:
-        """(FusedStep, hidden [T, E]) from the fused program `warmup` compiled for the step's shape and batch
+    def _run_fused(self, step: StepInput, sampling: StepSampling) -> tuple[FusedSample, jax.Array]:
+        """((sample, num_accepted, next_tokens), hidden [T, E]) from the fused program `warmup` compiled for the step's shape and batch
         (greedy-only or not; else the jitted one, compiling on first use)."""
         random = has_random_rows(sampling.batch)
         compiled = self.compiled_fused_program(step, random)
@@ -447,7 +453,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
             fused, hidden = self._run_fused(step, self._step_sampling(batch, step, sources=sources, previous=previous,
                                                                       rejected=rejected, shifts=shifts,
                                                                       redraft=redraft))
-            return fused.sample.logits, hidden
+            return fused[0].logits, hidden
         if self.multi_process:
             parallel.broadcast_step(step, empty_step)
         return self._run(step)

@@ -73,16 +73,6 @@ class StepSampling:
     redraft: Redraft  # the drafts the device proposes again (async scheduling; `Redraft.none` otherwise)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class FusedStep:
-    """A fused step's sampling results, on device."""
-
-    sample: sampler.StepSample  # the sampler's output before its rare fallbacks (`sampler.finish_in_step`)
-    num_accepted: jax.Array  # i32[S]: slot m's accepted drafts, valid when no fallback changed a token
-    next_tokens: jax.Array  # i32[R]: sample.out.token_ids zero-padded, the next step's previous_tokens
-
-
 def has_random_rows(batch: SamplingBatch) -> bool:
     """Whether some row of a host batch samples at random (the fused step's static choice of program)."""
     return bool(np.any(np.asarray(batch.temperature) >= sampler.GREEDY_TEMPERATURE_EPS))

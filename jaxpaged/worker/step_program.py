@@ -52,7 +52,7 @@ from jaxpaged.worker.host_memory import HugePageArena, cpu_array_over
 from jaxpaged.worker.in_flight import fill_in_flight, outputs_in_flight, steps_moved_back
 from jaxpaged.worker.invariant_dots import gpu_invariant_matmul
 from jaxpaged.worker.runner_config import INT8_DOTS, AttentionConfig
-from jaxpaged.worker.step_input import FusedStep, KVPool, StepInput, StepSampling, pad_sampled_tokens
+from jaxpaged.worker.step_input import KVPool, StepInput, StepSampling, pad_sampled_tokens
 from pallas_kernels import cpu_matmul, cpu_rope, cpu_sampler, ragged_paged_attention, write_kv_inner
 
 
@@ -189,14 +189,14 @@ def _over_layers(layer_fn, layers, consts: dict, carry, args: tuple):
 
 
 def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, params: Params, kv: KVPool,
-               step: StepInput, sampling: StepSampling) -> tuple[FusedStep, jax.Array, KVPool]:
+               step: StepInput, sampling: StepSampling) -> tuple[FusedSample, jax.Array, KVPool]:
     """One step in one program: placeholder tokens gathered from the previous step's (async scheduling; positions
     moved back by its rejected drafts, drafts proposed again fed: `fill_in_flight`; key steps too:
     `steps_moved_back`; penalty counts given the tokens in flight: `outputs_in_flight`),
     `paged_forward`, the sampler's common part (`sampler.sample_in_step`: bitmask, bias, penalties, argmax,
     or the candidate pass when `random` (static: some row samples at random), the sampled ids' raw
-    log-probs) and the acceptance of packed drafts. Returns the FusedStep, the hidden states [T, E] and
-    the updated pool (donated)."""
+    log-probs) and the acceptance of packed drafts. Returns ((sample, num_accepted, next_tokens): `FusedSample`),
+    the hidden states [T, E] and the updated pool (donated)."""
     step = fill_in_flight(step, sampling.previous_tokens, sampling.previous_rejected, sampling.sources,
                           sampling.shifts, kv.k.shape[3], sampling.redraft)
     token_ids = step.token_ids  # i32[T]
@@ -211,7 +211,13 @@ def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, pa
     draft_ids = merge_redrafts(sampling.draft_ids, sampling.redraft)  # i32[S, k]
     num_accepted = accept_drafts(sample.out.token_ids, sampling.draft_rows, draft_ids)  # i32[S]
     next_tokens = pad_sampled_tokens(sample.out.token_ids, sampling.previous_tokens.shape[0])
-    return FusedStep(sample, num_accepted, next_tokens), hidden, kv
+    return (sample, num_accepted, next_tokens), hidden, kv
+
+
+# A fused step's sampling results, on device (held by `PendingStep`, or read at once by a synchronous step):
+# the sampler's output before its rare fallbacks (`sampler.finish_in_step`); i32[S] slot m's accepted drafts,
+# valid when no fallback changed a token; i32[R] the sampled ids zero-padded, the next step's previous_tokens
+FusedSample = tuple[sampler.StepSample, jax.Array, jax.Array]
 
 
 def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...], arena: HugePageArena,
