@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -369,14 +370,11 @@ BATCH_INVARIANT_DOC = """Batch-invariant mode (docs/rl.md): are a row's bits its
     python benchmarks/offline.py batch-invariant            # on the GPU machine (part of scripts/gpu_check.sh)
     python benchmarks/offline.py batch-invariant --smoke    # tiny shapes, any device (kernel in interpret mode)
 
-Prints, from one run, ours and the baseline side by side:
-  1. the weight dots of the Llama-3-8B shape (wqkv, wo, w_gate_up, w_down, the LM head) in bf16 at 1, 64 and 2048
-     rows: the fixed-tile GEMM (pallas_kernels/batch_invariant_matmul.py) against XLA's dot, ms each and the ratio;
-     and whether row 0's bits are the same computed alone as in the 64-row product, for both;
-  2. the engine on a random bf16 model of the Llama-3.2-1B shape, batch_invariant=True and the default, one after
-     the other: a greedy request's tokens and sampled log-probs alone and beside 63 others, equal bits or not; and
-     64 concurrent requests' output tokens/s, the mode's cost.
-Random weights: no download. --json appends one JSON object per row."""
+From one run: (1) the Llama-3-8B weight dots in bf16 at 1, 64 and 2048 rows, the fixed-tile GEMM
+(pallas_kernels/batch_invariant_matmul.py) against XLA's dot, ms each, and row 0's bits alone vs in 64 rows;
+(2) a random bf16 Llama-3.2-1B-shaped engine, batch_invariant=True and the default one after the other: a greedy
+request's tokens and log-probs alone vs beside 63 others (equal bits?), and 64 concurrent requests' output tok/s.
+--json appends one JSON object per row."""
 
 # (name, K, N, transpose_w): the Llama-3-8B weight dots as the engine holds them on a GPU
 DOTS_8B = (("wqkv", 4096, 6144, False), ("wo", 4096, 4096, False), ("w_gate_up", 4096, 28672, False),
@@ -442,12 +440,11 @@ def invariant_engine_rows(args) -> None:
     from jaxpaged.models.loader import LoadedModel  # pylint: disable=import-outside-toplevel
     from jaxpaged.tokenizer import GenerationConfig  # pylint: disable=import-outside-toplevel
     on_gpu = jax.default_backend() == "gpu"
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024) \
-        if args.smoke else LlamaConfig(  # Llama-3.2-1B's shape
-            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-            num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=4096,
-            tie_word_embeddings=True)
+    from gpu_engine import SMOKE  # pylint: disable=import-outside-toplevel
+    config = dataclasses.replace(SMOKE, head_dim=64) if args.smoke else LlamaConfig(  # Llama-3.2-1B's shape
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=4096,
+        tie_word_embeddings=True)
     dtype = jnp.bfloat16 if on_gpu else jnp.float32  # the CPU's mode needs float32 (its native kernels)
     loaded = LoadedModel(config=config, params=init_params(config, jax.random.PRNGKey(0), dtype), tokenizer=None,
                          generation_config=GenerationConfig(), source=Path("random"), dtype=np.dtype(dtype),
