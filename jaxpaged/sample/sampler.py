@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -313,10 +313,10 @@ def _top_logprobs(raw: jax.Array, k: int, native: bool = False) -> tuple[jax.Arr
     return out.top_token_ids, out.top_logprobs
 
 
-def num_top_logprobs_for(requested: Sequence[int | None]) -> int:
+def num_top_logprobs_for(any_row_asks: bool) -> int:
     """The num_top_logprobs a step needs: MAX_LOGPROBS when any row asks for logprobs, else 0
     (two compile variants; the engine warms up both)."""
-    return MAX_LOGPROBS if any(k is not None for k in requested) else 0
+    return MAX_LOGPROBS if any_row_asks else 0
 
 
 def lower_parts(num_rows: int, vocab_size: int) -> list[jax.stages.Lowered]:

@@ -333,7 +333,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         rows = len(entries) + len(drafts)
         batch = sampling_batch.assemble_sampling_batch(scalars, key_data, steps, special, S, V,
                                                 token_bitmask=_pad_bitmask(grammar_bitmask, S, rows))
-        return batch, num_top_logprobs_for([True] if kept.logprobs[entry_rows].any() else [])  # 0 unless a row asks
+        return batch, num_top_logprobs_for(bool(kept.logprobs[entry_rows].any()))  # 0 unless a row asks
 
     def _step_sampling(self, batch: SamplingBatch, step: StepInput, *, layout: DraftRows | None = None,
                        sources: np.ndarray | None = None, previous: jax.Array | None = None,
