@@ -290,13 +290,8 @@ def row(name: str, times: list[float]) -> str:
 
 
 def greedy(engine: LLMEngine) -> list[int]:
-    engine.add_request("bench", {"prompt_token_ids": list(range(100, 140))},
-                       SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False))
-    tokens = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens = out.outputs[0].token_ids
+    """Eight greedy tokens of a fixed prompt (`run_greedy`)."""
+    (tokens, _), = run_greedy(engine, [list(range(100, 140))], 8, logprobs=False)[0].values()
     return tokens
 
 
@@ -382,13 +377,6 @@ DOTS_8B = (("wqkv", 4096, 6144, False), ("wo", 4096, 4096, False), ("w_gate_up",
 DOTS_SMOKE = (("wqkv", 128, 256, False), ("w_down", 200, 128, False), ("tied_head", 128, 500, True))
 
 
-def emit(path: str | None, name: str, line: str, **data) -> None:
-    print(f"{name:34s} {line}", flush=True)
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"name": name, **data}) + "\n")
-
-
 def same_bits(a, b) -> bool:
     return np.array_equal(np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32))
 
@@ -398,7 +386,8 @@ def invariant_dots(args) -> None:
     import functools  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from pallas_kernels.batch_invariant_matmul import batch_invariant_matmul  # pylint: disable=import-outside-toplevel
-    interpret = jax.default_backend() != "gpu"
+    from gpu_engine import Report  # pylint: disable=import-outside-toplevel
+    report, interpret = Report(args.json), jax.default_backend() != "gpu"
     dtype = jnp.float32 if interpret else jnp.bfloat16
     for name, k, n, transpose_w in DOTS_SMOKE if args.smoke else DOTS_8B:
         w = (jax.random.normal(jax.random.PRNGKey(k + n), (n, k) if transpose_w else (k, n), jnp.float32)
@@ -408,12 +397,12 @@ def invariant_dots(args) -> None:
         for m in (1, 8, 64) if args.smoke else (1, 64, 2048):
             x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(dtype)
             a, b = (1e3 * statistics.median(timed(lambda f=f: f(x, w), args.iters + 1)[1:]) for f in (ours, xla))
-            emit(args.json, f"dot {name} M={m}", f"ours {a:8.3f} ms  xla {b:8.3f} ms  ours/xla x{a / b:5.2f}",
-                 part="dot", dot=name, m=m, ours_ms=a, xla_ms=b)
+            report.row(f"dot {name} M={m}", f"ours {a:8.3f} ms  xla {b:8.3f} ms", f"ours/xla x{a / b:5.2f}",
+                       part="dot", dot=name, m=m, ours_ms=a, xla_ms=b)
         x = jax.random.normal(jax.random.PRNGKey(7), (64, k), jnp.float32).astype(dtype)
         alone = {f: same_bits(fn(x[:1], w)[0], fn(x, w)[0]) for f, fn in (("ours", ours), ("xla", xla))}
-        emit(args.json, f"dot {name} row 0 alone == in 64", f"ours {alone['ours']}  xla {alone['xla']}",
-             part="dot_bits", dot=name, ours_equal=alone["ours"], xla_equal=alone["xla"])
+        report.row(f"dot {name} row 0", f"ours {alone['ours']}  xla {alone['xla']}", "alone == in 64 rows (bits)",
+                   part="dot_bits", dot=name, ours_equal=alone["ours"], xla_equal=alone["xla"])
 
 
 def run_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, logprobs: bool) -> tuple[dict, float]:
@@ -439,8 +428,8 @@ def invariant_engine_rows(args) -> None:
     from jaxpaged.models.llama import LlamaConfig, init_params  # pylint: disable=import-outside-toplevel
     from jaxpaged.models.loader import LoadedModel  # pylint: disable=import-outside-toplevel
     from jaxpaged.tokenizer import GenerationConfig  # pylint: disable=import-outside-toplevel
-    on_gpu = jax.default_backend() == "gpu"
-    from gpu_engine import SMOKE  # pylint: disable=import-outside-toplevel
+    from gpu_engine import SMOKE, Report  # pylint: disable=import-outside-toplevel
+    report, on_gpu = Report(args.json), jax.default_backend() == "gpu"
     config = dataclasses.replace(SMOKE, head_dim=64) if args.smoke else LlamaConfig(  # Llama-3.2-1B's shape
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=4096,
@@ -462,17 +451,17 @@ def invariant_engine_rows(args) -> None:
         alone, _ = run_greedy(engine, prompts[:1], args.output_len, logprobs=True)
         together, _ = run_greedy(engine, prompts, args.output_len, logprobs=True)
         equal = alone[0][0] == together[0][0] and same_bits(alone[0][1], together[0][1])
-        emit(args.json, f"engine {label}: alone == beside {len(prompts) - 1}",
-             f"{'EQUAL BITS' if equal else 'DIFFER'} (tokens {alone[0][0] == together[0][0]})",
-             part="engine_bits", mode=label, equal=equal, others=len(prompts) - 1)
+        report.row(f"engine {label}", "EQUAL BITS" if equal else "DIFFER",
+                   f"alone vs beside {len(prompts) - 1} (tokens equal: {alone[0][0] == together[0][0]})",
+                   part="engine_bits", mode=label, equal=equal, others=len(prompts) - 1)
         _, seconds = run_greedy(engine, prompts, args.output_len, logprobs=False)
         rates[label] = args.concurrency * args.output_len / seconds
-        emit(args.json, f"engine {label}: {args.concurrency} concurrent", f"{rates[label]:9.1f} out tok/s",
-             part="engine_rate", mode=label, out_tok_s=rates[label])
+        report.row(f"engine {label}", f"{rates[label]:.1f} out tok/s", f"{args.concurrency} concurrent",
+                   part="engine_rate", mode=label, out_tok_s=rates[label])
         del engine
     ratio = rates["default"] / rates["batch-invariant"]
-    emit(args.json, "engine batch-invariant cost", f"default / batch-invariant x{ratio:.2f}", part="engine_cost",
-         ratio=ratio, concurrency=args.concurrency)
+    report.row("engine cost", f"x{ratio:.2f}", "default / batch-invariant output tok/s", part="engine_cost",
+               ratio=ratio, concurrency=args.concurrency)
 
 
 def batch_invariant_main(argv=None) -> int:
