@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "/tokenize, /detokenize, /health, /version, /metrics). Flags follow vLLM's `vllm serve`."),
         formatter_class=_DefaultsOnceFormatter)
     _add_model_flags(p.add_argument_group("model"))
-    _add_engine_flags(p.add_argument_group("engine"))
+    engine = p.add_argument_group("engine")
+    for add_flags in (_add_engine_flags, _add_step_flags, _add_scheduling_flags):
+        add_flags(engine)
     _add_multihost_flags(p.add_argument_group("multi-host (jax.distributed; see docs/distributed.md)"))
     add_data_parallel_flags(p.add_argument_group("data parallel (replicas behind a router; see docs/distributed.md)"))
     _add_tool_flags(p.add_argument_group("tool calling"))
@@ -81,6 +83,7 @@ def _add_model_flags(m: argparse._ArgumentGroup) -> None:
 
 
 def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
+    """Sizes: context, batch, KV cache, devices."""
     e.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output) "
                    f"(default: the model's; on CPU at most {CPU_MAX_MODEL_LEN}, which keeps the warm-up short: "
                    "give --max-model-len N for more, up to the model's)")
@@ -100,6 +103,10 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
                    help="share KV pages of identical prompt prefixes between requests")
     e.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to shard the model over "
                    "(tensor parallelism; the engine checks what it supports)")
+
+
+def _add_step_flags(e: argparse._ArgumentGroup) -> None:
+    """How a step computes: attention, dtypes, quantisation, weight layout, its programs."""
     e.add_argument("--attention-backend", default="auto", help="auto (pallas on GPU; on CPU cpu, or xla "
                    "where no C++ compiler builds the native CPU kernels), pallas, cpu, xla or reference")
     e.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
@@ -128,6 +135,10 @@ def _add_engine_flags(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--batch-invariant", action="store_true", help="batch-invariant mode: a request's logits and "
                    "log-probs the same to the bit whatever else is in the batch, however its prompt was chunked and "
                    "whether its prefix was cached (docs/rl.md; on CPU float32 weights on the native kernels)")
+
+
+def _add_scheduling_flags(e: argparse._ArgumentGroup) -> None:
+    """Seeds, async scheduling, speculative decoding."""
     e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=None, help="keep one step in flight: schedule and dispatch the "
