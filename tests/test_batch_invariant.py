@@ -236,6 +236,8 @@ def test_the_gpu_gets_the_kernel_the_cpu_a_refusal(caplog):
     with pytest.raises(ValueError, match="fuse_projections=True"):  # the unfused q/k/v, gate/up are XLA's einsums
         RunnerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=16, num_pages=10,
                      fuse_projections=False, batch_invariant=True)
+    with pytest.raises(ValueError, match="fuse_projections=True"):  # refused before the model loads
+        EngineArgs(fuse_projections=False, batch_invariant=True)
 
 
 # ----------------------------------------------------------------------------- on the GPU: the fixed-tile GEMM

@@ -302,6 +302,8 @@ def test_fp8_where_it_cannot_run():
     with pytest.raises(ValueError, match="fuse_projections=True"):
         RunnerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=16, num_pages=32,
                      quantization="fp8", fuse_projections=False)
+    with pytest.raises(ValueError, match="fuse_projections=True"):
+        EngineArgs(quantization="fp8", fuse_projections=False)
     with pytest.raises(ValueError, match="choose one of \\('fp8', 'int8', 'w8a8'\\)"):
         EngineArgs(quantization="fp4")
 

@@ -43,12 +43,18 @@ def check_choice(name: str, value, choices, note: str = "") -> None:
         raise ValueError(f"{name}={value!r}: choose one of {tuple(choices)}{note}")
 
 
-def check_step_choices(*, kv_cache_dtype: str, quantization: str | None, weight_layout: str, command_buffers: str,
-                       fuse_sampler: str, batch_invariant: bool) -> None:
+def check_step_choices(*, kv_cache_dtype: str, quantization: str | None, weight_layout: str, fuse_projections: bool,
+                       command_buffers: str, fuse_sampler: str, batch_invariant: bool) -> None:
     """The step's choices that EngineArgs and RunnerConfig both take, validated alike (EngineArgs: before the model
     loads)."""
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"batch_invariant={batch_invariant!r} must be a bool")
+    if batch_invariant and not fuse_projections:  # the unfused projections are XLA's einsums
+        raise ValueError("batch_invariant=True runs the fused projections (wqkv, w_gate_up) on the step's "
+                         "row-invariant matmul: set fuse_projections=True")
+    if quantization == "fp8" and not fuse_projections:
+        raise ValueError("quantization='fp8' quantises the fused projections (wqkv, w_gate_up): set "
+                         "fuse_projections=True")
     if batch_invariant and quantization == "int8":
         raise ValueError("batch_invariant=True does not take quantization='int8': its product dequantises whole "
                          "chunks of weights from 19 rows on and widens in registers below, two roundings (its "
@@ -341,11 +347,9 @@ class RunnerConfig:
 
     def __post_init__(self):
         check_step_choices(kv_cache_dtype=self.kv_cache_dtype, quantization=self.quantization,
-                           weight_layout=self.weight_layout, command_buffers=self.command_buffers,
-                           fuse_sampler=self.fuse_sampler, batch_invariant=self.batch_invariant)
-        if self.batch_invariant and not self.fuse_projections:  # the unfused projections are XLA's einsums
-            raise ValueError("batch_invariant=True runs the fused projections (wqkv, w_gate_up) on the step's "
-                             "row-invariant matmul: set fuse_projections=True")
+                           weight_layout=self.weight_layout, fuse_projections=self.fuse_projections,
+                           command_buffers=self.command_buffers, fuse_sampler=self.fuse_sampler,
+                           batch_invariant=self.batch_invariant)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.page_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"page_size (block_size)={self.page_size}: choose 8, 16, 32, 64 or 128")
@@ -363,9 +367,6 @@ class RunnerConfig:
                 all(isinstance(n, int) and not isinstance(n, bool) for n in self.prompt_lookup) and
                 1 <= self.prompt_lookup[0] <= self.prompt_lookup[1]):
             raise ValueError(f"prompt_lookup={self.prompt_lookup!r}: must be None or (min, max) with 1 <= min <= max")
-        if self.quantization == "fp8" and not self.fuse_projections:
-            raise ValueError("quantization='fp8' quantises the fused projections (wqkv, w_gate_up): set "
-                             "fuse_projections=True")
 
     def sampler_fused(self, platform: str | None = None) -> bool:
         """Whether the step program samples too (fuse_sampler; "auto": on a GPU backend only)."""
