@@ -93,18 +93,10 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def update_weights(self, weights: Mapping[str, Any]) -> float:
-        """Replace the model's weights in place, by Hugging Face parameter name.
-
-        weights: {name: array} with the names of the model's safetensors checkpoint (e.g.
-        "model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"; `get_weights()` lists them), each
-        in the checkpoint's shape ([out, in] for projections); all of the model's or any subset. Arrays: numpy or
-        jax.Array, any float dtype (cast to the engine's), on the host or already on the engine's devices (then
-        converted there, never through the host). They are converted into the engine's own layout (fused
-        projections, per-layer arrays, packed or int8 CPU weights) with the shapes and placement of the old
-        ones: no step program is compiled again. Everything is checked before anything changes: unknown names,
-        wrong shapes, non-float dtypes or NaN/inf values raise WeightUpdateError (a ValueError) and the engine
-        keeps its weights. The prefix cache is dropped; the next generate() runs on the new weights. Raises
-        EngineSleepingError at sleep level 2 (wake_up() first). Returns the seconds it took."""
+        """Replace the model's weights in place, by Hugging Face parameter name (`get_weights()` lists them), all
+        of them or any subset, without compiling again; docs/rl.md gives the contract. Raises WeightUpdateError
+        (a ValueError; the engine keeps its weights) for a bad dict, EngineSleepingError at sleep level 2.
+        Returns the seconds it took."""
         return self.llm_engine.update_weights(weights)
 
     def get_weights(self) -> dict[str, Any]:

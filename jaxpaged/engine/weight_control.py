@@ -1,12 +1,8 @@
 """LLMEngine's weight updates and sleep/wake (`WeightControl`): the engine's side of jaxpaged/worker/live_weights.py.
 
-- `update_weights(weights)` / `update_weights_from_disk(path)`: the runner's weights replaced between steps (a
-  step already dispatched finishes with the old ones), the prefix cache dropped (its pages' KV came from the old
-  weights; pages still held by running requests are never cached again). Running requests go on with the new
-  weights over the KV computed so far.
-- `sleep(level)` / `wake_up()`: the KV pool's device memory freed (level 1), the weights' too (level 2, kept on
-  the host); only with no unfinished request. While asleep `add_request` raises EngineSleepingError (nothing is
-  queued); the server answers it with 503.
+Their contract is docs/rl.md's ("Weight updates", "Sleep and wake"). The engine's part: updates and sleep happen
+between steps, an update drops the prefix cache (pages still held by running requests are never cached again),
+and while asleep `add_request` raises EngineSleepingError (nothing is queued; the server answers 503).
 """
 
 from __future__ import annotations
@@ -54,11 +50,9 @@ class WeightControl:
         return self.runner.get_weights()
 
     def update_weights(self, weights: Mapping[str, Any]) -> float:
-        """Replace weights by Hugging Face name: all of the model's or a subset, numpy or jax arrays of any float
-        dtype, on the host or on the engine's devices (see jaxpaged/worker/live_weights.py). Nothing compiles
-        again. WeightUpdateError (a ValueError) for unknown names, wrong shapes, non-float or non-finite values,
-        with nothing changed; EngineSleepingError at sleep level 2. Returns the seconds it took (new weights
-        placed; a step dispatched after this call runs on them)."""
+        """Replace weights by Hugging Face name (docs/rl.md; WeightUpdateError, nothing changed, for a bad dict);
+        EngineSleepingError at sleep level 2. Returns the seconds it took (a step dispatched after it runs on the
+        new weights)."""
         start = time.perf_counter()
         if self.sleep_level == 2:
             raise EngineSleepingError("the weights are asleep (level 2): wake_up() before updating them")

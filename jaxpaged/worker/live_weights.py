@@ -1,26 +1,10 @@
 """Live weights by Hugging Face name: the runner's params read out as, and replaced from, {HF name: array}.
 
-`LiveWeights` (a ModelRunner base) holds the runner's side:
-  - `update_weights(weights)`: `weights` maps Hugging Face parameter names (the safetensors checkpoints' own,
-    e.g. "model.layers.0.self_attn.q_proj.weight"; `hf_slots`) to float arrays in the checkpoint's [out, in]
-    layout, all of the model's or a subset. Each is converted into the form the step holds (fused projections,
-    per-layer or stacked layers, the native CPU matmul's packed blocks, int8 and fp8 weight dots: see
-    jaxpaged/worker/weight_layout.py and model_runner.py) and the new array gets the shape, dtype and placement
-    (sharding) of the one it replaces, so every compiled step program takes it as it is: nothing is compiled
-    again. Everything is checked first (names, shapes, float dtype, finite values; `WeightUpdateError`): a bad
-    dict changes nothing. Only the engine leaves a name touches are rebuilt (a fused leaf reads its other parts
-    from the current weights).
-  - `get_weights()`: every weight under its HF name, as host numpy copies in the engine's dtype (packed int8
-    and fp8 weights dequantised). update_weights(get_weights()) changes no weight (int8: re-quantising the
-    dequantised values gives back the same values; fp8: the same within a float32 ulp of the scale).
-Host arrays (numpy, and CPU jax.Arrays, read in place) are converted with numpy on the host: no device program at
-all (fp8 weights excepted: quantised by `fp8.quantize_weight`'s program, as at load). Arrays on an accelerator are converted with jax.numpy where they live, so a trainer's weights already on the
-engine's devices never go through the host (those small conversion programs compile once per shape, on the
-first update).
-
-`RunnerSleep` (a ModelRunner base) frees the device memory between uses: `sleep(1)` deletes the KV pool's
-buffers, `sleep(2)` also the weights (copied to the host first); `wake_up()` allocates a zeroed pool and puts the
-weights back where they were. Shapes and placements are the same, so no program is compiled again either.
+`LiveWeights` (a ModelRunner base) holds `update_weights` and `get_weights`, `RunnerSleep` holds `sleep` and
+`wake_up`; docs/rl.md gives their contract (names, arrays on the host or the device, the engine's own layout
+kept so nothing compiles again, everything checked before anything changes). Where the weights are quantised,
+get -> update is still the identity: int8 re-quantises its dequantised values to the same values, fp8
+(quantised anew by `fp8.quantizer`'s program, as at load) to within a float32 ulp of its scale.
 """
 
 from __future__ import annotations

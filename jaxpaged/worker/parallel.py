@@ -1,32 +1,11 @@
 """Tensor parallelism (Megatron-style, by sharding annotations) and multi-host stepping.
 
-The model is not rewritten for parallelism. Params and the KV pool carry
-`NamedSharding`s over a 1-D mesh with axis "tp"; XLA's SPMD partitioner inserts
-the collectives (an all-reduce after wo and w_down, an all-gather of the
-vocab-sharded logits). Only attention is run per shard, under `shard_map`, so
-the kernel sees its local heads and its local slice of the KV pool.
-
-Sharding rule (N = tensor_parallel_size; shapes as in jaxpaged/models/llama.py):
-    wq [L, E, H, D], wk/wv [L, E, K, D]   head axis      -> H/N, K/N heads per device
-    wo [L, H, D, E]                       head axis (input rows)
-    bq [L, H, D], bk/bv [L, K, D]         head axis (Qwen2's biases)
-    w_gate/w_up [L, E, F]                 F (output columns)
-    wqkv [L, E, K, G+2, D] (fused)        K: each device its kv heads with their query heads
-    w_gate_up [L, E, 2, F] (fused)        F
-    w_down [L, F, E]                      F (input rows)
-    embed [V, E], lm_head [E, V]          V, when V % N == 0; else replicated
-    norms (incl. q/k and sandwich norms)  replicated
-    KV pool k/v [L, K, N_pages, ps, D]    K
-N must divide num_key_value_heads, num_attention_heads and intermediate_size
-(a ValueError names the numbers otherwise); query head h uses kv head
-h // (H/K), so contiguous head shards keep every GQA group on one device.
-Per-layer weights (WeightLayout.per_layer) take the same specs without the leading L axis.
-
-Multi-host: every process runs the same jitted step on its own devices of a
-global mesh. Process 0 owns the scheduler; before each step it broadcasts a
-header (command, T, S, P) and then the step's StepInput arrays with
-`multihost_utils.broadcast_one_to_all`; the other processes (`follow`) receive
-and run the same step until process 0 broadcasts "stop".
+docs/distributed.md gives the design: params and the KV pool on `NamedSharding`s over a 1-D "tp" mesh, XLA
+inserting the collectives, attention run per shard under `shard_map`, and process 0 broadcasting each step to
+the followers. Beyond its table of the sharding rule (`param_partition_specs`): the fused wqkv [L, E, K, G+2, D]
+is sharded on K (each device its kv heads with their query heads), w_gate_up [L, E, 2, F] on F, Qwen2's biases
+bq [L, H, D], bk/bv [L, K, D] on their head axis, q/k and sandwich norms replicated; per-layer weights
+(WeightLayout.per_layer) take the same specs without the leading L axis.
 """
 
 from __future__ import annotations
