@@ -25,34 +25,12 @@ How a step speculates (vLLM v1's design, with an n-gram proposer):
    num_computed_tokens counts the accepted ones only, pages past it go back to the pool, and
    only full pages of real (accepted) tokens are hashed into the prefix cache.
 
-Under async scheduling (the engine's default) the request's last token is usually still in flight when the
-next step is scheduled. Requests without min_tokens bans or a grammar (greedy, sampling, penalties) verify
-overlapped (EngineArgs.overlap_verification: on with a GPU): the
-drafts follow a guess of the step in flight (`NgramProposer.propose_past`: the lookup's continuation decides
-how many of its drafts it accepts and which token it emits), the scheduler counts that step's drafts as
-accepted, and the device moves the next step back by those rejected (model_runner.fill_in_flight; a random
-row's key step too, model_runner.steps_moved_back, and a row's penalty counts take the tokens in flight,
-model_runner.outputs_in_flight, so 3. still holds). Where the
-guess proves wrong, the device proposes that step's drafts again from the real outcome (`ngram_drafts`, this
-lookup on the device: model_runner.redraft_in_flight), so they are the drafts a synchronous step would have
-verified; and where the host's lookup finds nothing before the token in flight (a copy just broke), a request
-that copied lately reserves blank drafts the device fills from that token on (engine.BLANK_DRAFT_STEPS). 3.
-holds for any drafts. Other requests wait for the token in flight when drafts are likely, and
-their verification steps run synchronously.
-
-Structured outputs (vLLM's way, with llguidance): a constrained request's drafts are the tokens its grammar
-forces next (a schema's keys and punctuation), then the n-gram drafts after them, cut to the leading ones the
-grammar allows (a forbidden draft could never be accepted), and each position j it samples gets the mask after
-the first j drafts (`StructuredOutputManager.fill_bitmask_with_drafts`): the mask decoding without speculation
-would use there, so 3. still holds.
-
-Adaptive draft length (`DraftLengthPolicy`, on unless adaptive_draft_length=False): between 1 and 2, the
-engine keeps of each request's drafts only as many as pay for their rows. A verification row is nearly free
-where a step is bound by reading the weights (a GPU at small batch, float32 on a CPU), not where it is bound
-by arithmetic (int8 weights on a CPU: 8 rows cost ~2x one); and a draft pays only as often as it is accepted.
-The policy measures what a step of n rows takes on this machine and estimates each request's acceptance from
-its recent verifications, and keeps the drafts that maximise the expected tokens a second. Which drafts a
-step verifies never changes the tokens emitted (3.), only how many steps they take.
+Under async scheduling drafts are proposed past the step in flight (`propose_past`) and, where its guess proves
+wrong, again on the device (`ngram_drafts`): jaxpaged/engine/drafting.py says how, and why 3. still holds. A
+request under a grammar drafts the tokens it forces, then n-gram ones, cut to those it allows, each position
+sampled under the mask decoding without speculation would use there (`Drafting._grammar_drafts`,
+`StructuredOutputManager.fill_bitmask_with_drafts`). Which drafts a step verifies (`DraftLengthPolicy`) never
+changes the tokens emitted (3.), only how many steps they take.
 """
 
 from __future__ import annotations
@@ -394,10 +372,6 @@ class SpecDecodingStats:
         self.num_accepted_tokens += num_accepted_tokens
         for position in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[position] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     def as_stats(self) -> dict[str, Any]:
         return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
