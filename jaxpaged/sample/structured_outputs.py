@@ -53,7 +53,7 @@ class GrammarError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputsConfig:
     max_spec_bytes: int = 256 * 1024  # a schema / regex / grammar larger than this is refused at once
-    compile_timeout_s: float = 5.0  # `compile_blocking` gives up (GrammarError) after this long
+    compile_timeout_s: float = 5.0  # the server refuses a constraint (400) that takes longer to compile
     num_workers: int = 2  # compile threads
     cache_size: int = 256  # compiled grammars kept (LRU), keyed by the constraint's text
     max_grammar_size: int = 500_000  # llguidance's limit on grammar symbols
@@ -188,15 +188,6 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
             return future
 
-    def compile_blocking(self, spec: StructuredOutputsParams, timeout: float | None = None) -> CompiledGrammar:
-        """`compile`, waited for; GrammarError if it fails or takes longer than the time limit."""
-        timeout = self.config.compile_timeout_s if timeout is None else timeout
-        try:
-            return self.compile(spec).result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise GrammarError(f"compiling the {spec.kind} constraint took longer than {timeout:g} s; "
-                               "simplify it") from None
-
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         grammar = grammar_text(spec)
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self._limits)
@@ -249,8 +240,3 @@ def _first_line(message: str, limit: int = 400) -> str:
     text = " ".join(line.strip() for line in message.strip().splitlines() if line.strip()) or "unknown error"
     return text if len(text) <= limit else text[:limit] + "..."
 
-
-def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
-    """bool[S, V] from i32[S, W] (host reference of the sampler's device unpack)."""
-    bits = (bitmask.astype(np.int64)[:, :, None] >> np.arange(32)) & 1  # [S, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(bool)

@@ -300,7 +300,7 @@ def test_every_constraint_kind_follows_the_free_reasoning_span(servers, spec, an
     tokenizer = live.engine.tokenizer
 
     def accepts(text: str) -> tuple[bool, bool]:
-        matcher = manager.matcher(manager.compile_blocking(applied))
+        matcher = manager.matcher(manager.compile(applied).result())
         ok = all(matcher.accept(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"])
         return ok, ok and matcher.ll_matcher.is_accepting()
 
@@ -308,7 +308,7 @@ def test_every_constraint_kind_follows_the_free_reasoning_span(servers, spec, an
     assert accepts(answer) == (True, True)  # no reasoning span: the answer alone
     assert accepts("<think>free</think>" + wrong) == (False, False)  # the answer still obeys the constraint
     assert accepts("<think>a</think> b</think>" + answer) == (False, False)  # the span ends at </think>
-    r1 = manager.matcher(manager.compile_blocking(after_reasoning(spec, ReasoningParser("deepseek_r1", True))))
+    r1 = manager.matcher(manager.compile(after_reasoning(spec, ReasoningParser("deepseek_r1", True))).result())
     assert all(r1.accept(t) for t in tokenizer("Free.</think>" + answer, add_special_tokens=False)["input_ids"])
     assert r1.ll_matcher.is_accepting()  # deepseek_r1: the output starts inside the span
 
