@@ -137,20 +137,17 @@ class EngineArgs:
                 raise ValueError(f"speculative_config must be a dict, its JSON text or a SpeculativeConfig, "
                                  f"got {type(spec).__name__}")
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))  # frozen: set once
-        if self.speculative_config is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
-            raise ValueError("speculative_config is not supported with tensor parallelism or several processes yet")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         _ = self.distributed  # validates the multi-host fields
-        if self.kv_cache_dtype.startswith("fp8") and (self.tensor_parallel_size > 1 or self.num_processes > 1):
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with tensor parallelism or "
-                             "several processes yet (its scales are not sharded)")
-        if self.quantization is not None and (self.tensor_parallel_size > 1 or self.num_processes > 1):
-            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor parallelism or several "
-                             "processes yet (one device)")
-        if self.fuse_sampler == "on" and (self.tensor_parallel_size > 1 or self.num_processes > 1):
-            raise ValueError("fuse_sampler='on' is not supported with tensor parallelism or several processes: "
-                             "leave it 'auto' (off there) or 'off'")
+        one_device_only = [  # (chosen, what, why)
+            (self.speculative_config is not None, "speculative_config", ""),
+            (self.kv_cache_dtype.startswith("fp8"), f"kv_cache_dtype={self.kv_cache_dtype!r}", ": scales not sharded"),
+            (self.quantization is not None, f"quantization={self.quantization!r}", ": it quantises on one device"),
+            (self.fuse_sampler == "on", "fuse_sampler='on'", ": leave it 'auto' (off there) or 'off'")]
+        for chosen, what, why in one_device_only:
+            if chosen and (self.tensor_parallel_size > 1 or self.num_processes > 1):
+                raise ValueError(f"{what} is not supported with tensor parallelism or several processes yet{why}")
         if not isinstance(self.compilation_cache_min_compile_secs, (int, float)) or \
                 not 0 <= self.compilation_cache_min_compile_secs < math.inf:
             raise ValueError(f"compilation_cache_min_compile_secs={self.compilation_cache_min_compile_secs!r} "
