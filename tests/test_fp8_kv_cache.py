@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import types
 from pathlib import Path
 
 import jax
@@ -29,7 +30,7 @@ from jaxpaged.worker.kv_scales import (
     check_kv_scales,
     resolve_kv_scales,
 )
-from jaxpaged.worker.runner_config import resolve_kv_cache_dtype
+from jaxpaged.worker.runner_config import check_fp8_kv_support, compute_capability, resolve_kv_cache_dtype
 from tests.conftest import load_script
 
 accuracy = load_script("benchmarks/accuracy.py")  # accuracy.py kv-fp8's measures
@@ -258,3 +259,15 @@ def test_smollm2_fp8_kv_accuracy_bounds(smollm2):
     print(f"greedy identical share {np.mean(shares):.3f} ({shares}), mean KL {kl:.5f}")
     assert 0 < kl < 0.02
     assert np.mean(shares) >= 0.25
+
+
+def test_fp8_pages_under_the_pallas_kernel_need_an_ada_or_newer_gpu():
+    ampere = types.SimpleNamespace(platform="gpu", compute_capability="8.6", device_kind="NVIDIA A100")
+    with pytest.raises(ValueError, match="capability >= 8.9 .*NVIDIA A100 is 8.6"):
+        check_fp8_kv_support(jnp.float8_e4m3fn, "pallas", device=ampere)
+    check_fp8_kv_support(jnp.float8_e4m3fn, "xla", device=ampere)  # XLA's path converts e4m3 anywhere
+    check_fp8_kv_support(jnp.float32, "pallas", device=ampere)
+    check_fp8_kv_support(jnp.float8_e4m3fn, "pallas", device=types.SimpleNamespace(
+        platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200"))
+    assert compute_capability(types.SimpleNamespace(compute_capability="8.9")) == (8, 9)
+    assert compute_capability(jax.devices("cpu")[0]) is None

@@ -33,7 +33,8 @@ FUSE_SAMPLER = ("auto", "on", "off")  # RunnerConfig.fuse_sampler: the sampler i
 # (pallas_kernels/kv_quant.py, jaxpaged/worker/kv_scales.py): half a bf16 pool's bytes per token
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32,
                    "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
-# Triton converts e4m3 on NVIDIA GPUs from compute capability 8.9 (Ada, Hopper) on
+# CUDA compute capability of the first FP8 hardware (Ada; Hopper is 9.0): Triton converts e4m3 there (the fp8 KV
+# pool under the Pallas kernel), and its tensor cores run FP8 gemms (quantization "fp8")
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 
@@ -79,12 +80,22 @@ def check_fp8_kv_support(kv_dtype, backend: str, sharded: bool = False, device=N
         raise ValueError("kv_cache_dtype='fp8' is not supported with tensor parallelism yet: use a float "
                          "kv_cache_dtype or tensor_parallel_size=1")
     device = device or jax.local_devices()[0]
-    capability = getattr(device, "compute_capability", None)
+    capability = compute_capability(device)
     if backend == "pallas" and device.platform == "gpu" and capability is not None and \
-            tuple(int(x) for x in str(capability).split(".")[:2]) < FP8_MIN_COMPUTE_CAPABILITY:
+            capability < FP8_MIN_COMPUTE_CAPABILITY:
         raise ValueError(f"kv_cache_dtype='fp8': the Pallas attention kernel reads e4m3 pages on GPUs of compute "
-                         f"capability >= 8.9 (Ada, Hopper); this {device.device_kind} is {capability}. Use a "
-                         "float kv_cache_dtype or attention_backend='xla'")
+                         f"capability >= 8.9 (Ada, Hopper); this {device.device_kind} is "
+                         f"{device.compute_capability}. Use a float kv_cache_dtype or attention_backend='xla'")
+
+
+def compute_capability(device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability ("9.0" on an H100/H200: (9, 0)); None where it names none (a CPU,
+    ROCm)."""
+    try:
+        major, minor = str(device.compute_capability).split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, ValueError):
+        return None
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype, platform: str) -> np.dtype:
@@ -235,7 +246,6 @@ def uses_native_matmul(backend: str) -> bool:
 QUANTIZATIONS = ("fp8", "int8", "w8a8")
 INT8_DOTS = {"int8": cpu_matmul.matmul_cpu, "w8a8": cpu_matmul.matmul_w8a8}  # each's product over the int8 blocks
 FP8_PLATFORMS = ("cpu", "gpu")  # where "fp8" runs (JAX's default backend)
-FP8_GEMM_MIN_CAPABILITY = (8, 9)  # CUDA compute capability of the first FP8 tensor cores (Ada; Hopper is 9.0)
 
 
 def check_batch_invariant(packed: bool, platform: str, *, quantization: str | None = None,
@@ -264,11 +274,8 @@ def fp8_gemm(platform: str | None = None) -> bool:
         raise ValueError(f"quantization='fp8' runs on {FP8_PLATFORMS} backends, not {platform!r}")
     if platform != "gpu":
         return False
-    capability = getattr(jax.local_devices()[0], "compute_capability", None)  # "9.0" on an H100/H200
-    try:
-        return tuple(int(p) for p in str(capability).split(".")[:2]) >= FP8_GEMM_MIN_CAPABILITY
-    except ValueError:  # a GPU that names no CUDA capability (ROCm): no FP8 gemm assumed
-        return False
+    capability = compute_capability(jax.local_devices()[0])  # None (ROCm): no FP8 gemm assumed
+    return capability is not None and capability >= FP8_MIN_COMPUTE_CAPABILITY
 
 
 def quantization_summary(quantization: str | None, platform: str | None = None) -> str:
