@@ -1,16 +1,11 @@
-"""Greedy generation with the plain (non-paged) forward: the engine's oracle, and a CLI.
+"""Greedy generation with the plain (non-paged) forward: the engine's oracle in the tests.
 
 Recomputes the whole sequence each step (no KV cache) at a few padded
 lengths, so it is slow but obviously right; the paged engine must match it
 token for token.
-
-    python -m jaxpaged.generate --prompt "What is the capital of France?"
 """
 
 from __future__ import annotations
-
-import argparse
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -41,29 +36,3 @@ def greedy_generate(config: LlamaConfig, params: Params, prompt_ids: list[int], 
             break
     return out
 
-
-def main(argv: list[str] | None = None) -> int:
-    from jaxpaged.models.loader import DEFAULT_MODEL, load_model
-
-    parser = argparse.ArgumentParser(description="Greedy generation with jaxpaged's plain forward.")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, GGUF file, HF folder or repo id")
-    parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
-    parser.add_argument("--prompt", default="What is the capital of France?")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    args = parser.parse_args(argv)
-    loaded = load_model(args.model, dtype=args.dtype)
-    tok = loaded.tokenizer
-    if args.raw or not tok.chat_template:
-        ids = tok(args.prompt)["input_ids"]
-    else:
-        ids = list(tok.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-    out = greedy_generate(loaded.config, loaded.params, ids, args.max_tokens,
-                          loaded.generation_config.eos_token_ids)
-    print(tok.decode(out, skip_special_tokens=True))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

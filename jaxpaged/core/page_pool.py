@@ -159,8 +159,7 @@ class PagePool:
         """Forget every cached hash; only possible when no page is held. True on success."""
         if self.num_free_pages != self.num_usable_pages:
             return False
-        self._cached.clear()
-        self._page_hashes = [None] * self.num_pages
+        self.drop_prefix_cache(())
         return True
 
     def drop_prefix_cache(self, holders) -> None:

@@ -3,8 +3,3 @@
 The engine owns the step loop: it asks the scheduler (jaxpaged/core) what to run, hands that to the
 model runner (jaxpaged/worker), and turns the sampled tokens into `RequestOutput`s.
 """
-
-from jaxpaged.config import EngineArgs
-from jaxpaged.engine.llm_engine import LLMEngine
-
-__all__ = ["EngineArgs", "LLMEngine"]
