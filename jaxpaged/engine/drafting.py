@@ -1,29 +1,16 @@
 """N-gram drafting in the engine's step loop: which requests draft, and their drafts proposed on the host.
 
-Before each schedule the engine proposes drafts for decoding requests (NgramProposer); under async scheduling it
-proposes past the step in flight, on a guess of its outcome that the device corrects (redraft_in_flight). Requests
-whose drafts are rarely accepted stop drafting for a while (DraftLengthPolicy).
-
-Speculative decoding with async scheduling: drafts follow a request's last token, which
-is in flight. Requests without min_tokens bans or a grammar
-(`_verifies_overlapped`; `EngineArgs.overlap_verification`, on with a GPU) verify
-overlapped too: with step N in flight (a verification of d drafts, or a decode), step
-N+1 is scheduled as if all d were accepted (the scheduler's `num_draft_placeholders`),
-its drafts proposed on a guess of N's outcome (`NgramProposer.propose_past`: the same
-lookup's continuation decides which drafts N accepts), and the device moves N+1's token,
-positions and random rows' key steps to N's real outcome (`model_runner.fill_in_flight`,
-`steps_moved_back`: seeded outputs stay those of the synchronous loop); when N's tokens reach
-the host its rejected drafts are rolled back. Where the guess proves wrong, the device
-proposes N+1's drafts again from N's real outcome (`model_runner.redraft_in_flight`; the
-host keeps their twin, `_note_redrafts`); a request whose lookup finds nothing before its
-token in flight but that copied lately reserves blank drafts the device fills; penalty
-counts add the tokens in flight on the device (`outputs_in_flight`). Other requests
-(grammar masks and min_tokens bans follow the tokens in flight on the host): a step
-that verifies their drafts runs synchronously (scheduled after the
-step in flight is handled, handled before the next is scheduled), and the others
-stay overlapped; with a step in flight the engine guesses whether drafts would
-follow the token in flight (`_drafts_likely`), and only then waits for that step and
-proposes.
+Before each schedule the engine proposes drafts for decoding requests (NgramProposer, trimmed by DraftLengthPolicy).
+Under async scheduling a request's last token is still in flight then. Requests without min_tokens bans or a grammar
+verify overlapped (`_verifies_overlapped`; EngineArgs.overlap_verification, on with a GPU): with step N in flight,
+N+1 is scheduled as if all of N's drafts were accepted (the scheduler's `num_draft_placeholders`), its drafts are
+proposed on a guess of N's outcome (`_propose_past_in_flight`), and the device moves N+1's token, positions and
+random rows' key steps to N's real outcome (`model_runner.fill_in_flight`, `steps_moved_back`: seeded outputs stay
+those of the synchronous loop), adds the tokens in flight to penalty counts (`outputs_in_flight`) and, where the
+guess proves wrong, proposes N+1's drafts again (`redraft_in_flight`; the host's twin: `_note_redrafts`). N's
+rejected drafts are rolled back when its tokens reach the host. Grammar masks and min_tokens bans follow the
+tokens on the host, so a step verifying other requests' drafts runs synchronously, and with a step in flight the
+engine waits for it only when drafts are likely (`_drafts_likely`).
 """
 
 from __future__ import annotations
