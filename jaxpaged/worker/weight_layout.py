@@ -11,17 +11,13 @@ Checkpoints load stacked ({name: [L, ...]}) and unfused (wq, wk, wv, w_gate, w_u
   - fused projections: wqkv [E, K, G + 2, D] and w_gate_up [E, 2, F], one gemm each instead of three
     and two, on the same input.
 "auto" (RunnerConfig.weight_layout, EngineArgs.weight_layout) picks per-layer weights on GPU, and on CPU
-where the weights are not packed. On CPU the scan's slices are copied too (at 2-32 rows the dot reads a
-copy of each weight) and the per-layer step ran ~10% faster at every shape measured, quiet machine,
-engine steps interleaved (SmolLM2 f32: batch-1 decode 19.4 -> 17.4 ms, batch 32 83.9 -> 75.4 ms, a
-256-token prefill 178 -> 162 ms); its price is compile time (30 layers compiled instead of one).
-But float32 weights on CPU are packed as the native matmul's column blocks (`model_runner.packs_weights`),
-and a stack of those is read in place by layer index (`llama.PackedWeight.at_layer`): nothing is sliced,
-so "auto" scans them there. Same step times as per-layer (SmolLM2, 2-core Zen 3: decode 1/4/16/32 requests
-24.7/26.5/45.6/84.4 vs 25.9/27.5/45.4/85.2 ms, prefill 189 ms both), with one layer compiled: the cold
-start and the warm one's loading of every step program from the persistent cache are several times
-shorter (docs/performance.md, "Which knobs matter"). "stacked" keeps the scan
-everywhere (fast cold starts, e.g. for short-lived test engines). Fusing was neutral on CPU and is on
+where the weights are not packed: there the scan's slices are copied too (at 2-32 rows the dot reads a
+copy of each weight) and the per-layer step ran ~10% faster at every shape measured (SmolLM2 f32: batch-1
+decode 19.4 -> 17.4 ms, batch 32 83.9 -> 75.4 ms, a 256-token prefill 178 -> 162 ms). Float32 weights on
+CPU are packed as the native matmul's column blocks (`model_runner.packs_weights`), and a stack of those is
+read in place by layer index (`llama.PackedWeight.at_layer`): nothing is sliced, so "auto" scans them there
+(the same step times with one layer compiled: docs/performance.md, "Which knobs matter"). "stacked" keeps the
+scan everywhere (fast cold starts, e.g. for short-lived test engines). Fusing was neutral on CPU and is on
 everywhere.
 """
 
