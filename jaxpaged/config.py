@@ -73,14 +73,11 @@ class EngineArgs:
     attention_backend: str = "auto"
     # the KV pool's dtype (runner_config.resolve_kv_cache_dtype); "fp8"/"fp8_e4m3": e4m3 pages with per-head scales
     kv_cache_dtype: str = "auto"
-    # vLLM's `quantization` (runner_config.QUANTIZATIONS; docs/quantization.md): "fp8" (float8_e4m3fn weights, a scale
-    # per output channel: FP8 gemms on a GPU with FP8 tensor cores, weight-only elsewhere), or the weight dots' weights
-    # as int8, a scale per column and 32 rows (CPU, float32 weights on one device, the native matmul): "int8"
-    # (weight-only), "w8a8" (x quantised too); None: the checkpoint's (an FP8 checkpoint: "fp8", `resolve_quantization`)
+    # vLLM's `quantization`: "fp8", "int8" or "w8a8" (what each runs: runner_config.QUANTIZATIONS,
+    # docs/quantization.md); None: the checkpoint's (an FP8 checkpoint: "fp8", `resolve_quantization`)
     quantization: str | None = None
-    # The step's weight layout (jaxpaged/worker/weight_layout.py): "auto" (per-layer arrays, read in place, where the
-    # weights are not packed for the native CPU matmul, whose packed stack a scan reads in place; the stacked
-    # scan compiles faster), "stacked" or "per_layer"; fuse_projections: q/k/v and gate/up one gemm each
+    # The step's weight layout: "auto", "stacked" or "per_layer" (which and why: jaxpaged/worker/weight_layout.py);
+    # fuse_projections: q/k/v and gate/up one gemm each
     weight_layout: str = "auto"
     fuse_projections: bool = True
     # XLA:GPU command buffers (CUDA graphs) over the step: "auto", "xla", "off" or "full" (runner_config.GPU_COMMAND_BUFFERS)
@@ -105,17 +102,17 @@ class EngineArgs:
     # Only the n-gram (prompt lookup) method: {"method": "ngram", "num_speculative_tokens": k, ...}
     speculative_config: SpeculativeConfig | None = None
 
-    # vLLM v1's async scheduling: dispatch step N+1 before step N's tokens reach the host (module docstring);
-    # None: on (one process; with speculative decoding, steps that verify drafts run synchronously)
+    # vLLM v1's async scheduling: dispatch step N+1 before step N's tokens reach the host (jaxpaged/engine/
+    # llm_engine.py); None: on (one process; with speculative decoding, steps that verify drafts run synchronously)
     async_scheduling: bool | None = None
     # Which steps async scheduling keeps in flight: those feeding at most this many tokens; a larger step is
     # handled before the next one is scheduled (the synchronous order). None: every step with a GPU; on CPU,
     # where the host's work shares the cores with the step's matmuls, CPU_ASYNC_MAX_TOKENS
     async_scheduling_max_tokens: int | None = None
     # Speculative decoding under async scheduling: greedy requests' verification steps overlap the next step
-    # (module docstring). None: on with a GPU, where a synchronous step exposes the host's whole work (H200: a
-    # verification step 7.3 ms against 4.4 ms overlapped); off on CPU, where the host time is a few % of a step:
-    # SmolLM2 at batch 1 gained nothing from it (docs/performance.md, "Which knobs matter")
+    # (jaxpaged/engine/drafting.py). None: on with a GPU, where a synchronous step exposes the host's whole work
+    # (H200: a verification step 7.3 ms against 4.4 ms overlapped); off on CPU, where the host time is a few % of a
+    # step: SmolLM2 at batch 1 gained nothing from it (docs/performance.md, "Which knobs matter")
     overlap_verification: bool | None = None
     # Batch-invariant mode (docs/rl.md): a request's logits and log-probs the same to the bit whatever else is in
     # the batch, however its prompt was chunked, whether its prefix came from the cache, whichever bucket ran it
@@ -264,11 +261,9 @@ def _runner_config(args: EngineArgs, model: LoadedModel, mesh: Mesh | None, on_g
                         weight_layout=args.weight_layout, fuse_projections=args.fuse_projections,
                         command_buffers=args.command_buffers, fuse_sampler=args.fuse_sampler,
                         # CPU step time grows with padded tokens (all of it with XLA's dots, the non-dot part
-                        # with packed weights): decode batches of 1-8 get their own shapes
+                        # with packed weights): decode batches of 1-8 get their own shapes, and where XLA's dots
+                        # compute every padding row, x1.5 buckets too (RunnerConfig.mid_token_buckets_from)
                         min_token_bucket=16 if on_gpu else 1,
-                        # and where XLA's dots compute every padding row, steps of decodes plus short
-                        # prefills pad less (x1.5 buckets from 32 tokens on); packed weights' dots skip
-                        # padding rows (`with_live_rows`), so there the doublings alone compile a third less
                         mid_token_buckets_from=None if on_gpu or _packs_weights(args, model, mesh) else 32,
                         # and one request alone gets S = 1: its LM head is one row, not 4 (3 of them padding)
                         min_seq_bucket=4 if on_gpu else 1,

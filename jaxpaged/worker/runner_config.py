@@ -328,8 +328,8 @@ class RunnerConfig:
     min_page_bucket: int = 8
     # T buckets halfway between doublings (48, 96, 192, ...) from this T on; None: doublings only. On CPU a padded
     # token cost about what a real one did (SmolLM2, 32-256 rows: ~0.8 ms each), and a serving mix of decodes
-    # and short prefills filled its 64- and 128-token steps only 63-76%.
-    # The packed weights' dots skip padding rows (`with_live_rows`); the rest still pays.
+    # and short prefills filled its 64- and 128-token steps only 63-76%. The packed weights' dots skip padding
+    # rows (`with_live_rows`): there the doublings alone compile a third less.
     mid_token_buckets_from: int | None = None
     # Most requests fed more than one token in a step; None: no cap. The scheduler enforces it (the engine
     # builds its SchedulerConfig from this config); attention sizes its prefill tiles for it and trusts it.
