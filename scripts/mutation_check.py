@@ -328,7 +328,7 @@ MUTATIONS: tuple[Mutation, ...] = (
        "self.proposer.propose(request.all_token_ids) if matcher is None",
        SPEC + "test_drafts_stay_within_max_model_len"),
     _m("spec-step-time-from-too-few-samples", "engine: speculative decoding", "jaxpaged/spec_decode/ngram.py",
-       "        if len(times) < self.MIN_SAMPLES:\n            return\n", "",
+       "        if len(times) >= self.MIN_SAMPLES:\n", "        if True:\n",
        SPEC + "test_step_times_are_medians_and_never_fall_with_rows"),
     _m("spec-penalties-without-drafts", "engine: speculative decoding", "jaxpaged/worker/in_flight.py",
        "history = list(history) + list(before) + [t for t in drafts[:j] if t >= 0]",

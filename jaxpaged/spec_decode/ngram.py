@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -255,11 +256,8 @@ class DraftLengthPolicy:
             self.step_times[num_rows] = collections.deque(maxlen=self.STEP_SAMPLES)
             return
         times.append(seconds)
-        if len(times) < self.MIN_SAMPLES:
-            return
-        ordered = sorted(times)
-        half = len(ordered) // 2
-        self._medians[num_rows] = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+        if len(times) >= self.MIN_SAMPLES:
+            self._medians[num_rows] = statistics.median(times)
 
     def step_seconds(self) -> dict[int, float]:
         """t(n) as measured: the median step time by row count (sizes timed so far)."""
