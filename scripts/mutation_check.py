@@ -108,7 +108,7 @@ MUTATIONS: tuple[Mutation, ...] = (
        "tests/test_structured_outputs.py::test_sampler_only_picks_allowed_tokens_and_logprobs_follow_the_mask",
        "tests/test_structured_outputs.py::test_engine_outputs_obey_their_constraint"),
     _m("waiting-queue-bound", "Waiting queue", "jaxpaged/engine/async_llm.py",
-       "if waiting + command.params.n > limit:", "if False:",
+       "if waiting + params.n > limit:", "if False:",
        REL + "test_load.py::test_full_queue_answers_503_with_retry_after_at_once_then_recovers"),
     _m("no-eval-server", "No file / shell / eval from requests", "server/chat.py",
        "\nimport jinja2\n", "\nimport jinja2\n_PROBE = eval(\"0\")\n",

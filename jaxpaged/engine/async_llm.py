@@ -22,6 +22,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -78,24 +79,11 @@ class _Sink:
 
 
 @dataclasses.dataclass
-class _Add:
-    request_id: str
-    prompt: Any
-    params: SamplingParams
-    sink: _Sink
-    future: concurrent.futures.Future
-
-
-@dataclasses.dataclass
-class _Abort:
-    request_ids: tuple[str, ...]
-
-
-@dataclasses.dataclass
 class _Call:
-    """fn(engine), run on the engine thread between steps; its result or error goes to `future`."""
-    fn: Callable[[LLMEngine], Any]
-    future: concurrent.futures.Future
+    """A command: fn(), run on the engine thread between steps; its result or error goes to `future` (None:
+    nobody waits, as for an abort)."""
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future | None = None
 
 
 class AsyncLLM:
@@ -127,7 +115,7 @@ class AsyncLLM:
         """Queue a request; the engine's ValueError or QueueFullError (nothing queued) is raised here."""
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), params)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Add(request_id, prompt, params, sink, future))
+        self._submit(_Call(functools.partial(self._add, request_id, prompt, params, sink), future))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the caller left while the add was in flight: undo it
@@ -166,13 +154,13 @@ class AsyncLLM:
     def abort(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests (thread-safe, non-blocking): applied before the engine's next step."""
         ids = (request_ids,) if isinstance(request_ids, str) else tuple(request_ids)
-        self._submit(_Abort(ids))
+        self._submit(_Call(functools.partial(self._abort, ids)))
 
     async def call_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """fn(engine) on the engine thread, between two steps (a step already dispatched finishes first);
         returns its result or raises its error here. For the engine's own operations: weight updates, sleep."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Call(fn, future))
+        self._submit(_Call(functools.partial(self._call, fn), future))
         return await asyncio.wrap_future(future)
 
     async def update_weights_from_disk(self, model_path: str) -> float:
@@ -234,10 +222,10 @@ class AsyncLLM:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def _submit(self, command: _Add | _Abort | _Call) -> None:
+    def _submit(self, command: _Call) -> None:
         with self._cond:
             if self._stopping:
-                if isinstance(command, (_Add, _Call)):
+                if command.future is not None:
                     command.future.set_exception(EngineShutdownError("the engine is shut down"))
                 return
             self._commands.append(command)
@@ -271,41 +259,30 @@ class AsyncLLM:
         except Exception:
             logger.exception("engine shutdown failed")
 
-    def _apply(self, commands: list) -> None:
+    def _apply(self, commands: list[_Call]) -> None:
         for command in commands:
-            if isinstance(command, _Add):
-                self._apply_add(command)
-            elif isinstance(command, _Call):
-                self._apply_call(command)
-            else:
-                self._apply_abort(command.request_ids)
+            if command.future is None:
+                command.fn()
+            elif command.future.set_running_or_notify_cancel():  # else the caller went away before we got here
+                try:
+                    command.future.set_result(command.fn())
+                except Exception as err:  # the engine's ValueError (never servable), or a bug: still the caller's
+                    command.future.set_exception(err)
 
-    def _apply_add(self, command: _Add) -> None:
-        if not command.future.set_running_or_notify_cancel():  # the caller went away before we got here
-            return
+    def _add(self, request_id: str, prompt: Any, params: SamplingParams, sink: _Sink) -> None:
         waiting, limit = int(self.engine.stats()["num_requests_waiting"]), self.config.max_waiting_requests
-        if waiting + command.params.n > limit:
-            command.future.set_exception(QueueFullError(
-                f"{waiting} sequences are waiting (max_waiting_requests={limit}); retry later"))
-            return
-        try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
-        except Exception as err:  # ValueError: never servable; anything else: a bug, still the caller's
-            command.future.set_exception(err)
-            return
-        self._sinks[command.request_id] = command.sink
-        command.future.set_result(None)
+        if waiting + params.n > limit:
+            raise QueueFullError(f"{waiting} sequences are waiting (max_waiting_requests={limit}); retry later")
+        self.engine.add_request(request_id, prompt, params)
+        self._sinks[request_id] = sink
 
-    def _apply_call(self, command: _Call) -> None:
-        if not command.future.set_running_or_notify_cancel():
-            return
+    def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         try:
-            command.future.set_result(command.fn(self.engine))
-        except Exception as err:
-            command.future.set_exception(err)
-        self._publish_stats()
+            return fn(self.engine)
+        finally:
+            self._publish_stats()
 
-    def _apply_abort(self, request_ids: Sequence[str]) -> None:
+    def _abort(self, request_ids: Sequence[str]) -> None:
         try:
             self.engine.abort_request(list(request_ids))
         except Exception:
@@ -366,7 +343,7 @@ class AsyncLLM:
             commands = list(self._commands)
             self._commands.clear()
         for command in commands:
-            if isinstance(command, (_Add, _Call)) and not command.future.done():
+            if command.future is not None and not command.future.done():
                 command.future.set_exception(err)
         sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():
