@@ -120,10 +120,7 @@ class EngineArgs:
     batch_invariant: bool = False
 
     def __post_init__(self):
-        check_step_choices(kv_cache_dtype=self.kv_cache_dtype, quantization=self.quantization,  # before the model loads
-                           weight_layout=self.weight_layout, fuse_projections=self.fuse_projections,
-                           command_buffers=self.command_buffers, fuse_sampler=self.fuse_sampler,
-                           batch_invariant=self.batch_invariant)
+        check_step_choices(self)  # before the model loads
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None (auto)")
         if self.overlap_verification is not None and not isinstance(self.overlap_verification, bool):

@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import threading
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,9 @@ from jaxpaged.worker.invariant_dots import check_gpu_batch_invariant
 from jaxpaged.worker.weight_layout import check_weight_layout, resolve_weight_layout
 from pallas_kernels import cpu_attention, cpu_build, cpu_matmul, cpu_rope, cpu_sampler
 from pallas_kernels.cpu_attention import load_cpu_attention
+
+if TYPE_CHECKING:  # config.py imports this module
+    from jaxpaged.config import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -44,30 +48,28 @@ def check_choice(name: str, value, choices, note: str = "") -> None:
         raise ValueError(f"{name}={value!r}: choose one of {tuple(choices)}{note}")
 
 
-def check_step_choices(*, kv_cache_dtype: str, quantization: str | None, weight_layout: str, fuse_projections: bool,
-                       command_buffers: str, fuse_sampler: str, batch_invariant: bool) -> None:
-    """The step's choices that EngineArgs and RunnerConfig both take, validated alike (EngineArgs: before the model
-    loads)."""
-    if not isinstance(batch_invariant, bool):
-        raise ValueError(f"batch_invariant={batch_invariant!r} must be a bool")
-    if batch_invariant and not fuse_projections:  # the unfused projections are XLA's einsums
+def check_step_choices(c: EngineArgs | RunnerConfig) -> None:
+    """The step's choices that EngineArgs and RunnerConfig both take, by the same names, validated alike
+    (EngineArgs: before the model loads)."""
+    if not isinstance(c.batch_invariant, bool):
+        raise ValueError(f"batch_invariant={c.batch_invariant!r} must be a bool")
+    if c.batch_invariant and not c.fuse_projections:  # the unfused projections are XLA's einsums
         raise ValueError("batch_invariant=True runs the fused projections (wqkv, w_gate_up) on the step's "
                          "row-invariant matmul: set fuse_projections=True")
-    if quantization == "fp8" and not fuse_projections:
+    if c.quantization == "fp8" and not c.fuse_projections:
         raise ValueError("quantization='fp8' quantises the fused projections (wqkv, w_gate_up): set "
                          "fuse_projections=True")
-    if batch_invariant and quantization == "int8":
+    if c.batch_invariant and c.quantization == "int8":
         raise ValueError("batch_invariant=True does not take quantization='int8': its product dequantises whole "
                          "chunks of weights from 19 rows on and widens in registers below, two roundings (its "
                          "rounding depends on the step's row count); use 'w8a8' (the same bits at any row count) "
                          "or float32 weights")
-    check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
-    if quantization is not None:
-        check_choice("quantization", quantization, QUANTIZATIONS,
-                     " or None (the checkpoint's weights as loaded)")
-    check_weight_layout(weight_layout)
-    check_choice("command_buffers", command_buffers, ("auto", *GPU_COMMAND_BUFFERS))
-    check_choice("fuse_sampler", fuse_sampler, FUSE_SAMPLER)
+    check_choice("kv_cache_dtype", c.kv_cache_dtype, KV_CACHE_DTYPES)
+    if c.quantization is not None:
+        check_choice("quantization", c.quantization, QUANTIZATIONS, " or None (the checkpoint's weights as loaded)")
+    check_weight_layout(c.weight_layout)
+    check_choice("command_buffers", c.command_buffers, ("auto", *GPU_COMMAND_BUFFERS))
+    check_choice("fuse_sampler", c.fuse_sampler, FUSE_SAMPLER)
 
 
 def check_fp8_kv_support(kv_dtype, backend: str, sharded: bool = False, device=None) -> None:
@@ -353,10 +355,7 @@ class RunnerConfig:
     batch_invariant: bool = False
 
     def __post_init__(self):
-        check_step_choices(kv_cache_dtype=self.kv_cache_dtype, quantization=self.quantization,
-                           weight_layout=self.weight_layout, fuse_projections=self.fuse_projections,
-                           command_buffers=self.command_buffers, fuse_sampler=self.fuse_sampler,
-                           batch_invariant=self.batch_invariant)
+        check_step_choices(self)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.page_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"page_size (block_size)={self.page_size}: choose 8, 16, 32, 64 or 128")
