@@ -1,15 +1,8 @@
 """jaxpaged checkpoints: the params pytree in Orbax, restored straight into its shardings.
 
-A checkpoint folder (written by `python -m jaxpaged.convert`):
-    jaxpaged_config.json   {"format": 1, "dtype": "float32", "config": {LlamaConfig fields}}
-    params/                Orbax StandardCheckpointer tree (layout of jaxpaged/models/llama.py)
-    tokenizer.json, tokenizer_config.json, ...   `tokenizer.save_pretrained`
-    generation_config.json eos ids and sampling defaults
-
-Restoring passes `jax.ShapeDtypeStruct`s carrying the target shardings, so each
-device (each process, multi-host) reads only its own shards from disk; nothing
-is assembled in full on one host. The dtype may differ from the saved one
-(Orbax casts while reading).
+The folder `python -m jaxpaged.convert` writes, and why a restore targets the shardings (each device reads only
+its own shards, nothing assembled in full on one host; Orbax casts to the dtype asked): docs/distributed.md,
+"Orbax checkpoints".
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Convert any loadable model to a jaxpaged (Orbax) checkpoint folder.
+"""Convert any loadable model to a jaxpaged (Orbax) checkpoint folder (docs/distributed.md, "Orbax checkpoints").
 
     python -m jaxpaged.convert --model <HF id | folder | .gguf | built-in name> --out <dir> [--dtype bfloat16]
-
-The folder (layout in jaxpaged/checkpoint.py) is then a `model` like any other:
-`load_model(<dir>)`, `LLM(<dir>, tensor_parallel_size=N)`, `--model <dir>`; it
-restores straight into the tensor-parallel shardings, whatever tp it is served with.
 """
 
 from __future__ import annotations
@@ -39,10 +35,6 @@ def save_model(loaded: LoadedModel, out: Path) -> Path:
     return out
 
 
-def convert(model: str, out: Path, dtype: str = "auto", revision: str | None = None) -> Path:
-    return save_model(load_model(model, dtype=dtype, revision=revision), out)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jaxpaged.convert", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="HF repo id, folder, .gguf or built-in name")
@@ -51,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--revision", default=None)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    convert(args.model, args.out, args.dtype, args.revision)
+    save_model(load_model(args.model, dtype=args.dtype, revision=args.revision), args.out)
     print(f"wrote {args.out} in {time.perf_counter() - start:.1f} s")
 
 
