@@ -236,15 +236,10 @@ def uses_native_matmul(backend: str) -> bool:
     return backend == "cpu" and jax.default_backend() == "cpu" and cpu_matmul.load_cpu_matmul()
 
 
-# Quantisation of the weight dots (vLLM's `quantization` argument; the table: docs/quantization.md).
-# "fp8": the weights as float8_e4m3fn, a float32 scale per output channel (jaxpaged/models/fp8.py), on XLA's dots:
-# FP8 x FP8 gemms with per-token dynamic activation scales on a GPU with FP8 tensor cores (`fp8_gemm`), weight-only
-# (the f8 weight upcast inside the dot) on CPU and older GPUs; what an FP8 checkpoint is served with.
-# "int8" and "w8a8" (CPU only), both with the weights as int8 and a float32 scale per output column and run of 32
-# rows (pallas_kernels/cpu_matmul.py: quantize_int8), on the native CPU matmul: "int8": weight-only, every product
-# float32 (matmul_cpu); "w8a8": each dot's x quantised too, per row and run of 32 values, integer dots times both
-# scales (matmul_w8a8; llama.cpp's Q8_0 dots): ~1.7-2.1x int8's speed from 8 rows where AVX-512 VNNI runs them;
-# elsewhere the same results ~10-20% slower than int8; at some quality (docs/performance.md, docs/kernels.md)
+# Quantisation of the weight dots (vLLM's `quantization`; what each runs where, and at what accuracy:
+# docs/quantization.md): "fp8" on XLA's dots (FP8 gemms where `fp8_gemm`, else weight-only: jaxpaged/models/fp8.py),
+# "int8" and "w8a8" on the native CPU matmul's int8 blocks (pallas_kernels/cpu_matmul.py); w8a8 quantises each dot's
+# input too: ~1.7-2.1x int8's speed from 8 rows where AVX-512 VNNI runs it, ~10-20% slower elsewhere
 QUANTIZATIONS = ("fp8", "int8", "w8a8")
 INT8_DOTS = {"int8": cpu_matmul.matmul_cpu, "w8a8": cpu_matmul.matmul_w8a8}  # each's product over the int8 blocks
 FP8_PLATFORMS = ("cpu", "gpu")  # where "fp8" runs (JAX's default backend)
