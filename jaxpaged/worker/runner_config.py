@@ -91,8 +91,7 @@ def check_fp8_kv_support(kv_dtype, backend: str, sharded: bool = False, device=N
 
 
 def compute_capability(device) -> tuple[int, int] | None:
-    """A CUDA device's compute capability ("9.0" on an H100/H200: (9, 0)); None where it names none (a CPU,
-    ROCm)."""
+    """A CUDA device's compute capability ("9.0" on an H100/H200: (9, 0)); None where it names none (CPU, ROCm)."""
     try:
         major, minor = str(device.compute_capability).split(".")[:2]
         return int(major), int(minor)
@@ -323,10 +322,9 @@ class RunnerConfig:
     min_token_bucket: int = 16
     min_seq_bucket: int = 4
     min_page_bucket: int = 8
-    # T buckets halfway between doublings (48, 96, 192, ...) from this T on; None: doublings only. On CPU a padded
-    # token cost about what a real one did (SmolLM2, 32-256 rows: ~0.8 ms each), and a serving mix of decodes
-    # and short prefills filled its 64- and 128-token steps only 63-76%. The packed weights' dots skip padding
-    # rows (`with_live_rows`): there the doublings alone compile a third less.
+    # T buckets halfway between doublings (48, 96, 192, ...) from this T on; None: doublings only. They cut the
+    # padding where XLA's dots compute every padding row (measured: docs/performance.md, "Which knobs matter");
+    # the packed weights' dots skip padding rows (docs/kernels.md), so there the doublings alone compile less.
     mid_token_buckets_from: int | None = None
     # Most requests fed more than one token in a step; None: no cap. The scheduler enforces it (the engine
     # builds its SchedulerConfig from this config); attention sizes its prefill tiles for it and trusts it.
