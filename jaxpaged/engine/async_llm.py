@@ -249,15 +249,11 @@ class AsyncLLM:
             else:
                 self._publish_stats()
         self._fail_all(EngineShutdownError("the engine was shut down"))
-        self._release_engine()
-        logger.debug("engine thread stopped")
-
-    def _release_engine(self) -> None:
-        """On the engine thread, after its last step: `LLMEngine.shutdown` (multi-host: followers exit)."""
-        try:
+        try:  # after the last step, on this thread: LLMEngine.shutdown (multi-host: the followers exit)
             self.engine.shutdown()
         except Exception:
             logger.exception("engine shutdown failed")
+        logger.debug("engine thread stopped")
 
     def _apply(self, commands: list[_Call]) -> None:
         for command in commands:
