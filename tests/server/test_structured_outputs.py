@@ -6,6 +6,7 @@ The default run keeps a fast subset; the full 22-schema sweep (greedy and sample
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import re
 import threading
@@ -267,6 +268,24 @@ def test_bad_constraints_are_fast_400s_and_the_server_keeps_serving(smol, body, 
     assert elapsed < 2.0, elapsed
     worker.join(120)
     assert background["choices"][0]["finish_reason"] == "length"
+    assert smol.wait_idle()["num_requests_running"] == 0
+
+
+def test_a_constraint_slower_to_compile_than_the_limit_is_a_400_and_the_server_keeps_serving(smol):
+    manager = smol.engine.engine.structured_outputs
+    config = manager.config
+    slow = {"type": "object", "properties": {
+        f"k{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1},{i % 7 + 40}}}"} for i in range(400)}}
+    manager.config = dataclasses.replace(config, compile_timeout_s=1e-4)
+    try:
+        r = post(smol, "/chat/completions", dict(messages=ASK, max_tokens=10, response_format={
+            "type": "json_schema", "json_schema": {"name": "slow", "schema": slow}}))
+    finally:
+        manager.config = config
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format" and "took longer than" in error["message"], error
+    assert chat(smol, messages=ASK, max_tokens=4, temperature=0, ignore_eos=True)["choices"][0]["finish_reason"] == "length"
     assert smol.wait_idle()["num_requests_running"] == 0
 
 
