@@ -94,9 +94,10 @@ class LLM:
 
     def update_weights(self, weights: Mapping[str, Any]) -> float:
         """Replace the model's weights in place, by Hugging Face parameter name (`get_weights()` lists them), all
-        of them or any subset, without compiling again; docs/rl.md gives the contract. Raises WeightUpdateError
-        (a ValueError; the engine keeps its weights) for a bad dict, EngineSleepingError at sleep level 2.
-        Returns the seconds it took."""
+        of them or any subset, without compiling again; docs/rl.md gives the contract. Each array in the
+        checkpoint's shape ([out, in] for projections), numpy or jax.Array of any float dtype, on the host or
+        already on the engine's devices (converted there). Raises WeightUpdateError (a ValueError; the engine keeps
+        its weights) for a bad dict, EngineSleepingError at sleep level 2. Returns the seconds it took."""
         return self.llm_engine.update_weights(weights)
 
     def get_weights(self) -> dict[str, Any]:
