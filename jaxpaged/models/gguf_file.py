@@ -17,7 +17,7 @@ import struct
 from typing import Any
 
 import numpy as np
-from gguf import GGUFEndian, GGUFReader, GGUFValueType, ReaderField
+from gguf import GGUFReader, GGUFValueType, ReaderField
 
 
 class GGUFFile(GGUFReader):
@@ -33,7 +33,7 @@ class GGUFFile(GGUFReader):
         """Called by GGUFReader.__init__ with the first key's offset and the key count; returns where
         the tensor infos start."""
         buf = memoryview(self.data)
-        order = "<" if self.endianess == GGUFEndian.LITTLE else ">"
+        order = np.dtype(np.uint32).newbyteorder(self.byte_order).byteorder  # "=": this host's, else the other
         self.metadata = {name: field.contents() for name, field in self.fields.items()}  # GGUF.version, counts
         for _ in range(count):
             start = offs
