@@ -41,7 +41,8 @@ def worker(tree: str, model: str) -> None:
 def measure(tree: Path, model: str) -> dict[str, float]:
     out = subprocess.run([sys.executable, __file__, "--worker", str(tree), "--model", model], check=True,
                          capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(tree), "TQDM_DISABLE": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+                         env={**os.environ, "PYTHONPATH": str(tree), "TQDM_DISABLE": "1",
+                              "PYTHONDONTWRITEBYTECODE": "1"})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -1,4 +1,5 @@
-"""benchmarks/load_time.py (`micro.py load`) end to end on a tiny GGUF: both checkouts timed, medians and ratio printed."""
+"""benchmarks/load_time.py (`micro.py load`) end to end on a tiny GGUF: both checkouts timed, medians and ratio
+printed."""
 
 from __future__ import annotations
 
@@ -15,4 +16,5 @@ def test_two_checkouts_side_by_side(tmp_path, tiny_checkpoints, capsys):
     out = capsys.readouterr().out
     assert len(re.findall(r"^round 1 .*: open_gguf [\d.]+ s, load_model [\d.]+ s$", out, flags=re.MULTILINE)) == 2
     for key in ("open_gguf", "load_model"):
-        assert re.search(rf"^{key}, median \(range\) of 1: .*; the first / each other: [\d.]+x$", out, flags=re.MULTILINE)
+        line = rf"^{key}, median \(range\) of 1: .*; the first / each other: [\d.]+x$"
+        assert re.search(line, out, flags=re.MULTILINE)
