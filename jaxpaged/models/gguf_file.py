@@ -38,6 +38,8 @@ class GGUFFile(GGUFReader):
         for _ in range(count):
             start = offs
             key, offs = _string(buf, offs, order, "strict")
+            if key in self.metadata:  # as gguf-py refuses one
+                raise KeyError(f"duplicate GGUF key {key!r} at byte {start}")
             (raw_type,) = struct.unpack_from(order + "I", buf, offs)
             offs += 4
             if raw_type == GGUFValueType.ARRAY:

@@ -111,3 +111,12 @@ def test_an_impossible_string_count_fails_at_once(tmp_path):
                      + struct.pack("<IIQ", V.ARRAY, V.STRING, 2**40) + b"\x00" * 64)
     with pytest.raises(WeightLoadError, match="runs past the end of the file"):
         open_gguf(path)
+
+
+def test_a_duplicate_key_is_refused(tmp_path):
+    path = tmp_path / "duplicate.gguf"
+    key = struct.pack("<Q", 3) + b"a.b"
+    array = struct.pack("<IIQ", V.ARRAY, V.INT32, 2) + struct.pack("<ii", 1, 2)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + (key + array) * 2 + b"\x00" * 64)
+    with pytest.raises(WeightLoadError, match="duplicate GGUF key 'a.b'"):
+        open_gguf(path)
