@@ -4,12 +4,15 @@
     python benchmarks/micro.py host-loop [--tree OTHER_CHECKOUT] [--served] [--phases]
     python benchmarks/micro.py startup [--tree OTHER_CHECKOUT --tree .] [--warm-runs 3] [-- SERVER FLAGS]
     python benchmarks/micro.py step ...   # benchmarks/cpu_step.py: where one CPU decode step goes
+    python benchmarks/micro.py load [--tree OTHER_CHECKOUT --tree .] [--model M] [--rounds 3]
 
 roofline   batch-1 decode's weight-read roofline on this machine: a read-bandwidth probe and the weight bytes
 host-loop  the engine's host work per step at high concurrency, this checkout beside another
 startup    `python -m server` to /health 200, cold then warm, per phase, checkouts side by side (its code is in
            servers.py, beside the server launcher it uses)
 step       the parts of one CPU decode step (forward, dots, attention, sampler, host), cpu_step.py's flags
+load       a GGUF model's in-process load (open_gguf, then load_model without the model cache), checkouts side by
+           side (benchmarks/load_time.py)
 
 `micro.py <command> -h` prints the command's full description. Nothing here imports jaxpaged at the top: a
 host-loop worker imports the checkout it measures, and startup runs each checkout's server as a subprocess.
@@ -416,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"roofline": roofline_main, "host-loop": host_loop_main, "startup": _startup_main}
     if argv and argv[0] == "step":  # its own file (its imports pick the checkout from --tree before jax loads)
         return subprocess.call([sys.executable, str(Path(__file__).with_name("cpu_step.py")), *argv[1:]])
+    if argv and argv[0] == "load":  # its own file: each checkout measured in a process of its own
+        return subprocess.call([sys.executable, str(Path(__file__).with_name("load_time.py")), *argv[1:]])
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ from transformers import (PreTrainedTokenizerBase,  # noqa: E402, F401  (after t
                           PreTrainedTokenizerFast)  # not AutoTokenizer: importing it imports torch
 
 if TYPE_CHECKING:  # the gguf package is needed only to read GGUF files
-    from gguf import GGUFReader
+    from jaxpaged.models.gguf_file import GGUFFile
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -102,7 +102,7 @@ def load_hf_tokenizer(source: str | Path, chat_template: str | None = None) -> P
     return tokenizer
 
 
-def load_gguf_tokenizer(reader: GGUFReader, chat_template: str | None = None) -> PreTrainedTokenizerFast:
+def load_gguf_tokenizer(reader: GGUFFile, chat_template: str | None = None) -> PreTrainedTokenizerFast:
     """Build the tokenizer a GGUF file describes: byte-level BPE ('gpt2': Llama 3, SmolLM2, Qwen) or
     SentencePiece BPE with byte fallback ('llama': Gemma, Llama 2, Mistral)."""
     from jaxpaged.models.gguf_loader import metadata_value  # pylint: disable=import-outside-toplevel

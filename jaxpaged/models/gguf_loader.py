@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from jaxpaged.models import registry
+from jaxpaged.models.gguf_file import GGUFFile
 from jaxpaged.models.llama import LlamaConfig, Params, UnsupportedModelError, param_shapes
 from jaxpaged.models.weights import WeightLoadError, assemble_params
 
@@ -34,11 +35,11 @@ _GEMMA3_SWA_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
-def open_gguf(path: Path) -> GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
     if not path.is_file():
         raise WeightLoadError(f"{path}: GGUF file not found")
     try:
-        reader = GGUFReader(str(path))
+        reader = GGUFFile(str(path))
     except Exception as err:  # gguf raises ValueError/struct errors on bad magic or truncation
         raise WeightLoadError(f"{path}: not a readable GGUF file ({err})") from None
     try:
@@ -48,21 +49,12 @@ def open_gguf(path: Path) -> GGUFReader:
     return reader
 
 
-def metadata_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def metadata_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """A scalar, string or array metadata value as plain Python."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    if field.types[0] == GGUFValueType.ARRAY:
-        if field.types[-1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    return field.parts[field.data[0]].tolist()[0]
+    return reader.metadata.get(key, default)
 
 
-def gguf_config(reader: GGUFReader) -> LlamaConfig:
+def gguf_config(reader: GGUFFile) -> LlamaConfig:
     """LlamaConfig from the `{arch}.*` metadata (and the tensors present)."""
     arch = metadata_value(reader, "general.architecture")
     fam = registry.family_for_gguf(arch)
@@ -131,7 +123,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf_params(reader: GGUFReader, config: LlamaConfig, dtype: np.dtype) -> Params:
+def load_gguf_params(reader: GGUFFile, config: LlamaConfig, dtype: np.dtype) -> Params:
     """The params pytree, dequantised and cast to `dtype`, on device."""
     names = {t.name: t for t in reader.tensors}
     fam = registry.family(config.architecture)
@@ -165,7 +157,7 @@ def load_gguf_params(reader: GGUFReader, config: LlamaConfig, dtype: np.dtype) -
     return assemble_params(config, groups, dtype, "Dequantising GGUF tensors")
 
 
-def gguf_checkpoint_dtype(reader: GGUFReader) -> np.dtype:
+def gguf_checkpoint_dtype(reader: GGUFFile) -> np.dtype:
     """dtype='auto' for GGUF: bf16/f16 files keep theirs; quantised and f32 files load as float32."""
     types = {GGMLQuantizationType(t.tensor_type) for t in reader.tensors if t.name.endswith("attn_q.weight")}
     if types == {GGMLQuantizationType.BF16}:

@@ -1,8 +1,7 @@
 """A disk cache of what a GGUF file loads into: the config, the params (our layout, cast) and the tokenizer.
 
-Loading a GGUF file costs seconds on every start (gguf-py parses the 49k-string
-vocabulary field by field, every tensor is dequantised, the tokenizer is rebuilt);
-a later start reads the cached entry instead and never opens the GGUF file:
+Loading a GGUF file costs seconds on every start (every tensor is dequantised,
+the tokenizer is rebuilt); a later start reads the cached entry instead and never opens the GGUF file:
 
     <cache_dir>/<key>/meta.json           {"format", "source", "dtype", "config": LlamaConfig fields}
     <cache_dir>/<key>/params.safetensors  the params pytree, flattened ("embed", "layers.wq", ...)
@@ -38,8 +37,8 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 _META, _PARAMS, _TOKENIZER = "meta.json", "params.safetensors", "tokenizer"
 # Modules whose code decides an entry's contents (layout, dequantisation, tokenizer).
-_BUILDERS = ("models/gguf_loader.py", "models/llama.py", "models/weights.py", "models/model_cache.py",
-             "tokenizer.py")
+_BUILDERS = ("models/gguf_loader.py", "models/gguf_file.py", "models/llama.py", "models/weights.py",
+             "models/model_cache.py", "tokenizer.py")
 
 
 def default_model_cache_dir() -> str:
