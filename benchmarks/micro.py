@@ -12,7 +12,7 @@ startup    `python -m server` to /health 200, cold then warm, per phase, checkou
            servers.py, beside the server launcher it uses)
 step       the parts of one CPU decode step (forward, dots, attention, sampler, host), cpu_step.py's flags
 load       a GGUF model's in-process load (open_gguf, then load_model without the model cache), checkouts side by
-           side (benchmarks/load_time.py)
+           side, a fresh process per start, the checkouts alternating
 
 `micro.py <command> -h` prints the command's full description. Nothing here imports jaxpaged at the top: a
 host-loop worker imports the checkout it measures, and startup runs each checkout's server as a subprocess.
@@ -414,13 +414,58 @@ def host_loop_main(argv=None) -> int:
     return 0
 
 
+def load_worker(tree: str, model: str) -> None:
+    """In a fresh process importing `tree`: one JSON line, `open_gguf` then `load_model` (no model cache) seconds."""
+    sys.path.insert(0, tree)
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.devices()  # JAX starts before either is timed
+    from jaxpaged.models import gguf_loader  # pylint: disable=import-outside-toplevel
+    from jaxpaged.models.loader import load_model, resolve_model_path  # pylint: disable=import-outside-toplevel
+    path = resolve_model_path(model)
+    start = time.perf_counter()
+    gguf_loader.open_gguf(path)
+    opened = time.perf_counter()
+    load_model(str(path), cache_dir=None)
+    print(json.dumps({"open_gguf": opened - start, "load_model": time.perf_counter() - opened}))
+
+
+def load_main(argv=None) -> int:
+    """`micro.py load`: the model cache left out, so the GGUF file is read as on a cold start. Prints each
+    checkout's median and range and the first checkout's median over each other's (> 1: the other is faster)."""
+    p = argparse.ArgumentParser(prog="micro.py load", description=load_main.__doc__)
+    p.add_argument("--tree", type=Path, action="append", help="a checkout (repeat to compare; default: this one)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a built-in GGUF model or a .gguf path")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        load_worker(args.worker, args.model)
+        return 0
+    trees = [t.resolve() for t in args.tree or [Path(__file__).resolve().parents[1]]]
+    runs: list[list[dict[str, float]]] = [[] for _ in trees]
+    for i in range(args.rounds):
+        for n in range(len(trees)) if i % 2 == 0 else reversed(range(len(trees))):
+            out = subprocess.run([sys.executable, __file__, "load", "--worker", str(trees[n]), "--model", args.model],
+                                 check=True, capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(trees[n]), "TQDM_DISABLE": "1"})
+            runs[n].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"round {i + 1} {trees[n]}: " + ", ".join(f"{k} {v:.2f} s" for k, v in runs[n][-1].items()),
+                  flush=True)
+    for key in ("open_gguf", "load_model"):
+        times = [[r[key] for r in tree_runs] for tree_runs in runs]
+        medians = [statistics.median(t) for t in times]
+        cells = [f"{tree}: {m:.2f} s ({min(t):.2f}-{max(t):.2f})" for tree, m, t in zip(trees, medians, times)]
+        ratios = [f"{medians[0] / m:.2f}x" for m in medians[1:]]
+        print(f"{key}, median (range) of {args.rounds}: " + "; ".join(cells)
+              + (f"; the first / each other: {', '.join(ratios)}" if ratios else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"roofline": roofline_main, "host-loop": host_loop_main, "startup": _startup_main}
+    commands = {"roofline": roofline_main, "host-loop": host_loop_main, "startup": _startup_main, "load": load_main}
     if argv and argv[0] == "step":  # its own file (its imports pick the checkout from --tree before jax loads)
         return subprocess.call([sys.executable, str(Path(__file__).with_name("cpu_step.py")), *argv[1:]])
-    if argv and argv[0] == "load":  # its own file: each checkout measured in a process of its own
-        return subprocess.call([sys.executable, str(Path(__file__).with_name("load_time.py")), *argv[1:]])
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
         return 2

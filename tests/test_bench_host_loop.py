@@ -1,10 +1,11 @@
-"""benchmarks/micro.py host-loop end to end at smoke sizes: both sides measured, the side-by-side line printed."""
+"""benchmarks/micro.py host-loop and load end to end at smoke sizes: both sides measured, the side-by-side lines
+printed."""
 
 from __future__ import annotations
 
 import re
 
-from tests.conftest import ROOT, load_script
+from tests.conftest import ROOT, load_script, make_tiny_gguf
 
 micro = load_script("benchmarks/micro.py")
 
@@ -20,3 +21,13 @@ def test_side_by_side_run_prints_both_trees_and_the_ratio(capsys):
     assert "scheduler.schedule" in out  # this tree's phases
     assert re.search(r"^b=4\s+host this\s+[\d.]+ ms, other\s+[\d.]+ ms: [\d.]+x", out, flags=re.M)
 
+
+
+def test_load_times_two_checkouts_side_by_side(tmp_path, tiny_checkpoints, capsys):
+    path = make_tiny_gguf(tiny_checkpoints["gqa4"], tmp_path / "tiny.gguf", "Q8_0")
+    assert micro.main(["load", "--tree", str(ROOT), "--tree", str(ROOT), "--model", str(path), "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^round 1 .*: open_gguf [\d.]+ s, load_model [\d.]+ s$", out, flags=re.MULTILINE)) == 2
+    for key in ("open_gguf", "load_model"):
+        line = rf"^{key}, median \(range\) of 1: .*; the first / each other: [\d.]+x$"
+        assert re.search(line, out, flags=re.MULTILINE)
