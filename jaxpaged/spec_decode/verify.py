@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxpaged.core.scheduler_output import ScheduledRequest
 from jaxpaged.models.llama import LlamaConfig, Params, lm_logits
-from jaxpaged.sample.sampler import SamplerOutput, StepSample
+from jaxpaged.sample.sampler import SamplerOutput
 from jaxpaged.sample.sampling_batch import RowInfo
 from jaxpaged.spec_decode.ngram import ngram_drafts
 
@@ -143,12 +143,12 @@ def accept_drafts(sampled: jax.Array, sample_rows: jax.Array, draft_ids: jax.Arr
     return jnp.sum(jnp.cumprod(match, axis=1), axis=1)
 
 
-def verify_packed(layout: DraftRows, sampled: SamplerOutput, fused_sample: StepSample | None = None,
+def verify_packed(layout: DraftRows, sampled: SamplerOutput, fused_sample: SamplerOutput | None = None,
                   num_accepted: jax.Array | None = None) -> VerifiedDrafts:
     """The drafts verified on the final samples of their rows (`sampled` holds them at layout.sample_rows): a
     fused step's own count (`num_accepted`, of `fused_sample`), unless a sampler fallback changed a token, else
     `accept_drafts` on the device."""
-    if fused_sample is not None and sampled.token_ids is fused_sample.out.token_ids:
+    if fused_sample is not None and sampled.token_ids is fused_sample.token_ids:
         return VerifiedDrafts(layout, sampled, num_accepted)
     return VerifiedDrafts(layout, sampled, accept_drafts(sampled.token_ids, layout.sample_rows, layout.verified_ids))
 

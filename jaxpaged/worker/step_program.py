@@ -209,15 +209,15 @@ def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, pa
                                                                        sampling.previous_rejected))
     sample = sampler.sample_in_step(logits, batch, fed, random=random, native=attention.native_matmul)
     draft_ids = merge_redrafts(sampling.draft_ids, sampling.redraft)  # i32[S, k]
-    num_accepted = accept_drafts(sample.out.token_ids, sampling.draft_rows, draft_ids)  # i32[S]
-    next_tokens = pad_sampled_tokens(sample.out.token_ids, sampling.previous_tokens.shape[0])
+    num_accepted = accept_drafts(sample.token_ids, sampling.draft_rows, draft_ids)  # i32[S]
+    next_tokens = pad_sampled_tokens(sample.token_ids, sampling.previous_tokens.shape[0])
     return (sample, num_accepted, next_tokens), hidden, kv
 
 
 # A fused step's sampling results, on device (held by `PendingStep`, or read at once by a synchronous step):
-# the sampler's output before its rare fallbacks (`sampler.finish_in_step`); i32[S] slot m's accepted drafts,
+# the sampler's unfinished output (before its rare fallbacks: `sampler.finish_in_step`); i32[S] slot m's accepted drafts,
 # valid when no fallback changed a token; i32[R] the sampled ids zero-padded, the next step's previous_tokens
-FusedSample = tuple[sampler.StepSample, jax.Array, jax.Array]
+FusedSample = tuple[sampler.SamplerOutput, jax.Array, jax.Array]
 
 
 def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...], arena: HugePageArena,
