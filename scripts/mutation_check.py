@@ -419,7 +419,7 @@ MUTATIONS: tuple[Mutation, ...] = (
        "self._observe_step(out, max(flight.dispatched_at, self._last_handled))",
        SPEC + "test_a_step_left_in_flight_while_the_engine_idles_is_not_timed"),
     _m("spec-overlap-keys-not-moved", "engine: speculative decoding", "jaxpaged/worker/step_program.py",
-       "sample = sampler.sample_in_step(logits, batch, fed,", "sample = sampler.sample_in_step(logits, sampling.batch, fed,",
+       "sample = sampler.sample_in_step(logits, batch, fed,", "sample = sampler.sample_in_step(logits, sampling, fed,",
        SPEC + "test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing"),
     _m("spec-overlap-host-keys-not-moved", "engine: speculative decoding", "jaxpaged/worker/in_flight.py",
        "if self.shifts is None or not has_random_rows(batch):", "if True:",

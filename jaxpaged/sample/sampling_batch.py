@@ -58,6 +58,12 @@ class RowInfo:
 class SamplingBatch:
     """Per-row sampling state of one batch, S rows over a vocabulary of V. A pytree.
 
+    A fused step (jaxpaged/worker/step_program.py `fused_step`, which runs the sampler in the step's program)
+    takes its batch with every optional array present (`sampler.with_neutral_arrays`) and the fields after
+    `token_bitmask` set (`ModelRunner._step_sampling`): what the step takes from the step in flight (async
+    scheduling) and its packed drafts (T tokens, R = max_num_seqs, k drafts a row). The separate sampler's batches
+    leave them None.
+
     No __post_init__ checks: pytree unflattening rebuilds it from tracers and
     placeholders; `make_sampling_batch` validates and `sample` checks shapes.
     """
@@ -76,6 +82,16 @@ class SamplingBatch:
     output_counts: np.ndarray | None = None  # i32[S, V]; only when some row uses penalties
     prompt_mask: np.ndarray | None = None  # bool[S, V]; idem
     token_bitmask: np.ndarray | None = None  # i32[S, W], W = ceil(V / 32); only when some row is constrained
+    # ---- a fused step's only ----
+    previous_tokens: jax.Array | None = None  # i32[R]: the previous step's sampled tokens, zero-padded
+    sources: np.ndarray | None = None  # i32[T]: the row of previous_tokens each placeholder position takes, else -1
+    previous_rejected: jax.Array | None = None  # i32[R]: the previous step's rejected drafts per row (its carry)
+    shifts: np.ndarray | None = None  # i32[T]: the row of previous_rejected each position moves back by, else -1
+    previous_accepted: jax.Array | None = None  # i32[R, k]: the previous step's accepted drafts per row, -1 past them
+    count_from: np.ndarray | None = None  # i32[S]: each row's first fed token its penalty counts lack (T: none)
+    draft_rows: np.ndarray | None = None  # i32[S, k]: packed drafts: slot m's draft rows (else 0)
+    draft_ids: np.ndarray | None = None  # i32[S, k]: slot m's drafts, -1 for none (never accepted)
+    redraft: object | None = None  # spec_decode.verify.Redraft: the drafts the device proposes again
 
     @property
     def num_rows(self) -> int:

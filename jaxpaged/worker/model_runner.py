@@ -30,6 +30,7 @@ logits come back replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -72,7 +73,6 @@ from jaxpaged.worker.step_input import (
     GrammarBitmask,
     KVPool,
     StepInput,
-    StepSampling,
     allocate_kv_pool,
     empty_step,
     has_random_rows,
@@ -339,8 +339,9 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
                        sources: np.ndarray | None = None, previous: jax.Array | None = None,
                        rejected: jax.Array | None = None, shifts: np.ndarray | None = None,
                        redraft: Redraft | None = None, accepted: jax.Array | None = None,
-                       count_from: np.ndarray | None = None) -> StepSampling:
-        """A fused step's sampler inputs (StepSampling) from its host batch; absent parts neutral."""
+                       count_from: np.ndarray | None = None) -> SamplingBatch:
+        """A fused step's sampler inputs from its host batch: every optional array present, the fused step's own
+        fields set (`SamplingBatch`); absent parts neutral."""
         S, k, V = batch.num_rows, self.config.num_speculative_tokens, self.model_config.vocab_size
         draft_rows, draft_ids = np.zeros((S, k), np.int32), np.full((S, k), -1, np.int32)
         if layout is not None and layout.packed:
@@ -357,13 +358,14 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         accepted = self._no_accepted if accepted is None else accepted
         if count_from is None:
             count_from = np.full(S, len(step.token_ids), np.int32)
-        return StepSampling(sampler.with_neutral_arrays(batch, neutral), previous, sources, rejected, shifts,
-                            accepted, count_from, draft_rows, draft_ids, redraft)
+        return dataclasses.replace(sampler.with_neutral_arrays(batch, neutral), previous_tokens=previous,
+                                   sources=sources, previous_rejected=rejected, shifts=shifts, previous_accepted=accepted,
+                                   count_from=count_from, draft_rows=draft_rows, draft_ids=draft_ids, redraft=redraft)
 
-    def _run_fused(self, step: StepInput, sampling: StepSampling) -> tuple[FusedSample, jax.Array]:
+    def _run_fused(self, step: StepInput, sampling: SamplingBatch) -> tuple[FusedSample, jax.Array]:
         """((sample, num_accepted, next_tokens), hidden [T, E]) from the fused program `warmup` compiled for the step's shape and batch
         (greedy-only or not; else the jitted one, compiling on first use)."""
-        random = has_random_rows(sampling.batch)
+        random = has_random_rows(sampling)
         compiled = self.compiled_fused_program(step, random)
         if compiled is not None:
             fused, hidden, self.kv = compiled(self.params, self.kv, step, sampling)
