@@ -70,7 +70,13 @@ from jaxpaged.sample.ops import (
     apply_token_bitmask,
     process_logits,
 )
-from jaxpaged.sample.sampling_batch import GREEDY_TEMPERATURE_EPS, RowInfo, SamplingBatch, make_sampling_batch
+from jaxpaged.sample.sampling_batch import (
+    GREEDY_TEMPERATURE_EPS,
+    MAX_BIAS_ENTRIES,
+    RowInfo,
+    SamplingBatch,
+    make_sampling_batch,
+)
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from pallas_kernels import cpu_sampler
 
@@ -227,20 +233,25 @@ sample_jit = sample  # the former name: `sample` jits its own parts
 # ---- the sampler inside the step program (ModelRunner's fused step) ----------
 
 
-def neutral_arrays(num_rows: int, vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def neutral_arrays(num_rows: int, vocab_size: int) -> tuple[jax.Array, ...]:
     """Device arrays standing in for a batch's absent optional fields in the fused step, so that one program
     serves every batch: output counts i32[S, V] of zeros, prompt mask bool[S, V] all False (penalties then
-    change nothing) and a token bitmask i32[S, ceil(V / 32)] allowing every token. Made once per S."""
-    width = (vocab_size + 31) // 32
+    change nothing), a token bitmask i32[S, ceil(V / 32)] allowing every token, and no logit bias (ids i32[S, B]
+    all -1, values f32[S, B] zeros: `assemble_sampling_batch(neutral_bias=True)` leaves a batch's None when no
+    row has one, so a step without sends none to the device). Made once per S."""
+    width, B = (vocab_size + 31) // 32, MAX_BIAS_ENTRIES
     return (jnp.zeros((num_rows, vocab_size), jnp.int32), jnp.zeros((num_rows, vocab_size), jnp.bool_),
-            jnp.full((num_rows, width), -1, jnp.int32))
+            jnp.full((num_rows, width), -1, jnp.int32), jnp.full((num_rows, B), -1, jnp.int32),
+            jnp.zeros((num_rows, B), jnp.float32))
 
 
-def with_neutral_arrays(batch: SamplingBatch, neutral: tuple[jax.Array, jax.Array, jax.Array]) -> SamplingBatch:
-    """`batch` with its absent counts, prompt mask and token bitmask taken from `neutral_arrays`."""
-    counts, prompt_mask, bitmask = neutral
+def with_neutral_arrays(batch: SamplingBatch, neutral: tuple[jax.Array, ...]) -> SamplingBatch:
+    """`batch` with its absent counts, prompt mask, token bitmask and logit bias taken from `neutral_arrays`."""
+    counts, prompt_mask, bitmask, bias_ids, bias_values = neutral
     if batch.output_counts is None:
         batch = dataclasses.replace(batch, output_counts=counts, prompt_mask=prompt_mask)
+    if batch.bias_ids is None:
+        batch = dataclasses.replace(batch, bias_ids=bias_ids, bias_values=bias_values)
     return batch if batch.token_bitmask is not None else dataclasses.replace(batch, token_bitmask=bitmask)
 
 

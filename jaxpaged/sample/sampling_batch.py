@@ -77,8 +77,8 @@ class SamplingBatch:
     repetition_penalty: np.ndarray  # f32[S]
     key_data: np.ndarray  # u32[S, 2]; threefry2x32 key data of PRNGKey(seed)
     steps: np.ndarray  # u32[S]; folded into key_data on device
-    bias_ids: np.ndarray  # i32[S, B]; -1 = unused slot
-    bias_values: np.ndarray  # f32[S, B]; -inf for banned ids
+    bias_ids: np.ndarray | None  # i32[S, B]; -1 = unused slot (None: no row has one, for a fused step only)
+    bias_values: np.ndarray | None  # f32[S, B]; -inf for banned ids (idem)
     output_counts: np.ndarray | None = None  # i32[S, V]; only when some row uses penalties
     prompt_mask: np.ndarray | None = None  # bool[S, V]; idem
     token_bitmask: np.ndarray | None = None  # i32[S, W], W = ceil(V / 32); only when some row is constrained
@@ -149,11 +149,13 @@ def needs_row_info(params: SamplingParams, banned_token_ids: Sequence[int]) -> b
 
 def assemble_sampling_batch(scalars: np.ndarray, key_data: np.ndarray, steps: Sequence[int] | np.ndarray,
                             special: dict[int, RowInfo], num_rows: int, vocab_size: int, *,
-                            max_bias_entries: int = MAX_BIAS_ENTRIES,
-                            token_bitmask: np.ndarray | None = None) -> SamplingBatch:
+                            max_bias_entries: int = MAX_BIAS_ENTRIES, token_bitmask: np.ndarray | None = None,
+                            neutral_bias: bool = False) -> SamplingBatch:
     """`make_sampling_batch` from n rows' constants: scalars f64[n, 7] (`row_scalars`), key data u32[n, 2]
     (`seeds_key_data`) and key steps [n]; special {row i: its RowInfo} for every row `needs_row_info` says needs
-    more (the rows not in it have no bias, banned ids or penalties). Slots n.. are greedy padding."""
+    more (the rows not in it have no bias, banned ids or penalties). Slots n.. are greedy padding.
+    neutral_bias: leave bias_ids and bias_values None when no row has a bias or banned ids (a fused step's batch:
+    `sampler.with_neutral_arrays` gives it the device's neutral pair, so nothing [S, B] is made or sent)."""
     n = len(scalars)
     _check_token_bitmask(token_bitmask, num_rows, vocab_size)
     if not isinstance(num_rows, int) or num_rows < max(1, n):
@@ -174,11 +176,12 @@ def assemble_sampling_batch(scalars: np.ndarray, key_data: np.ndarray, steps: Se
     padded_key_data[:n] = key_data
     padded_steps = np.zeros((S,), np.uint32)
     padded_steps[:n] = steps
-    bias_ids = np.full((S, B), -1, np.int32)
-    bias_values = np.zeros((S, B), np.float32)
-    for i, row in special.items():
-        if row.banned_token_ids or row.params.logit_bias:
-            _fill_bias_row(bias_ids[i], bias_values[i], row, vocab_size, i)
+    biased = {i: row for i, row in special.items() if row.banned_token_ids or row.params.logit_bias}
+    bias_ids = bias_values = None
+    if biased or not neutral_bias:
+        bias_ids, bias_values = np.full((S, B), -1, np.int32), np.zeros((S, B), np.float32)
+    for i, row in biased.items():
+        _fill_bias_row(bias_ids[i], bias_values[i], row, vocab_size, i)
     counts, prompt_mask = _penalty_arrays(special, S, vocab_size)
     f32 = np.float32
     return SamplingBatch(

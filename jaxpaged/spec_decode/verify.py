@@ -53,6 +53,19 @@ class DraftRows:
         """i32[M, k]: the drafts the step feeds and verifies."""
         return self.draft_ids if self.redrafted is None else self.redrafted
 
+    def slot_arrays(self, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(draft_rows, draft_ids) i32[S, k] of a fused step (S = num_rows >= M): slot m's sample rows and drafts at
+        row m, the rest as `no_draft_slots`."""
+        draft_rows, draft_ids = no_draft_slots(num_rows, self.draft_ids.shape[1])
+        n = len(self.request_ids)
+        draft_rows[:n], draft_ids[:n] = self.sample_rows[:n], self.draft_ids[:n]
+        return draft_rows, draft_ids
+
+
+def no_draft_slots(num_rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(draft_rows i32[S, k] of zeros, draft_ids i32[S, k] of -1): a fused step's draft inputs with no drafts."""
+    return np.zeros((num_rows, k), np.int32), np.full((num_rows, k), -1, np.int32)
+
 
 @dataclasses.dataclass(frozen=True)
 class VerifiedDrafts:

@@ -1,4 +1,5 @@
-"""The records a step program takes and returns: its input arrays, the KV pool, the fused sampler's pieces.
+"""The records a step program takes and returns: its input arrays and the KV pool (the fused step's sampler inputs
+are a `SamplingBatch`, jaxpaged/sample/sampling_batch.py).
 
 Shapes, as made by `ModelRunner.prepare` (T tokens, S sequence slots, P pages per sequence):
     StepInput: token_ids, positions, slot_mapping i32[T]; page_table i32[S, P]; kv_lens i32[S]; cu_q_lens i32[S + 1]
