@@ -20,6 +20,9 @@ import numpy as np
 import pytest
 
 from jaxpaged.sample import sampler
+from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch
+from jaxpaged.spec_decode.verify import DraftRows
+from jaxpaged.worker.step_input import empty_step
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.worker.runner_config import FUSE_SAMPLER, RunnerConfig
@@ -286,6 +289,30 @@ def test_one_program_per_step(tiny, async_scheduling):
     assert steps and all(c == {"fused_step": 1} for c in steps), per_step["on"]
     assert len(steps) >= len(per_step["on"]) - 1  # async: the last call only hands the last step's tokens back
     assert all(sum(c.values()) >= 2 for c in per_step["off"] if c)
+
+
+def test_a_fused_steps_inputs_are_each_of_one_kind(tiny):
+    """A fused step without a logit bias, packed drafts or positions moved back sends none: the device's neutral
+    arrays stand in. A step with them puts them on the device too, so each input is always of one kind (a numpy
+    array where a device array was would be another entry in the fused step's jit cache: a compile)."""
+    runner = make_engine(tiny, "on", speculative_config=SPEC3).runner
+    T, S, P = runner.config.buckets[0]
+    step, V = empty_step(T, S, P), tiny.config.vocab_size
+    plain = dataclasses.replace(make_sampling_batch([RowInfo(SamplingParams(), seed=0)], S, V), bias_ids=None,
+                                bias_values=None)  # assemble_sampling_batch(neutral_bias=True)'s, no row biased
+    biased = make_sampling_batch([RowInfo(SamplingParams(logit_bias={3: 1.0}), seed=0)], S, V)
+    lean = runner._step_sampling(plain, step)
+    assert lean.bias_ids is runner._neutral[S][3] and lean.shifts is runner._no_shifts[T]
+    assert lean.draft_rows is runner._no_drafts[S][0]
+    layout = DraftRows(True, ("a",), (2,), np.array([[1, 2, 0]], np.int32), np.array([[5, 6, -1]], np.int32),
+                       np.array([0, 0], np.int32), ())
+    full = runner._step_sampling(biased, step, shifts=np.zeros(T, np.int32), layout=layout)
+    assert np.asarray(full.bias_values)[0, 0] == 1.0 and np.asarray(full.draft_ids)[0].tolist() == [5, 6, -1]
+
+    def kinds(batch):
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        return treedef, [(type(x) is np.ndarray, np.shape(x), np.result_type(x)) for x in leaves]
+    assert kinds(lean) == kinds(full)
 
 
 @pytest.mark.parametrize("k", [3, 7])

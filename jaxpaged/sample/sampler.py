@@ -70,7 +70,13 @@ from jaxpaged.sample.ops import (
     apply_token_bitmask,
     process_logits,
 )
-from jaxpaged.sample.sampling_batch import GREEDY_TEMPERATURE_EPS, RowInfo, SamplingBatch, make_sampling_batch
+from jaxpaged.sample.sampling_batch import (
+    GREEDY_TEMPERATURE_EPS,
+    MAX_BIAS_ENTRIES,
+    RowInfo,
+    SamplingBatch,
+    make_sampling_batch,
+)
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from pallas_kernels import cpu_sampler
 
@@ -85,18 +91,33 @@ GUMBEL_CANDIDATES = 4  # tokens the native whole-row pass names per row (cpu_sam
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SamplerOutput:
-    """What one step sampled, per row (S rows, K = num_top_logprobs). A pytree of device arrays."""
+    """What one step sampled, per row (S rows, K = num_top_logprobs). A pytree of device arrays (numpy once
+    fetched to the host).
+
+    A sample not yet finished (`sample_in_step`, `_candidate_sample`: a random row's token may still change in a
+    fallback, and K = 0) also holds what its fallbacks and top log-probs read; the finishing call
+    (`finish_in_step`, `_finish_random`) drops it (`finished`), so that no [S, V] array reaches the host."""
 
     token_ids: jax.Array  # i32[S]
     logprobs: jax.Array  # f32[S]; log-prob of token_ids under the raw model distribution
     top_token_ids: jax.Array  # i32[S, K]; raw distribution's K most likely ids, most likely first
     top_logprobs: jax.Array  # f32[S, K]
     finite: jax.Array  # bool[S]; False when the row's raw logits hold a NaN or an inf (its token is garbage)
+    # ---- an unfinished sample's (None once finished, and where the program has none) ----
+    logits: jax.Array | None = None  # f32[S, V]: raw logits after the token bitmask (a fused step's)
+    scaled: jax.Array | None = None  # f32[S, V]: tempered, min_p-cut logits (random rows only)
+    threshold: jax.Array | None = None  # f32[S]: each random row's cut; idem
+    flags: jax.Array | None = None  # bool[2, S]: (covered, exact) of `_candidate_tokens`; idem
+    steps: jax.Array | None = None  # u32[S]: the key steps the rows drew with (a fused step's random rows)
+
+    def finished(self) -> SamplerOutput:
+        """This sample without its fallback state (the per-row arrays themselves, unchanged)."""
+        return dataclasses.replace(self, logits=None, scaled=None, threshold=None, flags=None, steps=None)
 
 
 jax.tree_util.register_dataclass(
-    SamplerOutput, data_fields=["token_ids", "logprobs", "top_token_ids", "top_logprobs", "finite"],
-    meta_fields=[])
+    SamplerOutput, data_fields=["token_ids", "logprobs", "top_token_ids", "top_logprobs", "finite", "logits",
+                                "scaled", "threshold", "flags", "steps"], meta_fields=[])
 
 
 def sample(logits: jax.Array, batch: SamplingBatch, *, num_top_logprobs: int = MAX_LOGPROBS,
@@ -142,9 +163,8 @@ def _sample_parts(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int
     if not random_rows.any():
         out = with_top_logprobs(_greedy_sample(logits, batch, native), logits, num_top_logprobs)
         return lambda: out
-    out, scaled, threshold, flags = _candidate_sample(logits, batch, prefilter_k, native)
-    out = with_top_logprobs(out, logits, num_top_logprobs)
-    return functools.partial(_finish_random, logits, batch, random_rows, out, scaled, threshold, flags)
+    out = with_top_logprobs(_candidate_sample(logits, batch, prefilter_k, native), logits, num_top_logprobs)
+    return functools.partial(_finish_random, logits, batch, random_rows, out)
 
 
 def with_top_logprobs(out: SamplerOutput, raw: jax.Array, num_top_logprobs: int) -> SamplerOutput:
@@ -157,24 +177,23 @@ def with_top_logprobs(out: SamplerOutput, raw: jax.Array, num_top_logprobs: int)
     return dataclasses.replace(out, top_token_ids=top_ids, top_logprobs=top_logprobs)
 
 
-def _finish_random(logits, batch: SamplingBatch, random_rows: np.ndarray, out: SamplerOutput, scaled, threshold,
-                   flags) -> SamplerOutput:
-    """The fallbacks of a batch with random rows, decided from `_candidate_sample`'s flags (read back here):
-    only the rows that need them are resampled, gathered into R = `fallback_rows(n, S)` rows."""
-    covered, exact = np.asarray(flags)  # bool[2, S]
+def _finish_random(logits, batch: SamplingBatch, random_rows: np.ndarray, out: SamplerOutput) -> SamplerOutput:
+    """The fallbacks of a batch with random rows, decided from the unfinished sample's flags (read back here):
+    only the rows that need them are resampled, gathered into R = `fallback_rows(n, S)` rows. Finished."""
+    covered, exact = np.asarray(out.flags)  # bool[2, S]
     rows = np.flatnonzero(random_rows & ~covered)  # the n rows whose candidates did not decide the token
     if rows.size == 0:
-        return out
+        return out.finished()
     S = len(random_rows)
     index = np.full(fallback_rows(rows.size, S), S, np.int32)  # i32[R]; S: padding (read clipped, never written)
     index[:rows.size] = rows
     bisect = np.zeros(index.shape, bool)  # bool[R]: rows whose cut the candidates did not decide
     bisect[:rows.size] = ~exact[rows]
     with_top_k = bool((np.asarray(batch.top_k)[rows][bisect[:rows.size]] > 0).any())
-    token_ids, logprobs = _resample_rows(logits, out.token_ids, out.logprobs, scaled, threshold, batch.top_k,
+    token_ids, logprobs = _resample_rows(logits, out.token_ids, out.logprobs, out.scaled, out.threshold, batch.top_k,
                                          batch.top_p, batch.min_p, batch.key_data, batch.steps, index, bisect,
-                                         _cut_method(scaled, bisect.any(), with_top_k))
-    return dataclasses.replace(out, token_ids=token_ids, logprobs=logprobs)
+                                         _cut_method(out.scaled, bisect.any(), with_top_k))
+    return dataclasses.replace(out.finished(), token_ids=token_ids, logprobs=logprobs)
 
 
 FALLBACK_ROW_BUCKETS = (1, 4, 16)  # R of a fallback below S: one program per (S, R) and cut method
@@ -214,41 +233,30 @@ sample_jit = sample  # the former name: `sample` jits its own parts
 # ---- the sampler inside the step program (ModelRunner's fused step) ----------
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class StepSample:
-    """The sampler's part of a fused step program (`sample_in_step`): S rows over V. A pytree."""
-
-    out: SamplerOutput  # K = 0 (finish_in_step adds the top log-probs)
-    logits: jax.Array  # f32[S, V]: raw logits after the token bitmask (the fallbacks and top log-probs read them)
-    scaled: jax.Array | None  # f32[S, V]: tempered, min_p-cut logits; None in the greedy program
-    threshold: jax.Array | None  # f32[S]: each random row's cut; idem
-    flags: jax.Array | None  # bool[2, S]: (covered, exact) of `_candidate_tokens`; idem
-    steps: jax.Array | None = None  # u32[S]: the key steps the rows drew with (the fallbacks draw with them); idem
-
-
-jax.tree_util.register_dataclass(
-    StepSample, data_fields=["out", "logits", "scaled", "threshold", "flags", "steps"], meta_fields=[])
-
-
-def neutral_arrays(num_rows: int, vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def neutral_arrays(num_rows: int, vocab_size: int) -> tuple[jax.Array, ...]:
     """Device arrays standing in for a batch's absent optional fields in the fused step, so that one program
     serves every batch: output counts i32[S, V] of zeros, prompt mask bool[S, V] all False (penalties then
-    change nothing) and a token bitmask i32[S, ceil(V / 32)] allowing every token. Made once per S."""
-    width = (vocab_size + 31) // 32
+    change nothing), a token bitmask i32[S, ceil(V / 32)] allowing every token, and no logit bias (ids i32[S, B]
+    all -1, values f32[S, B] zeros: `assemble_sampling_batch(neutral_bias=True)` leaves a batch's None when no
+    row has one, so a step without sends none to the device). Made once per S."""
+    width, B = (vocab_size + 31) // 32, MAX_BIAS_ENTRIES
     return (jnp.zeros((num_rows, vocab_size), jnp.int32), jnp.zeros((num_rows, vocab_size), jnp.bool_),
-            jnp.full((num_rows, width), -1, jnp.int32))
+            jnp.full((num_rows, width), -1, jnp.int32), jnp.full((num_rows, B), -1, jnp.int32),
+            jnp.zeros((num_rows, B), jnp.float32))
 
 
-def with_neutral_arrays(batch: SamplingBatch, neutral: tuple[jax.Array, jax.Array, jax.Array]) -> SamplingBatch:
-    """`batch` with its absent counts, prompt mask and token bitmask taken from `neutral_arrays`."""
-    counts, prompt_mask, bitmask = neutral
+def with_neutral_arrays(batch: SamplingBatch, neutral: tuple[jax.Array, ...]) -> SamplingBatch:
+    """`batch` with its absent counts, prompt mask, token bitmask and logit bias taken from `neutral_arrays`."""
+    counts, prompt_mask, bitmask, bias_ids, bias_values = neutral
     if batch.output_counts is None:
         batch = dataclasses.replace(batch, output_counts=counts, prompt_mask=prompt_mask)
+    if batch.bias_ids is None:
+        batch = dataclasses.replace(batch, bias_ids=bias_ids, bias_values=bias_values)
     return batch if batch.token_bitmask is not None else dataclasses.replace(batch, token_bitmask=bitmask)
 
 
 def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.Array, *, random: bool,
-                   prefilter_k: int = PREFILTER_K, native: bool = False) -> StepSample:
+                   prefilter_k: int = PREFILTER_K, native: bool = False) -> SamplerOutput:
     """`sample_deferred`'s device part, traced inside the step's own program (pure; not jitted here).
 
     logits f32[S, V]; batch: every field present (`with_neutral_arrays`); fed_token_ids i32[S, F]: output
@@ -257,7 +265,8 @@ def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.A
     `model_runner.outputs_in_flight`), -1 for none. random (static, the host's choice, as `sample` makes it):
     some row samples at random, so the candidate pass runs (else argmax only). native (static): the step
     runs on the CPU, so the candidates' top-k is the native call (as `native_kernels` says for the parts)
-    where it builds. No top log-probs (`finish_in_step` adds them when asked). Same operations as the
+    where it builds. An unfinished sample (its raw logits kept; random: its fallback state too, and the key
+    steps it drew with); no top log-probs (`finish_in_step` adds them when asked). Same operations as the
     separate parts, so the same samples.
     """
     unmasked = logits.astype(jnp.float32)
@@ -268,12 +277,11 @@ def sample_in_step(logits: jax.Array, batch: SamplingBatch, fed_token_ids: jax.A
     native = native and cpu_sampler.load_cpu_sampler()
     greedy_ids, lse, _ = _row_stats(processed, raw, native)
     if not random:
-        out = _raw_logprobs(raw, greedy_ids, 0, lse)
-        return StepSample(dataclasses.replace(out, finite=finite), raw, None, None, None)
+        return dataclasses.replace(_raw_logprobs(raw, greedy_ids, 0, lse), finite=finite, logits=raw)
     scaled, min_p_threshold = _scale(processed, batch, native)
     token_ids, threshold, flags = _candidate_tokens(greedy_ids, scaled, min_p_threshold, batch, prefilter_k, native)
-    out = _raw_logprobs(raw, token_ids, 0, lse)
-    return StepSample(dataclasses.replace(out, finite=finite), raw, scaled, threshold, flags, batch.steps)
+    return dataclasses.replace(_raw_logprobs(raw, token_ids, 0, lse), finite=finite, logits=raw, scaled=scaled,
+                               threshold=threshold, flags=flags, steps=batch.steps)
 
 
 def _count_fed_tokens(counts: jax.Array, fed_token_ids: jax.Array) -> jax.Array:
@@ -285,8 +293,8 @@ def _count_fed_tokens(counts: jax.Array, fed_token_ids: jax.Array) -> jax.Array:
     return counts
 
 
-def finish_in_step(state: StepSample, batch: SamplingBatch, num_top_logprobs: int) -> Callable[[], SamplerOutput]:
-    """`sample_deferred`'s `finish` for a fused step. Its token_ids are `state.out.token_ids` themselves
+def finish_in_step(state: SamplerOutput, batch: SamplingBatch, num_top_logprobs: int) -> Callable[[], SamplerOutput]:
+    """`sample_deferred`'s `finish` for a fused step's unfinished sample. Its token_ids are `state.token_ids` themselves
     unless a random row needed a fallback (the flags are read back only when some row samples at random):
     `_resample_rows`, a separate program run only when the flags ask, over those rows only (O(V) passes
     per row, 32 halvings and noise over the whole vocabulary, that the candidate pass almost always makes
@@ -294,11 +302,10 @@ def finish_in_step(state: StepSample, batch: SamplingBatch, num_top_logprobs: in
     separate program, as a top-k over the vocabulary in every step (XLA:GPU sorts for k = 20) would cost
     more than one small dispatch on the steps that ask."""
     def finish() -> SamplerOutput:
-        out = state.out
+        out = state.finished()
         if state.flags is not None:  # keyed as the program drew (its steps may have moved: async scheduling)
             random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch)
-            out = _finish_random(state.logits, dataclasses.replace(batch, steps=state.steps), random_rows, out,
-                                 state.scaled, state.threshold, state.flags)
+            out = _finish_random(state.logits, dataclasses.replace(batch, steps=state.steps), random_rows, state)
         return with_top_logprobs(out, state.logits, num_top_logprobs)
     return finish
 
@@ -333,12 +340,12 @@ def lower_parts(num_rows: int, vocab_size: int) -> list[jax.stages.Lowered]:
         batch = make_sampling_batch([RowInfo(params, seed=0)], num_rows, vocab_size)
         lowered.append(_greedy_sample.lower(logits, batch, native))
         lowered.append(_candidate_sample.lower(logits, batch, PREFILTER_K, native))
-    out, scaled, threshold, _ = lowered[-1].out_info  # the fallback reads the candidate pass's outputs
+    out = lowered[-1].out_info  # the fallback reads the candidate pass's unfinished sample
     methods = sorted({_cut_method(logits, any_inexact, with_top_k) for any_inexact in (False, True)
                       for with_top_k in (False, True)})  # those this device takes
     for num_fallback_rows in sorted({fallback_rows(n, num_rows) for n in (*FALLBACK_ROW_BUCKETS, num_rows)}):
         index = np.arange(num_fallback_rows, dtype=np.int32)  # the fallback of every R and cut method
-        lowered += [_resample_rows.lower(logits, out.token_ids, out.logprobs, scaled, threshold, batch.top_k,
+        lowered += [_resample_rows.lower(logits, out.token_ids, out.logprobs, out.scaled, out.threshold, batch.top_k,
                                          batch.top_p, batch.min_p, batch.key_data, batch.steps, index,
                                          np.ones(index.shape, bool), cut) for cut in methods]
     lowered.append(_mask_logits.lower(logits, np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)))
@@ -382,15 +389,16 @@ def _candidate_sample(logits: jax.Array, batch: SamplingBatch, kp: int, native: 
     """Greedy rows: argmax. Random rows: temperature, the min_p / top_k / top_p cut, Gumbel-max over
     each row's kp largest logits (no sort of the vocabulary).
 
-    Returns (SamplerOutput (K = 0), scaled f32[S, V] (the tempered, min_p-cut logits), threshold f32[S],
-    flags bool[2, S] = (covered, exact)); see `_candidate_tokens`.
+    Returns an unfinished SamplerOutput (K = 0) with scaled f32[S, V] (the tempered, min_p-cut logits), threshold
+    f32[S] and flags bool[2, S] = (covered, exact); see `_candidate_tokens`.
     """
     raw = logits.astype(jnp.float32)
     processed = process_logits(raw, batch)
     greedy_ids, lse, finite = _row_stats(processed, raw, native)
     scaled, min_p_threshold = _scale(processed, batch, native)
     token_ids, threshold, flags = _candidate_tokens(greedy_ids, scaled, min_p_threshold, batch, kp, native)
-    return _raw_logprobs(raw, token_ids, 0, lse, finite), scaled, threshold, flags
+    return dataclasses.replace(_raw_logprobs(raw, token_ids, 0, lse, finite), scaled=scaled, threshold=threshold,
+                               flags=flags)
 
 
 def _scale(processed: jax.Array, batch: SamplingBatch, native: bool = False) -> tuple[jax.Array, jax.Array]:

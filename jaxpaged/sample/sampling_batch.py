@@ -58,6 +58,12 @@ class RowInfo:
 class SamplingBatch:
     """Per-row sampling state of one batch, S rows over a vocabulary of V. A pytree.
 
+    A fused step (jaxpaged/worker/step_program.py `fused_step`, which runs the sampler in the step's program)
+    takes its batch with every optional array present (`sampler.with_neutral_arrays`) and the fields after
+    `token_bitmask` set (`ModelRunner._step_sampling`): what the step takes from the step in flight (async
+    scheduling) and its packed drafts (T tokens, R = max_num_seqs, k drafts a row). The separate sampler's batches
+    leave them None.
+
     No __post_init__ checks: pytree unflattening rebuilds it from tracers and
     placeholders; `make_sampling_batch` validates and `sample` checks shapes.
     """
@@ -71,11 +77,21 @@ class SamplingBatch:
     repetition_penalty: np.ndarray  # f32[S]
     key_data: np.ndarray  # u32[S, 2]; threefry2x32 key data of PRNGKey(seed)
     steps: np.ndarray  # u32[S]; folded into key_data on device
-    bias_ids: np.ndarray  # i32[S, B]; -1 = unused slot
-    bias_values: np.ndarray  # f32[S, B]; -inf for banned ids
+    bias_ids: np.ndarray | None  # i32[S, B]; -1 = unused slot (None: no row has one, for a fused step only)
+    bias_values: np.ndarray | None  # f32[S, B]; -inf for banned ids (idem)
     output_counts: np.ndarray | None = None  # i32[S, V]; only when some row uses penalties
     prompt_mask: np.ndarray | None = None  # bool[S, V]; idem
     token_bitmask: np.ndarray | None = None  # i32[S, W], W = ceil(V / 32); only when some row is constrained
+    # ---- a fused step's only ----
+    previous_tokens: jax.Array | None = None  # i32[R]: the previous step's sampled tokens, zero-padded
+    sources: np.ndarray | None = None  # i32[T]: the row of previous_tokens each placeholder position takes, else -1
+    previous_rejected: jax.Array | None = None  # i32[R]: the previous step's rejected drafts per row (its carry)
+    shifts: np.ndarray | None = None  # i32[T]: the row of previous_rejected each position moves back by, else -1
+    previous_accepted: jax.Array | None = None  # i32[R, k]: the previous step's accepted drafts per row, -1 past them
+    count_from: np.ndarray | None = None  # i32[S]: each row's first fed token its penalty counts lack (T: none)
+    draft_rows: np.ndarray | None = None  # i32[S, k]: packed drafts: slot m's draft rows (else 0)
+    draft_ids: np.ndarray | None = None  # i32[S, k]: slot m's drafts, -1 for none (never accepted)
+    redraft: object | None = None  # spec_decode.verify.Redraft: the drafts the device proposes again
 
     @property
     def num_rows(self) -> int:
@@ -133,11 +149,13 @@ def needs_row_info(params: SamplingParams, banned_token_ids: Sequence[int]) -> b
 
 def assemble_sampling_batch(scalars: np.ndarray, key_data: np.ndarray, steps: Sequence[int] | np.ndarray,
                             special: dict[int, RowInfo], num_rows: int, vocab_size: int, *,
-                            max_bias_entries: int = MAX_BIAS_ENTRIES,
-                            token_bitmask: np.ndarray | None = None) -> SamplingBatch:
+                            max_bias_entries: int = MAX_BIAS_ENTRIES, token_bitmask: np.ndarray | None = None,
+                            neutral_bias: bool = False) -> SamplingBatch:
     """`make_sampling_batch` from n rows' constants: scalars f64[n, 7] (`row_scalars`), key data u32[n, 2]
     (`seeds_key_data`) and key steps [n]; special {row i: its RowInfo} for every row `needs_row_info` says needs
-    more (the rows not in it have no bias, banned ids or penalties). Slots n.. are greedy padding."""
+    more (the rows not in it have no bias, banned ids or penalties). Slots n.. are greedy padding.
+    neutral_bias: leave bias_ids and bias_values None when no row has a bias or banned ids (a fused step's batch:
+    `sampler.with_neutral_arrays` gives it the device's neutral pair, so nothing [S, B] is made or sent)."""
     n = len(scalars)
     _check_token_bitmask(token_bitmask, num_rows, vocab_size)
     if not isinstance(num_rows, int) or num_rows < max(1, n):
@@ -158,11 +176,12 @@ def assemble_sampling_batch(scalars: np.ndarray, key_data: np.ndarray, steps: Se
     padded_key_data[:n] = key_data
     padded_steps = np.zeros((S,), np.uint32)
     padded_steps[:n] = steps
-    bias_ids = np.full((S, B), -1, np.int32)
-    bias_values = np.zeros((S, B), np.float32)
-    for i, row in special.items():
-        if row.banned_token_ids or row.params.logit_bias:
-            _fill_bias_row(bias_ids[i], bias_values[i], row, vocab_size, i)
+    biased = {i: row for i, row in special.items() if row.banned_token_ids or row.params.logit_bias}
+    bias_ids = bias_values = None
+    if biased or not neutral_bias:
+        bias_ids, bias_values = np.full((S, B), -1, np.int32), np.zeros((S, B), np.float32)
+    for i, row in biased.items():
+        _fill_bias_row(bias_ids[i], bias_values[i], row, vocab_size, i)
     counts, prompt_mask = _penalty_arrays(special, S, vocab_size)
     f32 = np.float32
     return SamplingBatch(

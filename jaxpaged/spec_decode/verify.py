@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxpaged.core.scheduler_output import ScheduledRequest
 from jaxpaged.models.llama import LlamaConfig, Params, lm_logits
-from jaxpaged.sample.sampler import SamplerOutput, StepSample
+from jaxpaged.sample.sampler import SamplerOutput
 from jaxpaged.sample.sampling_batch import RowInfo
 from jaxpaged.spec_decode.ngram import ngram_drafts
 
@@ -52,6 +52,19 @@ class DraftRows:
     def verified_ids(self) -> np.ndarray | jax.Array:
         """i32[M, k]: the drafts the step feeds and verifies."""
         return self.draft_ids if self.redrafted is None else self.redrafted
+
+    def slot_arrays(self, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(draft_rows, draft_ids) i32[S, k] of a fused step (S = num_rows >= M): slot m's sample rows and drafts at
+        row m, the rest as `no_draft_slots`."""
+        draft_rows, draft_ids = no_draft_slots(num_rows, self.draft_ids.shape[1])
+        n = len(self.request_ids)
+        draft_rows[:n], draft_ids[:n] = self.sample_rows[:n], self.draft_ids[:n]
+        return draft_rows, draft_ids
+
+
+def no_draft_slots(num_rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(draft_rows i32[S, k] of zeros, draft_ids i32[S, k] of -1): a fused step's draft inputs with no drafts."""
+    return np.zeros((num_rows, k), np.int32), np.full((num_rows, k), -1, np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,12 +156,12 @@ def accept_drafts(sampled: jax.Array, sample_rows: jax.Array, draft_ids: jax.Arr
     return jnp.sum(jnp.cumprod(match, axis=1), axis=1)
 
 
-def verify_packed(layout: DraftRows, sampled: SamplerOutput, fused_sample: StepSample | None = None,
+def verify_packed(layout: DraftRows, sampled: SamplerOutput, fused_sample: SamplerOutput | None = None,
                   num_accepted: jax.Array | None = None) -> VerifiedDrafts:
     """The drafts verified on the final samples of their rows (`sampled` holds them at layout.sample_rows): a
     fused step's own count (`num_accepted`, of `fused_sample`), unless a sampler fallback changed a token, else
     `accept_drafts` on the device."""
-    if fused_sample is not None and sampled.token_ids is fused_sample.out.token_ids:
+    if fused_sample is not None and sampled.token_ids is fused_sample.token_ids:
         return VerifiedDrafts(layout, sampled, num_accepted)
     return VerifiedDrafts(layout, sampled, accept_drafts(sampled.token_ids, layout.sample_rows, layout.verified_ids))
 

@@ -23,7 +23,8 @@ from jaxpaged.worker.compile_progress import CompileProgress
 from jaxpaged.worker.host_memory import advise_huge_pages
 from jaxpaged.worker.in_flight import carry_tokens, fill_in_flight_jit, merge_sampled_tokens
 from jaxpaged.worker.runner_config import _MAX_COMPILE_THREADS, _WARMUP_BARRIER_SECONDS
-from jaxpaged.worker.step_input import StepInput, StepSampling, empty_step, pad_sampled_tokens
+from jaxpaged.sample.sampling_batch import SamplingBatch
+from jaxpaged.worker.step_input import StepInput, empty_step, pad_sampled_tokens
 from jaxpaged.worker.step_program import prompt_logprobs_step
 
 logger = logging.getLogger(__name__)
@@ -48,14 +49,14 @@ class StepCompilation:
                     platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         """The fused step (`fused_step`: forward, sampler, draft acceptance) lowered at `step`'s shapes, its
         greedy-only program or (random) the one with random rows; the compiled program takes
-        (params, kv, step, StepSampling) and returns ((sample, num_accepted, next_tokens), hidden, kv). platforms: as in `lower`."""
+        (params, kv, step, SamplingBatch: `neutral_sampling`'s kind) and returns ((sample, num_accepted, next_tokens), hidden, kv). platforms: as in `lower`."""
         args = (self.model_config, self.config.attention, random, self.params, self.kv, step,
                 self.neutral_sampling(step))
         if platforms is None:
             return self._fused_step.lower(*args)
         return self._fused_step.trace(*args).lower(lowering_platforms=platforms)
 
-    def neutral_sampling(self, step: StepInput) -> StepSampling:
+    def neutral_sampling(self, step: StepInput) -> SamplingBatch:
         """A fused step's sampler inputs at `step`'s shape with greedy padding rows only (lowering, benches)."""
         batch = make_sampling_batch([], len(step.logits_indices), self.model_config.vocab_size)
         return self._step_sampling(batch, step)

@@ -147,7 +147,7 @@ class AsyncDispatch:
         history = _in_flight_history(entries, layout, None)  # the device counts what the lists lack
         if history and layout is not None and layout.packed:
             layout = _with_history(entries, layout, history)
-        batch, top = self._sampling_batch(entries, rows, step, layout, None, history)
+        batch, top = self._sampling_batch(entries, rows, step, layout, None, history, fused=True)
         num_rows = len(entries) + (len(layout.rows) if layout is not None and layout.packed else 0)
         count_from = None if sources is None else _count_from(step, sources, num_rows)
         carried = carry()  # the wait, if any, after the sampler's rows are built

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
-from jaxpaged.sample.sampler import SamplerOutput, StepSample
+from jaxpaged.sample.sampler import SamplerOutput
 from jaxpaged.sample.sampling_batch import RowInfo, SamplingBatch
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode.verify import DraftRows, Redraft, VerifiedDrafts, verify_packed
@@ -39,7 +39,7 @@ class PendingStep:
     hidden: jax.Array | None  # [T, E]; idem
     finish_sample: Callable[[], SamplerOutput] | None = None  # set by dispatch_sample (sampler.sample_deferred)
     # the fused program's sampling results, on device (ModelRunner._dispatch_fused; `step_program.FusedSample`):
-    fused_sample: StepSample | None = None  # the sampler's output before its rare fallbacks
+    fused_sample: SamplerOutput | None = None  # the sampler's unfinished output (before its rare fallbacks)
     num_accepted: jax.Array | None = None  # i32[S]: slot m's accepted drafts, valid when no fallback changed a token
     fused_tokens: jax.Array | None = None  # i32[R]: its sampled ids zero-padded, the next step's previous_tokens
     batch: SamplingBatch | None = None  # the fused step's host batch (its fallbacks read it)
@@ -119,7 +119,7 @@ class PendingStep:
         """i32[size]: the step's sampled tokens, zero-padded (the next fused step's previous_tokens): the
         program's own copy unless a fallback (or a separate sampler) produced them."""
         sampled = self.sampler_output()
-        if self.fused_sample is not None and sampled.token_ids is self.fused_sample.out.token_ids:
+        if self.fused_sample is not None and sampled.token_ids is self.fused_sample.token_ids:
             return self.fused_tokens
         return pad_sampled_tokens(sampled.token_ids, size)
 

@@ -30,6 +30,7 @@ logits come back replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -55,6 +56,7 @@ from jaxpaged.spec_decode.verify import (
     _draft_bitmask,
     _pad_bitmask,
     draft_logits,
+    no_draft_slots,
     verify_packed,
 )
 from jaxpaged.worker import parallel
@@ -72,7 +74,6 @@ from jaxpaged.worker.step_input import (
     GrammarBitmask,
     KVPool,
     StepInput,
-    StepSampling,
     allocate_kv_pool,
     empty_step,
     has_random_rows,
@@ -191,6 +192,12 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         self._no_redraft = jax.device_put(Redraft.none(self._redraft_slots, self.config.num_speculative_tokens))
         # i32[R, k]: no drafts accepted in flight
         self._no_accepted = jnp.full((self.config.seq_buckets[-1], self.config.num_speculative_tokens), -1, jnp.int32)
+        # no packed drafts ({S: (draft_rows, draft_ids) i32[S, k]}), no positions moved back ({T: i32[T] of -1})
+        self._no_drafts, self._no_shifts = {}, {}
+        if self.fuse_sampler:
+            self._no_drafts = {s: jax.device_put(no_draft_slots(s, self.config.num_speculative_tokens))
+                               for s in self.config.seq_buckets}
+            self._no_shifts = {t: jnp.full(t, -1, jnp.int32) for t in {t for t, _, _ in self.config.buckets}}
 
     @property
     def multi_process(self) -> bool:
@@ -296,7 +303,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         if callable(grammar_bitmask):
             grammar_bitmask = grammar_bitmask()
         grammar_bitmask = _check_bitmask(grammar_bitmask, entries)
-        batch, top = self._sampling_batch(entries, rows, step, layout, grammar_bitmask)
+        batch, top = self._sampling_batch(entries, rows, step, layout, grammar_bitmask, fused=True)
         (sample, num_accepted, _), hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout))
         sampled = sampler.finish_in_step(sample, batch, top)()
         drafts = None
@@ -310,11 +317,12 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
 
     def _sampling_batch(self, entries: Sequence[ScheduledRequest], entry_rows: np.ndarray, step: StepInput,
                         layout: DraftRows | None, grammar_bitmask: np.ndarray | None,
-                        history: dict[str, tuple] | None = None) -> tuple[SamplingBatch, int]:
+                        history: dict[str, tuple] | None = None, fused: bool = False) -> tuple[SamplingBatch, int]:
         """The step's sampler rows (the entries', then packed draft rows) and its num_top_logprobs. entry_rows:
         the entries' rows of the persistent batch (`pack`'s). The grammar bitmask (`_check_bitmask`'s) has its
         rows in that order: packed drafts follow the entries in step order. history: `_in_flight_history`'s,
-        for the entries' rows (the layout's rows already have it)."""
+        for the entries' rows (the layout's rows already have it). fused: for the fused program (its logit bias None
+        when no row has one: `_step_sampling` takes the device's neutral pair)."""
         S, V, history = len(step.logits_indices), self.model_config.vocab_size, history or {}
         # the entries' rows from their kept constants (`sampling_row`'s RowInfo only where a row needs more)
         kept = self.input_batch
@@ -332,38 +340,48 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
                            if sampling_batch.needs_row_info(row.params, row.banned_token_ids))
         rows = len(entries) + len(drafts)
         batch = sampling_batch.assemble_sampling_batch(scalars, key_data, steps, special, S, V,
-                                                token_bitmask=_pad_bitmask(grammar_bitmask, S, rows))
+                                                       token_bitmask=_pad_bitmask(grammar_bitmask, S, rows),
+                                                       neutral_bias=fused)
         return batch, num_top_logprobs_for(bool(kept.logprobs[entry_rows].any()))  # 0 unless a row asks
 
     def _step_sampling(self, batch: SamplingBatch, step: StepInput, *, layout: DraftRows | None = None,
                        sources: np.ndarray | None = None, previous: jax.Array | None = None,
                        rejected: jax.Array | None = None, shifts: np.ndarray | None = None,
                        redraft: Redraft | None = None, accepted: jax.Array | None = None,
-                       count_from: np.ndarray | None = None) -> StepSampling:
-        """A fused step's sampler inputs (StepSampling) from its host batch; absent parts neutral."""
-        S, k, V = batch.num_rows, self.config.num_speculative_tokens, self.model_config.vocab_size
-        draft_rows, draft_ids = np.zeros((S, k), np.int32), np.full((S, k), -1, np.int32)
+                       count_from: np.ndarray | None = None) -> SamplingBatch:
+        """A fused step's sampler inputs from its host batch: every optional array present, the fused step's own
+        fields set (`SamplingBatch`); absent parts neutral."""
+        S, V, T = batch.num_rows, self.model_config.vocab_size, len(step.token_ids)
+        k = self.config.num_speculative_tokens
+        # What most steps lack (packed drafts, positions moved back, a logit bias) is taken from arrays kept on the
+        # device; where a step has them they are put there too, so each input is always of one kind (a numpy
+        # array where a device array was would be another jit cache entry, i.e. a compile without warm-up).
+        draft_rows, draft_ids = self._no_drafts.get(S) or jax.device_put(no_draft_slots(S, k))
         if layout is not None and layout.packed:
-            n = len(layout.request_ids)
-            draft_rows[:n], draft_ids[:n] = layout.sample_rows[:n], layout.draft_ids[:n]
+            draft_rows, draft_ids = jax.device_put(layout.slot_arrays(S))
         if sources is None:
-            sources = np.full(len(step.token_ids), -1, np.int32)
+            sources = np.full(T, -1, np.int32)
         previous = self._zeros_r if previous is None else previous
         rejected = self._zeros_r if rejected is None else rejected
-        if shifts is None:
-            shifts = np.full(len(step.token_ids), -1, np.int32)
+        shifts = self._no_shifts.get(T) if shifts is None else jax.device_put(shifts)
+        shifts = jnp.full(T, -1, jnp.int32) if shifts is None else shifts  # made here only for `lower_fused`
+        if batch.bias_ids is not None:  # some row has a logit bias or banned ids
+            batch = dataclasses.replace(batch, **dict(zip(("bias_ids", "bias_values"),
+                                                          jax.device_put((batch.bias_ids, batch.bias_values)))))
         neutral = self._neutral.get(S) or sampler.neutral_arrays(S, V)  # made here only for `lower_fused`
         redraft = self._no_redraft if redraft is None else redraft
         accepted = self._no_accepted if accepted is None else accepted
         if count_from is None:
-            count_from = np.full(S, len(step.token_ids), np.int32)
-        return StepSampling(sampler.with_neutral_arrays(batch, neutral), previous, sources, rejected, shifts,
-                            accepted, count_from, draft_rows, draft_ids, redraft)
+            count_from = np.full(S, T, np.int32)
+        return dataclasses.replace(sampler.with_neutral_arrays(batch, neutral), previous_tokens=previous,
+                                   sources=sources, previous_rejected=rejected, shifts=shifts,
+                                   previous_accepted=accepted, count_from=count_from, draft_rows=draft_rows,
+                                   draft_ids=draft_ids, redraft=redraft)
 
-    def _run_fused(self, step: StepInput, sampling: StepSampling) -> tuple[FusedSample, jax.Array]:
+    def _run_fused(self, step: StepInput, sampling: SamplingBatch) -> tuple[FusedSample, jax.Array]:
         """((sample, num_accepted, next_tokens), hidden [T, E]) from the fused program `warmup` compiled for the step's shape and batch
         (greedy-only or not; else the jitted one, compiling on first use)."""
-        random = has_random_rows(sampling.batch)
+        random = has_random_rows(sampling)
         compiled = self.compiled_fused_program(step, random)
         if compiled is not None:
             fused, hidden, self.kv = compiled(self.params, self.kv, step, sampling)
@@ -471,3 +489,4 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         if self.multi_process and parallel.is_leader() and not self._followers_released:
             self._followers_released = True
             parallel.broadcast_step(None, empty_step)
+

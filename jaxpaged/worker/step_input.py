@@ -1,4 +1,5 @@
-"""The records a step program takes and returns: its input arrays, the KV pool, the fused sampler's pieces.
+"""The records a step program takes and returns: its input arrays and the KV pool (the fused step's sampler inputs
+are a `SamplingBatch`, jaxpaged/sample/sampling_batch.py).
 
 Shapes, as made by `ModelRunner.prepare` (T tokens, S sequence slots, P pages per sequence):
     StepInput: token_ids, positions, slot_mapping i32[T]; page_table i32[S, P]; kv_lens i32[S]; cu_q_lens i32[S + 1]
@@ -22,7 +23,6 @@ from jaxpaged.core.scheduler_output import ScheduledRequest
 from jaxpaged.models.llama import LlamaConfig
 from jaxpaged.sample import sampler
 from jaxpaged.sample.sampling_batch import SamplingBatch
-from jaxpaged.spec_decode.verify import Redraft
 from jaxpaged.worker import parallel
 from pallas_kernels import kv_quant
 
@@ -51,26 +51,6 @@ class StepInput:
     cu_q_lens: jax.Array  # i32[S + 1]
     num_seqs: jax.Array  # i32[]
     logits_indices: jax.Array  # i32[L]  each sequence's last fed token, then draft positions (L = S, or T: see
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepSampling:
-    """The sampler's inputs of a fused step (`fused_step`): S rows, T tokens, R = max_num_seqs, k drafts a row.
-
-    Every field is present in every step (absent optional sampler arrays are `sampler.neutral_arrays`), so
-    two programs per (T, S, P) bucket serve every batch: greedy-only, and with random rows."""
-
-    batch: SamplingBatch  # S rows, every optional array present (sampler.with_neutral_arrays)
-    previous_tokens: jax.Array  # i32[R]: the previous step's sampled tokens (async scheduling), zero-padded
-    sources: np.ndarray  # i32[T]: the row of previous_tokens each placeholder position takes, else -1
-    previous_rejected: jax.Array  # i32[R]: the previous step's rejected drafts per row (`PendingStep.carry`)
-    shifts: np.ndarray  # i32[T]: the row of previous_rejected each position moves back by, else -1 (fill_in_flight)
-    previous_accepted: jax.Array  # i32[R, k]: the previous step's accepted drafts per row, -1 past them (its carry)
-    count_from: np.ndarray  # i32[S]: each row's first fed token its penalty counts lack (`_count_from`; T: none)
-    draft_rows: np.ndarray  # i32[S, k]: speculative decoding (packed drafts): slot m's draft rows (else 0)
-    draft_ids: np.ndarray  # i32[S, k]: slot m's drafts, -1 for none (never accepted)
-    redraft: Redraft  # the drafts the device proposes again (async scheduling; `Redraft.none` otherwise)
 
 
 def has_random_rows(batch: SamplingBatch) -> bool:

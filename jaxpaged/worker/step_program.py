@@ -45,6 +45,7 @@ from jaxpaged.models.llama import (
     with_live_rows,
 )
 from jaxpaged.sample import sampler
+from jaxpaged.sample.sampling_batch import SamplingBatch
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.spec_decode.verify import accept_drafts, merge_redrafts
 from jaxpaged.worker import parallel
@@ -52,7 +53,7 @@ from jaxpaged.worker.host_memory import HugePageArena, cpu_array_over
 from jaxpaged.worker.in_flight import fill_in_flight, outputs_in_flight, steps_moved_back
 from jaxpaged.worker.invariant_dots import gpu_invariant_matmul
 from jaxpaged.worker.runner_config import INT8_DOTS, AttentionConfig
-from jaxpaged.worker.step_input import KVPool, StepInput, StepSampling, pad_sampled_tokens
+from jaxpaged.worker.step_input import KVPool, StepInput, pad_sampled_tokens
 from pallas_kernels import cpu_matmul, cpu_rope, cpu_sampler, ragged_paged_attention, write_kv_inner
 
 
@@ -189,7 +190,7 @@ def _over_layers(layer_fn, layers, consts: dict, carry, args: tuple):
 
 
 def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, params: Params, kv: KVPool,
-               step: StepInput, sampling: StepSampling) -> tuple[FusedSample, jax.Array, KVPool]:
+               step: StepInput, sampling: SamplingBatch) -> tuple[FusedSample, jax.Array, KVPool]:
     """One step in one program: placeholder tokens gathered from the previous step's (async scheduling; positions
     moved back by its rejected drafts, drafts proposed again fed: `fill_in_flight`; key steps too:
     `steps_moved_back`; penalty counts given the tokens in flight: `outputs_in_flight`),
@@ -205,19 +206,19 @@ def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, pa
     # rows of a request fed the previous step's token as a placeholder: the host's penalty counts lack it, the drafts
     # it accepted and the drafts fed before the row
     fed = outputs_in_flight(token_ids, last, sampling.count_from, sampling.shifts, sampling.previous_accepted)
-    batch = dataclasses.replace(sampling.batch, steps=steps_moved_back(sampling.batch.steps, last, sampling.shifts,
-                                                                       sampling.previous_rejected))
+    batch = dataclasses.replace(sampling, steps=steps_moved_back(sampling.steps, last, sampling.shifts,
+                                                                 sampling.previous_rejected))
     sample = sampler.sample_in_step(logits, batch, fed, random=random, native=attention.native_matmul)
     draft_ids = merge_redrafts(sampling.draft_ids, sampling.redraft)  # i32[S, k]
-    num_accepted = accept_drafts(sample.out.token_ids, sampling.draft_rows, draft_ids)  # i32[S]
-    next_tokens = pad_sampled_tokens(sample.out.token_ids, sampling.previous_tokens.shape[0])
+    num_accepted = accept_drafts(sample.token_ids, sampling.draft_rows, draft_ids)  # i32[S]
+    next_tokens = pad_sampled_tokens(sample.token_ids, sampling.previous_tokens.shape[0])
     return (sample, num_accepted, next_tokens), hidden, kv
 
 
 # A fused step's sampling results, on device (held by `PendingStep`, or read at once by a synchronous step):
-# the sampler's output before its rare fallbacks (`sampler.finish_in_step`); i32[S] slot m's accepted drafts,
+# the sampler's unfinished output (before its rare fallbacks: `sampler.finish_in_step`); i32[S] slot m's accepted drafts,
 # valid when no fallback changed a token; i32[R] the sampled ids zero-padded, the next step's previous_tokens
-FusedSample = tuple[sampler.StepSample, jax.Array, jax.Array]
+FusedSample = tuple[sampler.SamplerOutput, jax.Array, jax.Array]
 
 
 def _pack_for_cpu_matmul(w: jax.Array, shape: tuple[int, ...], arena: HugePageArena,
