@@ -209,13 +209,20 @@ class OutputProcessor:
         """`_make_output` of a parent whose one child is `child` and that asked for no prompt log-probs
         (`_Parent.only`): the same output, without adding up children or looking for prompt log-probs."""
         request, metrics, kind = child.request, parent.metrics, parent.params.output_kind
-        status = request.status
+        status, token_ids = request.status, request.output_token_ids
         finished = status.is_finished
-        metrics.num_generation_tokens, metrics.num_cached_tokens = len(request.output_token_ids), \
-            request.num_cached_tokens
+        metrics.num_generation_tokens, metrics.num_cached_tokens = len(token_ids), request.num_cached_tokens
         if not finished and kind is RequestOutputKind.FINAL_ONLY:
             return None
-        completion = _completion(child, kind is RequestOutputKind.DELTA, status)
+        # `_completion`, inline (a quarter of this path's time in a call): everything, or (delta) what is new
+        delta = kind is RequestOutputKind.DELTA
+        start = child.num_sent_tokens if delta else 0
+        child.num_sent_tokens = len(token_ids)
+        text = "" if child.detokenizer is None else child.detokenizer.get_next_output_text(finished, delta)
+        completion = CompletionOutput(
+            child.index, text, token_ids[start:], child.cumulative_logprob,
+            None if child.logprobs is None else child.logprobs[start:], status.finish_reason if finished else None,
+            request.stop_reason, None if child.token_logprobs is None else child.token_logprobs.copy(start))
         if finished:
             self._forget(parent, now)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, [completion], finished,
