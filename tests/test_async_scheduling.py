@@ -221,7 +221,7 @@ def test_aborted_id_reused_while_its_step_is_in_flight(tiny):
     engine.add_request("x", {"prompt_token_ids": prompts[0]}, dataclasses.replace(greedy, max_tokens=20))
     for _ in range(4):
         engine.step()
-    assert engine._in_flight is not None and "x" in engine._in_flight.requests
+    assert engine._in_flight is not None and "x" in [e.request_id for e in engine._in_flight.entries]
     engine.abort_request("x")
     got = run(engine, {"x": (prompts[1], greedy)})["x"]
     assert summary(got) == summary(expected)

@@ -348,6 +348,12 @@ def make_engine(loaded, **overrides) -> LLMEngine:
     return LLMEngine(dataclasses.replace(BASE, **overrides), loaded=loaded)
 
 
+def scheduled_requests(flight) -> dict:
+    """The step in flight's entries' Requests as scheduled, by request id."""
+    out = flight.scheduler_output
+    return {entry.request_id: request for entry, request in zip(out.scheduled_requests, out.requests)}
+
+
 def run_all(engine: LLMEngine, prompts, params=GREEDY, check=True) -> dict[str, object]:
     params = params if isinstance(params, list) else [params] * len(prompts)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -1029,7 +1035,7 @@ def test_drafts_proposed_on_a_wrong_guess_are_proposed_again_on_the_device(tiny,
         layout = flight.layout
         verified = np.asarray(layout.verified_ids) if layout is not None else ()
         for m, rid in enumerate(layout.request_ids if layout is not None else ()):
-            request, d = flight.requests[rid], layout.num_drafts[m]
+            request, d = scheduled_requests(flight)[rid], layout.num_drafts[m]
             if request.spec_redrafts is None:  # the engine's drafts, fed as they were
                 assert verified[m, :d].tolist() == list(layout.draft_ids[m, :d])
                 fed["as proposed"] += 1
@@ -1077,7 +1083,7 @@ def test_a_copy_that_breaks_reserves_blank_drafts_the_device_fills(tiny):
         entries = {e.request_id: e for e in flight.scheduler_output.scheduled_requests}
         for m, rid in enumerate(layout.request_ids if layout is not None else ()):
             if entries[rid].spec_guess == ():  # blank: proposed on the device from the real sequence
-                request, d = flight.requests[rid], layout.num_drafts[m]
+                request, d = scheduled_requests(flight)[rid], layout.num_drafts[m]
                 real = lookup.continuation(request.all_token_ids, d)
                 assert np.asarray(layout.verified_ids)[m, :d].tolist() == request.spec_redrafts == \
                     real + [-1] * (d - len(real))

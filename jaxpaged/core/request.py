@@ -77,6 +77,8 @@ class Request:
     seed: int = 0  # the sampler's PRNG seed: params.seed, or one the engine drew
     arrival_time: float = dataclasses.field(default_factory=time.time)
     max_model_len: int | None = None  # set by Scheduler.add_request when None
+    # Set by Scheduler.add_request: the outputs that end it by length (max_tokens, else what max_model_len leaves)
+    max_output_tokens: int = sys.maxsize
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

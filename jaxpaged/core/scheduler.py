@@ -96,6 +96,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self._finished_ids: list[str] = []  # since the previous schedule()
+        self.num_finished = 0  # requests finished so far (SchedulerOutput.num_finished)
+        self._num_partial = 0  # the step being planned: its entries fed more than one token (`_prefill_slot_free`)
 
     # ---- counters ----------------------------------------------------------
 
@@ -143,7 +145,7 @@ class Scheduler:
             raise InvalidRequestError(
                 f"request {rid!r} needs up to {pages_needed} KV pages "
                 f"but the pool has {self.pool.num_usable_pages}", "prompt")
-        request.max_model_len = max_model_len
+        request.max_model_len, request.max_output_tokens = max_model_len, max_tokens
         self._requests[rid] = request
         self.waiting.append(request)
 
@@ -181,6 +183,7 @@ class Scheduler:
         self.pool.free(request)
         del self._requests[request.request_id]
         self._finished_ids.append(request.request_id)
+        self.num_finished += 1
 
     # ---- scheduling --------------------------------------------------------
 
@@ -190,16 +193,20 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         drafting: list[tuple[int, Request, tuple[int, ...]]] = []  # (index in scheduled, request, its drafts)
+        self._num_partial = 0
         budget = self._schedule_running(budget, scheduled, preempted, drafting)
         if not preempted:
             budget = self._schedule_waiting(budget, scheduled)
             budget = self._schedule_drafts(budget, scheduled, drafting)
         finished, self._finished_ids = self._finished_ids, []
+        requests = self._requests
         return SchedulerOutput(
             scheduled_requests=tuple(scheduled),
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted_request_ids=tuple(preempted),
             finished_request_ids=tuple(finished),
+            requests=tuple([requests[entry.request_id] for entry in scheduled]),
+            num_finished=self.num_finished,
         )
 
     def _chunk_size(self, num_remaining: int, budget: int) -> int:
@@ -208,30 +215,34 @@ class Scheduler:
             num_remaining = threshold
         return min(num_remaining, budget)
 
-    def _prefill_slot_free(self, num_new: int, scheduled: list) -> bool:
-        """Whether a chunk of num_new tokens fits under max_num_partial_prefills this step."""
+    def _prefill_slot_free(self, num_new: int) -> bool:
+        """Whether a chunk of num_new tokens fits under max_num_partial_prefills this step (a count kept as the
+        step is planned: O(1) for each prefill candidate)."""
         cap = self.config.max_num_partial_prefills
-        if num_new <= 1 or cap is None:
-            return True
-        return _num_partial_prefills(scheduled) < cap
+        return num_new <= 1 or cap is None or self._num_partial < cap
 
     def _schedule_running(self, budget: int, scheduled: list, preempted: list, drafting: list) -> int:
         """Running requests in order: their next chunk (a decode: one token), preempting from the back of
         the queue when pages run out. A decode with drafts is noted in `drafting` (see `_schedule_drafts`).
         This loop runs for every running request every step: a plain decode (one token, its last page has room)
-        takes no call but `_advance`."""
-        index, running, page_size = 0, self.running, self.config.page_size
+        takes no call but `_advance`. Its tokens: known ones, and (async scheduling) those sampled by dispatched
+        steps, not appended yet, and their drafts as if accepted (the lists' lengths, not Request's properties)."""
+        index, running, page_size, window = 0, self.running, self.config.page_size, self.config.sliding_window
         while index < len(running) and budget > 0:
             request = running[index]
-            num_left = _num_known_and_placeholder_tokens(request) - request.num_computed_tokens
+            index += 1
+            in_flight = request.num_output_placeholders
+            num_left = len(request.prompt_token_ids) + len(request.output_token_ids) + in_flight + \
+                request.num_draft_placeholders - request.num_computed_tokens
             num_new = 1 if num_left == 1 else self._chunk_size(num_left, budget)
-            # 0: its sampled token hasn't come back yet; or its prefill waits for a free slot; or (async)
-            # the placeholders in flight end it
-            if num_new == 0 or not self._prefill_slot_free(num_new, scheduled) or _ends_in_flight(request):
-                index += 1
+            # 0: its sampled token hasn't come back yet; or its prefill waits for a free slot; or (async) the
+            # placeholders in flight end it (max_tokens, max_model_len): scheduling it would waste a slot (and a
+            # page admission never counted)
+            if num_new == 0 or (num_new > 1 and not self._prefill_slot_free(num_new)) or \
+                    (in_flight and len(request.output_token_ids) + in_flight >= request.max_output_tokens):
                 continue
-            if self.config.sliding_window is not None:
-                self.pool.free_outside_window(request, self.config.sliding_window)
+            if window is not None:
+                self.pool.free_outside_window(request, window)
             if request.num_computed_tokens + num_new > len(request.page_ids) * page_size or not request.page_ids:
                 while self.pool.allocate(request, num_new) is None:
                     victim = running.pop()
@@ -242,8 +253,9 @@ class Scheduler:
             if request.spec_token_ids and num_new == num_left == 1:  # a decode
                 drafting.append((len(scheduled), request, tuple(request.spec_token_ids)))
             scheduled.append(self._advance(request, num_new))
+            if num_new > 1:
+                self._num_partial += 1
             budget -= num_new
-            index += 1
         return budget
 
     def _schedule_drafts(self, budget: int, scheduled: list, drafting: list) -> int:
@@ -256,10 +268,11 @@ class Scheduler:
         room = self._draft_room(budget, scheduled, drafting)
         for index, request, drafts in drafting:
             drafts = drafts[:min(budget, room)]
-            if not drafts or not self._prefill_slot_free(1 + len(drafts), scheduled) or \
+            if not drafts or not self._prefill_slot_free(1 + len(drafts)) or \
                     self.pool.allocate(request, len(drafts)) is None:
                 continue
             scheduled[index] = self._with_drafts(scheduled[index], request, drafts)
+            self._num_partial += 1  # (a decode of one token before)
             budget -= len(drafts)
             room -= len(drafts)
         return budget
@@ -273,7 +286,7 @@ class Scheduler:
         ~2x one of 4)."""
         num_tokens = sum(entry.num_tokens for entry in scheduled)
         cap = self.config.max_num_partial_prefills
-        slots = len(drafting) if cap is None else cap - _num_partial_prefills(scheduled)
+        slots = len(drafting) if cap is None else cap - self._num_partial
         if not self.config.token_buckets or (len(drafting) == len(scheduled) <= slots and
                                              sum(len(drafts) for _, _, drafts in drafting) <= budget):
             return budget
@@ -306,8 +319,7 @@ class Scheduler:
             prefix = CachedPrefix() if request.sampling_params.prompt_logprobs is not None else \
                 self.pool.find_cached_prefix(request)
             num_new = self._chunk_size(request.num_tokens - prefix.num_tokens, budget)
-            if not self._prefill_slot_free(num_new, scheduled) or \
-                    self.pool.allocate(request, num_new, prefix) is None:
+            if not self._prefill_slot_free(num_new) or self.pool.allocate(request, num_new, prefix) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING:
@@ -316,6 +328,8 @@ class Scheduler:
             request.num_computed_tokens = prefix.num_tokens
             self.running.append(request)
             scheduled.append(self._advance(request, num_new))
+            if num_new > 1:
+                self._num_partial += 1
             budget -= num_new
         return budget
 
@@ -385,8 +399,8 @@ class Scheduler:
         replacing `Request.check_stop`: None goes on, (status, stop_reason) ends it (a stop
         string, decided on the text; FINISHED_ERROR: the token is garbage and is not appended).
         Entries that don't sample are ignored, and so are requests finished (aborted) since the
-        step was scheduled. A sampling entry of a live request without tokens is a runner bug:
-        ValueError.
+        step was scheduled (`SchedulerOutput.requests`: a new request that took the id gets nothing).
+        A sampling entry of a live request without tokens is a runner bug: ValueError.
 
         Speculative decoding: an entry that fed d drafts gets up to 1 + d tokens (the accepted drafts,
         then one sampled token; fewer when the engine cut them at a stop). The verdict is the last
@@ -394,13 +408,15 @@ class Scheduler:
         appends the tokens before it. A request that goes on then counts as computed only its
         accepted drafts: the rejected ones' pages go back to the pool (`_roll_back_rejected`).
         """
-        stops = stops or {}
-        finished, requests = [], self._requests
-        for entry in scheduler_output.scheduled_requests:
-            rid, drafts = entry.request_id, entry.spec_token_ids
-            request = requests.get(rid)
-            if not entry.samples or request is None:
+        stops, finished = stops or {}, []
+        entries, requests = scheduler_output.scheduled_requests, scheduler_output.requests
+        if len(requests) != len(entries):
+            raise ValueError("update_from_output takes a SchedulerOutput made by schedule() (its requests)")
+        stale = scheduler_output.num_finished != self.num_finished  # some request finished since it was scheduled
+        for entry, request in zip(entries, requests):
+            if not entry.samples or (stale and request.status.is_finished):
                 continue
+            rid, drafts = entry.request_id, entry.spec_token_ids
             if request.num_output_placeholders:  # async scheduling: the token in flight has arrived
                 request.num_output_placeholders -= 1
             if drafts:
@@ -408,7 +424,7 @@ class Scheduler:
             token_ids = sampled_token_ids.get(rid)
             if not token_ids:
                 raise ValueError(f"no sampled token for request {rid!r}, whose chunk samples")
-            if len(token_ids) > 1 + len(drafts):
+            if len(token_ids) > 1 and len(token_ids) > 1 + len(drafts):
                 raise ValueError(f"{len(token_ids)} tokens for request {rid!r}, which fed {len(drafts)} drafts")
             verdict = stops.get(rid, _NO_VERDICT)
             if verdict is None and len(token_ids) == 1 and not drafts:  # a decode that goes on (most rows)
@@ -461,30 +477,3 @@ class Scheduler:
 
 _PLACEHOLDER_TOKENS = (PLACEHOLDER_TOKEN_ID,)  # the token_ids of every entry that feeds its token in flight
 _NO_VERDICT = object()  # update_from_output: the caller gave no verdict on the request's token
-
-
-def _num_partial_prefills(scheduled: list) -> int:
-    """The step's entries fed more than one token (prefill chunks, verifications): max_num_partial_prefills'."""
-    return sum(entry.num_tokens > 1 for entry in scheduled)
-
-
-def _num_known_and_placeholder_tokens(request: Request) -> int:
-    """Tokens the request has, counting those sampled by dispatched steps (async scheduling) not yet appended,
-    and their drafts as if accepted. (The lists' lengths, not Request's properties: this runs for every row.)"""
-    return len(request.prompt_token_ids) + len(request.output_token_ids) + request.num_output_placeholders + \
-        request.num_draft_placeholders
-
-
-def _ends_in_flight(request: Request) -> bool:
-    """Async scheduling: whether the tokens in flight certainly end the request (max_tokens, max_model_len),
-    so scheduling it again would only waste a slot (and a page admission never counted)."""
-    placeholders = request.num_output_placeholders
-    if not placeholders:
-        return False
-    num_outputs = len(request.output_token_ids) + placeholders
-    max_tokens = request.sampling_params.max_tokens
-    if max_tokens is None:
-        max_tokens = request.max_tokens  # what max_model_len leaves, if set
-    if max_tokens is not None and num_outputs >= max_tokens:
-        return True
-    return request.max_model_len is not None and len(request.prompt_token_ids) + num_outputs >= request.max_model_len

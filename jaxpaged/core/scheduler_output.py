@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from jaxpaged.core.request import Request
 from jaxpaged.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1  # in ScheduledRequest.token_ids: a token the previous step sampled, still on the device
@@ -66,6 +67,11 @@ class SchedulerOutput:
     preempted_request_ids: tuple[str, ...]  # preempted by this schedule() call
     finished_request_ids: tuple[str, ...]  # finished (any reason) since the previous schedule()
     # (the worker forgets the rows of both: every output reaches it, empty or not, `ModelRunner.remove_requests`)
+    # For the engine and `Scheduler.update_from_output`, not the worker: each entry's Request (ids are reusable once
+    # a request finishes) and `Scheduler.num_finished` when made. While the count has not moved, every entry's
+    # request is unfinished: the engine checks no row of a step in flight (async scheduling) for liveness.
+    requests: tuple[Request, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    num_finished: int = 0
 
     @property
     def is_empty(self) -> bool:

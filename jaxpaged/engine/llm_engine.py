@@ -50,7 +50,7 @@ from jaxpaged.config import (EngineArgs, _configure_compilation_cache, make_mesh
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.drafting import NO_ROOM_MAX_WAIT, Drafting
 from jaxpaged.engine.grammar import GrammarSupport
-from jaxpaged.engine.output_processor import FloatArray, OutputProcessor, _Child, _Parent, plan_child
+from jaxpaged.engine.output_processor import FloatArray, OutputProcessor, _Child, _Parent, plan_parent
 from jaxpaged.engine.validation import validate_request
 from jaxpaged.engine.weight_control import WeightControl
 from jaxpaged.errors import InvalidRequestError
@@ -186,8 +186,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
             except ValueError:
                 self.scheduler.abort_requests([c.request.request_id for c in parent.children])
                 raise
-        for child in parent.children:  # queued: its max_model_len is the scheduler's
-            plan_child(child)
+        plan_parent(parent)  # queued: its children's max_model_len is the scheduler's
 
     def _register(self, parent: _Parent) -> None:
         self._parents[parent.request_id] = parent
@@ -363,7 +362,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
                         request.spec_token_ids = []
             batch = self._batch_key() if proposed else None
             out = self.scheduler.schedule()
-            drafted = [e.request_id for e in out.scheduled_requests if e.spec_token_ids]
+            drafted = [e.request_id for e in out.scheduled_requests if e.spec_token_ids] if proposed or overlapped else []
             if drafted:
                 self._no_room_streak = 0
                 if not all(self._verifies_overlapped(self.scheduler.get_request(rid)) for rid in drafted):
@@ -392,16 +391,14 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
 
     def _dispatch_async(self, out: SchedulerOutput, previous: PendingStep | None) -> PendingStep | None:
         """Dispatch the step's forward; None (the error deferred to the next step()) if that fails. The step in
-        flight notes each entry's Request as scheduled and when it was dispatched."""
+        flight notes when it was dispatched (its entries' Requests are its scheduler output's)."""
         self._stamp_first_scheduled(out)
-        get = self.scheduler.get_request
-        requests = {e.request_id: get(e.request_id) for e in out.scheduled_requests}
         try:
             pending = self.runner.dispatch(out, previous)
         except Exception as err:
             self._deferred_error = err
             return None
-        pending.requests, pending.dispatched_at = requests, time.perf_counter()
+        pending.dispatched_at = time.perf_counter()
         return pending
 
     def _dispatch_sampler_async(self, flight: PendingStep) -> bool:
@@ -428,21 +425,19 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         still live: the same Request objects it scheduled (one finished or aborted since is skipped, even
         if a new request took its id). `following`: the step dispatched after it, if any (`_note_redrafts`)."""
         result = flight.result()
-        live = {rid for rid, request in flight.requests.items()
-                if request is not None and self.scheduler.get_request(rid) is request}
+        out = flight.scheduler_output
+        entries, live = out.scheduled_requests, None  # live None: every entry's request (no request finished since)
+        if self.scheduler.num_finished != out.num_finished:
+            live = {request.request_id for request in out.requests if not request.is_finished}
+            entries = tuple(e for e in entries if e.request_id in live)
         for rid, chunk in result.prompt_logprobs.items():
-            if rid in live:
+            if live is None or rid in live:
                 self._record_prompt_logprobs(*self._child_to_parent[rid], chunk)
         sampled, stops, touched = self._emit_step(result, live)
         redrafted, wrong = self._settle_guesses(sampled) if self.proposer is not None else ({}, set())
-        out = live_out = flight.scheduler_output
-        entries = out.scheduled_requests
-        if len(live) < len(flight.requests):  # some request ended since (else every entry is live)
-            entries = tuple(e for e in entries if e.request_id in live)
-            live_out = dataclasses.replace(out, scheduled_requests=entries)
         if self.spec_decoding_stats is not None:
             self._observe_drafts(entries, result, redrafted)
-        self.scheduler.update_from_output(live_out, sampled, stops)
+        self.scheduler.update_from_output(out, sampled, stops)  # (it skips the entries of requests finished since)
         if wrong and following is not None:
             self._note_redrafts(following, wrong)
         outputs = self._outputs(touched)
