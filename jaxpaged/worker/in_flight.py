@@ -55,10 +55,7 @@ class PendingStep:
     rejected: jax.Array | None = None  # i32[R]: its drafts rejected per row (its `carry`), with shifts
     batch_rows: np.ndarray | None = None  # intp[n]: the entries' rows of the persistent batch (`ModelRunner.pack`)
     scheduler_output: SchedulerOutput | None = None  # the output it runs (its scheduled_requests are `entries`)
-    # the engine's (LLMEngine._dispatch_async): each entry's Request when scheduled (ids are reusable after an
-    # abort), and time.perf_counter() once its forward was dispatched
-    requests: dict[str, object] | None = None
-    dispatched_at: float = 0.0
+    dispatched_at: float = 0.0  # the engine's (LLMEngine._dispatch_async): time.perf_counter() once dispatched
 
     @functools.cached_property
     def rows(self) -> dict[str, int]:
