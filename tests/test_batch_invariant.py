@@ -19,6 +19,7 @@ from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.models import llama
 from jaxpaged.worker import model_runner as runner_module
 from jaxpaged.worker.runner_config import CPU_SMALL_STEP_OPTIONS, RunnerConfig
+from jaxpaged.worker import step_program
 from jaxpaged.worker.step_program import batch_invariant_matmul
 from jaxpaged.worker.weight_layout import to_weight_layout
 from pallas_kernels import cpu_attention, cpu_matmul, cuda_compile, plan_kernel_calls, ragged_paged_attention
@@ -277,6 +278,32 @@ def test_the_gpu_step_runs_every_weight_dot_on_the_kernel(tied):
     cpu_text = cpu_runner.lower(step, params=gpu_params).as_text()
     assert "batch_invariant_matmul" not in cpu_text and "stablehlo.dot_general" in cpu_text
 
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied head", "own head"])
+def test_the_gpu_prompt_logprobs_run_the_head_on_the_kernel(tied):
+    """Prompt log-probs as a GPU runner in the mode computes them (`invariant_prompt_logprobs` "gemm"), lowered for
+    CUDA from this CPU: the head (a tied one's [V, E] embedding too) is the fixed-tile GEMM's custom call, the final
+    norm's sum its 16-wide product, no dot_general left; without the mode, XLA's dot and no kernel."""
+    config = dataclasses.replace(GPU_MODEL, tie_word_embeddings=tied)
+    params = llama.init_params(config, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+    runner = runner_module.ModelRunner(config, params, RunnerConfig(
+        max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=16, num_pages=32,
+        attention_backend="pallas", min_token_bucket=1, batch_invariant=True))
+    assert runner.invariant_prompt_logprobs == "gemm"
+    gpu_params = to_weight_layout(config, params, runner.layout)
+    hidden, targets = jnp.zeros((8, config.hidden_size), jnp.bfloat16), np.zeros(8, np.int32)
+    texts = {}
+    for mode in ("gemm", None):
+        with cuda_compile.gpu_target():
+            texts[mode] = step_program.prompt_logprobs_step.trace(config, gpu_params, hidden, targets,
+                                                                  batch_invariant=mode).lower(
+                lowering_platforms=("cuda",)).as_text()
+    names = _KERNEL_NAME.findall(texts["gemm"])
+    assert {name: names.count(name) for name in set(names)} == {
+        "batch_invariant_matmul_m64_n64_k64": 1, "batch_invariant_matmul_m64_n16_k32": 1}
+    assert "stablehlo.dot_general" not in texts["gemm"]
+    assert "batch_invariant_matmul" not in texts[None] and "stablehlo.dot_general" in texts[None]
 
 
 def test_off_cuda_the_invariant_matmul_is_xlas_dots():

@@ -432,10 +432,12 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         return verify_packed(layout, sampled)
 
     @property
-    def invariant_prompt_logprobs(self) -> bool:
-        """Whether prompt log-probs run batch-invariant (`prompt_logprobs_step`): batch-invariant mode on the native
-        CPU kernels, one device."""
-        return self.config.batch_invariant and self.config.attention.native_matmul and self.mesh is None
+    def invariant_prompt_logprobs(self) -> str | None:
+        """How prompt log-probs run batch-invariant (`prompt_logprobs_step`), as the step's weight dots do: "native"
+        on the native CPU kernels, "gemm" elsewhere (a GPU's fixed-tile GEMM); None without the mode."""
+        if not self.config.batch_invariant or self.mesh is not None:
+            return None
+        return "native" if self.config.attention.native_matmul else "gemm"
 
     def _prompt_logprobs(self, entries: Sequence[ScheduledRequest], step: StepInput,
                          hidden: jax.Array) -> dict[str, PromptLogprobs]:

@@ -66,16 +66,19 @@ def batch_invariant_matmul() -> Matmul:
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("batch_invariant",))
 def prompt_logprobs_step(config: LlamaConfig, params: Params, hidden: jax.Array, targets: jax.Array, *,
-                         batch_invariant: bool = False):
+                         batch_invariant: str | None = None):
     """hidden [T, E] (paged_forward's), targets i32[T] -> the targets' log-probs f32[T], ranks i32[T],
     top ids i32[T, K] and top log-probs f32[T, K] (K = MAX_LOGPROBS) under the raw distribution.
-    batch_invariant (static; CPU, native kernels): the head and norm as the step's (`batch_invariant_matmul`), the
-    log-sum-exp per row natively (cpu_sampler.row_stats_cpu), so a token's values do not depend on T."""
-    if batch_invariant:
+    batch_invariant (static; `ModelRunner.invariant_prompt_logprobs`), the head and norm as the step's, so a token's
+    values do not depend on T: "native" (CPU) the native kernels (`batch_invariant_matmul`), the log-sum-exp per row
+    natively (cpu_sampler.row_stats_cpu); "gemm" the fixed-tile GEMM where lowered for CUDA (`gpu_invariant_matmul`;
+    the log-softmax XLA's row reduction, as the sampler's); None: XLA's dots."""
+    if batch_invariant == "native":
         logits = lm_logits(config, params, hidden, batch_invariant_matmul())  # [T, V]
         logprobs = logits - cpu_sampler.row_stats_cpu(logits, logits)[1][:, None]
     else:
-        logprobs = jax.nn.log_softmax(lm_logits(config, params, hidden), axis=-1)  # [T, V]
+        matmul = gpu_invariant_matmul() if batch_invariant == "gemm" else None
+        logprobs = jax.nn.log_softmax(lm_logits(config, params, hidden, matmul), axis=-1)  # [T, V]
     target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]  # [T]
     ranks = jnp.sum(logprobs > target[:, None], axis=-1, dtype=jnp.int32) + 1
     top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
