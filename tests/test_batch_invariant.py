@@ -198,6 +198,22 @@ def test_norms_and_dots_are_row_invariant_at_every_row_count():
         np.testing.assert_array_equal(np.asarray(compiled(rows)(h[:rows])), alone[:rows])
 
 
+@needs_native
+def test_unpacked_drafts_logits_are_row_invariant():
+    """Unpacked drafts' logits (`draft_logits`, "native"): each row the same to the bit at every row count, the head
+    (a vocabulary no multiple of 64) and final norm on the native kernels as in the step (XLA's dots, without the
+    mode, differ in about a third of the values here)."""
+    config = llama.LlamaConfig(vocab_size=260, num_hidden_layers=1, tie_word_embeddings=False, **HD64)
+    params = llama.init_params(config, jax.random.PRNGKey(0))
+    hidden = jnp.asarray(np.random.default_rng(1).standard_normal((24, 128)), jnp.float32)
+
+    def logits(rows: np.ndarray) -> np.ndarray:
+        return np.asarray(step_program.draft_logits(config, params, hidden, rows, batch_invariant="native"))
+
+    alone = np.stack([logits(np.array([j], np.int32))[0] for j in range(24)])
+    for rows in (3, 17, 24):
+        np.testing.assert_array_equal(logits(np.arange(rows, dtype=np.int32)), alone[:rows])
+
 def test_bad_settings_are_refused(hd64_checkpoint):
     with pytest.raises(ValueError, match="must be a bool"):
         EngineArgs(batch_invariant=1)
@@ -280,31 +296,31 @@ def test_the_gpu_step_runs_every_weight_dot_on_the_kernel(tied):
 
 
 
+@pytest.mark.parametrize("program", ["prompt_logprobs_step", "draft_logits"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied head", "own head"])
-def test_the_gpu_prompt_logprobs_run_the_head_on_the_kernel(tied):
-    """Prompt log-probs as a GPU runner in the mode computes them (`invariant_prompt_logprobs` "gemm"), lowered for
-    CUDA from this CPU: the head (a tied one's [V, E] embedding too) is the fixed-tile GEMM's custom call, the final
-    norm's sum its 16-wide product, no dot_general left; without the mode, XLA's dot and no kernel."""
+def test_the_gpu_head_outside_the_step_runs_on_the_kernel(tied, program):
+    """Prompt log-probs and unpacked drafts' logits as a GPU runner in the mode computes them (`invariant_head`
+    "gemm"), lowered for CUDA from this CPU: the head (a tied one's [V, E] embedding too) is the fixed-tile GEMM's
+    custom call, the final norm's sum its 16-wide product, no dot_general left; without the mode, XLA's dot."""
     config = dataclasses.replace(GPU_MODEL, tie_word_embeddings=tied)
     params = llama.init_params(config, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
     runner = runner_module.ModelRunner(config, params, RunnerConfig(
         max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=16, num_pages=32,
         attention_backend="pallas", min_token_bucket=1, batch_invariant=True))
-    assert runner.invariant_prompt_logprobs == "gemm"
+    assert runner.invariant_head == "gemm"
     gpu_params = to_weight_layout(config, params, runner.layout)
-    hidden, targets = jnp.zeros((8, config.hidden_size), jnp.bfloat16), np.zeros(8, np.int32)
+    hidden, rows = jnp.zeros((8, config.hidden_size), jnp.bfloat16), np.zeros(8, np.int32)  # targets / rows
     texts = {}
     for mode in ("gemm", None):
         with cuda_compile.gpu_target():
-            texts[mode] = step_program.prompt_logprobs_step.trace(config, gpu_params, hidden, targets,
-                                                                  batch_invariant=mode).lower(
+            texts[mode] = getattr(step_program, program).trace(config, gpu_params, hidden, rows,
+                                                               batch_invariant=mode).lower(
                 lowering_platforms=("cuda",)).as_text()
     names = _KERNEL_NAME.findall(texts["gemm"])
     assert {name: names.count(name) for name in set(names)} == {
         "batch_invariant_matmul_m64_n64_k64": 1, "batch_invariant_matmul_m64_n16_k32": 1}
     assert "stablehlo.dot_general" not in texts["gemm"]
     assert "batch_invariant_matmul" not in texts[None] and "stablehlo.dot_general" in texts[None]
-
 
 def test_off_cuda_the_invariant_matmul_is_xlas_dots():
     """Where a step is not lowered for CUDA (here the CPU), `gpu_invariant_matmul`'s products and sums are XLA's

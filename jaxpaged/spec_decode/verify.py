@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.core.scheduler_output import ScheduledRequest
-from jaxpaged.models.llama import LlamaConfig, Params, lm_logits
 from jaxpaged.sample.sampler import SamplerOutput
 from jaxpaged.sample.sampling_batch import RowInfo
 from jaxpaged.spec_decode.ngram import ngram_drafts
@@ -32,7 +31,7 @@ class DraftRows:
     `verify_buckets` shape, which `prepare` picks when they do not fit in S; with the fused sampler `prepare`
     picks an S bucket with room for them, up to max_num_seqs rows): the forward's own LM head
     computes their logits (step.logits_indices points those rows at the draft positions) and they are sampled
-    with the entries' rows, in one call. Otherwise `draft_logits` computes them from the forward's hidden
+    with the entries' rows, in one call. Otherwise the runner's `draft_logits` (worker/step_program.py) computes them from the forward's hidden
     states, M * k rows: a second pass over the LM head's weights (batch 1 on CPU, k = 7: the 8-token step's
     forward 25.9 ms, then 4.7 ms for that pass, its sampler call and their sync).
     """
@@ -139,12 +138,6 @@ def merge_redrafts(draft_ids: jax.Array, redraft: Redraft) -> jax.Array:
     """draft_ids i32[N, k] (slot m's drafts at row m) with the slots the Redraft changed replaced."""
     n, draft_ids = min(draft_ids.shape[0], redraft.drafts.shape[0]), jnp.asarray(draft_ids)
     return draft_ids.at[:n].set(jnp.where(redraft.changed[:n, None], redraft.drafts[:n], draft_ids[:n]))
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def draft_logits(config: LlamaConfig, params: Params, hidden: jax.Array, rows: jax.Array) -> jax.Array:
-    """hidden [T, E] (paged_forward's), rows i32[X] -> logits f32[X, V] at those fed tokens."""
-    return lm_logits(config, params, hidden[rows])
 
 
 @jax.jit

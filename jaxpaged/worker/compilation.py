@@ -17,7 +17,7 @@ import numpy as np
 from jaxpaged.models.llama import Params
 from jaxpaged.sample import sampler
 from jaxpaged.sample.sampling_batch import make_sampling_batch
-from jaxpaged.spec_decode.verify import accept_drafts, draft_logits, redraft_in_flight
+from jaxpaged.spec_decode.verify import accept_drafts, redraft_in_flight
 from jaxpaged.worker import parallel
 from jaxpaged.worker.compile_progress import CompileProgress
 from jaxpaged.worker.host_memory import advise_huge_pages
@@ -25,7 +25,7 @@ from jaxpaged.worker.in_flight import carry_tokens, fill_in_flight_jit, merge_sa
 from jaxpaged.worker.runner_config import _MAX_COMPILE_THREADS, _WARMUP_BARRIER_SECONDS
 from jaxpaged.sample.sampling_batch import SamplingBatch
 from jaxpaged.worker.step_input import StepInput, empty_step, pad_sampled_tokens
-from jaxpaged.worker.step_program import prompt_logprobs_step
+from jaxpaged.worker.step_program import draft_logits, prompt_logprobs_step
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class StepCompilation:
         """prompt_logprobs_step at every T bucket (it runs only for requests that ask)."""
         return [prompt_logprobs_step.lower(self.model_config, self.params,
                                            jnp.zeros((t, self.model_config.hidden_size), self.dtype),
-                                           np.zeros(t, np.int32), batch_invariant=self.invariant_prompt_logprobs)
+                                           np.zeros(t, np.int32), batch_invariant=self.invariant_head)
                 for t in sorted({t for t, _, _ in self.config.buckets})]
 
     def lower_draft_verification(self) -> list[jax.stages.Lowered]:
@@ -179,7 +179,7 @@ class StepCompilation:
         k, V = self.config.num_speculative_tokens, self.model_config.vocab_size
         lowered = [draft_logits.lower(self.model_config, self.params,
                                       jnp.zeros((t, self.model_config.hidden_size), self.dtype),
-                                      np.zeros(m * k, np.int32))
+                                      np.zeros(m * k, np.int32), batch_invariant=self.invariant_head)
                    for t, m in self.config.draft_shapes]
         packed = {t for t, _, _ in self._verify_buckets}  # T logits rows of the packed verify buckets
         for rows in sorted(packed - set(self.config.seq_buckets)):

@@ -192,5 +192,5 @@ class AsyncDispatch:
             pending.prompt_spans = spans
             pending.prompt_arrays = prompt_logprobs_step(self.model_config, self.params, pending.hidden,
                                                          _prompt_targets(spans, len(pending.step.token_ids)),
-                                                         batch_invariant=self.invariant_prompt_logprobs)
+                                                         batch_invariant=self.invariant_head)
         pending.logits = pending.hidden = None  # the sampler has what it needs: let the device free them

@@ -55,7 +55,6 @@ from jaxpaged.spec_decode.verify import (
     _check_bitmask,
     _draft_bitmask,
     _pad_bitmask,
-    draft_logits,
     no_draft_slots,
     verify_packed,
 )
@@ -78,8 +77,8 @@ from jaxpaged.worker.step_input import (
     empty_step,
     has_random_rows,
 )
-from jaxpaged.worker.step_program import (FusedSample, _pack_for_cpu_matmul, fused_step, paged_forward,
-                                          prompt_logprobs_step)
+from jaxpaged.worker.step_program import (FusedSample, _pack_for_cpu_matmul, draft_logits, fused_step,
+                                          paged_forward, prompt_logprobs_step)
 from jaxpaged.worker.weight_layout import to_weight_layout
 
 logger = logging.getLogger(__name__)
@@ -423,7 +422,8 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         drafts of each slot, on device. pending: the dispatched step they belong to (async scheduling: its key
         steps may move back, `PendingStep.key_steps`)."""
         if not layout.packed:
-            logits = draft_logits(self.model_config, self.params, hidden, layout.token_index)  # f32[M * k, V]
+            logits = draft_logits(self.model_config, self.params, hidden, layout.token_index,
+                                  batch_invariant=self.invariant_head)  # f32[M * k, V]
             batch = make_sampling_batch(list(layout.rows), len(layout.rows), logits.shape[1],
                                         token_bitmask=_draft_bitmask(layout, grammar_bitmask))
             if pending is not None:
@@ -432,9 +432,10 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         return verify_packed(layout, sampled)
 
     @property
-    def invariant_prompt_logprobs(self) -> str | None:
-        """How prompt log-probs run batch-invariant (`prompt_logprobs_step`), as the step's weight dots do: "native"
-        on the native CPU kernels, "gemm" elsewhere (a GPU's fixed-tile GEMM); None without the mode."""
+    def invariant_head(self) -> str | None:
+        """How the LM head outside the step (prompt log-probs, unpacked drafts' logits: `step_program.head_matmul`)
+        runs batch-invariant, as the step's weight dots do: "native" on the native CPU kernels, "gemm" elsewhere (a
+        GPU's fixed-tile GEMM); None without the mode."""
         if not self.config.batch_invariant or self.mesh is not None:
             return None
         return "native" if self.config.attention.native_matmul else "gemm"
@@ -449,7 +450,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         for offset, first, count, entry in spans.values():
             targets[offset:offset + count] = entry.prompt_token_ids[first:first + count]
         out = jax.device_get(prompt_logprobs_step(self.model_config, self.params, hidden, targets,
-                                                  batch_invariant=self.invariant_prompt_logprobs))
+                                                  batch_invariant=self.invariant_head))
         return {rid: PromptLogprobs(first, *(a[offset:offset + count] for a in out))
                 for rid, (offset, first, count, _) in spans.items()}
 

@@ -64,21 +64,35 @@ def batch_invariant_matmul() -> Matmul:
                   functools.partial(cpu_matmul.supports, any_rows=True), cpu_matmul.row_sums_cpu)
 
 
+def head_matmul(batch_invariant: str | None) -> Matmul | None:
+    """The LM head's and final norm's dots outside the step (`ModelRunner.invariant_head`), as the step runs them:
+    "native" the native CPU kernels, "gemm" the fixed-tile GEMM where lowered for CUDA, None XLA's."""
+    if batch_invariant == "native":
+        return batch_invariant_matmul()
+    return gpu_invariant_matmul() if batch_invariant == "gemm" else None
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("batch_invariant",))
+def draft_logits(config: LlamaConfig, params: Params, hidden: jax.Array, rows: jax.Array, *,
+                 batch_invariant: str | None = None) -> jax.Array:
+    """hidden [T, E] (paged_forward's), rows i32[X] -> logits f32[X, V] at those fed tokens: unpacked drafts'
+    second pass over the LM head (spec_decode/verify.py's `DraftRows`); batch_invariant: `head_matmul`'s."""
+    return lm_logits(config, params, hidden[rows], head_matmul(batch_invariant))
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("batch_invariant",))
 def prompt_logprobs_step(config: LlamaConfig, params: Params, hidden: jax.Array, targets: jax.Array, *,
                          batch_invariant: str | None = None):
     """hidden [T, E] (paged_forward's), targets i32[T] -> the targets' log-probs f32[T], ranks i32[T],
     top ids i32[T, K] and top log-probs f32[T, K] (K = MAX_LOGPROBS) under the raw distribution.
-    batch_invariant (static; `ModelRunner.invariant_prompt_logprobs`), the head and norm as the step's, so a token's
-    values do not depend on T: "native" (CPU) the native kernels (`batch_invariant_matmul`), the log-sum-exp per row
-    natively (cpu_sampler.row_stats_cpu); "gemm" the fixed-tile GEMM where lowered for CUDA (`gpu_invariant_matmul`;
-    the log-softmax XLA's row reduction, as the sampler's); None: XLA's dots."""
+    batch_invariant (static; `ModelRunner.invariant_head`): the head and norm as the step's (`head_matmul`), so a
+    token's values do not depend on T; "native" takes the log-sum-exp per row natively (cpu_sampler.row_stats_cpu),
+    "gemm" (a GPU) XLA's row reduction, as the sampler's."""
+    logits = lm_logits(config, params, hidden, head_matmul(batch_invariant))  # [T, V]
     if batch_invariant == "native":
-        logits = lm_logits(config, params, hidden, batch_invariant_matmul())  # [T, V]
         logprobs = logits - cpu_sampler.row_stats_cpu(logits, logits)[1][:, None]
     else:
-        matmul = gpu_invariant_matmul() if batch_invariant == "gemm" else None
-        logprobs = jax.nn.log_softmax(lm_logits(config, params, hidden, matmul), axis=-1)  # [T, V]
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
     target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]  # [T]
     ranks = jnp.sum(logprobs > target[:, None], axis=-1, dtype=jnp.int32) + 1
     top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
