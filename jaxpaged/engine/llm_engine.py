@@ -50,7 +50,7 @@ from jaxpaged.config import (EngineArgs, _configure_compilation_cache, make_mesh
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.drafting import NO_ROOM_MAX_WAIT, Drafting
 from jaxpaged.engine.grammar import GrammarSupport
-from jaxpaged.engine.output_processor import FloatArray, OutputProcessor, _Child, _Parent, plan_parent
+from jaxpaged.engine.output_processor import FloatArray, OutputProcessor, _Child, _Parent, plan_child
 from jaxpaged.engine.validation import validate_request
 from jaxpaged.engine.weight_control import WeightControl
 from jaxpaged.errors import InvalidRequestError
@@ -186,7 +186,8 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
             except ValueError:
                 self.scheduler.abort_requests([c.request.request_id for c in parent.children])
                 raise
-        plan_parent(parent)  # queued: its children's max_model_len is the scheduler's
+        for child in parent.children:  # queued: its max_model_len is the scheduler's
+            plan_child(child)
 
     def _register(self, parent: _Parent) -> None:
         self._parents[parent.request_id] = parent

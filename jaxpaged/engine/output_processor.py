@@ -84,18 +84,6 @@ class _Parent:
     prompt_token_logprobs: np.ndarray | None = None
     # n > 1: the indices of the children that got a token since the last output (n = 1: None, the one child)
     fresh: set[int] | None = None
-    # Set by `plan_parent` once queued: its one child when n = 1 and no prompt log-probs are asked (most requests):
-    # its output is then the child's completion, made without adding up children (`_one_output`)
-    only: _Child | None = None
-
-
-def plan_parent(parent: _Parent) -> None:
-    """Decide once, when the parent is queued (its children's Requests' max_model_len set by the scheduler), what
-    its outputs and its children's tokens need: `_Parent.only` and `plan_child`."""
-    for child in parent.children:
-        plan_child(child)
-    plain = len(parent.children) == 1 and parent.prompt_logprobs is None and parent.prompt_token_logprobs is None
-    parent.only = parent.children[0] if plain else None
 
 
 def plan_child(child: _Child) -> None:
@@ -184,7 +172,7 @@ class OutputProcessor:
 
     def _outputs(self, touched: dict[str, _Parent]) -> list[RequestOutput]:
         """The outputs of the parents whose children got tokens this step, their token times recorded (one clock
-        read a step). This runs for every row every step: a parent of one child takes `_one_output`."""
+        read a step)."""
         now = time.time()
         outputs = []
         for parent in touched.values():
@@ -194,39 +182,13 @@ class OutputProcessor:
             else:
                 metrics.inter_token_latencies.append(now - metrics.last_token_time)
             metrics.last_token_time = now
-            if parent.only is not None:
-                output = self._one_output(parent, parent.only, now)
-            else:
-                fresh = parent.fresh
-                if fresh is not None:  # n > 1: the next step's start afresh
-                    parent.fresh = set()
-                output = self._make_output(parent, fresh, now)
+            fresh = parent.fresh
+            if fresh is not None:  # n > 1: the next step's start afresh
+                parent.fresh = set()
+            output = self._make_output(parent, fresh, now)
             if output is not None:
                 outputs.append(output)
         return outputs
-
-    def _one_output(self, parent: _Parent, child: _Child, now: float) -> RequestOutput | None:
-        """`_make_output` of a parent whose one child is `child` and that asked for no prompt log-probs
-        (`_Parent.only`): the same output, without adding up children or looking for prompt log-probs."""
-        request, metrics, kind = child.request, parent.metrics, parent.params.output_kind
-        status, token_ids = request.status, request.output_token_ids
-        finished = status.is_finished
-        metrics.num_generation_tokens, metrics.num_cached_tokens = len(token_ids), request.num_cached_tokens
-        if not finished and kind is RequestOutputKind.FINAL_ONLY:
-            return None
-        # `_completion`, inline (a quarter of this path's time in a call): everything, or (delta) what is new
-        delta = kind is RequestOutputKind.DELTA
-        start = child.num_sent_tokens if delta else 0
-        child.num_sent_tokens = len(token_ids)
-        text = "" if child.detokenizer is None else child.detokenizer.get_next_output_text(finished, delta)
-        completion = CompletionOutput(
-            child.index, text, token_ids[start:], child.cumulative_logprob,
-            None if child.logprobs is None else child.logprobs[start:], status.finish_reason if finished else None,
-            request.stop_reason, None if child.token_logprobs is None else child.token_logprobs.copy(start))
-        if finished:
-            self._forget(parent, now)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, [completion], finished,
-                             metrics, metrics.num_cached_tokens)
 
     def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int, ahead: int = 0) -> StopVerdict | None:
         """Record one sampled token (logprobs, text) and decide whether it ends the request.
