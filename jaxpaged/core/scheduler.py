@@ -424,7 +424,7 @@ class Scheduler:
             token_ids = sampled_token_ids.get(rid)
             if not token_ids:
                 raise ValueError(f"no sampled token for request {rid!r}, whose chunk samples")
-            if len(token_ids) > 1 and len(token_ids) > 1 + len(drafts):
+            if len(token_ids) > 1 + len(drafts):
                 raise ValueError(f"{len(token_ids)} tokens for request {rid!r}, which fed {len(drafts)} drafts")
             verdict = stops.get(rid, _NO_VERDICT)
             if verdict is None and len(token_ids) == 1 and not drafts:  # a decode that goes on (most rows)

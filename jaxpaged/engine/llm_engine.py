@@ -363,7 +363,8 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
                         request.spec_token_ids = []
             batch = self._batch_key() if proposed else None
             out = self.scheduler.schedule()
-            drafted = [e.request_id for e in out.scheduled_requests if e.spec_token_ids] if proposed or overlapped else []
+            drafted = [e.request_id for e in out.scheduled_requests if e.spec_token_ids] if proposed or overlapped \
+                else []
             if drafted:
                 self._no_room_streak = 0
                 if not all(self._verifies_overlapped(self.scheduler.get_request(rid)) for rid in drafted):

@@ -302,8 +302,9 @@ def finish_in_step(state: SamplerOutput, batch: SamplingBatch, num_top_logprobs:
     separate program, as a top-k over the vocabulary in every step (XLA:GPU sorts for k = 20) would cost
     more than one small dispatch on the steps that ask."""
     def finish() -> SamplerOutput:
-        out = state.finished()
-        if state.flags is not None:  # keyed as the program drew (its steps may have moved: async scheduling)
+        if state.flags is None:  # greedy rows only: nothing to fall back on
+            out = state.finished()
+        else:  # keyed as the program drew (its steps may have moved: async scheduling)
             random_rows = np.asarray(batch.temperature) >= GREEDY_TEMPERATURE_EPS  # host copy (a numpy batch)
             out = _finish_random(state.logits, dataclasses.replace(batch, steps=state.steps), random_rows, state)
         return with_top_logprobs(out, state.logits, num_top_logprobs)

@@ -31,9 +31,9 @@ class DraftRows:
     `verify_buckets` shape, which `prepare` picks when they do not fit in S; with the fused sampler `prepare`
     picks an S bucket with room for them, up to max_num_seqs rows): the forward's own LM head
     computes their logits (step.logits_indices points those rows at the draft positions) and they are sampled
-    with the entries' rows, in one call. Otherwise the runner's `draft_logits` (worker/step_program.py) computes them from the forward's hidden
-    states, M * k rows: a second pass over the LM head's weights (batch 1 on CPU, k = 7: the 8-token step's
-    forward 25.9 ms, then 4.7 ms for that pass, its sampler call and their sync).
+    with the entries' rows, in one call. Otherwise the runner's `draft_logits` (worker/step_program.py) computes
+    them from the forward's hidden states, M * k rows: a second pass over the LM head's weights (batch 1 on CPU,
+    k = 7: the 8-token step's forward 25.9 ms, then 4.7 ms for that pass, its sampler call and their sync).
     """
 
     packed: bool

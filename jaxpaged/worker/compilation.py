@@ -49,7 +49,8 @@ class StepCompilation:
                     platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         """The fused step (`fused_step`: forward, sampler, draft acceptance) lowered at `step`'s shapes, its
         greedy-only program or (random) the one with random rows; the compiled program takes
-        (params, kv, step, SamplingBatch: `neutral_sampling`'s kind) and returns ((sample, num_accepted, next_tokens), hidden, kv). platforms: as in `lower`."""
+        (params, kv, step, SamplingBatch: `neutral_sampling`'s kind) and returns ((sample, num_accepted,
+        next_tokens), hidden, kv). platforms: as in `lower`."""
         args = (self.model_config, self.config.attention, random, self.params, self.kv, step,
                 self.neutral_sampling(step))
         if platforms is None:

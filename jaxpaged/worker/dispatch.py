@@ -31,13 +31,12 @@ from jaxpaged.worker.in_flight import (
     _in_flight_history,
     _outcome_in_flight,
     _placeholder_sources,
-    _prompt_targets,
     _shift_rows,
     _with_history,
     fill_in_flight_jit,
     merge_sampled_tokens,
 )
-from jaxpaged.worker.runner_output import prompt_logprob_spans
+from jaxpaged.worker.runner_output import prompt_logprob_spans, prompt_targets
 from jaxpaged.worker.step_input import GrammarBitmask, StepInput
 from jaxpaged.worker.step_program import prompt_logprobs_step
 
@@ -191,6 +190,6 @@ class AsyncDispatch:
         if spans:
             pending.prompt_spans = spans
             pending.prompt_arrays = prompt_logprobs_step(self.model_config, self.params, pending.hidden,
-                                                         _prompt_targets(spans, len(pending.step.token_ids)),
+                                                         prompt_targets(spans, len(pending.step.token_ids)),
                                                          batch_invariant=self.invariant_head)
         pending.logits = pending.hidden = None  # the sampler has what it needs: let the device free them

@@ -21,7 +21,7 @@ from jaxpaged.sample.sampler import SamplerOutput
 from jaxpaged.sample.sampling_batch import RowInfo, SamplingBatch
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode.verify import DraftRows, Redraft, VerifiedDrafts, verify_packed
-from jaxpaged.worker.runner_output import ModelRunnerOutput, PromptLogprobs
+from jaxpaged.worker.runner_output import ModelRunnerOutput, split_prompt_logprobs
 from jaxpaged.worker.step_input import StepInput, has_random_rows, pad_sampled_tokens
 
 
@@ -77,9 +77,7 @@ class PendingStep:
         sampled = self.sampler_output()
         prompt = {}
         if self.prompt_spans:
-            out = jax.device_get(self.prompt_arrays)
-            prompt = {rid: PromptLogprobs(first, *(a[offset:offset + count] for a in out))
-                      for rid, (offset, first, count, _) in self.prompt_spans.items()}
+            prompt = split_prompt_logprobs(self.prompt_spans, jax.device_get(self.prompt_arrays))
         drafts = None if self.drafts is None else self.drafts.to_host()
         return ModelRunnerOutput.from_sampler(self.entries, jax.device_get(sampled), prompt, drafts)
 
@@ -259,14 +257,6 @@ def _placeholder_sources(entries: Sequence[ScheduledRequest], step: StepInput,
     if not np.array_equal(sources >= 0, step.token_ids == PLACEHOLDER_TOKEN_ID):
         raise RuntimeError("placeholder tokens outside the placeholder entries' single token")
     return sources
-
-
-def _prompt_targets(spans: dict, num_tokens: int) -> np.ndarray:
-    """i32[T]: the prompt token each fed position of the spans predicts (0 elsewhere)."""
-    targets = np.zeros(num_tokens, np.int32)
-    for offset, first, count, entry in spans.values():
-        targets[offset:offset + count] = entry.prompt_token_ids[first:first + count]
-    return targets
 
 
 def sampling_row(entry: ScheduledRequest, position: int | None = None, before: Sequence[int] = (),

@@ -67,7 +67,8 @@ from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.kv_scales import check_kv_scales
 from jaxpaged.worker.live_weights import LiveWeights, RunnerSleep
 from jaxpaged.worker.runner_config import INT8_DOTS, RunnerConfig, check_fp8_kv_support, fp8_gemm, packs_weights
-from jaxpaged.worker.runner_output import ModelRunnerOutput, PromptLogprobs, prompt_logprob_spans
+from jaxpaged.worker.runner_output import (ModelRunnerOutput, PromptLogprobs, prompt_logprob_spans, prompt_targets,
+                                          split_prompt_logprobs)
 from jaxpaged.worker.step_input import (
     FaultInjector,
     GrammarBitmask,
@@ -378,8 +379,8 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
                                    draft_ids=draft_ids, redraft=redraft)
 
     def _run_fused(self, step: StepInput, sampling: SamplingBatch) -> tuple[FusedSample, jax.Array]:
-        """((sample, num_accepted, next_tokens), hidden [T, E]) from the fused program `warmup` compiled for the step's shape and batch
-        (greedy-only or not; else the jitted one, compiling on first use)."""
+        """((sample, num_accepted, next_tokens), hidden [T, E]) from the fused program `warmup` compiled for the
+        step's shape and batch (greedy-only or not; else the jitted one, compiling on first use)."""
         random = has_random_rows(sampling)
         compiled = self.compiled_fused_program(step, random)
         if compiled is not None:
@@ -446,13 +447,9 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         spans = prompt_logprob_spans(entries)
         if not spans:
             return {}
-        targets = np.zeros(len(step.token_ids), np.int32)  # [T]: the token each fed position predicts
-        for offset, first, count, entry in spans.values():
-            targets[offset:offset + count] = entry.prompt_token_ids[first:first + count]
-        out = jax.device_get(prompt_logprobs_step(self.model_config, self.params, hidden, targets,
-                                                  batch_invariant=self.invariant_head))
-        return {rid: PromptLogprobs(first, *(a[offset:offset + count] for a in out))
-                for rid, (offset, first, count, _) in spans.items()}
+        out = prompt_logprobs_step(self.model_config, self.params, hidden, prompt_targets(spans, len(step.token_ids)),
+                                   batch_invariant=self.invariant_head)
+        return split_prompt_logprobs(spans, jax.device_get(out))
 
     # ---- async scheduling: the step in three calls (module docstring) ----
 
@@ -492,4 +489,3 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         if self.multi_process and parallel.is_leader() and not self._followers_released:
             self._followers_released = True
             parallel.broadcast_step(None, empty_step)
-

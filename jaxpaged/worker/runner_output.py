@@ -99,3 +99,17 @@ def prompt_logprob_spans(entries: Sequence[ScheduledRequest]) -> dict[str, tuple
                 spans[entry.request_id] = (offset, entry.start_position + 1, count, entry)
         offset += entry.num_tokens
     return spans
+
+
+def prompt_targets(spans: dict, num_tokens: int) -> np.ndarray:
+    """i32[T]: the prompt token each fed position of `prompt_logprob_spans`' spans predicts (0 elsewhere)."""
+    targets = np.zeros(num_tokens, np.int32)
+    for offset, first, count, entry in spans.values():
+        targets[offset:offset + count] = entry.prompt_token_ids[first:first + count]
+    return targets
+
+
+def split_prompt_logprobs(spans: dict, arrays: tuple) -> dict[str, PromptLogprobs]:
+    """Each span's rows of `prompt_logprobs_step`'s host outputs (target log-probs, ranks, top ids, top log-probs)."""
+    return {rid: PromptLogprobs(first, *(a[offset:offset + count] for a in arrays))
+            for rid, (offset, first, count, _) in spans.items()}

@@ -233,8 +233,8 @@ def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, pa
 
 
 # A fused step's sampling results, on device (held by `PendingStep`, or read at once by a synchronous step):
-# the sampler's unfinished output (before its rare fallbacks: `sampler.finish_in_step`); i32[S] slot m's accepted drafts,
-# valid when no fallback changed a token; i32[R] the sampled ids zero-padded, the next step's previous_tokens
+# the sampler's unfinished output (before its rare fallbacks: `sampler.finish_in_step`); i32[S] slot m's accepted
+# drafts, valid when no fallback changed a token; i32[R] the sampled ids zero-padded, the next step's previous_tokens
 FusedSample = tuple[sampler.SamplerOutput, jax.Array, jax.Array]
 
 
