@@ -64,6 +64,10 @@ from jaxpaged.worker import runner_config, step_program  # noqa: E402
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxpaged.models import llama  # noqa: E402
+try:  # the weight dots' forms (a --before-tree may hold them in llama.py)
+    from jaxpaged.models import weight_dots  # noqa: E402
+except ImportError:
+    weight_dots = llama
 from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch
 from jaxpaged.sample.sampler import sample_jit  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
@@ -98,8 +102,8 @@ def _patched_forward(attend, *args):
 def _dot(x, w):
     """One 2-D dot: x [T, E] times a weight [E, ...] (an input projection), or x [T, H, D] times wo [H, D, E].
     A weight the runner holds packed (the native CPU matmul's blocks) goes through its own product."""
-    if isinstance(w, getattr(llama, "PackedWeight", ())):  # (a --before-tree may predate it)
-        return llama.dot_weight(x.reshape(x.shape[0], -1), w, None, "")
+    if isinstance(w, getattr(weight_dots, "PackedWeight", ())):  # (a --before-tree may predate it)
+        return weight_dots.dot_weight(x.reshape(x.shape[0], -1), w, None, "")
     if x.ndim == 2:
         return (x @ w.reshape(x.shape[1], -1)).reshape(x.shape[0], *w.shape[1:])
     return x.reshape(x.shape[0], -1) @ w.reshape(-1, w.shape[-1])
@@ -130,7 +134,7 @@ def matmuls_only(config, params, token_ids, logits_indices):
         for p in params["layers"]:
             h, _ = layer(h, p)
     else:  # packed stacks are read at each layer's index in place, as the step does (a scanned slice is a copy)
-        packed_type = getattr(llama, "PackedWeight", ())
+        packed_type = getattr(weight_dots, "PackedWeight", ())
         packed = {n: w for n, w in params["layers"].items() if isinstance(w, packed_type)}
         sliced = {n: w for n, w in params["layers"].items() if n not in packed}
         num_layers = config.num_hidden_layers

@@ -38,7 +38,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from attention import LLAMA3_8B, copy_bandwidth  # noqa: E402  (one definition for both GPU benchmarks)
 from jaxpaged.config import EngineArgs  # noqa: E402
 from jaxpaged.engine.llm_engine import LLMEngine  # noqa: E402
-from jaxpaged.models.llama import LlamaConfig, WeightLayout, init_params  # noqa: E402
+from jaxpaged.models.llama import LlamaConfig  # noqa: E402
+from jaxpaged.models.params import WeightLayout, init_params  # noqa: E402
 from jaxpaged.models.loader import LoadedModel  # noqa: E402
 from jaxpaged.sample.sampler import sample_jit  # noqa: E402
 from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch  # noqa: E402

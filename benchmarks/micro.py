@@ -122,8 +122,8 @@ def weight_bytes(model: str = "smollm2-135m-instruct", dtype: str = "float32") -
     """Bytes of weights a batch-1 decode step reads: every param of the model at `dtype` (the
     GGUF's config, no weights loaded; a tied embedding counted once)."""
     from jaxpaged.models.gguf_loader import gguf_config, open_gguf  # pylint: disable=import-outside-toplevel
-    from jaxpaged.models.llama import param_shapes  # pylint: disable=import-outside-toplevel
     from jaxpaged.models.loader import parse_dtype, resolve_model_path  # pylint: disable=import-outside-toplevel
+    from jaxpaged.models.params import param_shapes  # pylint: disable=import-outside-toplevel
     config = gguf_config(open_gguf(resolve_model_path(model)))
     shapes = param_shapes(config)
     leaves = [shapes["embed"], shapes["final_norm"], *shapes["layers"].values()]
@@ -203,7 +203,8 @@ def tiny_model(served: bool):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jaxpaged.models.llama import LlamaConfig, init_params
+    from jaxpaged.models.llama import LlamaConfig
+    from jaxpaged.models.params import init_params
     from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
     from jaxpaged.tokenizer import GenerationConfig
     from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout

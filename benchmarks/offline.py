@@ -425,7 +425,8 @@ def run_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, log
 def invariant_engine_rows(args) -> None:
     """Part 2: per mode, a request alone vs beside 63 others (bits), and 64 concurrent requests' tokens/s."""
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    from jaxpaged.models.llama import LlamaConfig, init_params  # pylint: disable=import-outside-toplevel
+    from jaxpaged.models.llama import LlamaConfig  # pylint: disable=import-outside-toplevel
+    from jaxpaged.models.params import init_params  # pylint: disable=import-outside-toplevel
     from jaxpaged.models.loader import LoadedModel  # pylint: disable=import-outside-toplevel
     from jaxpaged.tokenizer import GenerationConfig  # pylint: disable=import-outside-toplevel
     from gpu_engine import SMOKE, Report  # pylint: disable=import-outside-toplevel

@@ -32,6 +32,8 @@ import optax
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models import llama
+from jaxpaged.models.params import fuse_gate_up, fuse_qkv
+from jaxpaged.models.weight_dots import Matmul
 from jaxpaged.worker.live_weights import hf_slots, to_hf
 from jaxpaged.worker.runner_config import cpu_compiler_options
 from pallas_kernels import cpu_attention, cpu_matmul, cpu_rope, cpu_sampler
@@ -160,14 +162,14 @@ native_log_softmax.defvjp(
     lambda x, g: (g - jax.nn.softmax(x, axis=-1) * jnp.sum(g, axis=-1, keepdims=True),))
 
 
-def trainer_matmul() -> llama.Matmul | None:
+def trainer_matmul() -> Matmul | None:
     """The trainer's weight dots and norm sums: the engine's own products where they build (so its forward
     reproduces the engine's log-probs closely), else None (XLA's)."""
     if jax.default_backend() != "cpu" or not all(m.SOURCE and load() for m, load in (
             (cpu_matmul, cpu_matmul.load_cpu_matmul), (cpu_attention, cpu_attention.load_cpu_attention),
             (cpu_rope, cpu_rope.load_cpu_rope), (cpu_sampler, cpu_sampler.load_cpu_sampler))):
         return None
-    return llama.Matmul(native_dot, lambda x, w: x.ndim == 2 and x.dtype == w.dtype == jnp.float32,
+    return Matmul(native_dot, lambda x, w: x.ndim == 2 and x.dtype == w.dtype == jnp.float32,
                         native_row_sums)
 
 
@@ -191,8 +193,8 @@ def token_logprobs(config: llama.LlamaConfig, params: llama.Params, tokens: jax.
 
     def layer(h, p):  # q/k/v and gate/up fused as the engine holds them: one product each, on `matmul`
         fused = {n: w for n, w in p.items() if n not in ("wq", "wk", "wv", "w_gate", "w_up")}
-        fused.update(wqkv=llama.fuse_qkv(config, p["wq"], p["wk"], p["wv"]),
-                     w_gate_up=llama.fuse_gate_up(p["w_gate"], p["w_up"]))
+        fused.update(wqkv=fuse_qkv(config, p["wq"], p["wk"], p["wv"]),
+                     w_gate_up=fuse_gate_up(p["w_gate"], p["w_up"]))
         return llama.decoder_layer(config, fused, h, cos, sin, attend, matmul)[0], None
 
     h = llama.embed_tokens(params, inputs.reshape(-1), config)  # [B * T, E]

@@ -20,7 +20,8 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxpaged.worker import parallel
-from jaxpaged.models.llama import Llama3RopeScaling, LlamaConfig, Params, param_shapes
+from jaxpaged.models.llama import Llama3RopeScaling, LlamaConfig, Params
+from jaxpaged.models.params import param_shapes
 
 CONFIG_FILE = "jaxpaged_config.json"
 PARAMS_DIR = "params"

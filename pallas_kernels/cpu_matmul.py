@@ -22,9 +22,9 @@ contiguous run) it takes any row count and matches or beats XLA's dots at
 every one (the stack above: 1 row 12.5 vs XLA's 12.5, and 8.8 in a run
 where the VM's memory ran faster; 4 rows 16.0 -> 13.4, 32 rows 24.3,
 128 rows 100 -> 83, 256 rows 185 -> 175): the runner holds the weights it
-can so (`llama.pack_weights`, a `llama.PackedWeight` each).
+can so (`weight_dots.pack_weights`, a `weight_dots.PackedWeight` each).
 
-The model's weight dots call it through `llama.Matmul` when the step asks for
+The model's weight dots call it through `weight_dots.Matmul` when the step asks for
 it (`AttentionConfig.native_matmul`, set by the runner with the native CPU
 attention). Compiled on first use and registered once per process
 (cpu_build.py); `load_cpu_matmul` is False where it can't be built. The

@@ -470,7 +470,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m("spec-drafts-always-accepted", "engine: speculative decoding", "jaxpaged/spec_decode/verify.py",
        "return jnp.sum(jnp.cumprod(match, axis=1), axis=1)", "return jnp.sum(jnp.ones_like(match), axis=1)",
        SPEC + "test_sampling_distribution_is_the_models"),
-    _m("fused-qkv-k-v-swapped", "engine: weight layout", "jaxpaged/models/llama.py",
+    _m("fused-qkv-k-v-swapped", "engine: weight layout", "jaxpaged/models/params.py",
        "return jnp.concatenate([q, wk[..., None, :], wv[..., None, :]], axis=-2)",
        "return jnp.concatenate([q, wv[..., None, :], wk[..., None, :]], axis=-2)",
        "tests/test_weight_layout.py::test_every_layout_gives_the_same_logits_and_pool"),

@@ -17,6 +17,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import EngineArgs
 from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.models import llama
+from jaxpaged.models.params import fuse_gate_up, fuse_qkv, init_params
 from jaxpaged.worker import model_runner as runner_module
 from jaxpaged.worker.runner_config import CPU_SMALL_STEP_OPTIONS, RunnerConfig
 from jaxpaged.worker import step_program
@@ -177,10 +178,10 @@ def test_norms_and_dots_are_row_invariant_at_every_row_count():
     """One decoder layer on the batch-invariant product: each of 64 rows equals the row computed alone (XLA:CPU's
     own reduction and rsqrt change with the row count: the mode's reason for `Matmul.row_sums`)."""
     config = llama.LlamaConfig(vocab_size=260, num_hidden_layers=1, **HD64)
-    params = llama.init_params(config, jax.random.PRNGKey(0))
+    params = init_params(config, jax.random.PRNGKey(0))
     p = jax.tree.map(lambda x: x[0], params["layers"])
-    p = dict(p, wqkv=llama.fuse_qkv(config, p.pop("wq"), p.pop("wk"), p.pop("wv")),
-             w_gate_up=llama.fuse_gate_up(p.pop("w_gate"), p.pop("w_up")))
+    p = dict(p, wqkv=fuse_qkv(config, p.pop("wq"), p.pop("wk"), p.pop("wv")),
+             w_gate_up=fuse_gate_up(p.pop("w_gate"), p.pop("w_up")))
     h = jnp.asarray(np.random.default_rng(0).standard_normal((64, 128)), jnp.float32)
     matmul = batch_invariant_matmul()
 
@@ -204,7 +205,7 @@ def test_unpacked_drafts_logits_are_row_invariant():
     (a vocabulary no multiple of 64) and final norm on the native kernels as in the step (XLA's dots, without the
     mode, differ in about a third of the values here)."""
     config = llama.LlamaConfig(vocab_size=260, num_hidden_layers=1, tie_word_embeddings=False, **HD64)
-    params = llama.init_params(config, jax.random.PRNGKey(0))
+    params = init_params(config, jax.random.PRNGKey(0))
     hidden = jnp.asarray(np.random.default_rng(1).standard_normal((24, 128)), jnp.float32)
 
     def logits(rows: np.ndarray) -> np.ndarray:
@@ -272,7 +273,7 @@ def test_the_gpu_step_runs_every_weight_dot_on_the_kernel(tied):
     embedding too) are the fixed-tile GEMM's custom calls, the norms' sums (the layer's two, the final one) its
     16-wide product, and no dot_general is left; without it, none; lowered for the CPU, none either (XLA's dots)."""
     config = dataclasses.replace(GPU_MODEL, tie_word_embeddings=tied)
-    params = llama.init_params(config, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+    params = init_params(config, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
     counts = {}
     for invariant in (True, False):
         runner_config = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=16,
@@ -303,7 +304,7 @@ def test_the_gpu_head_outside_the_step_runs_on_the_kernel(tied, program):
     "gemm"), lowered for CUDA from this CPU: the head (a tied one's [V, E] embedding too) is the fixed-tile GEMM's
     custom call, the final norm's sum its 16-wide product, no dot_general left; without the mode, XLA's dot."""
     config = dataclasses.replace(GPU_MODEL, tie_word_embeddings=tied)
-    params = llama.init_params(config, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+    params = init_params(config, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
     runner = runner_module.ModelRunner(config, params, RunnerConfig(
         max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=16, num_pages=32,
         attention_backend="pallas", min_token_bucket=1, batch_invariant=True))

@@ -16,7 +16,9 @@ from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.generate import greedy_generate
-from jaxpaged.models.llama import UNFUSED, PackedWeight, forward_jit
+from jaxpaged.models.llama import forward_jit
+from jaxpaged.models.params import UNFUSED
+from jaxpaged.models.weight_dots import PackedWeight
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from pallas_kernels.cpu_matmul import dequantize_int8, quantize_int8, quantize_rows_int8

@@ -35,7 +35,7 @@ from tests.test_async_scheduling import ABORTS, BASE, compiles_while, mix, run, 
 from tests.test_engine import mixed_prompts
 from tests.test_spec_decode import OracleProposer, repetitive_prompts, run_all, tokens
 from tests.test_weight_layout import SMALL, entry, runner_config, small_params  # noqa: F401  (a fixture)
-from jaxpaged.models.llama import WeightLayout
+from jaxpaged.models.params import WeightLayout
 
 # every proposed draft verified (no adaptive draft length, whose cuts follow this machine's step times)
 SPEC3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.models.llama import PackedWeight
+from jaxpaged.models.weight_dots import PackedWeight
 from jaxpaged.worker.live_weights import WeightUpdateError, hf_slots
 from tests.conftest import make_tiny_checkpoint
 from tests.models.tiny_families import FAMILY_VARIANTS, make_family_checkpoint

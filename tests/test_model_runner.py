@@ -22,7 +22,9 @@ from jaxpaged.worker.runner_config import (CPU_COMPILER_OPTIONS, CPU_SMALL_STEP_
 from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.worker.step_input import kv_bytes_per_page
 from jaxpaged.worker.step_program import paged_forward
-from jaxpaged.models.llama import PackedWeight, WeightLayout, forward_jit, unstack_layers
+from jaxpaged.models.llama import forward_jit
+from jaxpaged.models.params import WeightLayout, unstack_layers
+from jaxpaged.models.weight_dots import PackedWeight
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -353,7 +355,7 @@ def test_bf16_model_on_cpu_gets_an_f32_pool_written_in_place(tiny):
 def test_pack_weights_packs_stacked_and_per_layer_params_and_consumes_only_what_it_packed(tiny):
     from jaxpaged.worker.host_memory import HugePageArena
     from jaxpaged.worker.step_program import _pack_for_cpu_matmul
-    from jaxpaged.models.llama import pack_weights
+    from jaxpaged.models.weight_dots import pack_weights
     from jaxpaged.worker.weight_layout import to_weight_layout
     arena = HugePageArena(1 << 22)
     pack = functools.partial(_pack_for_cpu_matmul, arena=arena)

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpaged.worker import parallel
 from jaxpaged.config import EngineArgs
-from jaxpaged.models.llama import LlamaConfig, WeightLayout, init_params, param_shapes
+from jaxpaged.models.llama import LlamaConfig
+from jaxpaged.models.params import WeightLayout, init_params, param_shapes
 from jaxpaged.worker.weight_layout import to_weight_layout
 
 ROOT = Path(__file__).resolve().parents[1]

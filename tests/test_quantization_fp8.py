@@ -19,7 +19,8 @@ import pytest
 from jaxpaged.config import EngineArgs
 from jaxpaged.core.scheduler_output import ScheduledRequest
 from jaxpaged.models import fp8
-from jaxpaged.models.llama import LlamaConfig, UnsupportedModelError, init_params, param_shapes
+from jaxpaged.models.llama import LlamaConfig, UnsupportedModelError
+from jaxpaged.models.params import init_params, param_shapes
 from jaxpaged.models.loader import load_model
 from jaxpaged.models.quant_config import parse_quantization_config
 from jaxpaged.models.weights import WeightLoadError

@@ -16,7 +16,8 @@ from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.worker.runner_config import (GPU_COMMAND_BUFFERS, RunnerConfig, command_buffer_options,
                                            gpu_compiler_options, packs_weights)
 from jaxpaged.worker.model_runner import ModelRunner
-from jaxpaged.models.llama import LlamaConfig, WeightLayout, forward_jit, init_params, param_shapes
+from jaxpaged.models.llama import LlamaConfig, forward_jit
+from jaxpaged.models.params import WeightLayout, init_params, param_shapes
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.core.scheduler_output import ScheduledRequest

@@ -1,7 +1,7 @@
 """FP8 weight dots (`--quantization fp8`): weights as float8_e4m3fn with a float32 scale per output channel.
 
 `quantize_params` turns the step's weight dots' weights (wqkv, wo, w_gate_up, w_down; the embedding and the
-LM head stay as loaded, as in vLLM) into `Fp8Weight`s, and `llama.dot_weight` hands those to `fp8_dot`, in
+LM head stay as loaded, as in vLLM) into `Fp8Weight`s, and `weight_dots.dot_weight` hands those to `fp8_dot`, in
 one of two forms (`Fp8Weight.gemm`, chosen per backend by runner_config.fp8_gemm):
   - gemm=True (a GPU with FP8 tensor cores, compute capability >= 8.9): x is quantised per token at run
     time (dynamic: each row's max |x| / 448) and the dot is dot_general(x8 [M, K], q [N, K]) on
@@ -114,7 +114,7 @@ def reference_dot(x: jax.Array, w: Fp8Weight) -> jax.Array:
 
 
 def quantizer(gemm: bool) -> Callable[[jax.Array, tuple[int, ...]], Fp8Weight]:
-    """A `llama.pack_weights` packer: a weight's 2-D view w2 [(L,) K, N] and one layer's shape -> Fp8Weight."""
+    """A `weight_dots.pack_weights` packer: a weight's 2-D view w2 [(L,) K, N] and one layer's shape -> Fp8Weight."""
     quantize = jax.jit(quantize_weight)
 
     def pack(w2: jax.Array, shape: tuple[int, ...]) -> Fp8Weight:
@@ -129,8 +129,8 @@ def quantize_params(params, gemm: bool, *, consume: bool = False):
     Fp8Weights, quantised on the device one weight at a time; the embedding, norms and LM head as they are.
     consume=True deletes each source weight once quantised (device memory then peaks at the weights plus one
     weight's float32 temporaries). Params quantised already come back as they are."""
-    # llama.py imports Fp8Weight from here for its dots: its packer is imported at the call
-    from jaxpaged.models.llama import pack_weights  # pylint: disable=import-outside-toplevel
+    # weight_dots.py imports Fp8Weight from here for its dots: its packer is imported at the call
+    from jaxpaged.models.weight_dots import pack_weights  # pylint: disable=import-outside-toplevel
     layers = params["layers"]
     first = layers[0] if isinstance(layers, (list, tuple)) else layers
     if isinstance(first.get("wqkv"), Fp8Weight):  # quantised already (the engine's, before sizing the KV pool)

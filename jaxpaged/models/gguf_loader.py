@@ -18,7 +18,8 @@ from gguf.quants import dequantize
 
 from jaxpaged.models import registry
 from jaxpaged.models.gguf_file import GGUFFile
-from jaxpaged.models.llama import LlamaConfig, Params, UnsupportedModelError, param_shapes
+from jaxpaged.models.llama import LlamaConfig, Params, UnsupportedModelError
+from jaxpaged.models.params import param_shapes
 from jaxpaged.models.weights import WeightLoadError, assemble_params
 
 SUPPORTED_TYPES = frozenset({

@@ -23,12 +23,13 @@ Params pytree (layer weights stacked on a leading L axis, scanned over):
     final_norm  [E]
     lm_head     [E, V]        (absent when the embeddings are tied)
 That is the checkpoint layout (loaders, converters and `forward` use it). The engine's step may hold
-the layers another way (`WeightLayout`, `to_weight_layout`): projections sharing an input fused,
+the layers another way (`WeightLayout` in jaxpaged/models/params.py, `to_weight_layout`): projections sharing
+an input fused,
     wqkv      [L, E, K, G + 2, D]  per kv head: its G query heads, then its k and its v
     w_gate_up [L, E, 2, F]         gate, then up
 (replacing wq/wk/wv and w_gate/w_up: one gemm each), and/or "layers" as a list of L per-layer dicts
 (no weight is sliced out of a stack at run time). `decoder_layer` takes every layout. On CPU the engine's
-runner also holds the weight dots' weights as `PackedWeight`s (`pack_weights`: the native matmul's
+runner also holds the weight dots' weights as `PackedWeight`s (jaxpaged/models/weight_dots.py: the native matmul's
 contiguous column blocks), which `dot_weight` hands to their own product; with --quantization fp8 they are
 `Fp8Weight`s (jaxpaged/models/fp8.py: float8_e4m3fn [N, K] and a scale per output channel), likewise.
 Letters: B batch, T/S query/key tokens, E hidden, H query heads, K kv heads,
@@ -40,13 +41,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.models.fp8 import Fp8Weight
+from jaxpaged.models.weight_dots import Matmul, PackedWeight, dot_weight
 
 Params = dict[str, Any]
 
@@ -157,9 +159,6 @@ class LlamaConfig:
         return registry.config_from_hf(hf)
 
 
-ModelConfig = LlamaConfig  # the one config of every family
-
-
 # ----------------------------------------------------------------------------- math
 
 
@@ -186,11 +185,6 @@ def rope_inv_freq(config: LlamaConfig, local: bool = False) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def rope_cos_sin(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [..., T, D] (float32) for integer positions [..., T] (global layers' RoPE)."""
-    return cos_sin(jnp.asarray(rope_inv_freq(config)), positions)
 
 
 def cos_sin(inv_freq: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -257,115 +251,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0,
 def norm(config: LlamaConfig, x: jax.Array, weight: jax.Array, matmul: Matmul | None = None) -> jax.Array:
     return rms_norm(x, weight, config.rms_norm_eps, config.norm_weight_offset,
                     None if matmul is None else matmul.row_sums)
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedWeight:
-    """A weight dot's w [K, ...] held in a layout only its own product reads (the paged engine on CPU: the
-    native matmul's contiguous column blocks, `pack_weights`). data: that layout, for one layer or (stacked
-    layers) every layer on a leading L axis; shape: one layer's w's 2-D-viewable shape [K, ...] (wo's is
-    [H * D, E]); dot: fn(x [M, K], data, layer, scale, rows) -> [M, prod(shape[1:])] (static); layer: which
-    layer of stacked data the product reads (int32 scalar; None for one layer's data); scale: weight-only
-    int8's scales (data then holds the int8 values; pallas_kernels/cpu_matmul.py), None for float weights;
-    rows: how many of x's first rows the product computes (int32 scalar: a padded step's real tokens, the
-    other rows' products are zeros; None: all). A layer scan hands each step the whole stack with its
-    layer (`at_layer`), so no weight is sliced out of the stack."""
-    data: jax.Array
-    shape: tuple[int, ...]
-    dot: Callable[..., jax.Array]
-    layer: jax.Array | None = None
-    scale: jax.Array | None = None
-    rows: jax.Array | None = None
-
-    def at_layer(self, layer: jax.Array) -> PackedWeight:
-        """Stacked data read at `layer` (a traced int32 scalar inside a scan)."""
-        return dataclasses.replace(self, layer=layer)
-
-
-jax.tree_util.register_dataclass(PackedWeight, data_fields=["data", "layer", "scale", "rows"],
-                                 meta_fields=["shape", "dot"])
-
-
-def with_live_rows(tree, rows: jax.Array):
-    """`tree` (params or part of them) with each PackedWeight's product limited to x's first `rows` rows
-    (int32 scalar): a padded step's real tokens, so padding costs its weight dots nothing."""
-    return jax.tree.map(lambda w: dataclasses.replace(w, rows=rows) if isinstance(w, PackedWeight) else w, tree,
-                        is_leaf=lambda w: isinstance(w, PackedWeight))
-
-
-def dot_view(name: str, w, num_lead: int = 0):
-    """A weight dot's weight (`num_lead` stacking axes, then one layer's shape) as its 2-D view [(L,) K, N]:
-    wo [H, D, E] -> [H * D, E], the others [E, ...] -> [E, the rest] (numpy or jax arrays alike)."""
-    lead = w.shape[:num_lead]
-    return w.reshape(*lead, -1, w.shape[-1]) if name == "wo" else w.reshape(*lead, w.shape[num_lead], -1)
-
-
-def pack_weights(params: Params, pack: Callable[[jax.Array, tuple[int, ...]], PackedWeight | None], *,
-                 consume: bool = False) -> Params:
-    """Params with each weight dot's weight (wqkv, wo, w_gate_up, w_down, lm_head) as `pack(w2, shape)`
-    of its 2-D view w2 [K, N] and one layer's shape (wo: both [H * D, E]) where that is not None; the rest
-    as it is. Stacked layers ({name: [L, ...]}) pack as stacked views w2 [L, K, N] (`pack` returns stacked
-    data), per-layer ones one layer at a time. consume=True deletes each source array once packed (the
-    caller's params become unusable)."""
-
-    def one(name: str, w, stacked: bool = False):
-        if isinstance(w, PackedWeight):
-            return w
-        lead = w.shape[:1] if stacked else ()
-        view = dot_view(name, w, len(lead))
-        packed = pack(view, view.shape[len(lead):] if name == "wo" else w.shape[len(lead):])
-        if packed is None:
-            return w
-        if consume and not w.is_deleted():
-            w.delete()
-        return packed
-
-    if isinstance(params["layers"], (list, tuple)):
-        layers = [{name: one(name, w) if name in PACKED_WEIGHTS else w for name, w in layer.items()}
-                  for layer in params["layers"]]
-    else:
-        layers = {name: one(name, w, stacked=True) if name in PACKED_WEIGHTS else w
-                  for name, w in params["layers"].items()}
-    out = dict(params, layers=layers)
-    if "lm_head" in params:
-        out["lm_head"] = one("lm_head", params["lm_head"])
-    return out
-
-
-PACKED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")  # the layer weights `pack_weights` packs
-
-
-class Matmul(NamedTuple):
-    """A step's own 2-D product for its weight dots (the paged engine's native CPU matmul): fn(x [M, K],
-    w [K, N]) -> [M, N], used where takes(x, w); elsewhere, and without one, the einsums as written."""
-    fn: Callable[[jax.Array, jax.Array], jax.Array]
-    takes: Callable[[jax.Array, jax.Array], bool]
-    # batch-invariant mode: x [..., E] -> sums over E [..., 1], each row in one order at any row count (the
-    # norms' reductions; `rms_norm`); None: XLA's
-    row_sums: Callable[[jax.Array], jax.Array] | None = None
-    # x [M, E] @ embed [V, E] transposed -> [M, V]: a tied LM head's product on the step's own GEMM
-    # (batch-invariant mode on a GPU, jaxpaged/worker/invariant_dots.py); None: XLA's einsum
-    fn_t: Callable[[jax.Array, jax.Array], jax.Array] | None = None
-
-
-def dot_weight(x: jax.Array, w: jax.Array, matmul: Matmul | None, spec: str,
-               preferred_element_type=None) -> jax.Array:
-    """x [T, E] @ w [E, ...] -> [T, ...]: a PackedWeight's own product; else matmul on w's 2-D view (a free
-    reshape) if it takes the shapes, else jnp.einsum(spec, x, w); in preferred_element_type (default x's). An
-    Fp8Weight (--quantization fp8) runs its own FP8 or weight-only dot (jaxpaged/models/fp8.py)."""
-    if isinstance(w, Fp8Weight):
-        y = w.dot(x.reshape(-1, x.shape[-1])).astype(preferred_element_type or x.dtype)
-        return y.reshape(*x.shape[:-1], *w.shape[1:])
-    if isinstance(w, PackedWeight):
-        y = w.dot(x.reshape(-1, x.shape[-1]), w.data, w.layer, w.scale, w.rows)
-        y = y.astype(preferred_element_type or x.dtype)
-        return y.reshape(*x.shape[:-1], *w.shape[1:])
-    if matmul is not None and x.ndim == 2:
-        w2 = w.reshape(w.shape[0], -1)
-        if matmul.takes(x, w2):
-            y = matmul.fn(x, w2).astype(preferred_element_type or x.dtype)
-            return y.reshape(x.shape[0], *w.shape[1:])
-    return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
 
 
 def mlp(p: Params, x: jax.Array, hidden_act: str = "silu", matmul: Matmul | None = None) -> jax.Array:
@@ -507,97 +392,6 @@ def forward(config: LlamaConfig, params: Params, token_ids: jax.Array) -> jax.Ar
 
 
 forward_jit = jax.jit(forward, static_argnums=0)
-
-
-# ----------------------------------------------------------------------------- params
-
-
-UNFUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # fused name -> the checkpoint's
-
-
-def param_shapes(config: LlamaConfig, fused: bool = False) -> Params:
-    """Shapes of the params pytree, stacked layers (see the module docstring); fused: wqkv, w_gate_up."""
-    c = config
-    e, h, k, d, f, n = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, \
-        c.intermediate_size, c.num_hidden_layers
-    shapes: Params = {
-        "embed": (c.vocab_size, e),
-        "layers": {
-            "attn_norm": (n, e), "wq": (n, e, h, d), "wk": (n, e, k, d), "wv": (n, e, k, d),
-            "wo": (n, h, d, e), "mlp_norm": (n, e), "w_gate": (n, e, f), "w_up": (n, e, f),
-            "w_down": (n, f, e),
-        },
-        "final_norm": (e,),
-    }
-    if c.attention_bias:
-        shapes["layers"].update(bq=(n, h, d), bk=(n, k, d), bv=(n, k, d))
-    if c.qk_norm:
-        shapes["layers"].update(q_norm=(n, d), k_norm=(n, d))
-    if c.sandwich_norms:
-        shapes["layers"].update(post_attn_norm=(n, e), post_mlp_norm=(n, e))
-    if not c.tie_word_embeddings:
-        shapes["lm_head"] = (e, c.vocab_size)
-    if fused:
-        layers = {name: shape for name, shape in shapes["layers"].items() if name not in sum(UNFUSED.values(), ())}
-        shapes["layers"] = dict(layers, wqkv=(n, e, k, h // k + 2, d), w_gate_up=(n, e, 2, f))
-    return shapes
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightLayout:
-    """How the engine's step holds the layer weights (see the module docstring).
-
-    per_layer: "layers" is a list of L per-layer dicts, not {name: [L, ...]} scanned over. A scan
-        slices each layer's weights out of the stack at run time; XLA:GPU may copy a slice before
-        its gemm (each weight crossing HBM three times). Costs compile time (L layers compiled).
-    fused: wqkv and w_gate_up instead of wq/wk/wv and w_gate/w_up (one gemm each, wider N).
-    WeightLayout() is the checkpoint layout.
-    """
-
-    per_layer: bool = False
-    fused: bool = False
-
-    @classmethod
-    def of(cls, params: Params) -> WeightLayout:
-        layers = params["layers"]
-        per_layer = isinstance(layers, (list, tuple))
-        return cls(per_layer=per_layer, fused="wqkv" in (layers[0] if per_layer else layers))
-
-
-def fuse_qkv(config: LlamaConfig, wq: jax.Array, wk: jax.Array, wv: jax.Array) -> jax.Array:
-    """wq [..., E, H, D], wk/wv [..., E, K, D] -> wqkv [..., E, K, G + 2, D] (stacked or one layer)."""
-    *lead, e, _, d = wq.shape
-    q = wq.reshape(*lead, e, config.num_key_value_heads, config.num_queries_per_kv, d)  # h = k * G + g
-    return jnp.concatenate([q, wk[..., None, :], wv[..., None, :]], axis=-2)
-
-
-def fuse_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
-    """w_gate, w_up [..., E, F] -> w_gate_up [..., E, 2, F]."""
-    return jnp.stack([w_gate, w_up], axis=-2)
-
-
-def unstack_layers(params: Params) -> Params:
-    """The same params with "layers" as a list of per-layer dicts (copies every layer weight).
-
-    The engine's step takes either layout (jaxpaged.worker.model_runner.paged_forward): stacked layers are
-    scanned, per-layer ones looped over, so no weight is sliced out of a stack."""
-    stacked = params["layers"]
-    num_layers = jax.tree.leaves(stacked)[0].shape[0]
-    return dict(params, layers=[jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)])
-
-
-def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Params:
-    """Random params (normal, std 0.02; norms the identity) for tests and benchmarks."""
-    shapes = param_shapes(config)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
-    keys = jax.random.split(key, len(leaves))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
-    arrays = [
-        jnp.full(shape, 1.0 - config.norm_weight_offset, dtype) if "norm" in path else (0.02 * jax.random.normal(k, shape)).astype(dtype)
-        for path, shape, k in zip(paths, leaves, keys)
-    ]
-    return jax.tree.unflatten(treedef, arrays)
 
 
 # ----------------------------------------------------------------------------- NNX module

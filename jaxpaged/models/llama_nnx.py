@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpaged.models.llama import LlamaConfig, Params, forward_jit, init_params
+from jaxpaged.models.llama import LlamaConfig, Params, forward_jit
+from jaxpaged.models.params import init_params
 
 
 class LlamaLayers(nnx.Module):

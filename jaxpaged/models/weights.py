@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from jaxpaged.models import registry
 from jaxpaged.models.fp8_checkpoint import Fp8ScaleError, read_fp8_weight
-from jaxpaged.models.llama import LlamaConfig, Params, param_shapes
+from jaxpaged.models.llama import LlamaConfig, Params
+from jaxpaged.models.params import param_shapes
 from jaxpaged.models.quant_config import CheckpointQuantization
 
 SINGLE_FILE = "model.safetensors"

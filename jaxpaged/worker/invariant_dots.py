@@ -17,7 +17,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.models.llama import Matmul
+from jaxpaged.models.weight_dots import Matmul
 from pallas_kernels import batch_invariant_matmul as bim
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def _row_sums(y: jax.Array) -> jax.Array:
 
 
 def gpu_invariant_matmul() -> Matmul:
-    """The `llama.Matmul` of batch-invariant mode on a GPU: every 2-D weight dot, a tied head's [V, E] embedding
+    """The `weight_dots.Matmul` of batch-invariant mode on a GPU: every 2-D weight dot, a tied head's [V, E] embedding
     (`fn_t`) and the norms' sums on the kernel. Its products come back in float32 (the head's logits are float32;
     the projections round them to x's dtype once, as XLA's dots round their float32 sums)."""
     return Matmul(_dot, lambda x, w: True, _row_sums, functools.partial(_dot, transpose_w=True))

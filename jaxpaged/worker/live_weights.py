@@ -20,14 +20,9 @@ import numpy as np
 
 from jaxpaged.models import fp8
 from jaxpaged.models.fp8 import Fp8Weight
-from jaxpaged.models.llama import (
-    UNFUSED,
-    LlamaConfig,
-    PackedWeight,
-    Params,
-    dot_view,
-    param_shapes,
-)
+from jaxpaged.models.llama import LlamaConfig, Params
+from jaxpaged.models.params import UNFUSED, param_shapes
+from jaxpaged.models.weight_dots import PackedWeight, dot_view
 from jaxpaged.models.weights import _hf_layer_tensors, _top_level_tensors
 from jaxpaged.worker.host_memory import (
     HugePageArena,
@@ -233,7 +228,7 @@ def _split(config: LlamaConfig, name: str, dense) -> dict[str, Any]:
 
 def _join(config: LlamaConfig, name: str, parts: dict[str, Any], xp):
     """Checkpoint-layout params -> an engine leaf's unpacked array, with numpy or jax.numpy (`xp`); the fused
-    layouts are llama.fuse_qkv's and fuse_gate_up's."""
+    layouts are params.fuse_qkv's and fuse_gate_up's."""
     if name == "wqkv":
         wq, wk, wv = parts["wq"], parts["wk"], parts["wv"]
         *lead, e, _, d = wq.shape
@@ -318,7 +313,7 @@ class LiveWeights:
         return _put_like(dense, old, self.mesh)  # a copy: never the caller's own array
 
     def _two_d(self, name: str, dense):
-        """An unpacked weight ((L,) + one layer's shape) as its dot's 2-D view [(L,) K, N] (llama.dot_view)."""
+        """An unpacked weight ((L,) + one layer's shape) as its dot's 2-D view [(L,) K, N] (weight_dots.dot_view)."""
         return dot_view(name, dense, dense.ndim - len(_layer_shape(self.model_config, name)))
 
     def _packed(self, name: str, dense, old: PackedWeight) -> PackedWeight:

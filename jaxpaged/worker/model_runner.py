@@ -44,7 +44,8 @@ from jax.sharding import Mesh
 
 from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.models.fp8 import quantize_params
-from jaxpaged.models.llama import LlamaConfig, Params, pack_weights, untie_lm_head
+from jaxpaged.models.llama import LlamaConfig, Params, untie_lm_head
+from jaxpaged.models.weight_dots import pack_weights
 from jaxpaged.sample import sampler, sampling_batch
 from jaxpaged.sample.sampler import SamplerOutput, num_top_logprobs_for, sample_jit
 from jaxpaged.sample.sampling_batch import SamplingBatch, make_sampling_batch

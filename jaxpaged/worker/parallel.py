@@ -20,7 +20,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.models.llama import LlamaConfig, Params, WeightLayout, param_shapes
+from jaxpaged.models.llama import LlamaConfig, Params
+from jaxpaged.models.params import WeightLayout, param_shapes
 
 TP = "tp"
 POOL_SPEC = P(None, TP, None, None, None)  # [L, K, N, page_size, D], sharded on K

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.models.llama import WeightLayout
+from jaxpaged.models.params import WeightLayout
 from jaxpaged.worker.invariant_dots import check_gpu_batch_invariant
 from jaxpaged.worker.weight_layout import check_weight_layout, resolve_weight_layout
 from pallas_kernels import cpu_attention, cpu_build, cpu_matmul, cpu_rope, cpu_sampler

@@ -33,8 +33,6 @@ from jax.sharding import Mesh
 
 from jaxpaged.models.llama import (
     LlamaConfig,
-    Matmul,
-    PackedWeight,
     Params,
     decoder_layer,
     embed_tokens,
@@ -42,8 +40,8 @@ from jaxpaged.models.llama import (
     lm_logits,
     rope_frequencies,
     rope_tables,
-    with_live_rows,
 )
+from jaxpaged.models.weight_dots import Matmul, PackedWeight, with_live_rows
 from jaxpaged.sample import sampler
 from jaxpaged.sample.sampling_batch import SamplingBatch
 from jaxpaged.sampling_params import MAX_LOGPROBS

@@ -15,7 +15,7 @@ where the weights are not packed: there the scan's slices are copied too (at 2-3
 copy of each weight) and the per-layer step ran ~10% faster at every shape measured (SmolLM2 f32: batch-1
 decode 19.4 -> 17.4 ms, batch 32 83.9 -> 75.4 ms, a 256-token prefill 178 -> 162 ms). Float32 weights on
 CPU are packed as the native matmul's column blocks (`model_runner.packs_weights`), and a stack of those is
-read in place by layer index (`llama.PackedWeight.at_layer`): nothing is sliced, so "auto" scans them there
+read in place by layer index (`weight_dots.PackedWeight.at_layer`): nothing is sliced, so "auto" scans them there
 (the same step times with one layer compiled: docs/performance.md, "Which knobs matter"). "stacked" keeps the
 scan everywhere (fast cold starts, e.g. for short-lived test engines). Fusing was neutral on CPU and is on
 everywhere.
@@ -28,7 +28,8 @@ import functools
 import jax
 from jax.sharding import Mesh
 
-from jaxpaged.models.llama import UNFUSED, LlamaConfig, Params, WeightLayout, fuse_gate_up, fuse_qkv
+from jaxpaged.models.llama import LlamaConfig, Params
+from jaxpaged.models.params import UNFUSED, WeightLayout, fuse_gate_up, fuse_qkv
 from jaxpaged.worker import parallel
 
 WEIGHT_LAYOUTS = ("auto", "stacked", "per_layer")

@@ -159,7 +159,7 @@ def test_mixed_window_paged_step_lowers_for_cuda(backend):
     from jaxpaged.worker.runner_config import AttentionConfig
     from jaxpaged.worker.step_input import KVPool, StepInput
     from jaxpaged.worker.step_program import paged_forward
-    from jaxpaged.models.llama import param_shapes
+    from jaxpaged.models.params import param_shapes
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=1, head_dim=64, architecture="gemma3",
                          qk_norm=True, norm_weight_offset=1.0, scale_embeddings=True, hidden_act="gelu_tanh",

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.models.llama import Llama, LlamaConfig, UnsupportedModelError, forward_jit, unstack_layers
+from jaxpaged.models.llama import Llama, LlamaConfig, UnsupportedModelError, forward_jit
+from jaxpaged.models.params import unstack_layers
 from jaxpaged.models.loader import load_model
 from tests.conftest import TINY_VARIANTS
 
