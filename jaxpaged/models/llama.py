@@ -299,8 +299,13 @@ def project_qkv(config: LlamaConfig, p: Params, x: jax.Array,
     if "wqkv" not in p:
         return (jnp.einsum("...te,ehd->...thd", x, p["wq"]), jnp.einsum("...te,ekd->...tkd", x, p["wk"]),
                 jnp.einsum("...te,ekd->...tkd", x, p["wv"]))
+    return split_qkv(config, dot_weight(x, p["wqkv"], matmul, "...te,ekgd->...tkgd"))
+
+
+def split_qkv(config: LlamaConfig, qkv) -> tuple[Any, Any, Any]:
+    """qkv [..., K, G + 2, D] (wqkv's layout: per kv head its G query heads, then its k and its v) -> q [..., H, D],
+    k and v [..., K, D]: a fused projection's output, or the fused weight itself (params.fuse_qkv undone)."""
     g = config.num_queries_per_kv
-    qkv = dot_weight(x, p["wqkv"], matmul, "...te,ekgd->...tkgd")  # [..., T, K, G + 2, D]
     q = qkv[..., :g, :].reshape(*qkv.shape[:-3], config.num_attention_heads, config.head_dim)  # h = k * G + g
     return q, qkv[..., g, :], qkv[..., g + 1, :]
 

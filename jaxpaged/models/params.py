@@ -66,16 +66,17 @@ class WeightLayout:
         return cls(per_layer=per_layer, fused="wqkv" in (layers[0] if per_layer else layers))
 
 
-def fuse_qkv(config: LlamaConfig, wq: jax.Array, wk: jax.Array, wv: jax.Array) -> jax.Array:
-    """wq [..., E, H, D], wk/wv [..., E, K, D] -> wqkv [..., E, K, G + 2, D] (stacked or one layer)."""
+def fuse_qkv(config: LlamaConfig, wq: jax.Array, wk: jax.Array, wv: jax.Array, xp=jnp) -> jax.Array:
+    """wq [..., E, H, D], wk/wv [..., E, K, D] -> wqkv [..., E, K, G + 2, D] (stacked or one layer), with
+    jax.numpy or numpy (`xp`: live weight updates fuse on the host)."""
     *lead, e, _, d = wq.shape
     q = wq.reshape(*lead, e, config.num_key_value_heads, config.num_queries_per_kv, d)  # h = k * G + g
-    return jnp.concatenate([q, wk[..., None, :], wv[..., None, :]], axis=-2)
+    return xp.concatenate([q, wk[..., None, :], wv[..., None, :]], axis=-2)
 
 
-def fuse_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
-    """w_gate, w_up [..., E, F] -> w_gate_up [..., E, 2, F]."""
-    return jnp.stack([w_gate, w_up], axis=-2)
+def fuse_gate_up(w_gate: jax.Array, w_up: jax.Array, xp=jnp) -> jax.Array:
+    """w_gate, w_up [..., E, F] -> w_gate_up [..., E, 2, F] (`xp`: as fuse_qkv's)."""
+    return xp.stack([w_gate, w_up], axis=-2)
 
 
 def unstack_layers(params: Params) -> Params:

@@ -20,8 +20,8 @@ import numpy as np
 
 from jaxpaged.models import fp8
 from jaxpaged.models.fp8 import Fp8Weight
-from jaxpaged.models.llama import LlamaConfig, Params
-from jaxpaged.models.params import UNFUSED, param_shapes
+from jaxpaged.models.llama import LlamaConfig, Params, split_qkv
+from jaxpaged.models.params import UNFUSED, fuse_gate_up, fuse_qkv, param_shapes
 from jaxpaged.models.weight_dots import PackedWeight, dot_view
 from jaxpaged.models.weights import _hf_layer_tensors, _top_level_tensors
 from jaxpaged.worker.host_memory import (
@@ -215,10 +215,7 @@ def _dense(config: LlamaConfig, name: str, leaf, layer: int | None = None):
 def _split(config: LlamaConfig, name: str, dense) -> dict[str, Any]:
     """An unpacked engine leaf -> its checkpoint-layout params (fused projections taken apart)."""
     if name == "wqkv":  # [..., E, K, G + 2, D]
-        g = config.num_queries_per_kv
-        q = dense[..., :g, :]
-        return {"wq": q.reshape(*q.shape[:-3], config.num_attention_heads, q.shape[-1]),
-                "wk": dense[..., g, :], "wv": dense[..., g + 1, :]}
+        return dict(zip(UNFUSED["wqkv"], split_qkv(config, dense)))
     if name == "w_gate_up":  # [..., E, 2, F]
         return {"w_gate": dense[..., 0, :], "w_up": dense[..., 1, :]}
     if name == "lm_head" and config.tie_word_embeddings:
@@ -227,15 +224,11 @@ def _split(config: LlamaConfig, name: str, dense) -> dict[str, Any]:
 
 
 def _join(config: LlamaConfig, name: str, parts: dict[str, Any], xp):
-    """Checkpoint-layout params -> an engine leaf's unpacked array, with numpy or jax.numpy (`xp`); the fused
-    layouts are params.fuse_qkv's and fuse_gate_up's."""
+    """Checkpoint-layout params -> an engine leaf's unpacked array, with numpy or jax.numpy (`xp`)."""
     if name == "wqkv":
-        wq, wk, wv = parts["wq"], parts["wk"], parts["wv"]
-        *lead, e, _, d = wq.shape
-        q = wq.reshape(*lead, e, config.num_key_value_heads, config.num_queries_per_kv, d)
-        return xp.concatenate([q, wk[..., None, :], wv[..., None, :]], axis=-2)
+        return fuse_qkv(config, parts["wq"], parts["wk"], parts["wv"], xp)
     if name == "w_gate_up":
-        return xp.stack([parts["w_gate"], parts["w_up"]], axis=-2)
+        return fuse_gate_up(parts["w_gate"], parts["w_up"], xp)
     if name == "lm_head" and config.tie_word_embeddings:
         return xp.swapaxes(parts["embed"], -1, -2)
     return parts[name]
