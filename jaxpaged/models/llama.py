@@ -187,13 +187,6 @@ def rope_inv_freq(config: LlamaConfig, local: bool = False) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def cos_sin(inv_freq: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [..., T, D] (float32) from inverse frequencies [D/2] and positions [..., T]."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
 def layer_constants(config: LlamaConfig) -> dict[str, jax.Array]:
     """Per-layer data scanned with the weights: window int32 [L] (0 = global) and rope int32 [L], the row of
     `rope_frequencies(config)` (and of the `rope_tables` made from it) that is the layer's RoPE.
@@ -218,7 +211,9 @@ def _rope_rows(config: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
 def rope_tables(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos, sin f32[U, T, D] of positions i32[T] under each of `rope_frequencies(config)`; a layer reads its
     row (`layer_constants`' rope). pallas_kernels.cpu_rope makes the same tables as one native call."""
-    return cos_sin(rope_frequencies(config)[:, None, :], positions)
+    freqs = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)[:, None, :]  # [U, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 _META, _PARAMS, _TOKENIZER = "meta.json", "params.safetensors", "tokenizer"
 # Modules whose code decides an entry's contents (layout, dequantisation, tokenizer).
-_BUILDERS = ("models/gguf_loader.py", "models/gguf_file.py", "models/llama.py", "models/weights.py",
-             "models/model_cache.py", "tokenizer.py")
+_BUILDERS = ("models/gguf_loader.py", "models/gguf_file.py", "models/llama.py", "models/params.py",
+             "models/weights.py", "models/model_cache.py", "tokenizer.py")
 
 
 def default_model_cache_dir() -> str:
