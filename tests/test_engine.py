@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.errors import InvalidRequestError
-from jaxpaged.generate import greedy_generate
 from jaxpaged.models.llama import forward_jit
+from jaxpaged.models.loader import load_model
 from jaxpaged.models.params import UNFUSED
 from jaxpaged.models.weight_dots import PackedWeight
-from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import SamplingParams
 from pallas_kernels.cpu_matmul import dequantize_int8, quantize_int8, quantize_rows_int8
+from tests.greedy_oracle import greedy_generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 BASE = EngineArgs(model="unused", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=200,

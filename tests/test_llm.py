@@ -6,7 +6,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.errors import InvalidRequestError
-from jaxpaged.generate import greedy_generate
+from tests.greedy_oracle import greedy_generate
 
 ARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_pages=100)
 

@@ -24,13 +24,13 @@ from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.worker.runner_config import RunnerConfig
 from jaxpaged.worker.dispatch_count import count_dispatches
-from jaxpaged.generate import greedy_generate
 from jaxpaged.models.llama import forward
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxpaged.core.request import Request
 from jaxpaged.spec_decode.ngram import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
                                   drafts_past, max_drafts_for, ngram_drafts)
+from tests.greedy_oracle import greedy_generate
 from tests.test_async_scheduling import fail_results_when, run_through_failures
 from tests.test_engine import count_traces, mixed_prompts
 from tests.test_structured_outputs import PERSON

@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.generate import greedy_generate
 from jaxpaged.models import gguf_loader
 from jaxpaged.models.llama import UnsupportedModelError, forward_jit
 from jaxpaged.models.loader import load_model
 from jaxpaged.models.weights import WeightLoadError
 from tests.conftest import make_tiny_gguf
+from tests.greedy_oracle import greedy_generate
 
 SMOL_PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    ", "In 1492, Columbus sailed"]
 
