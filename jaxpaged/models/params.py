@@ -18,7 +18,7 @@ UNFUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # fused
 
 
 def param_shapes(config: LlamaConfig, fused: bool = False) -> Params:
-    """Shapes of the params pytree, stacked layers (see the module docstring); fused: wqkv, w_gate_up."""
+    """Shapes of the params pytree, stacked layers (jaxpaged/models/llama.py's docstring); fused: wqkv, w_gate_up."""
     c = config
     e, h, k, d, f, n = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, \
         c.intermediate_size, c.num_hidden_layers
@@ -47,7 +47,7 @@ def param_shapes(config: LlamaConfig, fused: bool = False) -> Params:
 
 @dataclasses.dataclass(frozen=True)
 class WeightLayout:
-    """How the engine's step holds the layer weights (see the module docstring).
+    """How the engine's step holds the layer weights (jaxpaged/models/llama.py's docstring).
 
     per_layer: "layers" is a list of L per-layer dicts, not {name: [L, ...]} scanned over. A scan
         slices each layer's weights out of the stack at run time; XLA:GPU may copy a slice before
