@@ -11,15 +11,15 @@ sampler, compiler options) are the runner's: `RunnerConfig` resolves them from t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import os
 
 import jax
 from jax.sharding import Mesh
 
 from jaxpaged.core.scheduler import SchedulerConfig
 from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel
-from jaxpaged.models.model_cache import default_model_cache_dir
+from jaxpaged.models.model_cache import default_cache_dir
 from jaxpaged.spec_decode.ngram import SpeculativeConfig
 from jaxpaged.worker import parallel
 from jaxpaged.worker.runner_config import (
@@ -44,11 +44,6 @@ CPU_ASYNC_MAX_TOKENS = 8
 # step up to it (SchedulerConfig.memory_bound_tokens; an estimate from the roofline, not yet measured). On CPU
 # every row adds compute: 0.
 GPU_MEMORY_BOUND_TOKENS = 128
-
-
-def default_compilation_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxpaged", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +86,12 @@ class EngineArgs:
     process_id: int = 0  # multi-host: this process (0 schedules, the others `follow`)
     chat_template: str | None = None
     generation_config: str | None = None  # path to a generation_config.json
-    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=functools.partial(default_cache_dir, "xla"))
     # programs compiling faster than this are not persisted (JAX's default, 1 s, leaves most step shapes of a
     # small model out of the cache, so every start compiled them again); 0: persist every program
     compilation_cache_min_compile_secs: float = 0.0
     # a GGUF model's dequantised params and tokenizer, cached for the next start (None: no cache)
-    model_cache_dir: str | None = dataclasses.field(default_factory=default_model_cache_dir)
+    model_cache_dir: str | None = dataclasses.field(default_factory=functools.partial(default_cache_dir, "models"))
     warmup: bool = True
     # vLLM's speculative_config: a SpeculativeConfig, or its dict / JSON text (converted here); None: off.
     # Only the n-gram (prompt lookup) method: {"method": "ngram", "num_speculative_tokens": k, ...}

@@ -41,9 +41,11 @@ _BUILDERS = ("models/gguf_loader.py", "models/gguf_file.py", "models/llama.py", 
              "models/weights.py", "models/model_cache.py", "tokenizer.py")
 
 
-def default_model_cache_dir() -> str:
+def default_cache_dir(name: str) -> str:
+    """$XDG_CACHE_HOME (else ~/.cache)/jaxpaged/<name>: EngineArgs' defaults, "models" for this cache and "xla" for
+    the compilation cache."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxpaged", "models")
+    return os.path.join(base, "jaxpaged", name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,4 +132,4 @@ def _flatten(params: Params):
         yield f"layers.{name}", value
 
 
-__all__ = ["CachedModel", "default_model_cache_dir", "entry_key", "load", "store"]
+__all__ = ["CachedModel", "default_cache_dir", "entry_key", "load", "store"]
