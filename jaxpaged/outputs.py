@@ -20,7 +20,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # slots: its token times are written for every request every step
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -42,20 +42,60 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
-@dataclasses.dataclass(slots=True)  # slots: made for every request every step, at half a dict's cost
 class CompletionOutput:
-    index: int
-    text: str  # all or new (output_kind); while unfinished, text that may still become a stop string is held back
-    token_ids: list[int]  # all or new (output_kind)
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None  # per generated token, when asked for
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # SamplingParams.array_logprobs: each token's raw log-prob, float32 [len(token_ids)] (all or new, as token_ids)
-    token_logprobs: np.ndarray | None = None
+    """One sample's output (vLLM's CompletionOutput fields). Made for every request every step: slots, and its token
+    ids copied only when first read (`span`), so a CUMULATIVE output the caller never reads costs no O(length) copy.
+
+    token_ids: the ids, all or new (output_kind); with span = (start, end), a list that only grows (the engine's
+    Request.output_token_ids) whose [start:end] they are: copied on first read, so later appends never show.
+    """
+
+    __slots__ = ("index", "text", "_token_ids", "_span", "cumulative_logprob", "logprobs", "finish_reason",
+                 "stop_reason", "token_logprobs")
+
+    def __init__(self, index: int, text: str, token_ids: list[int], cumulative_logprob: float | None,
+                 logprobs: list[dict[int, Logprob]] | None, finish_reason: str | None = None,
+                 stop_reason: int | str | None = None, token_logprobs: np.ndarray | None = None,
+                 span: tuple[int, int] | None = None):
+        self.index = index
+        self.text = text  # all or new (output_kind); while unfinished, text that may still become a stop string is held
+        self._token_ids, self._span = token_ids, span
+        self.cumulative_logprob = cumulative_logprob
+        self.logprobs = logprobs  # per generated token, when asked for
+        self.finish_reason = finish_reason  # "stop" | "length" | "abort" | "error"
+        self.stop_reason = stop_reason  # the stop token id or stop string that ended it
+        # SamplingParams.array_logprobs: each token's raw log-prob, float32 [len(token_ids)] (all or new, as token_ids)
+        self.token_logprobs = token_logprobs
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._span is not None:  # the first read: the caller's own copy from here on
+            start, end = self._span
+            self._token_ids, self._span = self._token_ids[start:end], None
+        return self._token_ids
+
+    @token_ids.setter
+    def token_ids(self, token_ids: list[int]) -> None:
+        self._token_ids, self._span = token_ids, None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def _fields(self) -> tuple:
+        return (self.index, self.text, self.token_ids, self.cumulative_logprob, self.logprobs, self.finish_reason,
+                self.stop_reason, self.token_logprobs)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not CompletionOutput:
+            return NotImplemented
+        return self._fields() == other._fields()  # as the dataclass it replaced compared
+
+    __hash__ = None  # mutable, as the dataclass it replaced
+
+    def __repr__(self) -> str:
+        names = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason",
+                 "token_logprobs")
+        return "CompletionOutput(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
 
 
 @dataclasses.dataclass(slots=True)
