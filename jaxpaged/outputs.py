@@ -42,60 +42,47 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@dataclasses.dataclass(slots=True)  # slots: made for every request every step, at half a dict's cost
 class CompletionOutput:
-    """One sample's output (vLLM's CompletionOutput fields). Made for every request every step: slots, and its token
-    ids copied only when first read (`span`), so a CUMULATIVE output the caller never reads costs no O(length) copy.
+    """One sample's output. Its token ids are copied only when first read (`span`): a CUMULATIVE output that the
+    caller never reads costs no O(length) copy every step."""
 
-    token_ids: the ids, all or new (output_kind); with span = (start, end), a list that only grows (the engine's
-    Request.output_token_ids) whose [start:end] they are: copied on first read, so later appends never show.
-    """
-
-    __slots__ = ("index", "text", "_token_ids", "_span", "cumulative_logprob", "logprobs", "finish_reason",
-                 "stop_reason", "token_logprobs")
-
-    def __init__(self, index: int, text: str, token_ids: list[int], cumulative_logprob: float | None,
-                 logprobs: list[dict[int, Logprob]] | None, finish_reason: str | None = None,
-                 stop_reason: int | str | None = None, token_logprobs: np.ndarray | None = None,
-                 span: tuple[int, int] | None = None):
-        self.index = index
-        self.text = text  # all or new (output_kind); while unfinished, text that may still become a stop string is held
-        self._token_ids, self._span = token_ids, span
-        self.cumulative_logprob = cumulative_logprob
-        self.logprobs = logprobs  # per generated token, when asked for
-        self.finish_reason = finish_reason  # "stop" | "length" | "abort" | "error"
-        self.stop_reason = stop_reason  # the stop token id or stop string that ended it
-        # SamplingParams.array_logprobs: each token's raw log-prob, float32 [len(token_ids)] (all or new, as token_ids)
-        self.token_logprobs = token_logprobs
-
-    @property
-    def token_ids(self) -> list[int]:
-        if self._span is not None:  # the first read: the caller's own copy from here on
-            start, end = self._span
-            self._token_ids, self._span = self._token_ids[start:end], None
-        return self._token_ids
-
-    @token_ids.setter
-    def token_ids(self, token_ids: list[int]) -> None:
-        self._token_ids, self._span = token_ids, None
+    index: int
+    text: str  # all or new (output_kind); while unfinished, text that may still become a stop string is held back
+    token_ids: list[int]  # all or new (output_kind); with span, read through `_span_token_ids`
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None  # per generated token, when asked for
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # SamplingParams.array_logprobs: each token's raw log-prob, float32 [len(token_ids)] (all or new, as token_ids)
+    token_logprobs: np.ndarray | None = None
+    # (start, end): token_ids was given as a list that only grows (the engine's Request.output_token_ids) and the
+    # output's ids are its [start:end], copied on the first read, so later appends never show; None once read
+    span: tuple[int, int] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def _fields(self) -> tuple:
-        return (self.index, self.text, self.token_ids, self.cumulative_logprob, self.logprobs, self.finish_reason,
-                self.stop_reason, self.token_logprobs)
 
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not CompletionOutput:
-            return NotImplemented
-        return self._fields() == other._fields()  # as the dataclass it replaced compared
+_TOKEN_IDS_SLOT = CompletionOutput.token_ids  # the slot itself, behind the `token_ids` property below
 
-    __hash__ = None  # mutable, as the dataclass it replaced
 
-    def __repr__(self) -> str:
-        names = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason",
-                 "token_logprobs")
-        return "CompletionOutput(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
+def _span_token_ids(output: CompletionOutput) -> list[int]:
+    """CompletionOutput.token_ids: the span's copy, made on the first read (the caller's own list from then on)."""
+    if output.span is not None:
+        start, end = output.span
+        _TOKEN_IDS_SLOT.__set__(output, _TOKEN_IDS_SLOT.__get__(output)[start:end])
+        output.span = None
+    return _TOKEN_IDS_SLOT.__get__(output)
+
+
+def _set_token_ids(output: CompletionOutput, token_ids: list[int]) -> None:
+    _TOKEN_IDS_SLOT.__set__(output, token_ids)
+    output.span = None  # (__init__ sets span after token_ids: a span given there stays)
+
+
+# dataclasses.replace, ==, repr and the server read token_ids through this, so they all see the copy
+CompletionOutput.token_ids = property(_span_token_ids, _set_token_ids)
 
 
 @dataclasses.dataclass(slots=True)

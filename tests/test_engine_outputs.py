@@ -84,7 +84,9 @@ def test_a_cumulative_output_keeps_its_tokens_when_read_after_later_steps(engine
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = run(engine, params)
     run(engine, params, prompt=(7, 8, 9))
+    replaced = dataclasses.replace(outputs[2].outputs[0], finish_reason="error")  # (AsyncLLM's failed step)
     final = list(outputs[-1].outputs[0].token_ids)
+    assert replaced.token_ids == final[:3] and replaced.finish_reason == "error"
     assert [o.outputs[0].token_ids for o in outputs] == [final[:k] for k in range(1, 7)]
     first = outputs[0].outputs[0]
     first.token_ids.append(-1)
