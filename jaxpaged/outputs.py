@@ -20,7 +20,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclasses.dataclass(slots=True)  # slots: its token times are written for every request every step
+@dataclasses.dataclass
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None

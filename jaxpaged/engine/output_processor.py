@@ -49,7 +49,7 @@ class FloatArray:
         return self._data[start:self.size].copy()
 
 
-@dataclasses.dataclass(slots=True)  # slots: read for every row every step (a compact object, no __dict__)
+@dataclasses.dataclass
 class _Child:
     """Engine-side state of one sample (one scheduler Request, which holds the finish record)."""
 
@@ -69,7 +69,7 @@ class _Child:
     length_limit: int = 0
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass
 class _Parent:
     request_id: str
     prompt: str | None
