@@ -44,18 +44,45 @@ class RequestMetrics:
 
 @dataclasses.dataclass(slots=True)  # slots: made for every request every step, at half a dict's cost
 class CompletionOutput:
+    """One sample's output. Its token ids are copied only when first read (`span`): a CUMULATIVE output that the
+    caller never reads costs no O(length) copy every step."""
+
     index: int
     text: str  # all or new (output_kind); while unfinished, text that may still become a stop string is held back
-    token_ids: list[int]  # all or new (output_kind)
+    token_ids: list[int]  # all or new (output_kind); with span, read through `_span_token_ids`
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None  # per generated token, when asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # SamplingParams.array_logprobs: each token's raw log-prob, float32 [len(token_ids)] (all or new, as token_ids)
     token_logprobs: np.ndarray | None = None
+    # (start, end): token_ids was given as a list that only grows (the engine's Request.output_token_ids) and the
+    # output's ids are its [start:end], copied on the first read, so later appends never show; None once read
+    span: tuple[int, int] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+_TOKEN_IDS_SLOT = CompletionOutput.token_ids  # the slot itself, behind the `token_ids` property below
+
+
+def _span_token_ids(output: CompletionOutput) -> list[int]:
+    """CompletionOutput.token_ids: the span's copy, made on the first read (the caller's own list from then on)."""
+    if output.span is not None:
+        start, end = output.span
+        _TOKEN_IDS_SLOT.__set__(output, _TOKEN_IDS_SLOT.__get__(output)[start:end])
+        output.span = None
+    return _TOKEN_IDS_SLOT.__get__(output)
+
+
+def _set_token_ids(output: CompletionOutput, token_ids: list[int]) -> None:
+    _TOKEN_IDS_SLOT.__set__(output, token_ids)
+    output.span = None  # (__init__ sets span after token_ids: a span given there stays)
+
+
+# dataclasses.replace, ==, repr and the server read token_ids through this, so they all see the copy
+CompletionOutput.token_ids = property(_span_token_ids, _set_token_ids)
 
 
 @dataclasses.dataclass(slots=True)

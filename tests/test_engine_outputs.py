@@ -77,6 +77,23 @@ def test_delta_final_only_and_cumulative_agree_for_n_samples_with_logprobs(engin
         assert joined["finish"] == [None] * 8 + ["length"]
 
 
+def test_a_cumulative_output_keeps_its_tokens_when_read_after_later_steps(engine):
+    """A CUMULATIVE output's token ids are copied when first read (CompletionOutput's span): read only after its
+    request finished and another ran, each output holds its own step's tokens, and a read gives the caller a list
+    it owns (its changes stay in that output and nowhere else)."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = run(engine, params)
+    run(engine, params, prompt=(7, 8, 9))
+    replaced = dataclasses.replace(outputs[2].outputs[0], finish_reason="error")  # (AsyncLLM's failed step)
+    final = list(outputs[-1].outputs[0].token_ids)
+    assert replaced.token_ids == final[:3] and replaced.finish_reason == "error"
+    assert [o.outputs[0].token_ids for o in outputs] == [final[:k] for k in range(1, 7)]
+    first = outputs[0].outputs[0]
+    first.token_ids.append(-1)
+    assert first.token_ids == [final[0], -1] and outputs[1].outputs[0].token_ids == final[:2]
+    assert outputs[-1].outputs[0].token_ids == final
+
+
 def test_delta_holds_only_the_children_with_new_tokens(engine):
     params = SamplingParams(n=4, temperature=1.5, seed=21, max_tokens=8, ignore_eos=True)
     samples = [c.token_ids for c in run(engine, params)[-1].outputs]

@@ -70,6 +70,8 @@ def _prompt_context(prompt_token_ids: Sequence[int], skip_ids: frozenset[int]) -
 class _TextBuffer:
     """Append-only text with O(k) tail reads and truncation (a str `+=` copies it all)."""
 
+    __slots__ = ("_buffer", "length", "_at_end")  # one per request that wants text, written every step
+
     def __init__(self):
         self._buffer = io.StringIO(newline="")
         self.length = 0
@@ -112,6 +114,10 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         min_tokens: no stop string is matched in the text of the first `min_tokens` tokens.
     """
+
+    __slots__ = ("stop", "tokenizer", "skip_special_tokens", "include_stop_str_in_output", "min_tokens",
+                 "stop_buffer_length", "_skip_ids", "_window_ids", "_prefix_offset", "_read_offset", "_backend",
+                 "_stream", "output_token_ids", "stop_reason", "_text", "_released")  # read for every token
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (), *,
                  skip_special_tokens: bool = True, stop: Iterable[str] = (),

@@ -124,9 +124,10 @@ def _completion(child: _Child, delta: bool, status: RequestStatus) -> Completion
     token_logprobs = None if child.token_logprobs is None else child.token_logprobs.copy(start)
     finished = status.is_finished
     text = "" if child.detokenizer is None else child.detokenizer.get_next_output_text(finished, delta)
-    # token_ids[start:]: a copy (the new part only, in DELTA), so the output is not changed by later steps
-    return CompletionOutput(child.index, text, token_ids[start:], child.cumulative_logprob, logprobs,
-                            status.finish_reason if finished else None, request.stop_reason, token_logprobs)
+    # token_ids[start:end]: copied when the caller reads them (the list only grows), so later steps never show
+    return CompletionOutput(child.index, text, token_ids, child.cumulative_logprob, logprobs,
+                            status.finish_reason if finished else None, request.stop_reason, token_logprobs,
+                            (start, child.num_sent_tokens))
 
 
 class OutputProcessor:

@@ -55,19 +55,27 @@ class ModelRunnerOutput:
     def from_sampler(cls, entries: Sequence[ScheduledRequest], sampled: SamplerOutput,
                      prompt_logprobs: dict[str, PromptLogprobs] | None = None,
                      drafts: VerifiedDrafts | None = None) -> ModelRunnerOutput:
-        sampling = [i for i, e in enumerate(entries) if e.samples]  # Python ints: indexing entries by numpy's is slow
-        rows = np.array(sampling, np.int64)
-        arrays = [np.asarray(a)[rows] for a in (sampled.token_ids, sampled.logprobs, sampled.top_token_ids,
-                                                 sampled.top_logprobs, sampled.finite)]
-        req_ids = tuple(entries[i].request_id for i in sampling)
+        """The output of a step whose sampler row i is entries[i] (the entries that sample), `sampled` on the host."""
+        rows = {e.request_id: i for i, e in enumerate(entries) if e.samples}
+        return cls.from_rows(rows, sampled, prompt_logprobs, drafts)
+
+    @classmethod
+    def from_rows(cls, rows: dict[str, int], sampled: SamplerOutput,
+                  prompt_logprobs: dict[str, PromptLogprobs] | None = None,
+                  drafts: VerifiedDrafts | None = None) -> ModelRunnerOutput:
+        """`from_sampler` from {request id: its sampler row} of the entries that sample, in entry order
+        (`PendingStep.rows`, which the next step's dispatch has already made)."""
+        req_ids, index = tuple(rows), np.fromiter(rows.values(), np.int64, len(rows))
+        arrays = [np.asarray(a)[index] for a in (sampled.token_ids, sampled.logprobs, sampled.top_token_ids,
+                                                  sampled.top_logprobs, sampled.finite)]
         if drafts is None:
             return cls(req_ids, *arrays, prompt_logprobs or {})
         x = drafts.sampled  # its rows follow the R rows
         arrays = [np.concatenate([a, np.asarray(b)]) for a, b in zip(
             arrays, (x.token_ids, x.logprobs, x.top_token_ids, x.top_logprobs, x.finite))]
-        index = {rid: r for r, rid in enumerate(req_ids)}
+        position = {rid: r for r, rid in enumerate(req_ids)}
         ids = drafts.layout.request_ids
-        token_rows = {rid: drafts.token_rows(m, len(rows), index[rid]) for m, rid in enumerate(ids)}
+        token_rows = {rid: drafts.token_rows(m, len(index), position[rid]) for m, rid in enumerate(ids)}
         accepted = {rid: int(drafts.num_accepted[m]) for m, rid in enumerate(ids)}
         return cls(req_ids, *arrays, prompt_logprobs or {}, token_rows, accepted)
 
