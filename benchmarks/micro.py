@@ -204,7 +204,10 @@ def tiny_model(served: bool):
     import jax.numpy as jnp
     import numpy as np
     from jaxpaged.models.llama import LlamaConfig
-    from jaxpaged.models.params import init_params
+    try:
+        from jaxpaged.models.params import init_params
+    except ImportError:  # a checkout from before models/params.py
+        from jaxpaged.models.llama import init_params
     from jaxpaged.models.loader import DEFAULT_MODEL, LoadedModel, load_model
     from jaxpaged.tokenizer import GenerationConfig
     from jaxpaged.worker.weight_layout import resolve_weight_layout, to_weight_layout
