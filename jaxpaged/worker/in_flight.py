@@ -79,7 +79,7 @@ class PendingStep:
         if self.prompt_spans:
             prompt = split_prompt_logprobs(self.prompt_spans, jax.device_get(self.prompt_arrays))
         drafts = None if self.drafts is None else self.drafts.to_host()
-        return ModelRunnerOutput.from_rows(self.rows, sampled.to_host(), prompt, drafts)
+        return ModelRunnerOutput.from_rows(self.rows, sampled, prompt, drafts)
 
     def key_steps(self, batch: SamplingBatch, token_index: np.ndarray) -> SamplingBatch:
         """The host `batch` of this step's sampler rows at fed tokens token_index i32[N], their key steps moved

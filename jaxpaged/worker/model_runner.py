@@ -294,7 +294,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         sampled = sample_jit(logits, batch, num_top_logprobs=top)
         drafts = None if layout is None else self._verify_drafts(layout, sampled, hidden, top, grammar_bitmask)
         prompt = self._prompt_logprobs(entries, step, hidden)
-        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt,
+        return ModelRunnerOutput.from_sampler(entries, sampled, prompt,
                                               None if drafts is None else drafts.to_host())
 
     def _execute_fused(self, entries: Sequence[ScheduledRequest], rows: np.ndarray, step: StepInput,
@@ -313,7 +313,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         elif layout is not None:
             drafts = self._verify_drafts(layout, sampled, hidden, top, grammar_bitmask)
         prompt = self._prompt_logprobs(entries, step, hidden)
-        return ModelRunnerOutput.from_sampler(entries, jax.device_get(sampled), prompt,
+        return ModelRunnerOutput.from_sampler(entries, sampled, prompt,
                                               None if drafts is None else drafts.to_host())
 
     def _sampling_batch(self, entries: Sequence[ScheduledRequest], entry_rows: np.ndarray, step: StepInput,

@@ -55,7 +55,7 @@ class ModelRunnerOutput:
     def from_sampler(cls, entries: Sequence[ScheduledRequest], sampled: SamplerOutput,
                      prompt_logprobs: dict[str, PromptLogprobs] | None = None,
                      drafts: VerifiedDrafts | None = None) -> ModelRunnerOutput:
-        """The output of a step whose sampler row i is entries[i] (the entries that sample), `sampled` on the host."""
+        """The output of a step whose sampler row i is entries[i] (the entries that sample)."""
         rows = {e.request_id: i for i, e in enumerate(entries) if e.samples}
         return cls.from_rows(rows, sampled, prompt_logprobs, drafts)
 
@@ -64,7 +64,9 @@ class ModelRunnerOutput:
                   prompt_logprobs: dict[str, PromptLogprobs] | None = None,
                   drafts: VerifiedDrafts | None = None) -> ModelRunnerOutput:
         """`from_sampler` from {request id: its sampler row} of the entries that sample, in entry order
-        (`PendingStep.rows`, which the next step's dispatch has already made)."""
+        (`PendingStep.rows`, which the next step's dispatch has already made). `sampled`: finished, on the device
+        or the host (fetched here, `SamplerOutput.to_host`)."""
+        sampled = sampled.to_host()
         req_ids, index = tuple(rows), np.fromiter(rows.values(), np.int64, len(rows))
         arrays = [np.asarray(a)[index] for a in (sampled.token_ids, sampled.logprobs, sampled.top_token_ids,
                                                   sampled.top_logprobs, sampled.finite)]
