@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged.sample import sampler
+from jaxpaged.sample import in_step, sampler
 from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch
 from jaxpaged.spec_decode.verify import DraftRows
 from jaxpaged.worker.step_input import empty_step
@@ -181,7 +181,7 @@ def test_speculative_decoding(tiny, batch, monkeypatch):
     drafts accepted and rejected. The fused engine's candidate pass keeps 8 candidates a row (any number
     gives the same samples), so random rows often take the fallbacks, which may change a draft row's
     token: the program's acceptance count is then recomputed."""
-    monkeypatch.setattr(sampler, "sample_in_step", functools.partial(sampler.sample_in_step, prefilter_k=8))
+    monkeypatch.setattr(in_step, "sample_in_step", functools.partial(in_step.sample_in_step, prefilter_k=8))
     prompts = repetitive_prompts(4 if batch == "packed" else 8, seed=5)
     params = [SamplingParams(temperature=t, top_p=p, top_k=k, seed=s, max_tokens=24, ignore_eos=True,
                              repetition_penalty=r, logprobs=lp)
@@ -385,9 +385,9 @@ def test_a_step_after_random_rows_builds_its_sampler_inputs_before_reading_their
     the device's: each step's build comes before the previous step's flags are read, not after."""
     engine = make_engine(tiny, "on", True)
     events = []
-    build, finish_random = engine.runner._sampling_batch, sampler._finish_random
+    build, finish_random = engine.runner._sampling_batch, in_step._finish_random
     monkeypatch.setattr(engine.runner, "_sampling_batch", lambda *a, **k: events.append("build") or build(*a, **k))
-    monkeypatch.setattr(sampler, "_finish_random", lambda *a: events.append("flags") or finish_random(*a))
+    monkeypatch.setattr(in_step, "_finish_random", lambda *a: events.append("flags") or finish_random(*a))
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
     engine.add_request("a", {"prompt_token_ids": [1, 2, 3, 4]}, params)
     while engine.has_unfinished_requests():

@@ -506,7 +506,7 @@ def test_outputs_in_flight_are_what_the_host_counts_lack():
     them to the counts."""
     from jaxpaged.worker.in_flight import PendingStep, _count_from, _placeholder_sources, outputs_in_flight
     from jaxpaged.worker.step_input import StepInput
-    from jaxpaged.sample.sampler import _count_fed_tokens
+    from jaxpaged.sample.in_step import _count_fed_tokens
     entries = [ScheduledRequest("a", (5, 6), 3, (1,), True, SamplingParams(), 3),
                ScheduledRequest("b", (-1, 7, 8), 11, (2, 3, 4), True, SamplingParams(), 3, placeholder=True,
                                 spec_token_ids=(7, 8), spec_banned_token_ids=((), ()))]

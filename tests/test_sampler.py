@@ -21,7 +21,7 @@ from jaxpaged.core.scheduler_output import ScheduledRequest
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.sample.sampler import SamplerOutput, sample, sample_jit
 from jaxpaged.sample.ops import process_logits
-from jaxpaged.sample import sampler
+from jaxpaged.sample import in_step
 from jaxpaged.sample.sampler import compiled_variants, warmup
 from jaxpaged.sampling_params import SamplingParams as SP
 
@@ -398,11 +398,11 @@ def test_kept_row_constants_give_the_batch_of_the_rows(data):
         if got is not None:
             assert got.dtype == expected.dtype and np.array_equal(got, expected), field.name
     # a fused step's batch (neutral_bias): no [S, B] bias arrays made unless a row has a bias or banned ids; the
-    # device's neutral pair then stands in for them (`sampler.with_neutral_arrays`), the same values
+    # device's neutral pair then stands in for them (`in_step.with_neutral_arrays`), the same values
     lean = assemble_sampling_batch(scalars, keys, [row.step for row in rows], special, S, V, neutral_bias=True)
     biased = any(row.banned_token_ids or row.params.logit_bias for row in rows)
     assert (lean.bias_ids is None) is (lean.bias_values is None) is (not biased)
-    filled = sampler.with_neutral_arrays(lean, sampler.neutral_arrays(S, V))
+    filled = in_step.with_neutral_arrays(lean, in_step.neutral_arrays(S, V))
     assert np.array_equal(filled.bias_ids, want.bias_ids) and np.array_equal(filled.bias_values, want.bias_values)
 
 

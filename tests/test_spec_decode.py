@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
-from jaxpaged.sample import sampler
+from jaxpaged.sample import in_step
 from jaxpaged.engine.drafting import BLANK_DRAFT_STEPS
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
@@ -968,7 +968,7 @@ def test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing(tiny
     warm-up. The fused program's candidate pass keeps 8 candidates a row (any number gives the same samples), so
     hot rows take its fallbacks too. With 4 sequence slots (so at most 4 logits rows a step) the fused program's
     drafts mostly overflow its rows: sampled beside it (after a verification in flight, from its outcome)."""
-    monkeypatch.setattr(sampler, "sample_in_step", functools.partial(sampler.sample_in_step, prefilter_k=8))
+    monkeypatch.setattr(in_step, "sample_in_step", functools.partial(in_step.sample_in_step, prefilter_k=8))
     slots = {"max_num_seqs": 4, "num_pages": 12} if "4 slots" in kind else {"num_pages": 24}
     engine = make_engine(tiny, fuse_sampler=fuse, max_num_partial_prefills=8, **slots, **OVERLAP)
     assert engine.runner.fuse_sampler is (fuse == "on")

@@ -59,7 +59,7 @@ class SamplingBatch:
     """Per-row sampling state of one batch, S rows over a vocabulary of V. A pytree.
 
     A fused step (jaxpaged/worker/step_program.py `fused_step`, which runs the sampler in the step's program)
-    takes its batch with every optional array present (`sampler.with_neutral_arrays`) and the fields after
+    takes its batch with every optional array present (`in_step.with_neutral_arrays`) and the fields after
     `token_bitmask` set (`ModelRunner._step_sampling`): what the step takes from the step in flight (async
     scheduling) and its packed drafts (T tokens, R = max_num_seqs, k drafts a row). The separate sampler's batches
     leave them None.
@@ -155,7 +155,7 @@ def assemble_sampling_batch(scalars: np.ndarray, key_data: np.ndarray, steps: Se
     (`seeds_key_data`) and key steps [n]; special {row i: its RowInfo} for every row `needs_row_info` says needs
     more (the rows not in it have no bias, banned ids or penalties). Slots n.. are greedy padding.
     neutral_bias: leave bias_ids and bias_values None when no row has a bias or banned ids (a fused step's batch:
-    `sampler.with_neutral_arrays` gives it the device's neutral pair, so nothing [S, B] is made or sent)."""
+    `in_step.with_neutral_arrays` gives it the device's neutral pair, so nothing [S, B] is made or sent)."""
     n = len(scalars)
     _check_token_bitmask(token_bitmask, num_rows, vocab_size)
     if not isinstance(num_rows, int) or num_rows < max(1, n):

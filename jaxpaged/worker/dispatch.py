@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from jaxpaged.sample import sampler
+from jaxpaged.sample import in_step
 from jaxpaged.sample.sampler import sample_deferred
 from jaxpaged.spec_decode.verify import DraftRows, Redraft, _check_bitmask, redraft_in_flight
 from jaxpaged.worker.in_flight import (
@@ -169,7 +169,7 @@ class AsyncDispatch:
         A fused step sampled in its own program: only its fallbacks are left (run by `pending.result`)."""
         entries, layout = pending.entries, pending.layout
         if pending.fused_sample is not None:
-            pending.finish_sample = sampler.finish_in_step(pending.fused_sample, pending.batch,
+            pending.finish_sample = in_step.finish_in_step(pending.fused_sample, pending.batch,
                                                            pending.num_top_logprobs)
         else:
             logits = pending.logits

@@ -201,7 +201,7 @@ def steps_moved_back(steps, token_index, shifts, rejected):
 def outputs_in_flight(token_ids: jax.Array, token_index: jax.Array, count_from: jax.Array, shifts: jax.Array,
                       accepted: jax.Array) -> jax.Array:
     """i32[N, 2k + 1]: the output tokens that the host's penalty counts of each sampler row lack, -1 past them
-    (`sampler.sample_in_step` counts them; in the fused step, dispatched before the step in flight is handled):
+    (`in_step.sample_in_step` counts them; in the fused step, dispatched before the step in flight is handled):
     the tokens its request fed this step from count_from i32[N] (`_count_from`: a placeholder's index; T: none)
     through the row's own token token_index i32[N] (token_ids i32[T], as fed: the placeholder, the token in
     flight, and the drafts before the row, as the device proposed them), and the drafts the verification in

@@ -46,7 +46,7 @@ from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.models.fp8 import quantize_params
 from jaxpaged.models.llama import LlamaConfig, Params, untie_lm_head
 from jaxpaged.models.weight_dots import pack_weights
-from jaxpaged.sample import sampler, sampling_batch
+from jaxpaged.sample import in_step, sampling_batch
 from jaxpaged.sample.sampler import SamplerOutput, num_top_logprobs_for, sample_jit
 from jaxpaged.sample.sampling_batch import SamplingBatch, make_sampling_batch
 from jaxpaged.spec_decode.verify import (
@@ -184,7 +184,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         self._compiled_fused: dict[tuple[int, int, int, bool], jax.stages.Compiled] = {}
         self._neutral = {}
         if self.fuse_sampler:  # what the absent optional sampler arrays read; ~5 bytes x S x V for each S bucket
-            self._neutral = {s: sampler.neutral_arrays(s, self.model_config.vocab_size)
+            self._neutral = {s: in_step.neutral_arrays(s, self.model_config.vocab_size)
                              for s in self.config.seq_buckets}
         self._zeros_r = jnp.zeros((self.config.seq_buckets[-1],), jnp.int32)  # i32[R]: no tokens, no drafts rejected
         # a Redraft's slots (one shape for every step: `Redraft`)
@@ -306,7 +306,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         grammar_bitmask = _check_bitmask(grammar_bitmask, entries)
         batch, top = self._sampling_batch(entries, rows, step, layout, grammar_bitmask, fused=True)
         (sample, num_accepted, _), hidden = self._run_fused(step, self._step_sampling(batch, step, layout=layout))
-        sampled = sampler.finish_in_step(sample, batch, top)()
+        sampled = in_step.finish_in_step(sample, batch, top)()
         drafts = None
         if layout is not None and layout.packed:
             drafts = verify_packed(layout, sampled, sample, num_accepted)
@@ -369,12 +369,12 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         if batch.bias_ids is not None:  # some row has a logit bias or banned ids
             batch = dataclasses.replace(batch, **dict(zip(("bias_ids", "bias_values"),
                                                           jax.device_put((batch.bias_ids, batch.bias_values)))))
-        neutral = self._neutral.get(S) or sampler.neutral_arrays(S, V)  # made here only for `lower_fused`
+        neutral = self._neutral.get(S) or in_step.neutral_arrays(S, V)  # made here only for `lower_fused`
         redraft = self._no_redraft if redraft is None else redraft
         accepted = self._no_accepted if accepted is None else accepted
         if count_from is None:
             count_from = np.full(S, T, np.int32)
-        return dataclasses.replace(sampler.with_neutral_arrays(batch, neutral), previous_tokens=previous,
+        return dataclasses.replace(in_step.with_neutral_arrays(batch, neutral), previous_tokens=previous,
                                    sources=sources, previous_rejected=rejected, shifts=shifts,
                                    previous_accepted=accepted, count_from=count_from, draft_rows=draft_rows,
                                    draft_ids=draft_ids, redraft=redraft)

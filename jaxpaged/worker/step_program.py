@@ -5,7 +5,7 @@ last fed token and the updated pool; `fused_step` runs the sampler in the same p
 step in flight on the device); `prompt_logprobs_step` scores prompt tokens. Shapes: jaxpaged/worker/step_input.py.
 
 The fused sampler (`RunnerConfig.fuse_sampler`; on with a GPU by default): one jitted program per step,
-`fused_step`, gathers the placeholder tokens, runs the forward, samples every row (sampler.sample_in_step:
+`fused_step`, gathers the placeholder tokens, runs the forward, samples every row (in_step.sample_in_step:
 grammar bitmask, logit_bias, penalties, greedy and candidate sampling, the sampled ids' raw log-probs) and
 counts the accepted packed drafts, so a step is one executable call. The sampler's inputs are then built
 before the dispatch: the grammar bitmask is filled first (execute_model), and in `dispatch` the rows are
@@ -42,7 +42,7 @@ from jaxpaged.models.llama import (
     rope_tables,
 )
 from jaxpaged.models.weight_dots import Matmul, PackedWeight, with_live_rows
-from jaxpaged.sample import sampler
+from jaxpaged.sample import in_step, sampler
 from jaxpaged.sample.sampling_batch import SamplingBatch
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.spec_decode.verify import accept_drafts, merge_redrafts
@@ -209,7 +209,7 @@ def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, pa
     """One step in one program: placeholder tokens gathered from the previous step's (async scheduling; positions
     moved back by its rejected drafts, drafts proposed again fed: `fill_in_flight`; key steps too:
     `steps_moved_back`; penalty counts given the tokens in flight: `outputs_in_flight`),
-    `paged_forward`, the sampler's common part (`sampler.sample_in_step`: bitmask, bias, penalties, argmax,
+    `paged_forward`, the sampler's common part (`in_step.sample_in_step`: bitmask, bias, penalties, argmax,
     or the candidate pass when `random` (static: some row samples at random), the sampled ids' raw
     log-probs) and the acceptance of packed drafts. Returns ((sample, num_accepted, next_tokens): `FusedSample`),
     the hidden states [T, E] and the updated pool (donated)."""
@@ -223,7 +223,7 @@ def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, pa
     fed = outputs_in_flight(token_ids, last, sampling.count_from, sampling.shifts, sampling.previous_accepted)
     batch = dataclasses.replace(sampling, steps=steps_moved_back(sampling.steps, last, sampling.shifts,
                                                                  sampling.previous_rejected))
-    sample = sampler.sample_in_step(logits, batch, fed, random=random, native=attention.native_matmul)
+    sample = in_step.sample_in_step(logits, batch, fed, random=random, native=attention.native_matmul)
     draft_ids = merge_redrafts(sampling.draft_ids, sampling.redraft)  # i32[S, k]
     num_accepted = accept_drafts(sample.token_ids, sampling.draft_rows, draft_ids)  # i32[S]
     next_tokens = pad_sampled_tokens(sample.token_ids, sampling.previous_tokens.shape[0])
@@ -231,7 +231,7 @@ def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, pa
 
 
 # A fused step's sampling results, on device (held by `PendingStep`, or read at once by a synchronous step):
-# the sampler's unfinished output (before its rare fallbacks: `sampler.finish_in_step`); i32[S] slot m's accepted
+# the sampler's unfinished output (before its rare fallbacks: `in_step.finish_in_step`); i32[S] slot m's accepted
 # drafts, valid when no fallback changed a token; i32[R] the sampled ids zero-padded, the next step's previous_tokens
 FusedSample = tuple[sampler.SamplerOutput, jax.Array, jax.Array]
 
