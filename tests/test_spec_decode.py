@@ -1035,6 +1035,7 @@ def test_drafts_of_rows_in_flight_are_proposed_on_the_device(tiny, plain, fuse, 
                 assert verified[m, :d].tolist() == list(layout.draft_ids[m, :d]) == list(entries[rid].spec_token_ids)
                 fed["host"] += 1
             assert result.num_draft_tokens[rid] == int(np.sum(verified[m, :d] >= 0))
+            fed["drafts"] += result.num_draft_tokens[rid]
         return handle(flight)
 
     engine._handle_in_flight = handled
@@ -1043,7 +1044,7 @@ def test_drafts_of_rows_in_flight_are_proposed_on_the_device(tiny, plain, fuse, 
         assert done["0"].outputs[0].token_ids == expected[i]
     assert fed["device"] >= 5, fed
     verifications = engine.spec_decoding_stats.as_stats()["spec_decode_num_drafts"]
-    assert len(observed) == verifications and accepted(engine)[1] == sum(observed)
+    assert len(observed) == verifications and accepted(engine)[1] == sum(observed) == fed["drafts"]
     assert sum(observed) > 0 or kind == "penalised"
 
 
