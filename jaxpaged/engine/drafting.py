@@ -1,4 +1,5 @@
-"""N-gram drafting in the engine's step loop: which requests draft, and their drafts proposed on the host.
+"""N-gram drafting in the engine's step loop: which requests draft, and their drafts proposed on the host (for a
+request in flight, their count: the device proposes them).
 
 Before each schedule the engine proposes drafts for decoding requests (NgramProposer, trimmed by DraftLengthPolicy).
 Under async scheduling a request's last token is still in flight then. Requests without min_tokens bans or a grammar
