@@ -262,8 +262,8 @@ def _runner_config(args: EngineArgs, model: LoadedModel, mesh: Mesh | None, on_g
                         max_num_partial_prefills=min(args.max_num_partial_prefills or (16 if on_gpu else 4),
                                                      max_num_seqs),
                         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
-                        # drafts proposed on a wrong guess of a verification in flight are proposed again on the
-                        # device: the n-gram bounds, when verifications overlap the next step
+                        # the drafts of a request in flight are proposed on the device: the n-gram bounds, when
+                        # verifications overlap the next step
                         prompt_lookup=None if spec is None or not overlap else
                         (spec.prompt_lookup_min, spec.prompt_lookup_max))
 

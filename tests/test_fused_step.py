@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged.sample import in_step, sampler
+from jaxpaged.sample import in_step
 from jaxpaged.sample.sampling_batch import RowInfo, make_sampling_batch
 from jaxpaged.spec_decode.verify import DraftRows
 from jaxpaged.worker.step_input import empty_step

@@ -588,13 +588,14 @@ def test_history_buckets_cover_a_sequence_and_its_drafts():
     assert dataclasses.replace(spec, num_speculative_tokens=0).history_buckets == ()
 
 
-def test_redraft_in_flight_proposes_again_where_the_guess_was_wrong():
-    """Three slots fed after a step in flight (rows 0-2 there). Slot 0 (known tokens 1 2 7 9 1 2) guessed its 2
-    drafts in flight [7, 8] accepted, then token 5; the step accepted 1 (7) and emitted 9, so its sequence is
+def test_redraft_in_flight_proposes_the_drafts_of_every_slot_in_flight():
+    """Two slots fed after a step in flight (rows 0-1 there), one not (row -1), one padding. Slot 0 (known tokens
+    1 2 7 9 1 2, 2 drafts in flight [7, 8]): the step accepted 1 (7) and emitted 9, so its sequence is
     1 2 7 9 1 2 7 9: the lookup (n = 1..3) matches "2 7 9" ending at index 3 and proposes what follows (1, 2, 7);
-    its 2 drafts become [1, 2] (the -1 past them stays). Slot 1 guessed right (1 accepted, token 4):
-    kept. Slot 2 was not guessed (row -1): kept. Slot 3 is padding. The Redraft carries the changed slot and its
-    fed token's index; `fill_in_flight` feeds those drafts after it, and the fused step's accept reads them."""
+    its 2 slots become [1, 2] (the -1 past them stays). Slot 1 (known 5 5 4, its draft in flight 0 accepted, then
+    token 4: 5 5 4 0 4): "4" matches at index 2, so [0, 4], then -1 past the sequence (3 slots). Slot 2 keeps the
+    host's drafts. The Redraft carries the slots it proposed and their fed token's index; `fill_in_flight` feeds
+    those drafts after it (a slot found none for keeps the host's token), and the fused step's accept reads them."""
     from jaxpaged.spec_decode.verify import Redraft, merge_redrafts, redraft_in_flight
     from jaxpaged.worker.step_input import StepInput
     from jaxpaged.worker.in_flight import fill_in_flight
@@ -603,14 +604,14 @@ def test_redraft_in_flight_proposes_again_where_the_guess_was_wrong():
     history[0, :8] = [1, 2, 7, 9, 1, 2, 7, 8]  # known (6), then the 2 drafts in flight
     history[1, :4] = [5, 5, 4, 0]
     known, num_previous = np.array([6, 3, 2, 0], np.int32), np.array([2, 1, 0, 0], np.int32)
-    rows, guess = np.array([0, 1, -1, -1], np.int32), np.array([[2, 5], [1, 4], [0, 0], [0, 0]], np.int32)
+    rows = np.array([0, 1, -1, -1], np.int32)
     tokens, rejected = jnp.array([9, 4, 0, 0], jnp.int32), jnp.array([1, 0, 0, 0], jnp.int32)
     first = np.array([1, 4, 8, 0], np.int32)
     none = Redraft.none(16, 3)
-    verified, redraft = redraft_in_flight(draft_ids, history, known, num_previous, rows, guess, tokens, rejected,
+    verified, redraft = redraft_in_flight(draft_ids, history, known, num_previous, rows, tokens, rejected,
                                           first, none, np.full(4, 16, np.int32), 16, (1, 3))
-    assert verified.tolist() == [[1, 2, -1], [4, 4, 4], [6, -1, -1], [-1, -1, -1]]
-    assert redraft.drafts.shape == (16, 3) and redraft.changed.tolist() == [True] + [False] * 15
+    assert verified.tolist() == [[1, 2, -1], [0, 4, -1], [6, -1, -1], [-1, -1, -1]]
+    assert redraft.drafts.shape == (16, 3) and redraft.proposed.tolist() == [True, True] + [False] * 14
     assert redraft.first[:4].tolist() == [1, 4, 8, 0] and redraft.drafts[0].tolist() == [1, 2, -1]
     step = StepInput(token_ids=np.array([11, -1, 3, 3, -1, 4, 4, 4, 0, 0], np.int32), positions=np.arange(10),
                      slot_mapping=np.arange(10), page_table=np.zeros((3, 4), np.int32),
@@ -618,20 +619,20 @@ def test_redraft_in_flight_proposes_again_where_the_guess_was_wrong():
                      num_seqs=np.int32(3), logits_indices=np.zeros(3, np.int32))
     sources = np.array([-1, 0, -1, -1, 1, -1, -1, -1, -1, -1], np.int32)
     filled = fill_in_flight(step, tokens, rejected, sources, np.full(10, -1, np.int32), 4, redraft)
-    assert filled.token_ids.tolist() == [11, 9, 1, 2, 4, 4, 4, 4, 0, 0]  # slot 0's drafts after its token
+    assert filled.token_ids.tolist() == [11, 9, 1, 2, 4, 0, 4, 4, 0, 0]  # each slot's drafts after its token
     assert merge_redrafts(draft_ids, redraft).tolist() == verified.tolist()
     assert merge_redrafts(draft_ids, Redraft.none(16, 3)).tolist() == draft_ids.tolist()
-    # the drafts in flight were themselves proposed again on the device ([6, 1] at its slot 5, where the host had
+    # the drafts in flight were themselves proposed on the device ([6, 1] at its slot 5, where the host had
     # [8, 8]), both accepted, then token 2: the sequence 4 5 6 1 2 6 1 2, whose suffix "6 1 2" matches at 2-4
     drafts = np.full((16, 3), -1, np.int32)
     drafts[5, :2] = [6, 1]
     before = Redraft(drafts, np.arange(16) == 5, np.zeros(16, np.int32))
     again = redraft_in_flight(np.array([[3, 3, 3]], np.int32), np.array([[4, 5, 6, 1, 2, 8, 8, 0]], np.int32),
                               np.array([5], np.int32), np.array([2], np.int32), np.array([0], np.int32),
-                              np.array([[0, 7]], np.int32), jnp.array([2, 0, 0, 0], jnp.int32),
+                              jnp.array([2, 0, 0, 0], jnp.int32),
                               jnp.zeros(4, jnp.int32), np.array([0], np.int32), before, np.array([5], np.int32), 16,
                               (1, 3))[0]
     assert again.tolist() == [[6, 1, 2]]  # with the host's drafts in flight: 4 5 6 1 2 8 8 2 -> [8, 8, 2]
-    args = (draft_ids, history, known, num_previous, rows, guess, tokens, rejected, first, none,
+    args = (draft_ids, history, known, num_previous, rows, tokens, rejected, first, none,
             np.full(4, 16, np.int32), 16, (1, 3))
     assert "stablehlo" in redraft_in_flight.trace(*args).lower(lowering_platforms=("cuda",)).as_text()  # GPU too

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
 from jaxpaged.sample import in_step
-from jaxpaged.engine.drafting import BLANK_DRAFT_STEPS
+from jaxpaged.engine.drafting import RESERVE_AFTER_ACCEPT
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.worker.runner_config import RunnerConfig
@@ -29,7 +29,7 @@ from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxpaged.core.request import Request
 from jaxpaged.spec_decode.ngram import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
-                                  drafts_past, max_drafts_for, ngram_drafts)
+                                  max_drafts_for, ngram_drafts)
 from tests.greedy_oracle import greedy_generate
 from tests.test_async_scheduling import fail_results_when, run_through_failures
 from tests.test_engine import count_traces, mixed_prompts
@@ -283,11 +283,10 @@ def test_trim_cuts_drafts_and_a_request_that_verifies_none_forgets_a_little():
 
 
 
-def test_drafts_after_a_guess_weigh_as_any():
-    """Async scheduling: drafts proposed past a guess of the step in flight weigh as drafts proposed after its
-    outcome (where the guess proves wrong the device proposes them again from that outcome). The engine's first
-    drafts are accepted, its second ones rarely (c_2 ~ 0.09): a sure request keeps its first draft, with or
-    without a guess of 2 tokens before it."""
+def test_draft_slots_weigh_as_any_drafts():
+    """Async scheduling: a request in flight's draft slots (their content the device's) weigh as drafts the host
+    proposed. The engine's first drafts are accepted, its second ones rarely (c_2 ~ 0.09): a sure request keeps
+    its first draft, its drafts known or slots."""
     policy = policy_with({1: 10.0, 2: 11.0, 4: 13.0, 8: 20.0}, k=3)
     for _ in range(20):
         policy.observe_verification(Request("old", [1]), 3, 1)
@@ -295,9 +294,9 @@ def test_drafts_after_a_guess_weigh_as_any():
     request.spec_first_accepted, request.spec_token_ids = 30.0, [5, 6, 7]
     policy.trim([request])
     assert request.spec_token_ids == [5]
-    request.spec_token_ids, request.spec_guess = [5, 6, 7], (3, 4)
+    request.spec_token_ids = [0, 0, 0]
     policy.trim([request])
-    assert request.spec_token_ids == [5]
+    assert request.spec_token_ids == [0]
 
 
 def test_drafts_a_grammar_forces_are_kept_and_teach_nothing():
@@ -406,10 +405,6 @@ class OracleProposer:
 
     def propose(self, token_ids, max_drafts=None, skip=0):
         return self._wrong(self.continuation(token_ids)[skip:skip + min(self.k, max_drafts)])
-
-    def propose_past(self, token_ids, in_flight, max_drafts):  # guesses the step in flight right (wrong_at aside)
-        drafts, guess = drafts_past(self.continuation(token_ids), in_flight, min(self.k, max_drafts))
-        return self._wrong(drafts), guess
 
     def _wrong(self, drafts):
         if self.wrong_at is not None and len(drafts) > self.wrong_at:
@@ -689,8 +684,7 @@ def test_prompt_logprobs_are_those_without_speculation(plain, spec):
 def test_drafts_stay_within_max_model_len(tiny):
     engine = make_engine(tiny, max_model_len=64, num_pages=40)
     prompt = ([5, 6, 7, 8] * 16)[:60]
-    always = {"propose": lambda self, ids, max_drafts=None, skip=0: [5, 6, 7, 8][:max_drafts],
-              "propose_past": lambda self, ids, in_flight, max_drafts: ([5, 6, 7, 8][:max_drafts], ())}
+    always = {"propose": lambda self, ids, max_drafts=None, skip=0: [5, 6, 7, 8][:max_drafts]}
     engine.proposer = type("Always", (), always)()
     done = run_all(engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None))
     out = done["0"].outputs[0]
@@ -909,8 +903,8 @@ PENALTIES = dict(presence_penalty=1.0, frequency_penalty=0.7, repetition_penalty
 def test_async_scheduling_overlaps_verifications_it_can(tiny, plain, kind):
     """Speculation under async scheduling (the default). Greedy, seeded and penalised requests: every step is
     overlapped, those that verify drafts too: the next step is dispatched before their outcome is on the host,
-    its drafts proposed on a guess of it, its positions and key steps moved back and its penalty counts given
-    the tokens in flight on the device. Requests under min_tokens (their EOS bans follow the tokens in flight on
+    its drafts proposed on the device (the proposer says only how many), its positions and key steps moved back and
+    its penalty counts given the tokens in flight on the device. Requests under min_tokens (their EOS bans follow the tokens in flight on
     the host): a step that verifies drafts runs synchronously, every other step is overlapped. Nothing proposed:
     every step overlapped. An oracle's drafts for every request (all accepted, or wrong from the second). For
     half the requests: on CPU no room for drafts beside decodes without (the scheduler's rule), so every step
@@ -929,8 +923,7 @@ def test_async_scheduling_overlaps_verifications_it_can(tiny, plain, kind):
          sum(len(e.spec_token_ids) for e in out.scheduled_requests if e.placeholder))))
     propose_drafts = engine._propose_drafts
     engine._propose_drafts = lambda: proposals.append(1) or propose_drafts()
-    never = type("Never", (), {"propose": lambda self, ids, max_drafts=None, skip=0: [],
-                               "propose_past": lambda self, ids, in_flight, max_drafts: ([], ())})()
+    never = type("Never", (), {"propose": lambda self, ids, max_drafts=None, skip=0: []})()
     for proposer, num_accepted in ((never, None), (OracleProposer(prompts, expected), "all"),
                                    (OracleProposer(prompts, expected, wrong_at=1), "some"),
                                    (OracleProposer(prompts[::2], expected[::2]), None)):
@@ -945,7 +938,10 @@ def test_async_scheduling_overlaps_verifications_it_can(tiny, plain, kind):
             if proposer is never:  # no guess past a token in flight either: proposals only after prefill chunks
                 assert len(proposals) <= 5 < len(steps), (proposals, steps)  # (handled at once: > 8 tokens on CPU)
             continue
-        assert accepted_now == drafted_now if num_accepted == "all" else 0 < accepted_now < drafted_now
+        if overlapped:  # the drafts of a request in flight are the device's lookup's, whatever the proposer says
+            assert 0 < drafted_now and accepted_now <= drafted_now and (accepted_now > 0 or kind != "greedy")
+        else:
+            assert accepted_now == drafted_now if num_accepted == "all" else 0 < accepted_now < drafted_now
         if overlapped:
             assert not synchronous and sum(after for _, _, after in steps) >= 0.6 * drafted_now, steps
         else:
@@ -963,9 +959,9 @@ def test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing(tiny
     token a placeholder, their positions and key steps moved back and their penalty counts given the tokens in
     flight on the device) that verify drafts of their own, on the fused program (drafts packed in its rows, or
     beside it) or not. One at a time and all at once in a pool too small for them (preemption), the n-gram
-    proposer and an oracle wrong from its third draft: the plain tokens, every page back, drafts accepted and
-    rejected, steps after a verification in flight that guessed it right and wrong, nothing compiled after
-    warm-up. The fused program's candidate pass keeps 8 candidates a row (any number gives the same samples), so
+    proposer and an oracle wrong from its third draft (for a request in flight only its count of draft slots
+    counts: their drafts are the device's): the plain tokens, every page back, drafts accepted and rejected (greedy
+    outputs copy; hot or penalised ones little), draft slots after a verification in flight, nothing compiled after warm-up. The fused program's candidate pass keeps 8 candidates a row (any number gives the same samples), so
     hot rows take its fallbacks too. With 4 sequence slots (so at most 4 logits rows a step) the fused program's
     drafts mostly overflow its rows: sampled beside it (after a verification in flight, from its outcome)."""
     monkeypatch.setattr(in_step, "sample_in_step", functools.partial(in_step.sample_in_step, prefilter_k=8))
@@ -992,38 +988,32 @@ def test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing(tiny
     assert traces == []
     assert (counts["_resample_rows"] > 0) is (fuse == "on" and (kind == "seeded" or "hot" in kind)), counts
     num_accepted, num_drafted = accepted(engine)
-    assert 0 < num_accepted < num_drafted and sum(after) > 0.3 * num_drafted, (num_accepted, num_drafted, sum(after))
+    # the drafts of a request in flight are the device's lookup's: hot or penalised outputs copy little (it finds few)
+    if kind != "greedy":
+        assert num_accepted <= num_drafted and sum(after) > 100, (num_accepted, num_drafted, sum(after))
+    else:
+        assert 0 < num_accepted < num_drafted and sum(after) > 0.3 * num_drafted, (num_accepted, num_drafted, sum(after))
     assert engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("fuse, kind", [("off", "greedy"), ("off", "penalised"), ("on", "penalised")])
-def test_drafts_proposed_on_a_wrong_guess_are_proposed_again_on_the_device(tiny, plain, fuse, kind):
-    """Drafts proposed while a verification is in flight follow a guess of its outcome; where the guess proves
-    wrong, the device proposes them again from the real outcome (its n-gram lookup: the drafts a synchronous step
-    would verify) and the host keeps its twin of them (Request.spec_redrafts) for its next guess and the policy.
-    A proposer whose drafts are an oracle's and whose guess behind them (and so its drafts) is wrong every other
-    time: every slot fed after a wrong guess verifies the host n-gram proposer's drafts for the real sequence (-1
-    past what it found), every other slot the oracle's; the policy learns from every verification that had drafts; the plain tokens.
-    Penalised requests (strong penalties), fused sampler or not: their rows count the drafts as fed, the device's."""
+def test_drafts_of_rows_in_flight_are_proposed_on_the_device(tiny, plain, fuse, kind):
+    """Overlapped verification: for a request whose step is in flight the host reserves only a count of draft
+    slots; the device proposes their drafts from that step's real outcome (its n-gram lookup on the real sequence:
+    the drafts a synchronous step would verify, -1 past what it found), whatever the host's proposer says; a
+    request not in flight verifies the host's drafts as proposed. The stats and the policy count the drafts fed,
+    fetched with the step's tokens (`ModelRunnerOutput.num_draft_tokens`: the found ones). An oracle proposer (its
+    counts only matter in flight); the plain tokens. Penalised requests (strong penalties), fused sampler or not:
+    their rows count the drafts as fed, the device's (their outputs copy nothing here: the lookup finds none)."""
     prompts = repetitive_prompts(3, seed=95)
     params = dataclasses.replace(GREEDY, **PENALTIES) if kind == "penalised" else GREEDY
     expected = [o.outputs[0].token_ids for _, o in sorted(run_all(plain, prompts, params).items())]
     if kind == "greedy":
         assert expected == [greedy_generate(tiny.config, tiny.params, p, GREEDY.max_tokens) for p in prompts]
-    oracle, calls = OracleProposer(prompts, expected), itertools.count()
-
-    class Guesser:  # the oracle's drafts; the guess behind them wrong on every other proposal, and its drafts too
-        propose = oracle.propose
-
-        def propose_past(self, token_ids, in_flight, max_drafts):
-            drafts, guess = oracle.propose_past(token_ids, in_flight, max_drafts)
-            if next(calls) % 2:
-                return drafts, guess
-            return [(t + 1) % 256 for t in drafts], tuple(t + 1 for t in guess)
-
     engine = make_engine(tiny, speculative_config=ADAPTIVE, fuse_sampler=fuse, **OVERLAP)
     assert engine.runner_config.prompt_lookup == (1, 3)
-    engine.proposer, engine.draft_policy.plan = Guesser(), lambda n, gains, without_drafts=0: [len(g) for g in gains]
+    engine.proposer = OracleProposer(prompts, expected)
+    engine.draft_policy.plan = lambda n, gains, without_drafts=0: [len(g) for g in gains]
     observed = []
     observe = engine.draft_policy.observe_verification
     engine.draft_policy.observe_verification = lambda request, *a, **kw: observed.append(a[0]) or \
@@ -1031,76 +1021,89 @@ def test_drafts_proposed_on_a_wrong_guess_are_proposed_again_on_the_device(tiny,
     lookup, fed = NgramProposer(engine.args.speculative_config), collections.Counter()
     handle = engine._handle_in_flight
 
-    def handled(flight, following=None):  # checks the drafts `flight` verified, their outcome still in flight
-        layout = flight.layout
+    def handled(flight):  # checks the drafts `flight` verified, its outcome still in flight
+        layout, result = flight.layout, flight.result()
         verified = np.asarray(layout.verified_ids) if layout is not None else ()
+        entries = {e.request_id: e for e in flight.scheduler_output.scheduled_requests}
         for m, rid in enumerate(layout.request_ids if layout is not None else ()):
             request, d = scheduled_requests(flight)[rid], layout.num_drafts[m]
-            if request.spec_redrafts is None:  # the engine's drafts, fed as they were
-                assert verified[m, :d].tolist() == list(layout.draft_ids[m, :d])
-                fed["as proposed"] += 1
-            else:  # proposed again: the n-gram lookup on the tokens known now (the step before's outcome)
+            if entries[rid].placeholder:  # the device's: the lookup on the tokens known now (the step before's outcome)
                 real = lookup.continuation(request.all_token_ids, d)
-                assert verified[m, :d].tolist() == request.spec_redrafts == real + [-1] * (d - len(real))
-                fed["again"] += 1
-        return handle(flight, following)
+                assert verified[m, :d].tolist() == real + [-1] * (d - len(real))
+                fed["device"] += 1
+            else:  # the host's, fed as proposed
+                assert verified[m, :d].tolist() == list(layout.draft_ids[m, :d]) == list(entries[rid].spec_token_ids)
+                fed["host"] += 1
+            assert result.num_draft_tokens[rid] == int(np.sum(verified[m, :d] >= 0))
+            fed["drafts"] += result.num_draft_tokens[rid]
+        return handle(flight)
 
     engine._handle_in_flight = handled
     for i, prompt in enumerate(prompts):
         done = run_all(engine, [prompt], params)
         assert done["0"].outputs[0].token_ids == expected[i]
-    assert fed["again"] >= 5 and fed["as proposed"] >= 5, fed
+    assert fed["device"] >= 5, fed
     verifications = engine.spec_decoding_stats.as_stats()["spec_decode_num_drafts"]
-    assert len(observed) == verifications and accepted(engine)[1] == sum(observed) > 0
+    assert len(observed) == verifications and accepted(engine)[1] == sum(observed) == fed["drafts"]
+    assert sum(observed) > 0 or kind == "penalised"
 
 
-def test_a_copy_that_breaks_reserves_blank_drafts_the_device_fills(tiny):
-    """Overlapped verification: where the host's lookup finds nothing before the token in flight, a request whose
-    draft was accepted lately reserves blank drafts, which the device proposes from the real sequence (the host's
-    lookup lags it by that token); after BLANK_DRAFT_STEPS blanks in a row that found nothing, none until a draft
-    is accepted again. A proposer with an oracle's drafts that finds nothing on every third proposal past a step in
-    flight: every blank slot verifies the n-gram lookup's drafts for the real sequence, some find drafts, streaks
-    of blanks that found nothing reach the limit and never pass it, and the tokens are the plain ones."""
+def test_a_copy_that_breaks_keeps_its_draft_slots_for_a_while(tiny):
+    """Overlapped verification: where the host's lookup finds nothing past the step in flight, a request whose
+    draft was accepted lately still reserves k draft slots, which the device proposes from the real sequence (the
+    host's lookup lags it by that step's outcome), up to RESERVE_AFTER_ACCEPT times after its last accepted draft.
+    A proposer with an oracle's drafts that finds nothing past a request's first 6 output tokens: such slots are
+    reserved, some find drafts on the device and some nothing, streaks reach the limit and never pass it, and the
+    tokens are the plain ones."""
     prompts = repetitive_prompts(3, seed=97) + mixed_prompts(3, seed=97)
     expected = [greedy_generate(tiny.config, tiny.params, p, GREEDY.max_tokens) for p in prompts]
     oracle, prompt_len = OracleProposer(prompts, expected), {len(p) for p in prompts}
 
-    class Lagging:  # the oracle's drafts for a request's first 6 tokens, then nothing: its lookup lost the copy
-        propose = oracle.propose
-
-        def propose_past(self, token_ids, in_flight, max_drafts):
-            if not any(n < len(token_ids) <= n + 6 and list(token_ids[:n]) in prompts for n in prompt_len):
-                return [], ()
-            return oracle.propose_past(token_ids, in_flight, max_drafts)
+    class Lagging:  # the oracle's drafts for a request's first 6 tokens, then nothing past a step in flight
+        def propose(self, token_ids, max_drafts=None, skip=0):
+            if skip and not any(n < len(token_ids) <= n + 6 and list(token_ids[:n]) in prompts for n in prompt_len):
+                return []
+            return oracle.propose(token_ids, max_drafts, skip)
 
     engine = make_engine(tiny, **OVERLAP)
     engine.proposer = Lagging()
-    lookup, seen, misses = NgramProposer(engine.args.speculative_config), collections.Counter(), collections.Counter()
+    k = engine.runner_config.num_speculative_tokens
+    seen, streak, blind = collections.Counter(), collections.Counter(), {}  # blind: {step: its slots reserved blind}
+    draft_slots, reserving = engine._draft_slots, set()
+
+    def slots(request, num_in_flight, room):
+        found = engine.proposer.propose(request.all_token_ids, room, skip=num_in_flight + 1)
+        d = draft_slots(request, num_in_flight, room)
+        if not found and d:
+            assert d == min(room, k)
+            streak[request.request_id] += 1
+            assert streak[request.request_id] <= RESERVE_AFTER_ACCEPT, "slots past the limit"
+            seen["limit"] += streak[request.request_id] == RESERVE_AFTER_ACCEPT
+            reserving.add(request.request_id)
+        return d
+
+    def scheduled(out, overlapped):
+        blind[id(out)] = set(reserving)
+        reserving.clear()
+
+    engine._draft_slots = slots
+    before_each_step(engine, scheduled)
     handle = engine._handle_in_flight
 
-    def handled(flight, following=None):
-        layout = flight.layout
-        entries = {e.request_id: e for e in flight.scheduler_output.scheduled_requests}
-        for m, rid in enumerate(layout.request_ids if layout is not None else ()):
-            if entries[rid].spec_guess == ():  # blank: proposed on the device from the real sequence
-                request, d = scheduled_requests(flight)[rid], layout.num_drafts[m]
-                real = lookup.continuation(request.all_token_ids, d)
-                assert np.asarray(layout.verified_ids)[m, :d].tolist() == request.spec_redrafts == \
-                    real + [-1] * (d - len(real))
-                assert misses[rid] < BLANK_DRAFT_STEPS, "a blank past the streak's limit"
-                misses[rid] = 0 if real else misses[rid] + 1
-                seen["found" if real else "nothing"] += 1
-                seen["limit"] += misses[rid] == BLANK_DRAFT_STEPS
-        outputs = handle(flight, following)
-        for rid, num_accepted in flight.result().num_accepted_drafts.items():
-            misses[rid] = 0 if num_accepted else misses[rid]
-        return outputs
+    def handled(flight):
+        result, reserved = flight.result(), blind.pop(id(flight.scheduler_output), set())
+        for rid, num_accepted in result.num_accepted_drafts.items():
+            if rid in reserved:
+                seen["found" if result.num_draft_tokens[rid] else "nothing"] += 1
+            if num_accepted:
+                streak[rid] = 0
+        return handle(flight)
 
     engine._handle_in_flight = handled
     for i, prompt in enumerate(prompts):
         done = run_all(engine, [prompt])
         assert done["0"].outputs[0].token_ids == expected[i]
-    assert seen["found"] >= 2 and seen["nothing"] >= 2 * BLANK_DRAFT_STEPS and seen["limit"] >= 2, seen
+    assert seen["found"] >= 2 and seen["nothing"] >= 1 and seen["limit"] >= 1, seen
 
 
 @pytest.mark.parametrize("seconds, seconds_a_row", [(0.02, 0.0), (0.0, 0.008)])
@@ -1284,8 +1287,7 @@ def test_structured_outputs_with_speculation_are_those_without(plain, spec):
     try:
         assert tokens(run_all(spec, prompts, params)) == expected
         assert {"0", "2"} <= set(drafted), drafted  # JSON and regex requests drafted
-        spec.proposer = type("Never", (), {"propose": lambda self, ids, max_drafts=None, skip=0: [],
-                                  "propose_past": lambda self, ids, in_flight, max_drafts: ([], ())})()
+        spec.proposer = type("Never", (), {"propose": lambda self, ids, max_drafts=None, skip=0: []})()
         before = accepted(spec)  # the constrained requests' drafts now only the tokens their grammar forces
         assert tokens(run_all(spec, prompts[:4], params[:4])) == {str(i): expected[str(i)] for i in range(4)}
         assert accepted(spec)[0] - before[0] > 10  # a schema's keys and punctuation: drafts the model accepts

@@ -109,14 +109,9 @@ class Request:
     # acceptance, see spec_decode.DraftLengthPolicy): those whose first draft was accepted, and rejected
     spec_first_accepted: float = 0.0
     spec_first_rejected: float = 0.0
-    # Async scheduling: the tokens the step in flight was guessed to emit when the next step's drafts were
-    # proposed (NgramProposer.propose_past), and, where that guess proved wrong, the drafts the device fed that
-    # next step in their place (proposed again from the real outcome, -1 where it found none:
-    # model_runner.redraft_in_flight); None: they are the engine's
-    spec_guess: tuple[int, ...] | None = None
-    spec_redrafts: list[int] | None = None
-    # ... and the steps it may still reserve blank drafts for (engine.BLANK_DRAFT_STEPS after an accepted draft)
-    spec_blanks_left: int = 0
+    # Overlapped verification: the times it may still reserve draft slots in flight where the host's lookup finds
+    # none (engine.drafting.RESERVE_AFTER_ACCEPT after an accepted draft: `Drafting._draft_slots`)
+    spec_reserve_left: int = 0
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -307,7 +307,6 @@ class Scheduler:
         return dataclasses.replace(
             entry, token_ids=entry.token_ids + drafts, page_ids=tuple(request.page_ids[entry.page_ids_from:]),
             spec_token_ids=drafts,
-            spec_guess=request.spec_guess if entry.placeholder else None,
             spec_banned_token_ids=tuple(request.banned_token_ids_at(num_output + j + 1) for j in range(len(drafts))))
 
     def _schedule_waiting(self, budget: int, scheduled: list) -> int:

@@ -45,14 +45,11 @@ class ScheduledRequest:
     # async scheduling: the chunk is one token, the one the previous step sampled for this request; token_ids
     # holds PLACEHOLDER_TOKEN_ID and the runner gathers the value on the device
     placeholder: bool = False
-    # Speculative decoding: the d drafts fed after the last token (they end token_ids), to verify this step;
+    # Speculative decoding: the d drafts fed after the last token (they end token_ids), to verify this step (fed
+    # after a placeholder: slots whose drafts the runner proposes on the device, `redraft_in_flight`);
     # spec_banned_token_ids[j]: banned_token_ids of the output after the first j + 1 drafts.
     spec_token_ids: tuple[int, ...] = ()
     spec_banned_token_ids: tuple[tuple[int, ...], ...] = ()
-    # ... fed after a placeholder: the outcome of the step in flight they were proposed after (its accepted drafts,
-    # then its token: Request.spec_guess), None if not guessed; the runner proposes them again on the device
-    # where that step emits otherwise (`model_runner.redraft_in_flight`); (): blank drafts, proposed there always
-    spec_guess: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:

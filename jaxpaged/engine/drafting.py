@@ -1,16 +1,18 @@
-"""N-gram drafting in the engine's step loop: which requests draft, and their drafts proposed on the host.
+"""N-gram drafting in the engine's step loop: which requests draft, and their drafts proposed on the host (for a
+request in flight, their count: the device proposes them).
 
 Before each schedule the engine proposes drafts for decoding requests (NgramProposer, trimmed by DraftLengthPolicy).
 Under async scheduling a request's last token is still in flight then. Requests without min_tokens bans or a grammar
 verify overlapped (`_verifies_overlapped`; EngineArgs.overlap_verification, on with a GPU): with step N in flight,
-N+1 is scheduled as if all of N's drafts were accepted (the scheduler's `num_draft_placeholders`), its drafts are
-proposed on a guess of N's outcome (`_propose_past_in_flight`), and the device moves N+1's token, positions and
-random rows' key steps to N's real outcome (`model_runner.fill_in_flight`, `steps_moved_back`: seeded outputs stay
-those of the synchronous loop), adds the tokens in flight to penalty counts (`outputs_in_flight`) and, where the
-guess proves wrong, proposes N+1's drafts again (`redraft_in_flight`; the host's twin: `_note_redrafts`). N's
-rejected drafts are rolled back when its tokens reach the host. Grammar masks and min_tokens bans follow the
-tokens on the host, so a step verifying other requests' drafts runs synchronously, and with a step in flight the
-engine waits for it only when drafts are likely (`_drafts_likely`).
+N+1 is scheduled as if all of N's drafts were accepted (the scheduler's `num_draft_placeholders`); the host reserves
+only how many draft slots each such request feeds (`_reserve_drafts_in_flight`), and the device moves N+1's token,
+positions and random rows' key steps to N's real outcome (`model_runner.fill_in_flight`, `steps_moved_back`: seeded
+outputs stay those of the synchronous loop), adds the tokens in flight to penalty counts (`outputs_in_flight`) and
+proposes the slots' drafts from the tokens known, N's drafts and N's outcome (`redraft_in_flight`); the drafts it fed
+come back with N+1's tokens (`ModelRunnerOutput.num_draft_tokens`). N's rejected drafts are rolled back when its
+tokens reach the host. Grammar masks and min_tokens bans follow the tokens on the host, so a step verifying other
+requests' drafts runs synchronously, and with a step in flight the engine waits for it only when drafts are likely
+(`_drafts_likely`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from jaxpaged.spec_decode.ngram import (DraftLengthPolicy, NgramProposer, SpecDe
                                         max_drafts_for)
 from jaxpaged.worker.runner_output import ModelRunnerOutput
 
-# Overlapped verification: a request whose draft was accepted lately but whose lookup finds nothing before its token
-# in flight reserves blank draft rows (BLANK_DRAFT_TOKEN, fed and proposed again on the device from that token on)
-# for up to this many steps without a match; the host's lookup lags the device's by that token, so after a copy
-# breaks the device finds the match again a step sooner
-BLANK_DRAFT_STEPS = 3
-BLANK_DRAFT_TOKEN = 0
+# Overlapped verification: a request in flight whose draft was accepted lately but whose lookup on the tokens the host
+# knows finds nothing past the step in flight still reserves k draft slots, up to this many times after its last
+# accepted draft (`Request.spec_reserve_left`): the host's lookup lags the device's by that step's outcome, so after
+# a copy breaks the device finds the match again a step sooner
+RESERVE_AFTER_ACCEPT = 3
+# what the host packs in a draft slot whose draft the device proposes (fed as is only where it finds none: never
+# accepted, -1 in the drafts verified)
+DRAFT_SLOT_TOKEN = 0
 # Speculation with async scheduling: after drafts proposed for a token in flight found no room in the step (a
 # mixed batch's padding, the partial-prefill slots), the engine overlaps 2, 4, ... up to this many steps of the
 # same batch before it waits for a token in flight to propose again (each wait costs the step's host time).
@@ -41,7 +45,6 @@ class Drafting:
 
     def _init_drafting(self, spec: SpeculativeConfig | None) -> None:
         self.proposer = None if spec is None else NgramProposer(spec)  # speculative decoding (n-gram)
-        self._device_lookup = None if spec is None else NgramProposer(spec)  # the host twin of redraft_in_flight's
         self.spec_decoding_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
         self.draft_policy = None if spec is None or not spec.adaptive_draft_length else \
             DraftLengthPolicy(spec.num_speculative_tokens)  # which drafts pay for their rows
@@ -49,27 +52,13 @@ class Drafting:
         # that do not wait to propose again while it stays the same, and the no-room steps in a row
         self._no_room_batch, self._no_room_wait, self._no_room_streak = None, 0, 0
 
-    def _note_redrafts(self, following: SchedulerOutput, wrong: set[str]) -> None:
-        """The drafts the device fed in `following` (in flight) for the requests in `wrong`, whose guess of the
-        step just handled proved wrong: proposed again from its real outcome (`model_runner.redraft_in_flight`,
-        this lookup on the device; -1 where it found none), kept in Request.spec_redrafts for the next guess and
-        for the policy."""
-        for entry in following.scheduled_requests:
-            request = self.scheduler.get_request(entry.request_id)
-            if entry.request_id in wrong and entry.spec_guess is not None and request is not None:
-                d = len(entry.spec_token_ids)
-                drafts = self._device_lookup.continuation(request.all_token_ids, d)
-                request.spec_redrafts = drafts + [-1] * (d - len(drafts))
-                if entry.spec_guess == () and not drafts:  # blank drafts that found nothing
-                    request.spec_blanks_left -= 1
-
     def _propose_drafts(self) -> None:
         """Speculative decoding: n-gram drafts for every decoding request (under a grammar, `_grammar_drafts`;
         none while more requests are enqueued than speculative_config.disable_by_batch_size)."""
         disabled = self._drafting_disabled()
         decoding = self.scheduler.decoding_requests()
         for request in decoding:
-            request.spec_num_forced, request.spec_guess, request.spec_redrafts = 0, None, None  # nothing in flight
+            request.spec_num_forced = 0
             room = max_drafts_for(request.num_tokens, request.num_output_tokens, request.max_tokens,
                                   request.max_model_len)
             if room < 1 or disabled:
@@ -95,17 +84,17 @@ class Drafting:
         return [r for r in self.scheduler.running if r.num_output_placeholders == 1 and
                 r.num_computed_tokens == r.num_tokens + r.num_draft_placeholders]
 
-    def _propose_past_in_flight(self, in_flight: SchedulerOutput, waiting: Sequence[Request]) -> None:
+    def _reserve_drafts_in_flight(self, in_flight: SchedulerOutput, waiting: Sequence[Request]) -> None:
         """Speculative decoding with a step in flight (`in_flight`) whose requests `waiting` for its tokens
         (`_in_flight_decodes`) all verify overlapped (`_verifies_overlapped`): drafts for every decoding request
-        that may have them, those in flight guessing that step's outcome (`NgramProposer.propose_past`, its guess
-        kept to check when the outcome arrives; room as if all its drafts were accepted), the others from their
-        tokens; the adaptive policy trims them. Nothing waits for the device."""
+        that may have them, the others' from their tokens; for those in flight only a count of draft slots
+        (`_draft_slots`), whose drafts the device proposes from that step's outcome; the adaptive policy trims
+        them. Nothing waits for the device."""
         disabled = self._drafting_disabled()
-        fed = {e.request_id: e.spec_token_ids for e in in_flight.scheduled_requests}
+        fed = {e.request_id: len(e.spec_token_ids) for e in in_flight.scheduled_requests}
         decoding, waiting_for = [], {id(r) for r in waiting}
         for request in self.scheduler.running:
-            request.spec_token_ids, request.spec_num_forced, request.spec_guess = [], 0, None
+            request.spec_token_ids, request.spec_num_forced = [], 0
             known = not request.num_output_placeholders and request.num_tokens - request.num_computed_tokens == 1
             if id(request) not in waiting_for and not known:
                 continue  # prefilling, or two steps in flight
@@ -117,15 +106,22 @@ class Drafting:
                 continue
             if known:
                 request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
-                continue
-            fed_now = fed.get(request.request_id, ()) if request.spec_redrafts is None else request.spec_redrafts
-            drafts, guess = self.proposer.propose_past(request.all_token_ids, fed_now, room)
-            request.spec_token_ids, request.spec_guess = drafts, (guess or None) if drafts else None
-            if not drafts and request.spec_blanks_left > 0 and self.runner_config.prompt_lookup is not None:
-                request.spec_token_ids = [BLANK_DRAFT_TOKEN] * min(room, self.runner_config.num_speculative_tokens)
-                request.spec_guess = ()  # no guess: the device proposes them whatever the outcome
+            elif self.runner_config.prompt_lookup is not None:
+                request.spec_token_ids = [DRAFT_SLOT_TOKEN] * self._draft_slots(request, fed.get(request.request_id, 0),
+                                                                                room)
         if self.draft_policy is not None:
             self.draft_policy.trim(decoding)
+
+    def _draft_slots(self, request: Request, num_in_flight: int, room: int) -> int:
+        """The draft slots a request in flight reserves (their drafts the device's): as many as the lookup on the
+        tokens the host knows finds past the step in flight if it accepts all its num_in_flight drafts (the
+        device proposed those from the same tokens, so they are that lookup's own), else k while
+        `Request.spec_reserve_left` (a draft accepted lately: RESERVE_AFTER_ACCEPT), one less each time, else none."""
+        found = len(self.proposer.propose(request.all_token_ids, room, skip=num_in_flight + 1))
+        if found or request.spec_reserve_left <= 0:
+            return found
+        request.spec_reserve_left -= 1
+        return min(room, self.runner_config.num_speculative_tokens)
 
     def _drafting_disabled(self) -> bool:
         """speculative_config.disable_by_batch_size: more requests enqueued than it allows draft nothing."""
@@ -184,19 +180,17 @@ class Drafting:
         request.spec_num_forced = min(forced, len(drafts))
         return drafts
 
-    def _observe_drafts(self, entries: Sequence[ScheduledRequest], result: ModelRunnerOutput,
-                        redrafted: dict[str, list[int]] | None = None) -> None:
-        """Count the step's verifications (metrics) and teach the adaptive policy; `redrafted`: the drafts the
-        device proposed again in place of an entry's (`_note_redrafts`), of which those it found count."""
+    def _observe_drafts(self, entries: Sequence[ScheduledRequest], result: ModelRunnerOutput) -> None:
+        """Count the step's verifications (metrics: the drafts fed, as the device fed them where it proposed them,
+        `ModelRunnerOutput.num_draft_tokens`) and teach the adaptive policy; keep `Request.spec_reserve_left`."""
         for entry in entries:
             num_accepted = result.num_accepted_drafts.get(entry.request_id)
             if num_accepted is None:  # verified nothing
                 continue
             request = self._child_to_parent[entry.request_id][1].request
-            if num_accepted:  # a copy runs: blank drafts may follow a break in it (`_propose_past_in_flight`)
-                request.spec_blanks_left = BLANK_DRAFT_STEPS
-            drafts = (redrafted or {}).get(entry.request_id, entry.spec_token_ids)
-            num_drafts = sum(t >= 0 for t in drafts)
+            if num_accepted:  # a copy runs: slots may follow a break in it (`_draft_slots`)
+                request.spec_reserve_left = RESERVE_AFTER_ACCEPT
+            num_drafts = result.num_draft_tokens[entry.request_id]
             if num_drafts:
                 self.spec_decoding_stats.observe(num_drafts, num_accepted)
                 if self.draft_policy is not None:

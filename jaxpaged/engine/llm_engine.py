@@ -338,9 +338,9 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
         -> dispatch N+1's sampler (after N's tokens are appended: penalties and grammar masks see them).
         A step feeding more than `async_max_tokens` tokens is then handled at once (its outputs join N's).
         A failure dispatching N+1 is raised by the next call, after N's outputs are returned.
-        Speculative decoding: when every request in flight verifies overlapped (`_verifies_overlapped`), drafts
-        are proposed past N's outcome, guessed (`_propose_past_in_flight`), and N+1 is dispatched as any other
-        step. Otherwise, when drafts are likely (`_drafts_likely`), N is handled first and drafts are proposed;
+        Speculative decoding: when every request in flight verifies overlapped (`_verifies_overlapped`), the
+        host reserves draft slots past N's outcome, which the device fills (`_reserve_drafts_in_flight`), and N+1
+        is dispatched as any other step. Otherwise, when drafts are likely (`_drafts_likely`), N is handled first and drafts are proposed;
         a step that verifies drafts some request cannot verify overlapped then runs synchronously (`_run_sync`)."""
         self._raise_deferred_error()
         start = time.perf_counter()
@@ -351,7 +351,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
             if self.proposer is not None:
                 in_flight = self._in_flight_decodes() if previous is not None else None
                 if in_flight is not None and all(self._verifies_overlapped(r) for r in in_flight):
-                    self._propose_past_in_flight(previous.scheduler_output, in_flight)  # nothing waits
+                    self._reserve_drafts_in_flight(previous.scheduler_output, in_flight)  # nothing waits
                     overlapped = True
                 elif previous is None or self._drafts_likely():
                     if previous is not None:  # drafts follow the token in flight: wait for it
@@ -380,7 +380,7 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
                     self._wait_for_grammars()
                 return failed
             flight = None if out.is_empty else self._dispatch_async(out, previous)
-            outputs = failed + (self._handle_in_flight(previous, out) if previous is not None else [])
+            outputs = failed + (self._handle_in_flight(previous) if previous is not None else [])
             if flight is not None and self._dispatch_sampler_async(flight):
                 if self.async_max_tokens is None or out.num_scheduled_tokens <= self.async_max_tokens:
                     self._in_flight = flight
@@ -422,10 +422,10 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
             self._deferred_error = err
             return []
 
-    def _handle_in_flight(self, flight: PendingStep, following: SchedulerOutput | None = None) -> list[RequestOutput]:
+    def _handle_in_flight(self, flight: PendingStep) -> list[RequestOutput]:
         """Bring a dispatched step's tokens to the host and apply them, as `step` does, to the requests
         still live: the same Request objects it scheduled (one finished or aborted since is skipped, even
-        if a new request took its id). `following`: the step dispatched after it, if any (`_note_redrafts`)."""
+        if a new request took its id)."""
         result = flight.result()
         out = flight.scheduler_output
         entries, live = out.scheduled_requests, None  # live None: every entry's request (no request finished since)
@@ -436,30 +436,14 @@ class LLMEngine(Drafting, GrammarSupport, OutputProcessor, WeightControl):
             if live is None or rid in live:
                 self._record_prompt_logprobs(*self._child_to_parent[rid], chunk)
         sampled, stops, touched = self._emit_step(result, live)
-        redrafted, wrong = self._settle_guesses(sampled) if self.proposer is not None else ({}, set())
         if self.spec_decoding_stats is not None:
-            self._observe_drafts(entries, result, redrafted)
+            self._observe_drafts(entries, result)
         self.scheduler.update_from_output(out, sampled, stops)  # (it skips the entries of requests finished since)
-        if wrong and following is not None:
-            self._note_redrafts(following, wrong)
         outputs = self._outputs(touched)
         # overlapped: the time between steps; not for a step whose requests all ended before it was handled (the
         # slot wasted after a stop, left in flight while the engine idled: its time spans the idle gap)
         self._observe_step(out, max(flight.dispatched_at, self._last_handled), timed=bool(entries))
         return outputs
-
-    def _settle_guesses(self, sampled: dict[str, list[int]]) -> tuple[dict[str, list[int]], set[str]]:
-        """Speculative decoding: the next step's drafts (in flight) were proposed on a guess of these tokens. Returns
-        this step's drafts as the device proposed them again, by request, and the requests guessed wrong."""
-        redrafted, wrong = {}, set()
-        for rid, tokens in sampled.items():
-            request = self._child_to_parent[rid][1].request
-            if request.spec_redrafts is not None:
-                redrafted[rid] = request.spec_redrafts
-            if request.spec_guess is not None and tuple(tokens) != request.spec_guess:
-                wrong.add(rid)
-            request.spec_guess, request.spec_redrafts = None, None
-        return redrafted, wrong
 
     def _raise_deferred_error(self) -> None:
         if self._deferred_error is not None:

@@ -91,7 +91,7 @@ class SamplingBatch:
     count_from: np.ndarray | None = None  # i32[S]: each row's first fed token its penalty counts lack (T: none)
     draft_rows: np.ndarray | None = None  # i32[S, k]: packed drafts: slot m's draft rows (else 0)
     draft_ids: np.ndarray | None = None  # i32[S, k]: slot m's drafts, -1 for none (never accepted)
-    redraft: object | None = None  # spec_decode.verify.Redraft: the drafts the device proposes again
+    redraft: object | None = None  # spec_decode.verify.Redraft: the drafts the device proposes
 
     @property
     def num_rows(self) -> int:

@@ -25,12 +25,12 @@ How a step speculates (vLLM v1's design, with an n-gram proposer):
    num_computed_tokens counts the accepted ones only, pages past it go back to the pool, and
    only full pages of real (accepted) tokens are hashed into the prefix cache.
 
-Under async scheduling drafts are proposed past the step in flight (`propose_past`) and, where its guess proves
-wrong, again on the device (`ngram_drafts`): jaxpaged/engine/drafting.py says how, and why 3. still holds. A
-request under a grammar drafts the tokens it forces, then n-gram ones, cut to those it allows, each position
-sampled under the mask decoding without speculation would use there (`Drafting._grammar_drafts`,
-`StructuredOutputManager.fill_bitmask_with_drafts`). Which drafts a step verifies (`DraftLengthPolicy`) never
-changes the tokens emitted (3.), only how many steps they take.
+Under async scheduling, for a request whose step is still in flight, the host reserves only the number of draft
+slots and the device proposes their content (`ngram_drafts`) from that step's real outcome:
+jaxpaged/engine/drafting.py says how, and why 3. still holds. A request under a grammar drafts the tokens it
+forces, then n-gram ones, cut to those it allows, each position sampled under the mask decoding without
+speculation would use there (`Drafting._grammar_drafts`, `StructuredOutputManager.fill_bitmask_with_drafts`). Which
+drafts a step verifies (`DraftLengthPolicy`) never changes the tokens emitted (3.), only how many steps they take.
 """
 
 from __future__ import annotations
@@ -155,28 +155,6 @@ class NgramProposer:
         best = good[length[good] == length[good].max()][0]  # the longest match, earliest among equals
         end = int(ends[best])
         return tokens[end + 1:end + 1 + n].tolist()
-
-    def propose_past(self, token_ids: Sequence[int] | np.ndarray, in_flight: Sequence[int],
-                     max_drafts: int) -> tuple[list[int], tuple[int, ...]]:
-        """(drafts, guess) for the step after one still in flight that feeds the last of `token_ids` and verifies
-        the drafts `in_flight` (async scheduling). That step's outcome is guessed from the same lookup: with c the
-        continuation of token_ids, it accepts the leading drafts equal to c's, a of them, then emits c[a]; so
-        guess = c[:a + 1] (() when c is too short to say) and the drafts are c's next
-        min(num_speculative_tokens, max_drafts) tokens. Every draft is verified, so a wrong guess costs no token;
-        with overlapped verification the device proposes them again from the real outcome
-        (model_runner.redraft_in_flight)."""
-        k = min(self.config.num_speculative_tokens, max_drafts)
-        return drafts_past(self.continuation(token_ids, len(in_flight) + 1 + k) if k >= 1 else [], in_flight, k)
-
-
-def drafts_past(continuation: Sequence[int], in_flight: Sequence[int], k: int) -> tuple[list[int], tuple[int, ...]]:
-    """`NgramProposer.propose_past` given the guessed continuation c of the known tokens: a = the leading drafts
-    in flight equal to c's; (c[a + 1:a + 1 + k], c[:a + 1]), or ([], ()) when c has no token a (or k < 1)."""
-    accepted = next((j for j, (d, t) in enumerate(zip(in_flight, continuation)) if d != t),
-                    min(len(in_flight), len(continuation)))
-    if k < 1 or len(continuation) <= accepted:
-        return [], ()
-    return list(continuation[accepted + 1:accepted + 1 + k]), tuple(continuation[:accepted + 1])
 
 
 def ngram_drafts(tokens: jax.Array, lengths: jax.Array, k: int, lookup_min: int, lookup_max: int) -> jax.Array:
@@ -306,8 +284,7 @@ class DraftLengthPolicy:
 
     def gains(self, request, num_drafts: int, rates: np.ndarray | None = None) -> np.ndarray:
         """f64[num_drafts]: the expected tokens each of the request's drafts adds (p, p c_2, p c_2 c_3, ...).
-        Drafts proposed past a guess of the step in flight (async scheduling) weigh the same: where the guess
-        proves wrong, the device proposes them again from the real outcome (model_runner.redraft_in_flight)."""
+        Draft slots whose content the device proposes (a request in flight, async scheduling) weigh the same."""
         rates = self.position_rates() if rates is None else rates
         return np.cumprod([self.first_draft_rate(request, rates), *rates[1:num_drafts]])
 

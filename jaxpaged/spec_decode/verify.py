@@ -2,8 +2,9 @@
 
 A verification step feeds each drafting request its last token and d drafts; `DraftRows` says which logits rows
 verify them, `accept_drafts` / `verify_packed` count the accepted prefix (the sampler's own draws, so the tokens
-are those of a step without drafts), and `redraft_in_flight` proposes drafts again on the device from the real
-outcome of a verification still in flight where the host's guess of it was wrong.
+are those of a step without drafts), and `redraft_in_flight` proposes on the device the drafts of a request whose
+previous step (a verification, maybe) is still in flight, from that step's real outcome: the host reserved their
+slots only.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ class DraftRows:
     draft_ids: np.ndarray  # i32[M, k]; -1 for no draft (never accepted)
     token_index: np.ndarray  # i32[N]: the fed token whose logits each draft row takes (N rows, in row order)
     rows: tuple[RowInfo, ...]  # the N draft rows' sampler state
-    # i32[M, k] on the device: draft_ids with the slots the device proposed again (`redraft_in_flight`), the drafts
-    # fed and verified; None: draft_ids are
-    redrafted: jax.Array | None = None
+    # i32[M, k] on the device (numpy once fetched, `VerifiedDrafts.to_host`): draft_ids with the slots the device
+    # proposed (`redraft_in_flight`), the drafts fed and verified; None: draft_ids are
+    redrafted: np.ndarray | jax.Array | None = None
 
     @property
     def verified_ids(self) -> np.ndarray | jax.Array:
@@ -75,8 +76,14 @@ class VerifiedDrafts:
     num_accepted: np.ndarray  # i32[M]: leading draft positions whose sample equals the draft
 
     def to_host(self) -> VerifiedDrafts:
-        sampled, num_accepted = jax.device_get((self.sampled, self.num_accepted))
-        return dataclasses.replace(self, sampled=sampled, num_accepted=num_accepted)
+        """On the host, with the drafts the device proposed (`DraftRows.redrafted`): what the engine counts."""
+        sampled, num_accepted, redrafted = jax.device_get((self.sampled, self.num_accepted, self.layout.redrafted))
+        layout = self.layout if redrafted is None else dataclasses.replace(self.layout, redrafted=redrafted)
+        return dataclasses.replace(self, layout=layout, sampled=sampled, num_accepted=num_accepted)
+
+    def num_drafts_fed(self, m: int) -> int:
+        """Slot m's drafts fed and verified: those the host or the device proposed (-1: a slot it found none for)."""
+        return int(np.sum(np.asarray(self.layout.verified_ids[m, :self.layout.num_drafts[m]]) >= 0))
 
     def token_rows(self, m: int, first_row: int, main_row: int) -> tuple[int, ...]:
         """Slot m's emitted rows, `sampled`'s numbered from `first_row` on: its a accepted drafts' rows, then
@@ -89,11 +96,11 @@ class VerifiedDrafts:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Redraft:
-    """A step's drafts proposed again on the device (`redraft_in_flight`), on X slots (the largest
+    """A step's drafts proposed on the device (`redraft_in_flight`), on X slots (the largest
     `RunnerConfig.draft_seq_buckets` size, whatever the step's M: one shape for every program that takes them)."""
 
-    drafts: jax.Array  # i32[X, k]: slot m's drafts where `changed` (-1: none, never accepted)
-    changed: jax.Array  # bool[X]: whether slot m's drafts are new (its guess of the step in flight was wrong)
+    drafts: jax.Array  # i32[X, k]: slot m's drafts where `proposed` (-1: none, never accepted)
+    proposed: jax.Array  # bool[X]: whether the device proposed slot m's drafts (its request's step was in flight)
     first: jax.Array  # i32[X]: the step's token index of slot m's fed token (its drafts follow it)
 
     @classmethod
@@ -101,43 +108,41 @@ class Redraft:
         return cls(np.full((num_slots, k), -1, np.int32), np.zeros(num_slots, bool), np.zeros(num_slots, np.int32))
 
 
-@functools.partial(jax.jit, static_argnums=(11, 12))
+@functools.partial(jax.jit, static_argnums=(10, 11))
 def redraft_in_flight(draft_ids: jax.Array, history: jax.Array, known: jax.Array, num_previous: jax.Array,
-                      rows: jax.Array, guess: jax.Array, tokens: jax.Array, rejected: jax.Array, first: jax.Array,
-                      previous: Redraft, previous_slots: jax.Array, num_slots: int,
-                      lookup: tuple[int, int]) -> tuple[jax.Array, Redraft]:
-    """Drafts proposed on a guess of the step in flight (async scheduling, `NgramProposer.propose_past`), proposed
-    again from its real outcome where the guess was wrong: the n-gram lookup on the device (`ngram_drafts`). Per
-    slot m of M: draft_ids i32[M, k] (the host's; their count d is kept), history i32[M, H] (the known tokens,
+                      rows: jax.Array, tokens: jax.Array, rejected: jax.Array, first: jax.Array, previous: Redraft,
+                      previous_slots: jax.Array, num_slots: int, lookup: tuple[int, int]) -> tuple[jax.Array, Redraft]:
+    """The drafts of the slots whose request's previous step is in flight (async scheduling: the host reserved
+    their count only), proposed on the device from that step's real outcome: the n-gram lookup (`ngram_drafts`).
+    Per slot m of M: draft_ids i32[M, k] (the host's; their count d is kept), history i32[M, H] (the known tokens,
     known i32[M] of them, then the num_previous i32[M] drafts the step in flight verifies, as the host proposed
-    them), rows i32[M] (the slot's row in that step, -1: kept as they are), guess i32[M, 2] (its drafts accepted and
-    token emitted, guessed; (-1, -1): always proposed again), tokens and rejected i32[R] (`PendingStep.carry`),
-    first i32[M] (the slot's fed token's index in the step), previous: the step in flight's own Redraft (its drafts
-    where the device proposed them again) and previous_slots i32[M] (the slot's there; out of range: none).
-    Returns (draft_ids i32[M, k], the Redraft on num_slots slots)."""
+    them), rows i32[M] (the slot's row in that step, -1: the host's drafts, kept as they are), tokens and rejected
+    i32[R] (`PendingStep.carry`), first i32[M] (the slot's fed token's index in the step), previous: the step in
+    flight's own Redraft (its drafts where the device proposed them) and previous_slots i32[M] (the slot's there;
+    out of range: none). Returns (draft_ids i32[M, k], the Redraft on num_slots slots)."""
     M, k = draft_ids.shape
     row = jnp.maximum(rows, 0)
     accepted, token = num_previous - rejected[row], tokens[row]  # i32[M] each: the real outcome
-    changed = (rows >= 0) & ((accepted != guess[:, 0]) | (token != guess[:, 1]))  # bool[M]
+    proposed = rows >= 0  # bool[M]
     X, slot = previous.drafts.shape[0], jnp.minimum(previous_slots, previous.drafts.shape[0] - 1)
-    fed_again = (previous_slots < X) & previous.changed[slot]  # bool[M]: the drafts in flight are the device's
+    fed_again = (previous_slots < X) & previous.proposed[slot]  # bool[M]: the drafts in flight are the device's
     j = jnp.arange(previous.drafts.shape[1])  # the drafts in flight: at known + j
     at = jnp.where(fed_again[:, None] & (j[None] < num_previous[:, None]), known[:, None] + j[None], history.shape[1])
     history = history.at[jnp.arange(M)[:, None], at].set(previous.drafts[slot], mode="drop")
     sequence = history.at[jnp.arange(M), known + accepted].set(token)  # i32[M, H]: known + accepted + token
     drafts = ngram_drafts(sequence, known + accepted + 1, k, *lookup)  # i32[M, k]
     drafts = jnp.where(jnp.arange(k)[None] < jnp.sum(draft_ids >= 0, axis=1)[:, None], drafts, -1)
-    draft_ids = jnp.where(changed[:, None], drafts, draft_ids)
+    draft_ids = jnp.where(proposed[:, None], drafts, draft_ids)
     redraft = Redraft(jnp.full((num_slots, k), -1, jnp.int32).at[:M].set(draft_ids),
-                      jnp.zeros((num_slots,), bool).at[:M].set(changed),
+                      jnp.zeros((num_slots,), bool).at[:M].set(proposed),
                       jnp.zeros((num_slots,), jnp.int32).at[:M].set(first))
     return draft_ids, redraft
 
 
 def merge_redrafts(draft_ids: jax.Array, redraft: Redraft) -> jax.Array:
-    """draft_ids i32[N, k] (slot m's drafts at row m) with the slots the Redraft changed replaced."""
+    """draft_ids i32[N, k] (slot m's drafts at row m) with the slots the device proposed replaced."""
     n, draft_ids = min(draft_ids.shape[0], redraft.drafts.shape[0]), jnp.asarray(draft_ids)
-    return draft_ids.at[:n].set(jnp.where(redraft.changed[:n, None], redraft.drafts[:n], draft_ids[:n]))
+    return draft_ids.at[:n].set(jnp.where(redraft.proposed[:n, None], redraft.drafts[:n], draft_ids[:n]))
 
 
 @jax.jit

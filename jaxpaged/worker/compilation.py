@@ -226,9 +226,9 @@ class StepCompilation:
             lowered += [fill_in_flight_jit.lower(i32(t), i32(t), i32(t), i32((s, p)), i32(s), i32(s + 1), zeros,
                                                  zeros, none(t), none(t), self._no_redraft, self.config.page_size)
                         for t, s, p in self.config.buckets]
-        # drafts proposed again (prompt_lookup): at every (M, H); the layout's draft_ids on the host, or a device's
+        # drafts proposed on the device (prompt_lookup): at every (M, H); the layout's draft_ids on the host
         lookup, zeros = self.config.prompt_lookup, jnp.zeros(R, jnp.int32)
-        lowered += [redraft_in_flight.lower(i32((m, k)), i32((m, h)), i32(m), i32(m), i32(m), i32((m, 2)), zeros,
-                                            zeros, i32(m), self._no_redraft, i32(m), self._redraft_slots, lookup)
+        lowered += [redraft_in_flight.lower(i32((m, k)), i32((m, h)), i32(m), i32(m), i32(m), zeros, zeros, i32(m),
+                                            self._no_redraft, i32(m), self._redraft_slots, lookup)
                     for m in slots for h in self.config.history_buckets]
         return lowered

@@ -93,36 +93,35 @@ class AsyncDispatch:
 
     def _redraft(self, entries: Sequence[ScheduledRequest], step: StepInput, layout: DraftRows | None,
                  previous: PendingStep, carry: Callable[[], tuple]) -> tuple[DraftRows | None, Redraft | None]:
-        """With RunnerConfig.prompt_lookup: the drafts of `layout` proposed on a guess of `previous`' outcome (in
-        flight; ScheduledRequest.spec_guess) proposed again on the device where the guess proves wrong
-        (`redraft_in_flight`). Returns (the layout with the drafts it verifies, `redrafted`; the Redraft to feed), or
-        (layout, None) when no slot guessed. carry: `previous.carry` (called only when some slot guessed)."""
+        """With RunnerConfig.prompt_lookup: the drafts of `layout`'s slots fed after a placeholder (their request's
+        step, `previous`, in flight: the host reserved their count only) proposed on the device from that step's
+        real outcome (`redraft_in_flight`). Returns (the layout with the drafts it verifies, `redrafted`; the Redraft
+        to feed), or (layout, None) when no slot follows a placeholder. carry: `previous.carry` (called only then)."""
         lookup = self.config.prompt_lookup
         if layout is None or lookup is None:
             return layout, None
         index = {e.request_id: i for i, e in enumerate(entries)}
-        guessed = [(m, entries[index[rid]]) for m, rid in enumerate(layout.request_ids)
-                   if entries[index[rid]].placeholder and entries[index[rid]].spec_guess is not None]
-        if not guessed:
+        in_flight = [(m, entries[index[rid]]) for m, rid in enumerate(layout.request_ids)
+                     if entries[index[rid]].placeholder]
+        if not in_flight:
             return layout, None
         fed = {e.request_id: e.spec_token_ids for e in previous.entries}  # the drafts in flight
-        known = [list(e.prompt_token_ids) + list(e.output_token_ids) for _, e in guessed]
-        width = max(len(c) + len(fed.get(e.request_id, ())) + 1 for c, (_, e) in zip(known, guessed))
+        known = [list(e.prompt_token_ids) + list(e.output_token_ids) for _, e in in_flight]
+        width = max(len(c) + len(fed.get(e.request_id, ())) + 1 for c, (_, e) in zip(known, in_flight))
         M, H = len(layout.draft_ids), next(b for b in self.config.history_buckets if b >= width)
         history = np.zeros((M, H), np.int32)  # i32[M, H]: known tokens, then the drafts in flight
         lengths = np.zeros((3, M), np.int32)  # per slot: known tokens, drafts in flight, its fed token's index
-        rows, guess = np.full(M, -1, np.int32), np.zeros((M, 2), np.int32)
+        rows = np.full(M, -1, np.int32)
         previous_slots = np.full(M, self._redraft_slots, np.int32)  # i32[M]: the slot in previous' Redraft
         slot_before = {} if previous.layout is None else {rid: m for m, rid in enumerate(previous.layout.request_ids)}
-        for (m, e), tokens in zip(guessed, known):
+        for (m, e), tokens in zip(in_flight, known):
             drafts = fed.get(e.request_id, ())
             history[m, :len(tokens)], history[m, len(tokens):len(tokens) + len(drafts)] = tokens, drafts
             lengths[:, m] = len(tokens), len(drafts), step.cu_q_lens[index[e.request_id]]
             rows[m], previous_slots[m] = previous.rows[e.request_id], slot_before.get(e.request_id, previous_slots[m])
-            guess[m] = (len(e.spec_guess) - 1, e.spec_guess[-1]) if e.spec_guess else (-1, -1)  # (): always anew
         tokens, rejected, _ = carry()
         before = previous.redraft or self._no_redraft
-        draft_ids, redraft = redraft_in_flight(layout.draft_ids, history, lengths[0], lengths[1], rows, guess, tokens,
+        draft_ids, redraft = redraft_in_flight(layout.draft_ids, history, lengths[0], lengths[1], rows, tokens,
                                                self._zeros_r if rejected is None else rejected, lengths[2], before,
                                                previous_slots, self._redraft_slots, lookup)
         return dataclasses.replace(layout, redrafted=draft_ids), redraft

@@ -48,7 +48,7 @@ class PendingStep:
     prompt_spans: dict | None = None  # prompt_logprob_spans(entries) when some entry asks
     prompt_arrays: tuple | None = None  # prompt_logprobs_step's device outputs over the spans
     layout: DraftRows | None = None  # speculative decoding: where the step verifies its drafts
-    redraft: Redraft | None = None  # ... those the device proposed again (`redraft_in_flight`)
+    redraft: Redraft | None = None  # ... those the device proposed (`redraft_in_flight`)
     drafts: VerifiedDrafts | None = None  # their verification, on device (set once the sampler's output is)
     carried: tuple[jax.Array, jax.Array, jax.Array] | None = None  # `carry`'s result, once called
     shifts: np.ndarray | None = None  # i32[T]: `_shift_rows`, when a verification was in flight at dispatch
@@ -156,7 +156,7 @@ def fill_in_flight(step: StepInput, tokens: jax.Array, rejected: jax.Array, sour
     each placeholder token (sources i32[T] >= 0) becomes tokens[sources]; each token of a sequence that follows
     a verification in flight (shifts i32[T] >= 0: that sequence's row there) moves back by rejected[shifts]
     positions (the host packed it as if every draft were accepted): positions, slots (from the page table)
-    and the sequence's kv_lens; the drafts proposed again (`redraft`) are fed in place of the host's.
+    and the sequence's kv_lens; the drafts the device proposed (`redraft`) are fed in place of the host's slots.
     tokens, rejected: i32[R] (`PendingStep.carry`)."""
     redraft = Redraft.none(1, 1) if redraft is None else redraft
     token_ids, positions, slots, kv_lens = _fill_in_flight(step.token_ids, step.positions, step.slot_mapping,
@@ -170,7 +170,7 @@ def _fill_in_flight(token_ids, positions, slot_mapping, page_table, kv_lens, cu_
     """`fill_in_flight` on the StepInput fields it changes (T tokens, S sequences, P pages a sequence)."""
     token_ids = jnp.where(sources >= 0, tokens[jnp.maximum(sources, 0)], token_ids)  # i32[T]
     at = redraft.first[:, None] + 1 + jnp.arange(redraft.drafts.shape[1])[None]  # i32[X, k]: slot m's draft j
-    write = redraft.changed[:, None] & (redraft.drafts >= 0)
+    write = redraft.proposed[:, None] & (redraft.drafts >= 0)
     token_ids = token_ids.at[jnp.where(write, at, token_ids.shape[0])].set(redraft.drafts, mode="drop")
     shift = jnp.where(shifts >= 0, rejected[jnp.maximum(shifts, 0)], 0)  # i32[T]
     positions = positions - shift

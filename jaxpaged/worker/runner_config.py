@@ -331,9 +331,9 @@ class RunnerConfig:
     max_num_partial_prefills: int | None = None
     # Speculative decoding: drafts verified per request and step (SpeculativeConfig's k); 0: off
     num_speculative_tokens: int = 0
-    # ... and (prompt_lookup_min, prompt_lookup_max) of its n-gram lookup, for drafts proposed on a guess of the step
-    # in flight (async scheduling) to be proposed again on the device where it proves wrong (`redraft_in_flight`);
-    # None: they are verified as they are
+    # ... and (prompt_lookup_min, prompt_lookup_max) of its n-gram lookup, for the drafts of a request whose step is
+    # in flight (async scheduling, overlapped verification) to be proposed on the device (`redraft_in_flight`);
+    # None: none are
     prompt_lookup: tuple[int, int] | None = None
     # The choices below are EngineArgs' (jaxpaged/config.py says what each does); here what the runner makes of them.
     weight_layout: str = "auto"  # resolved by `layout` (jaxpaged/worker/weight_layout.py)

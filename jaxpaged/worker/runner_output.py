@@ -35,6 +35,9 @@ class ModelRunnerOutput:
     # of its drafts were accepted. Other requests emit their one row.
     spec_token_rows: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     num_accepted_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
+    # ... and how many drafts it fed: those the host proposed, or the device where it proposed them (a slot it found
+    # none for is not counted: `VerifiedDrafts.num_drafts_fed`)
+    num_draft_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def req_id_to_index(self) -> dict[str, int]:
@@ -79,7 +82,8 @@ class ModelRunnerOutput:
         ids = drafts.layout.request_ids
         token_rows = {rid: drafts.token_rows(m, len(index), position[rid]) for m, rid in enumerate(ids)}
         accepted = {rid: int(drafts.num_accepted[m]) for m, rid in enumerate(ids)}
-        return cls(req_ids, *arrays, prompt_logprobs or {}, token_rows, accepted)
+        fed = {rid: drafts.num_drafts_fed(m) for m, rid in enumerate(ids)}
+        return cls(req_ids, *arrays, prompt_logprobs or {}, token_rows, accepted, fed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -207,7 +207,7 @@ def _over_layers(layer_fn, layers, consts: dict, carry, args: tuple):
 def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, params: Params, kv: KVPool,
                step: StepInput, sampling: SamplingBatch) -> tuple[FusedSample, jax.Array, KVPool]:
     """One step in one program: placeholder tokens gathered from the previous step's (async scheduling; positions
-    moved back by its rejected drafts, drafts proposed again fed: `fill_in_flight`; key steps too:
+    moved back by its rejected drafts, drafts proposed on the device fed: `fill_in_flight`; key steps too:
     `steps_moved_back`; penalty counts given the tokens in flight: `outputs_in_flight`),
     `paged_forward`, the sampler's common part (`in_step.sample_in_step`: bitmask, bias, penalties, argmax,
     or the candidate pass when `random` (static: some row samples at random), the sampled ids' raw
