@@ -28,6 +28,7 @@ from jaxpaged.models.llama import forward
 from jaxpaged.models.loader import load_model
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxpaged.core.request import Request
+from jaxpaged.spec_decode import verify
 from jaxpaged.spec_decode.ngram import (DraftLengthPolicy, NgramProposer, SpecDecodingStats, SpeculativeConfig,
                                   max_drafts_for, ngram_drafts)
 from tests.greedy_oracle import greedy_generate
@@ -410,6 +411,45 @@ class OracleProposer:
         if self.wrong_at is not None and len(drafts) > self.wrong_at:
             drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % 256
         return drafts
+
+
+def device_oracle(prompts, outputs, wrong_at=None):
+    """`ngram_drafts`' stand-in for the device's drafts of rows in flight (same signature): OracleProposer's
+    drafts, computed on the device. A row whose first lengths[m] tokens are a prompt and the start of its run's
+    output gets the next k tokens of that output (the `wrong_at`-th one wrong), -1 past its end; other rows -1."""
+    runs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
+    width = max(map(len, runs))
+    table = np.full((len(runs), width), -1, np.int32)  # i32[P, W]: each run's prompt and output, -1 past its end
+    for i, run in enumerate(runs):
+        table[i, :len(run)] = run
+    starts = np.array([len(p) for p in prompts], np.int32)  # i32[P]
+
+    def drafts(tokens, lengths, k, lookup_min, lookup_max):
+        M, H = tokens.shape
+        W = max(width, H)
+        seq = jnp.pad(tokens, ((0, 0), (0, W - H)))  # i32[M, W]
+        runs_ = jnp.pad(jnp.asarray(table), ((0, 0), (0, W - width)), constant_values=-1)  # i32[P, W]
+        inside = jnp.arange(W)[None] < lengths[:, None]  # bool[M, W]
+        same = (runs_[None] == seq[:, None]) | ~inside[:, None]  # bool[M, P, W]
+        match = jnp.all(same, axis=-1) & (lengths[:, None] >= jnp.asarray(starts)[None])  # bool[M, P]
+        at = lengths[:, None] + jnp.arange(k)[None]  # i32[M, k]
+        out = jnp.take_along_axis(runs_[jnp.argmax(match, axis=1)], jnp.minimum(at, W - 1), axis=1)
+        out = jnp.where((at < W) & jnp.any(match, axis=1)[:, None], out, -1)
+        if wrong_at is not None and wrong_at < k:
+            out = out.at[:, wrong_at].set(jnp.where(out[:, wrong_at] >= 0, (out[:, wrong_at] + 1) % 256, -1))
+        return out
+    return drafts
+
+
+@pytest.fixture
+def drafts_on_device(monkeypatch):
+    """Install `device_oracle` as the device's lookup for rows in flight (before the engine compiles it); the
+    lookup's compiled programs are dropped on the way in and out, so no other test runs the oracle's."""
+    def install(prompts, outputs, wrong_at=None):
+        monkeypatch.setattr(verify, "ngram_drafts", device_oracle(prompts, outputs, wrong_at))
+        verify.redraft_in_flight.clear_cache()
+    yield install
+    verify.redraft_in_flight.clear_cache()
 
 
 @pytest.mark.parametrize("overrides, expect", [
@@ -953,21 +993,21 @@ def test_async_scheduling_overlaps_verifications_it_can(tiny, plain, kind):
 
 @pytest.mark.parametrize("fuse, kind", [(fuse, kind) for kind in ("greedy", "seeded", "penalised", "penalised, hot")
                                          for fuse in ("off", "on")] + [("on", "penalised, hot, 4 slots")])
-def test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing(tiny, plain, fuse, kind, monkeypatch):
+def test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing(tiny, plain, fuse, kind, monkeypatch,
+                                                                          drafts_on_device):
     """Greedy, seeded and penalised requests (strong presence, frequency and repetition penalties, greedy or hot),
     async scheduling with every step kept in flight: steps scheduled while a verification is in flight (their
     token a placeholder, their positions and key steps moved back and their penalty counts given the tokens in
     flight on the device) that verify drafts of their own, on the fused program (drafts packed in its rows, or
     beside it) or not. One at a time and all at once in a pool too small for them (preemption), the n-gram
     proposer and an oracle wrong from its third draft (for a request in flight only its count of draft slots
-    counts: their drafts are the device's): the plain tokens, every page back, drafts accepted and rejected (greedy
-    outputs copy; hot or penalised ones little), draft slots after a verification in flight, nothing compiled after warm-up. The fused program's candidate pass keeps 8 candidates a row (any number gives the same samples), so
-    hot rows take its fallbacks too. With 4 sequence slots (so at most 4 logits rows a step) the fused program's
-    drafts mostly overflow its rows: sampled beside it (after a verification in flight, from its outcome)."""
+    counts: their drafts are the device's: its n-gram lookup for greedy outputs, which copy, an oracle's for hot or
+    penalised ones, which copy little): the plain tokens, every page back, drafts accepted and rejected, draft
+    slots after a verification in flight, nothing compiled after warm-up. The fused program's candidate pass keeps
+    8 candidates a row (any number gives the same samples), so hot rows take its fallbacks too. With 4 sequence
+    slots (so at most 4 logits rows a step) the fused program's drafts mostly overflow its rows: sampled beside it
+    (after a verification in flight, from its outcome)."""
     monkeypatch.setattr(in_step, "sample_in_step", functools.partial(in_step.sample_in_step, prefilter_k=8))
-    slots = {"max_num_seqs": 4, "num_pages": 12} if "4 slots" in kind else {"num_pages": 24}
-    engine = make_engine(tiny, fuse_sampler=fuse, max_num_partial_prefills=8, **slots, **OVERLAP)
-    assert engine.runner.fuse_sampler is (fuse == "on")
     prompts = repetitive_prompts(10, seed=61) + mixed_prompts(4, seed=61)
     hot = dataclasses.replace(SEEDED, temperature=3.0, top_p=0.9)
     params = {"greedy": GREEDY, "seeded": hot, "penalised": dataclasses.replace(GREEDY, **PENALTIES),
@@ -976,6 +1016,11 @@ def test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing(tiny
                                                           key=lambda item: int(item[0]))]
     if kind == "greedy":
         assert expected == [greedy_generate(tiny.config, tiny.params, p, GREEDY.max_tokens) for p in prompts]
+    else:  # hot or penalised outputs copy little: the device's drafts in flight are an oracle's, wrong from the third
+        drafts_on_device(prompts, expected, wrong_at=2)
+    slots = {"max_num_seqs": 4, "num_pages": 12} if "4 slots" in kind else {"num_pages": 24}
+    engine = make_engine(tiny, fuse_sampler=fuse, max_num_partial_prefills=8, **slots, **OVERLAP)
+    assert engine.runner.fuse_sampler is (fuse == "on")
     after = []  # drafts fed after a verification in flight
     before_each_step(engine, lambda out, overlapped: after.extend(
         len(e.spec_token_ids) for e in out.scheduled_requests if e.placeholder and e.spec_token_ids))
@@ -988,28 +1033,29 @@ def test_overlapped_verifications_emit_the_plain_tokens_and_compile_nothing(tiny
     assert traces == []
     assert (counts["_resample_rows"] > 0) is (fuse == "on" and (kind == "seeded" or "hot" in kind)), counts
     num_accepted, num_drafted = accepted(engine)
-    # the drafts of a request in flight are the device's lookup's: hot or penalised outputs copy little (it finds few)
-    if kind != "greedy":
-        assert num_accepted <= num_drafted and sum(after) > 100, (num_accepted, num_drafted, sum(after))
-    else:
-        assert 0 < num_accepted < num_drafted and sum(after) > 0.3 * num_drafted, (num_accepted, num_drafted, sum(after))
+    assert 0 < num_accepted < num_drafted and sum(after) > 0.3 * num_drafted, (num_accepted, num_drafted, sum(after))
     assert engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("fuse, kind", [("off", "greedy"), ("off", "penalised"), ("on", "penalised")])
-def test_drafts_of_rows_in_flight_are_proposed_on_the_device(tiny, plain, fuse, kind):
+def test_drafts_of_rows_in_flight_are_proposed_on_the_device(tiny, plain, fuse, kind, drafts_on_device):
     """Overlapped verification: for a request whose step is in flight the host reserves only a count of draft
     slots; the device proposes their drafts from that step's real outcome (its n-gram lookup on the real sequence:
     the drafts a synchronous step would verify, -1 past what it found), whatever the host's proposer says; a
     request not in flight verifies the host's drafts as proposed. The stats and the policy count the drafts fed,
     fetched with the step's tokens (`ModelRunnerOutput.num_draft_tokens`: the found ones). An oracle proposer (its
     counts only matter in flight); the plain tokens. Penalised requests (strong penalties), fused sampler or not:
-    their rows count the drafts as fed, the device's (their outputs copy nothing here: the lookup finds none)."""
+    their rows count the drafts as fed, the device's (their outputs copy nothing here, so the device's lookup is an
+    oracle's: `device_oracle`)."""
     prompts = repetitive_prompts(3, seed=95)
     params = dataclasses.replace(GREEDY, **PENALTIES) if kind == "penalised" else GREEDY
     expected = [o.outputs[0].token_ids for _, o in sorted(run_all(plain, prompts, params).items())]
     if kind == "greedy":
         assert expected == [greedy_generate(tiny.config, tiny.params, p, GREEDY.max_tokens) for p in prompts]
+        continuation = NgramProposer(SpeculativeConfig.from_dict(ADAPTIVE)).continuation
+    else:
+        drafts_on_device(prompts, expected)
+        continuation = lambda ids, d: OracleProposer(prompts, expected).continuation(ids)[:d]  # noqa: E731
     engine = make_engine(tiny, speculative_config=ADAPTIVE, fuse_sampler=fuse, **OVERLAP)
     assert engine.runner_config.prompt_lookup == (1, 3)
     engine.proposer = OracleProposer(prompts, expected)
@@ -1018,7 +1064,7 @@ def test_drafts_of_rows_in_flight_are_proposed_on_the_device(tiny, plain, fuse, 
     observe = engine.draft_policy.observe_verification
     engine.draft_policy.observe_verification = lambda request, *a, **kw: observed.append(a[0]) or \
         observe(request, *a, **kw)
-    lookup, fed = NgramProposer(engine.args.speculative_config), collections.Counter()
+    fed = collections.Counter()
     handle = engine._handle_in_flight
 
     def handled(flight):  # checks the drafts `flight` verified, its outcome still in flight
@@ -1028,7 +1074,7 @@ def test_drafts_of_rows_in_flight_are_proposed_on_the_device(tiny, plain, fuse, 
         for m, rid in enumerate(layout.request_ids if layout is not None else ()):
             request, d = scheduled_requests(flight)[rid], layout.num_drafts[m]
             if entries[rid].placeholder:  # the device's: the lookup on the tokens known now (the step before's outcome)
-                real = lookup.continuation(request.all_token_ids, d)
+                real = continuation(request.all_token_ids, d)
                 assert verified[m, :d].tolist() == real + [-1] * (d - len(real))
                 fed["device"] += 1
             else:  # the host's, fed as proposed
@@ -1045,7 +1091,7 @@ def test_drafts_of_rows_in_flight_are_proposed_on_the_device(tiny, plain, fuse, 
     assert fed["device"] >= 5, fed
     verifications = engine.spec_decoding_stats.as_stats()["spec_decode_num_drafts"]
     assert len(observed) == verifications and accepted(engine)[1] == sum(observed) == fed["drafts"]
-    assert sum(observed) > 0 or kind == "penalised"
+    assert sum(observed) > 0
 
 
 def test_a_copy_that_breaks_keeps_its_draft_slots_for_a_while(tiny):
