@@ -331,7 +331,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         steps = [e.num_output_tokens for e in entries] if layout is None else \
             [e.num_output_tokens + len(e.spec_token_ids) for e in entries]
         special = {i: sampling_row(e, None, *history.get(e.request_id, ())) for i, e in
-                   ((i, entries[i]) for i in kept.may_need_row_info(entries, entry_rows))
+                   ((i, entries[i]) for i in kept.may_need_row_info(entries, entry_rows, drafts=layout is not None))
                    if sampling_batch.needs_row_info(e.sampling_params, banned_at(e, len(e.spec_token_ids)))}
         drafts = layout.rows if layout is not None and layout.packed else ()
         if drafts:
