@@ -223,10 +223,12 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         ps, n = self.config.page_size, len(entries)
         rows = self.input_batch.apply(entries)  # i{p}[n]: each entry's row, its page-table diff applied
         fed = [e.token_ids for e in entries]
-        lens = np.array([len(t) for t in fed], np.int32)  # i32[n]: tokens fed per entry
-        starts = np.array([e.start_position for e in entries], np.int32)  # i32[n]
+        flat = np.fromiter(itertools.chain.from_iterable(fed), np.int32)  # i32[num_tokens]: the tokens fed, in order
+        starts = np.fromiter([e.start_position for e in entries], np.int32, n)  # i32[n]
+        num_tokens = len(flat)  # logits rows: the entries', then their drafts' (none where each fed one token)
+        # i32[n]: tokens fed per entry (a decode step, the most common, feeds one each: no pass to count them)
+        lens = np.ones(n, np.int32) if num_tokens == n else np.array([len(t) for t in fed], np.int32)
         num_pages = self.input_batch.num_pages[rows]  # i32[n]
-        num_tokens = int(lens.sum())  # logits rows: the entries', then their drafts' (none where each fed one token)
         num_logits_rows = n if num_tokens == n else n + sum(len(e.spec_token_ids) for e in entries)
         num_slots = num_logits_rows if self.fuse_sampler and num_logits_rows <= self.config.max_num_seqs else n
         t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, num_slots, int(num_pages.max()))
@@ -241,12 +243,15 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         np.cumsum(lens, out=cu[1:n + 1])
         cu[n + 1:] = num_tokens
         # per fed token t: its entry, position and slot (page_table[entry, position // ps] * ps + position % ps)
-        token_rows = np.repeat(np.arange(n, dtype=np.int32), lens)
-        pos = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - cu[:n], lens)
+        token_rows = np.arange(n, dtype=np.int32)
+        pos = starts  # one token an entry: at its start
+        if num_tokens != n:
+            token_rows = np.repeat(token_rows, lens)
+            pos = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - cu[:n], lens)
         page_index = pos // ps  # i32[num_tokens]: each fed token's place in its entry's page table
         if num_tokens and (page_index >= num_pages[token_rows]).any():
             raise ValueError("a scheduled entry feeds a position past its page table")
-        token_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(fed), np.int32, num_tokens)
+        token_ids[:num_tokens] = flat
         positions[:num_tokens] = pos
         slots[:num_tokens] = page_table[token_rows, page_index] * ps + pos % ps
         kv_lens[:n] = starts + lens
