@@ -371,18 +371,18 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         rejected = self._zeros_r if rejected is None else rejected
         shifts = self._no_shifts.get(T) if shifts is None else jax.device_put(shifts)
         shifts = jnp.full(T, -1, jnp.int32) if shifts is None else shifts  # made here only for `lower_fused`
+        bias = {}
         if batch.bias_ids is not None:  # some row has a logit bias or banned ids
-            batch = dataclasses.replace(batch, **dict(zip(("bias_ids", "bias_values"),
-                                                          jax.device_put((batch.bias_ids, batch.bias_values)))))
+            bias = dict(zip(("bias_ids", "bias_values"), jax.device_put((batch.bias_ids, batch.bias_values))))
         neutral = self._neutral.get(S) or sampler.neutral_arrays(S, V)  # made here only for `lower_fused`
         redraft = self._no_redraft if redraft is None else redraft
         accepted = self._no_accepted if accepted is None else accepted
         if count_from is None:
             count_from = np.full(S, T, np.int32)
-        return dataclasses.replace(sampler.with_neutral_arrays(batch, neutral), previous_tokens=previous,
-                                   sources=sources, previous_rejected=rejected, shifts=shifts,
-                                   previous_accepted=accepted, count_from=count_from, draft_rows=draft_rows,
-                                   draft_ids=draft_ids, redraft=redraft)
+        return sampler.with_neutral_arrays(batch, neutral, previous_tokens=previous, sources=sources,
+                                           previous_rejected=rejected, shifts=shifts, previous_accepted=accepted,
+                                           count_from=count_from, draft_rows=draft_rows, draft_ids=draft_ids,
+                                           redraft=redraft, **bias)
 
     def _run_fused(self, step: StepInput, sampling: SamplingBatch) -> tuple[FusedSample, jax.Array]:
         """((sample, num_accepted, next_tokens), hidden [T, E]) from the fused program `warmup` compiled for the
