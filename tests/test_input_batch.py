@@ -136,3 +136,21 @@ def test_rows_keep_which_params_need_more_than_constants_and_a_reused_row_forget
     (e,) = batch.apply([entry("e", (5,))])
     assert e == rows[0] and not batch.biased[e]
     assert batch.apply([entry(rid, (), 1) for rid in "bcd"]).tolist() == rows[1:].tolist()
+
+
+def test_rows_keep_flags_a_step_checks_in_one_indexing_and_banned_ids_are_looked_at_only_under_min_tokens():
+    import dataclasses
+    banning = SamplingParams(temperature=0.0, min_tokens=3)
+    prompt_lp = SamplingParams(temperature=0.0, prompt_logprobs=1)
+    batch = InputBatch(capacity=4, max_pages=4, vocab_size=64)
+    step = [dataclasses.replace(entry("a", (1,), params=banning), banned_token_ids=(2,)),
+            entry("b", (2,), params=prompt_lp), entry("c", (3,)),
+            dataclasses.replace(entry("d", (4,)), spec_token_ids=(5,), spec_banned_token_ids=((),))]
+    rows = batch.apply(step)
+    assert batch.banning[rows].tolist() == [True, False, False, False]
+    assert batch.prompt_lp[rows].tolist() == [False, True, False, False] and not batch.constrained[rows].any()
+    assert batch.any_flag(batch.prompt_lp, rows) and not batch.any_flag(batch.prompt_lp, rows[[0, 2]])
+    assert batch.may_need_row_info(step, rows) == [0, 3]  # a's banned ids, d's drafts
+    assert batch.may_need_row_info(step, rows, drafts=False) == [0]
+    unbanned = dataclasses.replace(step[0], banned_token_ids=())  # past min_tokens: nothing banned, not looked at
+    assert batch.may_need_row_info([unbanned] + step[1:3], rows[:3]) == []

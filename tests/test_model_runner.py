@@ -471,12 +471,13 @@ def test_sampling_batch_from_kept_constants_is_the_batch_of_the_entries_rows(tin
     V = tiny.config.vocab_size
     seeded, greedy = SamplingParams(temperature=0.7, top_k=3, top_p=0.8), SamplingParams(temperature=0.0)
     biased = SamplingParams(temperature=0.9, logit_bias={5: 2.0}, presence_penalty=0.5)
+    banning = SamplingParams(temperature=0.0, min_tokens=4)  # banned ids come from min_tokens only
 
     def make(rid, params, seed, outputs, **fields):
         return dataclasses.replace(entry(rid, [7], 20, [1, 2]), sampling_params=params, seed=seed,
                                    num_output_tokens=outputs, output_token_ids=[4] * outputs, **fields)
 
-    entries = [make("a", seeded, 11, 3), make("b", greedy, 0, 1, banned_token_ids=(2, 9)),
+    entries = [make("a", seeded, 11, 3), make("b", banning, 0, 1, banned_token_ids=(2, 9)),
                make("c", biased, 5, 2, token_ids=(7, 8, 9), spec_token_ids=(8, 9), spec_banned_token_ids=((), (3,))),
                make("d", seeded, 12, 0, token_ids=(7, 6), spec_token_ids=(6,), spec_banned_token_ids=((),))]
     for order in (entries[::-1], entries):  # the second step reads what the first kept
@@ -514,12 +515,15 @@ def test_outputs_in_flight_are_what_the_host_counts_lack():
                      slot_mapping=np.zeros(8, np.int32), page_table=np.zeros((4, 4), np.int32),
                      kv_lens=np.zeros(4, np.int32), cu_q_lens=np.array([0, 2, 5, 5, 5], np.int32),
                      num_seqs=np.int32(2), logits_indices=np.array([1, 4, 2, 3, 0], np.int32))
+    rows = np.array([4, 1])  # the entries' rows of the persistent batch: b's was row 1 in the step before too
     sources = _placeholder_sources(entries, step, PendingStep((ScheduledRequest("b", (9,), 10, (2,), True,
-                                                                                SamplingParams(), 3),), None, None, None))
+                                                                                SamplingParams(), 3),), None, None, None,
+                                                              batch_rows=np.array([1])), rows)
     assert sources.tolist() == [-1, -1, 0, -1, -1, -1, -1, -1]  # the placeholder: row 0 of the step before
     with pytest.raises(RuntimeError, match="'b' feeds a placeholder but sampled nothing"):
         _placeholder_sources(entries, step, PendingStep((ScheduledRequest("c", (9,), 10, (2,), True, SamplingParams(),
-                                                                          3),), None, None, None))
+                                                                          3),), None, None, None,
+                                                        batch_rows=np.array([0])), rows)
     count_from = _count_from(step, sources, 4)
     assert count_from.tolist() == [8, 2, 2, 2, 8]
     assert _count_from(step, sources, 2).tolist() == [8, 2, 8, 8, 8]

@@ -55,7 +55,7 @@ class AsyncDispatch:
         self.remove_requests(scheduler_output)
         step, rows = self.pack(entries)
         layout = self._layout_drafts(entries, step) if any(e.spec_token_ids for e in entries) else None
-        sources = _placeholder_sources(entries, step, previous) if any(e.placeholder for e in entries) else None
+        sources = _placeholder_sources(entries, step, previous, rows) if any(e.placeholder for e in entries) else None
         shifts = None if sources is None else _shift_rows(entries, step, previous)
 
         def carry() -> tuple:
@@ -136,13 +136,14 @@ class AsyncDispatch:
         separately. carry: `previous.carry`, called once the host's inputs are built: where the previous step has
         random rows it waits for that step's forward (its sampler flags), so the host work before it overlaps the
         device's."""
-        if self.fault_injector is not None or any(
-                e.samples and e.sampling_params.structured_outputs is not None for e in entries):
+        if self.fault_injector is not None or (self.input_batch.any_flag(self.input_batch.constrained, rows) and any(
+                e.samples and e.sampling_params.structured_outputs is not None for e in entries)):
             tokens, rejected, _ = carry()
             logits, hidden = self._forward(step, sources, tokens, rejected, shifts, redraft)
             return PendingStep(entries, step, logits, hidden, layout=layout, redraft=redraft, shifts=shifts,
                                rejected=rejected, batch_rows=rows)
-        history = _in_flight_history(entries, layout, None)  # the device counts what the lists lack
+        # the device counts what the lists lack (only rows with drafts have a history: none without a layout)
+        history = _in_flight_history(entries, layout, None) if layout is not None else {}
         if history and layout is not None and layout.packed:
             layout = _with_history(entries, layout, history)
         batch, top = self._sampling_batch(entries, rows, step, layout, None, history, fused=True)
@@ -185,7 +186,9 @@ class AsyncDispatch:
             pending.finish_sample = sample_deferred(logits, batch, num_top_logprobs=top)
             if layout is not None and not layout.packed:  # the draft rows' own pass, from the hidden states
                 pending.drafts = self._verify_drafts(layout, None, pending.hidden, top, grammar_bitmask, pending)
-        spans = prompt_logprob_spans(entries)
+        kept = self.input_batch  # (a pass over the entries only when some row asks for prompt log-probs)
+        spans = prompt_logprob_spans(entries) if pending.batch_rows is None or kept.any_flag(
+            kept.prompt_lp, pending.batch_rows) else {}
         if spans:
             pending.prompt_spans = spans
             pending.prompt_arrays = prompt_logprobs_step(self.model_config, self.params, pending.hidden,

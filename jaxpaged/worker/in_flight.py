@@ -61,6 +61,27 @@ class PendingStep:
     def rows(self) -> dict[str, int]:
         return {e.request_id: i for i, e in enumerate(self.entries) if e.samples}
 
+    def sampler_row_of(self, batch_rows: np.ndarray) -> np.ndarray:
+        """i64[N]: the sampler row each of the persistent batch's rows `batch_rows` intp[N] had in this step (its
+        entries' rows: `batch_rows` the field), -1 where none sampled."""
+        table = self._sampler_rows
+        inside = batch_rows < len(table)
+        return np.where(inside, table[np.where(inside, batch_rows, 0)], -1) if len(table) else \
+            np.full(len(batch_rows), -1, np.int64)
+
+    @functools.cached_property
+    def _sampler_rows(self) -> np.ndarray:
+        """i64[max batch row + 1]: each batch row's sampler row in this step, -1 where none (`sampler_row_of`)."""
+        if self.batch_rows is None:
+            raise RuntimeError("the step's rows of the persistent batch are unknown (PendingStep.batch_rows)")
+        table = np.full(int(self.batch_rows.max(initial=-1)) + 1, -1, np.int64)
+        if len(self.rows) == len(self.entries):  # every entry samples (a decode step): sampler row i is entry i
+            table[self.batch_rows] = np.arange(len(self.batch_rows))
+        else:
+            index = np.fromiter(self.rows.values(), np.int64, len(self.rows))
+            table[self.batch_rows[index]] = index
+        return table
+
     def sampler_output(self) -> SamplerOutput:
         """The sampler's device output, its fallbacks dispatched (reads the sampler's flags: the host waits
         for the step's forward here, and only here, when some row samples at random)."""
@@ -242,18 +263,22 @@ def _shift_rows(entries: Sequence[ScheduledRequest], step: StepInput,
     return shifts if (shifts >= 0).any() else None
 
 
-def _placeholder_sources(entries: Sequence[ScheduledRequest], step: StepInput,
-                         previous: PendingStep | None) -> np.ndarray:
-    """i32[T]: the previous step's sampler row of each placeholder token, else -1."""
+def _placeholder_sources(entries: Sequence[ScheduledRequest], step: StepInput, previous: PendingStep | None,
+                         rows: np.ndarray) -> np.ndarray:
+    """i32[T]: the previous step's sampler row of each placeholder token, else -1. rows: the entries' rows of the
+    persistent batch (`ModelRunner.pack`'s); a request keeps its row from the previous step to this one (rows go
+    only with requests finished or preempted, which feed no placeholder), so the sources come out of two indexings,
+    not a lookup per entry."""
     if previous is None:
         raise RuntimeError("placeholder tokens need the previous step, dispatched with its sampler")
     sources = np.full(len(step.token_ids), -1, np.int32)
-    fed = [i for i, entry in enumerate(entries) if entry.placeholder]  # a placeholder is its entry's one token
-    rows = [previous.rows.get(entries[i].request_id) for i in fed]
-    if None in rows:
-        raise RuntimeError(f"request {entries[fed[rows.index(None)]].request_id!r} feeds a placeholder but sampled "
+    first = step.cu_q_lens[:len(entries)]  # i32[n]: each entry's first fed token (a placeholder's place)
+    fed = np.flatnonzero(step.token_ids[first] == PLACEHOLDER_TOKEN_ID)  # the entries fed a placeholder
+    source = previous.sampler_row_of(rows[fed])  # i64[len(fed)]: -1 where it sampled nothing there
+    if len(source) and source.min() < 0:
+        raise RuntimeError(f"request {entries[fed[np.argmin(source)]].request_id!r} feeds a placeholder but sampled "
                            "nothing in the previous step")
-    sources[step.cu_q_lens[fed]] = rows
+    sources[first[fed]] = source
     if not np.array_equal(sources >= 0, step.token_ids == PLACEHOLDER_TOKEN_ID):
         raise RuntimeError("placeholder tokens outside the placeholder entries' single token")
     return sources

@@ -11,6 +11,11 @@ persistent input batch, host side):
     key_data    u32[C, 2]  its seed's key data
     biased      bool[C]    its params have a logit bias or penalties (its sampler row needs more than constants)
     logprobs    bool[C]    its params ask for log-probs
+    banning     bool[C]    its params have min_tokens (its rows may ban ids: `Request.banned_token_ids_at`)
+    prompt_lp   bool[C]    its params ask for prompt log-probs
+    constrained bool[C]    its params have a grammar (structured outputs)
+
+(The flags let a step ask "does any row need this?" with one indexing, not a pass over its entries.)
 
 (C = capacity rows, P = max pages a sequence.) The scheduler sends a page table as a diff
 (`ScheduledRequest.page_ids_from`, `page_ids`): the table is the row's first page_ids_from pages followed by
@@ -47,6 +52,9 @@ class InputBatch:
         self.key_data = np.zeros((capacity, 2), np.uint32)  # u32[C, 2]
         self.biased = np.zeros(capacity, bool)  # bool[C]
         self.logprobs = np.zeros(capacity, bool)  # bool[C]
+        self.banning = np.zeros(capacity, bool)  # bool[C]
+        self.prompt_lp = np.zeros(capacity, bool)  # bool[C]
+        self.constrained = np.zeros(capacity, bool)  # bool[C]
         self._rows: dict[str, int] = {}  # request id -> its row
         self._pages: list[int] = [0] * capacity  # num_pages as Python ints: `apply`'s check per entry
         self._free = list(range(capacity - 1, -1, -1))
@@ -79,14 +87,22 @@ class InputBatch:
             raise ValueError(f"request ids repeat in one step: {sorted({r for r in ids if ids.count(r) > 1})}")
         return rows
 
-    def may_need_row_info(self, entries: Sequence[ScheduledRequest], rows: np.ndarray) -> list[int]:
+    def may_need_row_info(self, entries: Sequence[ScheduledRequest], rows: np.ndarray, drafts: bool = True) -> list[int]:
         """The indices of a step's entries (at `rows`, `apply`'s) whose sampler rows may need more than their kept
         constants (`sampling_batch.needs_row_info`): params with a logit bias or penalties (a kept flag), banned
-        ids or drafts this step; increasing. The rest (most decodes) are never looked at again."""
-        biased = self.biased[rows]
+        ids (only where the params have min_tokens: a kept flag) or drafts this step (drafts False: the caller
+        knows no entry has any); increasing. The rest (most decodes) are never looked at again."""
+        biased, banning = self.biased[rows], self.banning[rows]
         maybe = set(np.flatnonzero(biased).tolist()) if biased.any() else set()
-        maybe.update(i for i, e in enumerate(entries) if e.banned_token_ids or e.spec_token_ids)
+        if banning.any():
+            maybe.update(i for i in np.flatnonzero(banning).tolist() if entries[i].banned_token_ids)
+        if drafts:
+            maybe.update(i for i, e in enumerate(entries) if e.spec_token_ids)
         return sorted(maybe)
+
+    def any_flag(self, flag: np.ndarray, rows: np.ndarray) -> bool:
+        """Whether any of `rows` has the kept flag (`banning`, `prompt_lp`, `constrained`, ...)."""
+        return bool(flag[rows].any())
 
     def _make(self, entry: ScheduledRequest, row: int | None) -> int:
         """The entry's row made anew (its whole page table, its constants), in its old row if it has one."""
@@ -108,6 +124,9 @@ class InputBatch:
         params = entry.sampling_params
         self.biased[row] = bool(params.logit_bias or params.uses_penalties)
         self.logprobs[row] = params.logprobs is not None
+        self.banning[row] = bool(params.min_tokens)
+        self.prompt_lp[row] = params.prompt_logprobs is not None
+        self.constrained[row] = params.structured_outputs is not None
         return row
 
     def _write_pages(self, row: int, start: int, page_ids: Sequence[int], request_id: str) -> None:

@@ -30,7 +30,6 @@ logits come back replicated.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -223,10 +222,12 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         ps, n = self.config.page_size, len(entries)
         rows = self.input_batch.apply(entries)  # i{p}[n]: each entry's row, its page-table diff applied
         fed = [e.token_ids for e in entries]
-        lens = np.array([len(t) for t in fed], np.int32)  # i32[n]: tokens fed per entry
-        starts = np.array([e.start_position for e in entries], np.int32)  # i32[n]
+        flat = np.fromiter(itertools.chain.from_iterable(fed), np.int32)  # i32[num_tokens]: the tokens fed, in order
+        starts = np.fromiter([e.start_position for e in entries], np.int32, n)  # i32[n]
+        num_tokens = len(flat)  # logits rows: the entries', then their drafts' (none where each fed one token)
+        # i32[n]: tokens fed per entry (a decode step, the most common, feeds one each: no pass to count them)
+        lens = np.ones(n, np.int32) if num_tokens == n else np.array([len(t) for t in fed], np.int32)
         num_pages = self.input_batch.num_pages[rows]  # i32[n]
-        num_tokens = int(lens.sum())  # logits rows: the entries', then their drafts' (none where each fed one token)
         num_logits_rows = n if num_tokens == n else n + sum(len(e.spec_token_ids) for e in entries)
         num_slots = num_logits_rows if self.fuse_sampler and num_logits_rows <= self.config.max_num_seqs else n
         t_bucket, s_bucket, p_bucket = self.config.bucket_for(num_tokens, num_slots, int(num_pages.max()))
@@ -241,12 +242,15 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         np.cumsum(lens, out=cu[1:n + 1])
         cu[n + 1:] = num_tokens
         # per fed token t: its entry, position and slot (page_table[entry, position // ps] * ps + position % ps)
-        token_rows = np.repeat(np.arange(n, dtype=np.int32), lens)
-        pos = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - cu[:n], lens)
+        token_rows = np.arange(n, dtype=np.int32)
+        pos = starts  # one token an entry: at its start
+        if num_tokens != n:
+            token_rows = np.repeat(token_rows, lens)
+            pos = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - cu[:n], lens)
         page_index = pos // ps  # i32[num_tokens]: each fed token's place in its entry's page table
         if num_tokens and (page_index >= num_pages[token_rows]).any():
             raise ValueError("a scheduled entry feeds a position past its page table")
-        token_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(fed), np.int32, num_tokens)
+        token_ids[:num_tokens] = flat
         positions[:num_tokens] = pos
         slots[:num_tokens] = page_table[token_rows, page_index] * ps + pos % ps
         kv_lens[:n] = starts + lens
@@ -331,7 +335,7 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         steps = [e.num_output_tokens for e in entries] if layout is None else \
             [e.num_output_tokens + len(e.spec_token_ids) for e in entries]
         special = {i: sampling_row(e, None, *history.get(e.request_id, ())) for i, e in
-                   ((i, entries[i]) for i in kept.may_need_row_info(entries, entry_rows))
+                   ((i, entries[i]) for i in kept.may_need_row_info(entries, entry_rows, drafts=layout is not None))
                    if sampling_batch.needs_row_info(e.sampling_params, banned_at(e, len(e.spec_token_ids)))}
         drafts = layout.rows if layout is not None and layout.packed else ()
         if drafts:
@@ -366,18 +370,18 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         rejected = self._zeros_r if rejected is None else rejected
         shifts = self._no_shifts.get(T) if shifts is None else jax.device_put(shifts)
         shifts = jnp.full(T, -1, jnp.int32) if shifts is None else shifts  # made here only for `lower_fused`
+        bias = {}
         if batch.bias_ids is not None:  # some row has a logit bias or banned ids
-            batch = dataclasses.replace(batch, **dict(zip(("bias_ids", "bias_values"),
-                                                          jax.device_put((batch.bias_ids, batch.bias_values)))))
+            bias = dict(zip(("bias_ids", "bias_values"), jax.device_put((batch.bias_ids, batch.bias_values))))
         neutral = self._neutral.get(S) or in_step.neutral_arrays(S, V)  # made here only for `lower_fused`
         redraft = self._no_redraft if redraft is None else redraft
         accepted = self._no_accepted if accepted is None else accepted
         if count_from is None:
             count_from = np.full(S, T, np.int32)
-        return dataclasses.replace(in_step.with_neutral_arrays(batch, neutral), previous_tokens=previous,
-                                   sources=sources, previous_rejected=rejected, shifts=shifts,
-                                   previous_accepted=accepted, count_from=count_from, draft_rows=draft_rows,
-                                   draft_ids=draft_ids, redraft=redraft)
+        return in_step.with_neutral_arrays(batch, neutral, previous_tokens=previous, sources=sources,
+                                           previous_rejected=rejected, shifts=shifts, previous_accepted=accepted,
+                                           count_from=count_from, draft_rows=draft_rows, draft_ids=draft_ids,
+                                           redraft=redraft, **bias)
 
     def _run_fused(self, step: StepInput, sampling: SamplingBatch) -> tuple[FusedSample, jax.Array]:
         """((sample, num_accepted, next_tokens), hidden [T, E]) from the fused program `warmup` compiled for the

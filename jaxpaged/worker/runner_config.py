@@ -403,7 +403,7 @@ class RunnerConfig:
     def max_pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.page_size)
 
-    @property
+    @functools.cached_property  # read by every step's `bucket_for`: made once (a frozen config's values)
     def token_buckets(self) -> tuple[int, ...]:
         doublings = _geometric_buckets(min(self.min_token_bucket, self.max_num_batched_tokens),
                                        self.max_num_batched_tokens, 2)
@@ -412,11 +412,11 @@ class RunnerConfig:
         mids = (b * 3 // 2 for b in doublings if b >= self.mid_token_buckets_from)
         return tuple(sorted(set(doublings) | {m for m in mids if m < self.max_num_batched_tokens}))
 
-    @property
+    @functools.cached_property  # read by every step's `bucket_for`: made once (a frozen config's values)
     def seq_buckets(self) -> tuple[int, ...]:
         return _geometric_buckets(min(self.min_seq_bucket, self.max_num_seqs), self.max_num_seqs, 4)
 
-    @property
+    @functools.cached_property  # read by every step's `bucket_for`: made once (a frozen config's values)
     def page_buckets(self) -> tuple[int, ...]:
         # The Pallas kernel and the blocked XLA path loop only over live pages, so
         # one width suffices; the reference gathers whole rows, so it gets narrow

@@ -70,7 +70,11 @@ class ModelRunnerOutput:
         (`PendingStep.rows`, which the next step's dispatch has already made). `sampled`: finished, on the device
         or the host (fetched here, `SamplerOutput.to_host`)."""
         sampled = sampled.to_host()
-        req_ids, index = tuple(rows), np.fromiter(rows.values(), np.int64, len(rows))
+        req_ids, n = tuple(rows), len(rows)
+        # rows 0..n-1 (every entry samples: a decode step; rows increase, so the last is n - 1 only then) are the
+        # arrays' first n rows, views; else gathered
+        index = slice(0, n) if not n or next(reversed(rows.values())) == n - 1 else \
+            np.fromiter(rows.values(), np.int64, n)
         arrays = [np.asarray(a)[index] for a in (sampled.token_ids, sampled.logprobs, sampled.top_token_ids,
                                                   sampled.top_logprobs, sampled.finite)]
         if drafts is None:
@@ -80,7 +84,7 @@ class ModelRunnerOutput:
             arrays, (x.token_ids, x.logprobs, x.top_token_ids, x.top_logprobs, x.finite))]
         position = {rid: r for r, rid in enumerate(req_ids)}
         ids = drafts.layout.request_ids
-        token_rows = {rid: drafts.token_rows(m, len(index), position[rid]) for m, rid in enumerate(ids)}
+        token_rows = {rid: drafts.token_rows(m, n, position[rid]) for m, rid in enumerate(ids)}
         accepted = {rid: int(drafts.num_accepted[m]) for m, rid in enumerate(ids)}
         fed = {rid: drafts.num_drafts_fed(m) for m, rid in enumerate(ids)}
         return cls(req_ids, *arrays, prompt_logprobs or {}, token_rows, accepted, fed)
