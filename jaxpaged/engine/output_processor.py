@@ -184,41 +184,12 @@ class OutputProcessor:
                 metrics.inter_token_latencies.append(now - metrics.last_token_time)
             metrics.last_token_time = now
             fresh = parent.fresh
-            if fresh is None and parent.prompt_logprobs is None and parent.prompt_token_logprobs is None:
-                output = self._sample_output(parent, now)  # n = 1, no prompt log-probs: most requests
-            else:
-                if fresh is not None:  # n > 1: the next step's start afresh
-                    parent.fresh = set()
-                output = self._make_output(parent, fresh, now)
+            if fresh is not None:  # n > 1: the next step's start afresh
+                parent.fresh = set()
+            output = self._make_output(parent, fresh, now)
             if output is not None:
                 outputs.append(output)
         return outputs
-
-    def _sample_output(self, parent: _Parent, now: float) -> RequestOutput | None:
-        """`_make_output` for a request of one sample and no prompt log-probs, in one call (it runs for most
-        requests every step): the same output, without adding up children or a `_completion` call."""
-        child = parent.children[0]
-        request, metrics, kind = child.request, parent.metrics, parent.params.output_kind
-        status = request.status
-        finish_reason = status.finish_reason
-        token_ids = request.output_token_ids
-        end = len(token_ids)
-        metrics.num_generation_tokens, metrics.num_cached_tokens = end, request.num_cached_tokens
-        if finish_reason is None and kind is RequestOutputKind.FINAL_ONLY:
-            return None
-        delta = kind is RequestOutputKind.DELTA
-        start = child.num_sent_tokens if delta else 0
-        child.num_sent_tokens = end
-        text = "" if child.detokenizer is None else \
-            child.detokenizer.get_next_output_text(finish_reason is not None, delta)
-        completion = CompletionOutput(
-            child.index, text, token_ids, child.cumulative_logprob,
-            None if child.logprobs is None else child.logprobs[start:], finish_reason, request.stop_reason,
-            None if child.token_logprobs is None else child.token_logprobs.copy(start), (start, end))
-        if finish_reason is not None:
-            self._forget(parent, now)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, [completion],
-                             finish_reason is not None, metrics, metrics.num_cached_tokens)
 
     def _stop_verdict(self, child: _Child, result: ModelRunnerOutput, row: int, ahead: int = 0) -> StopVerdict | None:
         """Record one sampled token (logprobs, text) and decide whether it ends the request.
