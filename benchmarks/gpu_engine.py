@@ -152,7 +152,7 @@ def decode_steps(timed, num_seqs: int, limit: int):
 
 def program_args(runner, step) -> tuple:
     """`runner.step_program(step)`'s arguments after (params, kv); a fused program's (forward + sampler) greedy."""
-    return (step, runner.neutral_sampling(step)) if runner.fuse_sampler else (step,)
+    return runner.fused_program_args(step) if runner.fuse_sampler else (step,)
 
 
 def replay_ms(engine: LLMEngine, steps, rounds: int = 3) -> tuple[float, float, float]:
@@ -267,7 +267,11 @@ def spec_engine(loaded: LoadedModel, args, speculative: bool, overlap: bool = Tr
     small = engine_args(args, max_model_len=2 * half + 2 * n + 16, max_num_seqs=4, max_num_batched_tokens=64,
                         kv_cache_memory=(64 << 20) if args.smoke else (1 << 30),
                         speculative_config=SPEC_CONFIG if speculative else None, overlap_verification=overlap)
-    return LLMEngine(small, loaded=loaded)
+    engine = LLMEngine(small, loaded=loaded)
+    if args.emulate_step_ms:  # a GPU's timeline on any device: its step programs take this long (micro.py's model)
+        from micro import emulate_device  # noqa: PLC0415  (only for this mode)
+        emulate_device(engine.runner, args.emulate_step_ms, args.emulate_row_ms)
+    return engine
 
 
 def edited(tokens: list[int], rng, vocab: int, every: int = 8) -> list[int]:
@@ -441,12 +445,23 @@ def main(argv=None) -> int:
                         help="the engine's weight dots (EngineArgs.quantization; gpu_check.sh --fp8 runs both sides)")
     parser.add_argument("--fuse-sampler", default="auto", choices=["auto", "on", "off"],
                         help="the engine's fuse_sampler (auto: on with a GPU)")
+    parser.add_argument("--emulate-step-ms", type=float, default=0.0,
+                        help="issue 17's rows on an emulated device timeline (with --smoke --spec-only, any device): "
+                             "each step program takes this many ms (benchmarks/micro.py emulate_device)")
+    parser.add_argument("--emulate-row-ms", type=float, default=0.0,
+                        help="with --emulate-step-ms: ms a token past the first a step adds")
     args = parser.parse_args(argv)
     if not args.smoke and jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (backend is {jax.default_backend()!r}); use --smoke elsewhere")
     config = SMOKE if args.smoke else LLAMA3_8B
+    if args.emulate_step_ms:  # as a GPU runs it: fused, and a vocabulary in which a random prompt copies little
+        config, args.fuse_sampler = dataclasses.replace(SMOKE, vocab_size=16384), "on"
+    if args.emulate_step_ms and not (args.smoke and args.spec_only):
+        parser.error("--emulate-step-ms runs issue 17's rows on the tiny model: with --smoke --spec-only")
     if args.smoke:
-        args.prompt_len, args.output_len, args.max_num_seqs, args.max_num_batched_tokens = 16, 8, 16, 64
+        if not args.emulate_step_ms:  # emulated: the prompt and output lengths asked for (defaults 128)
+            args.prompt_len, args.output_len = 16, 8
+        args.max_num_seqs, args.max_num_batched_tokens = 16, 64
         args.kv_cache_memory, args.concurrency = args.kv_cache_memory or (64 << 20), "4,16"
     report = Report(args.json)
     print(f"device: {jax.devices()[0]} | jax {jax.__version__}")

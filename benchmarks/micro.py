@@ -69,12 +69,14 @@ it. This measures that host work on a CPU with a model so small (2 layers of wid
 device's part is about a ms: the GPU's engine (async scheduling with every step kept in flight, the sampler fused
 into the step program), N requests of --prompt-len random tokens, --output-len out each (EOS ignored, greedy), all
 added at once, a KV pool that holds them all. Per steady decode step (every request feeding one token): the step's wall ms, the ms the host was blocked reading
-the device's tokens (`jax.device_get` waits timed), and the host's ms (wall - blocked), also per row, and the
+the device's tokens (the waits of `jax.device_get` and of the engine's `fetch` timed), and the host's ms (wall - blocked), also per row, and the
 CPU time of the engine's thread in the step (steadier than wall time on a shared machine). The host
 figure is what a device whose step is longer hides (async scheduling) and what one whose step is shorter waits
 for. --served: outputs as the server asks for them (DELTA, detokenized with the default model's tokenizer; the
 model's vocabulary is then that tokenizer's). --phases: this tree's host ms split by engine method (its timers add
-a little host time to this side only: leave it out when comparing trees). Each worker runs a batch --repeats
+a little host time to this side only: leave it out when comparing trees). --emulate-step-ms: each step program
+takes that long on an emulated device (`emulate_device`); the rows then add the share of the whole run that device
+sat idle (host time it did not hide, prefill and ramp included). Each worker runs a batch --repeats
 times after a warm run and keeps its best run (least host ms): on a shared machine interference only adds time.
 
 --tree runs the same measurement with another checkout's jaxpaged (its own process, the same arguments), rounds
@@ -222,11 +224,12 @@ def tiny_model(served: bool):
 
 
 class Clock:
-    """Accumulates the host's blocked time (jax.device_get's wait for the device) and, with phases, the time in
-    each PHASES method."""
+    """Accumulates the host's blocked time (the wait for the device in jax.device_get, and in the engine's own
+    `fetch` where a checkout has one) and, with phases, the time in each PHASES method."""
 
     def __init__(self):
         self.blocked, self.phases = 0.0, collections.Counter()
+        self.device_busy = 0.0  # --emulate-step-ms: the emulated device's busy seconds (emulate_device)
 
     def watch_device_get(self):
         import jax
@@ -238,6 +241,18 @@ class Clock:
             self.blocked += time.perf_counter() - t0
             return get(x)
         jax.device_get = timed_get
+        # jaxpaged/sample/sampler.py's `fetch` (device_get without its Python work on CPU), under every name a
+        # loaded module imported it by
+        fetch = getattr(sys.modules.get("jaxpaged.sample.sampler"), "fetch", None)
+        if fetch is not None:
+            def timed_fetch(x):
+                t0 = time.perf_counter()
+                jax.block_until_ready(x)
+                self.blocked += time.perf_counter() - t0
+                return fetch(x)
+            for name, module in list(sys.modules.items()):
+                if name.startswith("jaxpaged") and getattr(module, "fetch", None) is fetch:
+                    module.fetch = timed_fetch
 
     def watch_phases(self, engine) -> None:
         for path, name in PHASES:
@@ -267,7 +282,7 @@ def run_batch(engine, clock: Clock, batch: int, args, vocab: int, tag: str) -> d
                                 max_tokens=args.output_len, ignore_eos=True, detokenize=args.served, output_kind=kind)
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": rng.integers(0, vocab, args.prompt_len).tolist()},
                            params)
-    steps, start, produced = [], time.perf_counter(), 0
+    steps, start, produced, busy = [], time.perf_counter(), 0, clock.device_busy
     while engine.has_unfinished_requests():
         running = engine.scheduler.running
         steady = len(running) == batch and all(r.num_output_tokens >= 2 for r in running)
@@ -281,6 +296,7 @@ def run_batch(engine, clock: Clock, batch: int, args, vocab: int, tag: str) -> d
             steps.append((wall, clock.blocked - blocked, {k: v - phases.get(k, 0.0) for k, v in clock.phases.items()},
                           cpu))
     seconds = time.perf_counter() - start
+    busy = clock.device_busy - busy
     steps = steps[2:-2]  # the first steady steps and the last (a request may finish there)
     if not steps:
         raise SystemExit(f"b={batch}: no steady decode steps (every request decoding at once); raise --output-len")
@@ -290,7 +306,8 @@ def run_batch(engine, clock: Clock, batch: int, args, vocab: int, tag: str) -> d
     cpu = statistics.median(s[3] for s in steps)
     phases = {k: statistics.median(s[2].get(k, 0.0) for s in steps) for k in clock.phases}
     return dict(batch=batch, steps=len(steps), wall_ms=1e3 * wall, blocked_ms=1e3 * blocked, host_ms=1e3 * host,
-                host_cpu_ms=1e3 * cpu, host_us_per_row=1e6 * host / batch, tok_s=produced / seconds, phases_ms={k: 1e3 * v for k, v in
+                host_cpu_ms=1e3 * cpu, host_us_per_row=1e6 * host / batch, tok_s=produced / seconds,
+                not_hidden=1 - busy / seconds if busy else None, phases_ms={k: 1e3 * v for k, v in
                                                                                        phases.items()})
 
 
@@ -304,11 +321,13 @@ def host_loop_worker(args) -> None:
     num_pages = max(batches) * -(-max_model_len // 16) + 64  # every request at once: no preemption
     engine = LLMEngine(EngineArgs(model="random", max_model_len=max_model_len, max_num_seqs=max(batches),
                                   max_num_batched_tokens=2048, num_pages=num_pages,
-                                  fuse_sampler="on", async_scheduling=True, async_scheduling_max_tokens=2048),
+                                  fuse_sampler="on", async_scheduling=True, async_scheduling_max_tokens=2048,
+                                  # the GPU's default (the CPU's is 4): prompts are admitted at a GPU's pace
+                                  max_num_partial_prefills=16),
                        loaded=loaded)
-    if args.emulate_step_ms:
-        emulate_device(engine.runner, args.emulate_step_ms, args.emulate_row_ms)
     clock = Clock()
+    if args.emulate_step_ms:
+        emulate_device(engine.runner, args.emulate_step_ms, args.emulate_row_ms, clock)
     clock.watch_device_get()
     if args.phases:
         clock.watch_phases(engine)
@@ -319,7 +338,7 @@ def host_loop_worker(args) -> None:
         print(json.dumps(min(runs, key=lambda r: r["host_ms"])), flush=True)
 
 
-def emulate_device(runner, step_ms: float, row_ms: float) -> None:
+def emulate_device(runner, step_ms: float, row_ms: float, clock: Clock | None = None) -> None:
     """--emulate-step-ms: give `runner` a device timeline. A step program (`_run_fused`, `_run`) occupies the
     device from its launch, or the end of the step before if later, for step_ms + row_ms per token the step feeds
     past the first; reading the step's tokens (`PendingStep.result`, the end of `execute_model`) waits for its end,
@@ -332,7 +351,10 @@ def emulate_device(runner, step_ms: float, row_ms: float) -> None:
     def launch(program):
         def launched(*args, **kwargs):
             out = program(*args, **kwargs)
-            free_at[0] = max(time.perf_counter(), free_at[0]) + (step_ms + row_ms * max(fed[0] - 1, 0)) / 1e3
+            busy = (step_ms + row_ms * max(fed[0] - 1, 0)) / 1e3
+            free_at[0] = max(time.perf_counter(), free_at[0]) + busy
+            if clock is not None:
+                clock.device_busy += busy
             return out
         return launched
 
@@ -352,7 +374,7 @@ def emulate_device(runner, step_ms: float, row_ms: float) -> None:
     def sample_dispatched(pending, *rest):  # a fused step with random rows: its finish reads the sampler's flags
         dispatch_sample(pending, *rest)
         finish, end = pending.finish_sample, ends.pop(id(pending), 0.0)
-        if pending.fused_sample is not None and pending.fused_sample.flags is not None:
+        if _sampler_flags(pending) is not None:
             pending.finish_sample = lambda: wait(end) or finish()
 
     def executed(out, *rest):
@@ -363,6 +385,15 @@ def emulate_device(runner, step_ms: float, row_ms: float) -> None:
 
     runner._run_fused, runner._run = launch(runner._run_fused), launch(runner._run)
     runner.dispatch, runner.execute_model, runner.dispatch_sample = dispatched, executed, sample_dispatched
+
+
+def _sampler_flags(pending):
+    """A fused step's sampler flags (None: no random row), wherever the checkout keeps them: `fused_sample`, or
+    (before issue 61's trims) `fused.sample`."""
+    sample = getattr(pending, "fused_sample", None)
+    if sample is None and getattr(pending, "fused", None) is not None:
+        sample = pending.fused.sample
+    return None if sample is None else sample.flags
 
 
 # ---- the driver: sides in their own processes ---------------------------------------------------------------
@@ -381,12 +412,18 @@ def measure_tree(root: str, args) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+def _not_hidden(row: dict) -> str:
+    """--emulate-step-ms: the share of the whole run the emulated device was idle (the host's time it did not
+    hide: prefill and ramp steps included)."""
+    return "" if row.get("not_hidden") is None else f"  host not hidden {100 * row['not_hidden']:.1f}% of the run"
+
+
 def print_rows(label: str, rows: list[dict], phases: bool) -> None:
     for r in rows:
         print(f"{label:6s} b={r['batch']:<4d} step {r['wall_ms']:6.2f} ms  blocked {r['blocked_ms']:6.2f} ms  "
               f"host {r['host_ms']:6.2f} ms ({r['host_us_per_row']:5.1f} us/row; its thread's CPU {r['host_cpu_ms']:6.2f} "
               f"ms)  {r['tok_s']:8.0f} output tok/s "
-              f"(whole run)  [{r['steps']} steady steps]", flush=True)
+              f"(whole run)  [{r['steps']} steady steps]{_not_hidden(r)}", flush=True)
         if phases and r["phases_ms"]:
             print("         " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["phases_ms"].items(),
                                                                           key=lambda kv: -kv[1])), flush=True)
@@ -410,11 +447,15 @@ def host_loop_main(argv=None) -> int:
         for j, batch in enumerate(int(b) for b in args.batches.split(",")):
             med = {key: {label: statistics.median(run[j][key] for run in runs) for label, runs in results.items()}
                    for key in ("host_ms", "host_cpu_ms", "tok_s")}
+            hidden = {label: [run[j].get("not_hidden") for run in runs] for label, runs in results.items()}
             host, cpu, tok = med["host_ms"], med["host_cpu_ms"], med["tok_s"]
             print(f"b={batch:<4d} host this {host['this']:6.2f} ms, other {host['other']:6.2f} ms: "
                   f"{host['other'] / host['this']:.2f}x; the thread's CPU this {cpu['this']:6.2f} ms, other "
                   f"{cpu['other']:6.2f} ms: {cpu['other'] / cpu['this']:.2f}x; output tok/s this {tok['this']:.0f}, "
-                  f"other {tok['other']:.0f}: {tok['this'] / tok['other']:.2f}x")
+                  f"other {tok['other']:.0f}: {tok['this'] / tok['other']:.2f}x"
+                  + ("" if None in hidden["this"] + hidden["other"] else
+                     f"; host not hidden this {100 * statistics.median(hidden['this']):.1f}%, other "
+                     f"{100 * statistics.median(hidden['other']):.1f}% of the run"))
     return 0
 
 

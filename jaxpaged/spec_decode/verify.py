@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.core.scheduler_output import ScheduledRequest
-from jaxpaged.sample.sampler import SamplerOutput
+from jaxpaged.sample.sampler import SamplerOutput, fetch
 from jaxpaged.sample.sampling_batch import RowInfo
 from jaxpaged.spec_decode.ngram import ngram_drafts
 
@@ -77,7 +77,7 @@ class VerifiedDrafts:
 
     def to_host(self) -> VerifiedDrafts:
         """On the host, with the drafts the device proposed (`DraftRows.redrafted`): what the engine counts."""
-        sampled, num_accepted, redrafted = jax.device_get((self.sampled, self.num_accepted, self.layout.redrafted))
+        sampled, num_accepted, redrafted = fetch((self.sampled, self.num_accepted, self.layout.redrafted))
         layout = self.layout if redrafted is None else dataclasses.replace(self.layout, redrafted=redrafted)
         return dataclasses.replace(self, layout=layout, sampled=sampled, num_accepted=num_accepted)
 

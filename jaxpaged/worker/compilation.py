@@ -24,7 +24,7 @@ from jaxpaged.worker.host_memory import advise_huge_pages
 from jaxpaged.worker.in_flight import carry_tokens, fill_in_flight_jit, merge_sampled_tokens
 from jaxpaged.worker.runner_config import _MAX_COMPILE_THREADS, _WARMUP_BARRIER_SECONDS
 from jaxpaged.sample.sampling_batch import SamplingBatch
-from jaxpaged.worker.step_input import StepInput, empty_step, pad_sampled_tokens
+from jaxpaged.worker.step_input import StepInput, empty_step, pack_host_inputs, pad_sampled_tokens
 from jaxpaged.worker.step_program import draft_logits, prompt_logprobs_step
 
 logger = logging.getLogger(__name__)
@@ -49,13 +49,18 @@ class StepCompilation:
                     platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         """The fused step (`fused_step`: forward, sampler, draft acceptance) lowered at `step`'s shapes, its
         greedy-only program or (random) the one with random rows; the compiled program takes
-        (params, kv, step, SamplingBatch: `neutral_sampling`'s kind) and returns ((sample, num_accepted,
-        next_tokens), hidden, kv). platforms: as in `lower`."""
-        args = (self.model_config, self.config.attention, random, self.params, self.kv, step,
-                self.neutral_sampling(step))
+        (params, kv, buffer, others): `pack_host_inputs((step, SamplingBatch))`, of `neutral_sampling`'s kind
+        (`fused_program_args`), and returns ((sample, num_accepted, next_tokens), hidden, kv). platforms: as in
+        `lower`."""
+        layout, buffer, others = pack_host_inputs((step, self.neutral_sampling(step)))
+        args = (self.model_config, self.config.attention, random, layout, self.params, self.kv, buffer, others)
         if platforms is None:
             return self._fused_step.lower(*args)
         return self._fused_step.trace(*args).lower(lowering_platforms=platforms)
+
+    def fused_program_args(self, step: StepInput) -> tuple:
+        """The arguments after (params, kv) of the fused program `step_program(step)` for a greedy step."""
+        return pack_host_inputs((step, self.neutral_sampling(step)))[1:]
 
     def neutral_sampling(self, step: StepInput) -> SamplingBatch:
         """A fused step's sampler inputs at `step`'s shape with greedy padding rows only (lowering, benches)."""
@@ -81,6 +86,7 @@ class StepCompilation:
         """Drop the warm programs (a later `warmup` compiles or loads them again)."""
         self._compiled.clear()
         self._compiled_fused.clear()
+        self._fused_layouts.clear()
 
     def _run(self, step: StepInput) -> tuple[jax.Array, jax.Array]:
         """(logits, hidden) from the step's program compiled by `warmup` (else the jitted step, compiling
@@ -127,7 +133,9 @@ class StepCompilation:
                     lowered = self.lower(empty_step(t, s, p, rows))
                     futures[progress.submit(pool, lowered, options, (t, s, p))] = (self._compiled, (t, s, p, rows))
                 for random in (False, True) if self.fuse_sampler else ():
-                    lowered = self.lower_fused(empty_step(t, s, p), random)
+                    step = empty_step(t, s, p)
+                    lowered = self.lower_fused(step, random)
+                    self._fused_layouts[(t, s, p, random)] = pack_host_inputs((step, self.neutral_sampling(step)))[0]
                     futures[progress.submit(pool, lowered, options, (t, s, p))] = \
                         (self._compiled_fused, (t, s, p, random))
             for phase, lower in (("sampler", self.lower_sampler), ("async", self.lower_async)):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
-from jaxpaged.sample.sampler import SamplerOutput
+from jaxpaged.sample.sampler import SamplerOutput, fetch
 from jaxpaged.sample.sampling_batch import RowInfo, SamplingBatch
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode.verify import DraftRows, Redraft, VerifiedDrafts, verify_packed
@@ -355,7 +355,7 @@ def _outcome_in_flight(previous: PendingStep, carried: tuple, entries: Sequence[
                        ) -> dict[str, tuple[int, ...]]:
     """{request id: its accepted drafts and token} of the step in flight (`previous`, carried: its `carry`) for the
     entries fed a placeholder (waits for that step's sampler)."""
-    tokens, _, accepted = jax.device_get(carried)
+    tokens, _, accepted = fetch(carried)
     outcome = {}
     for e in entries:
         if e.placeholder:

@@ -72,13 +72,15 @@ from jaxpaged.worker.runner_output import (ModelRunnerOutput, PromptLogprobs, pr
 from jaxpaged.worker.step_input import (
     FaultInjector,
     GrammarBitmask,
+    HostLayout,
     KVPool,
     StepInput,
     allocate_kv_pool,
     empty_step,
     has_random_rows,
+    pack_host_inputs,
 )
-from jaxpaged.worker.step_program import (FusedSample, _pack_for_cpu_matmul, draft_logits, fused_step,
+from jaxpaged.worker.step_program import (FusedSample, _pack_for_cpu_matmul, draft_logits, packed_fused_step,
                                           paged_forward, prompt_logprobs_step)
 from jaxpaged.worker.weight_layout import to_weight_layout
 
@@ -177,10 +179,12 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
             raise ValueError("fuse_sampler='on' needs one device: a tensor-parallel mesh samples on the host's "
                              "replicated logits ('auto' or 'off')")
         self.fuse_sampler = self.mesh is None and self.config.sampler_fused()
-        self._fused_step = jax.jit(fused_step, static_argnums=(0, 1, 2), donate_argnums=(4,),
+        # its host arrays one buffer (`pack_host_inputs`): the layout is static, the buffer one transfer
+        self._fused_step = jax.jit(packed_fused_step, static_argnums=(0, 1, 2, 3), donate_argnums=(5,),
                                    compiler_options=options)
-        # (T, S, P, random) -> fused step; warmup()
+        # (T, S, P, random) -> fused step, and the host layout it was compiled for; warmup()
         self._compiled_fused: dict[tuple[int, int, int, bool], jax.stages.Compiled] = {}
+        self._fused_layouts: dict[tuple[int, int, int, bool], HostLayout] = {}
         self._neutral = {}
         if self.fuse_sampler:  # what the absent optional sampler arrays read; ~5 bytes x S x V for each S bucket
             self._neutral = {s: in_step.neutral_arrays(s, self.model_config.vocab_size)
@@ -387,12 +391,14 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
         """((sample, num_accepted, next_tokens), hidden [T, E]) from the fused program `warmup` compiled for the
         step's shape and batch (greedy-only or not; else the jitted one, compiling on first use)."""
         random = has_random_rows(sampling)
-        compiled = self.compiled_fused_program(step, random)
-        if compiled is not None:
-            fused, hidden, self.kv = compiled(self.params, self.kv, step, sampling)
-        else:
-            fused, hidden, self.kv = self._fused_step(self.model_config, self.config.attention, random, self.params,
-                                                      self.kv, step, sampling)
+        key = (len(step.token_ids), *step.page_table.shape, random)
+        compiled, warm = self._compiled_fused.get(key), self._fused_layouts.get(key)
+        layout, buffer, others = pack_host_inputs((step, sampling), warm)
+        if compiled is not None and layout == warm:
+            fused, hidden, self.kv = compiled(self.params, self.kv, buffer, others)
+        else:  # (an input of another kind than warm-up's would be a new layout: compiled on first use)
+            fused, hidden, self.kv = self._fused_step(self.model_config, self.config.attention, random, layout,
+                                                      self.params, self.kv, buffer, others)
         return fused, hidden
 
     def _layout_drafts(self, entries: Sequence[ScheduledRequest], step: StepInput) -> DraftRows:

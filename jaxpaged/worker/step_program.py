@@ -51,7 +51,7 @@ from jaxpaged.worker.host_memory import HugePageArena, cpu_array_over
 from jaxpaged.worker.in_flight import fill_in_flight, outputs_in_flight, steps_moved_back
 from jaxpaged.worker.invariant_dots import gpu_invariant_matmul
 from jaxpaged.worker.runner_config import INT8_DOTS, AttentionConfig
-from jaxpaged.worker.step_input import KVPool, StepInput, pad_sampled_tokens
+from jaxpaged.worker.step_input import HostLayout, KVPool, StepInput, pad_sampled_tokens, unpack_host_inputs
 from pallas_kernels import cpu_matmul, cpu_rope, cpu_sampler, ragged_paged_attention, write_kv_inner
 
 
@@ -228,6 +228,15 @@ def fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, pa
     num_accepted = accept_drafts(sample.token_ids, sampling.draft_rows, draft_ids)  # i32[S]
     next_tokens = pad_sampled_tokens(sample.token_ids, sampling.previous_tokens.shape[0])
     return (sample, num_accepted, next_tokens), hidden, kv
+
+
+def packed_fused_step(config: LlamaConfig, attention: AttentionConfig, random: bool, layout: HostLayout,
+                      params: Params, kv: KVPool, buffer: jax.Array, others: list) -> tuple[FusedSample, jax.Array,
+                                                                                           KVPool]:
+    """`fused_step` over (step, sampling) as `pack_host_inputs` packed them (layout static): the program the runner
+    calls, its host arrays one transfer."""
+    step, sampling = unpack_host_inputs(layout, buffer, others)
+    return fused_step(config, attention, random, params, kv, step, sampling)
 
 
 # A fused step's sampling results, on device (held by `PendingStep`, or read at once by a synchronous step):
