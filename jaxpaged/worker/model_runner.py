@@ -179,10 +179,9 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
             raise ValueError("fuse_sampler='on' needs one device: a tensor-parallel mesh samples on the host's "
                              "replicated logits ('auto' or 'off')")
         self.fuse_sampler = self.mesh is None and self.config.sampler_fused()
-        # its host arrays one buffer (`pack_host_inputs`): the layout is static, the buffer one transfer
         self._fused_step = jax.jit(packed_fused_step, static_argnums=(0, 1, 2, 3), donate_argnums=(5,),
                                    compiler_options=options)
-        # (T, S, P, random) -> fused step, and the host layout it was compiled for; warmup()
+        # (T, S, P, random) -> fused step, and the layout of its host arrays (`pack_host_inputs`); warmup()
         self._compiled_fused: dict[tuple[int, int, int, bool], jax.stages.Compiled] = {}
         self._fused_layouts: dict[tuple[int, int, int, bool], HostLayout] = {}
         self._neutral = {}
