@@ -68,9 +68,10 @@ On the H200 (2026-12-04 run) a 256-row decode step took 22.3 ms against an 11.6 
 it. This measures that host work on a CPU with a model so small (2 layers of width 64, random weights) that the
 device's part is about a ms: the GPU's engine (async scheduling with every step kept in flight, the sampler fused
 into the step program), N requests of --prompt-len random tokens, --output-len out each (EOS ignored, greedy), all
-added at once, a KV pool that holds them all. Per steady decode step (every request feeding one token): the step's wall ms, the ms the host was blocked reading
-the device's tokens (the waits of `jax.device_get` and of the engine's `fetch` timed), and the host's ms (wall - blocked), also per row, and the
-CPU time of the engine's thread in the step (steadier than wall time on a shared machine). The host
+added at once, a KV pool that holds them all. Per steady decode step (every request feeding one token): the
+step's wall ms, the ms the host was blocked reading the device's tokens (the waits of `jax.device_get` and of the
+engine's `fetch` timed), and the host's ms (wall - blocked), also per row, and the CPU time of the engine's thread
+in the step (steadier than wall time on a shared machine). The host
 figure is what a device whose step is longer hides (async scheduling) and what one whose step is shorter waits
 for. --served: outputs as the server asks for them (DELTA, detokenized with the default model's tokenizer; the
 model's vocabulary is then that tokenizer's). --phases: this tree's host ms split by engine method (its timers add
@@ -307,8 +308,7 @@ def run_batch(engine, clock: Clock, batch: int, args, vocab: int, tag: str) -> d
     phases = {k: statistics.median(s[2].get(k, 0.0) for s in steps) for k in clock.phases}
     return dict(batch=batch, steps=len(steps), wall_ms=1e3 * wall, blocked_ms=1e3 * blocked, host_ms=1e3 * host,
                 host_cpu_ms=1e3 * cpu, host_us_per_row=1e6 * host / batch, tok_s=produced / seconds,
-                not_hidden=1 - busy / seconds if busy else None, phases_ms={k: 1e3 * v for k, v in
-                                                                                       phases.items()})
+                not_hidden=1 - busy / seconds if busy else None, phases_ms={k: 1e3 * v for k, v in phases.items()})
 
 
 def host_loop_worker(args) -> None:

@@ -22,6 +22,17 @@ def test_side_by_side_run_prints_both_trees_and_the_ratio(capsys):
     assert re.search(r"^b=4\s+host this\s+[\d.]+ ms, other\s+[\d.]+ ms: [\d.]+x", out, flags=re.M)
 
 
+def test_emulated_timeline_reports_the_devices_idle_share(capsys):
+    """--emulate-step-ms: each step program takes the emulated 20 ms (the steady step's wall time is at least that)
+    and the row reports the share of the run that emulated device sat idle."""
+    assert micro.main(["host-loop", "--batches", "4", "--prompt-len", "8", "--output-len", "12", "--repeats", "1",
+                       "--emulate-step-ms", "20"]) == 0
+    out = capsys.readouterr().out
+    row = re.search(r"^this\s+b=4\s+step\s+([\d.]+) ms.*host not hidden ([\d.]+)% of the run", out, flags=re.M)
+    assert row, out
+    step, idle = map(float, row.groups())
+    assert step > 19.0 and 0.0 <= idle < 100.0
+
 
 def test_load_times_two_checkouts_side_by_side(tmp_path, tiny_checkpoints, capsys):
     path = make_tiny_gguf(tiny_checkpoints["gqa4"], tmp_path / "tiny.gguf", "Q8_0")
