@@ -73,8 +73,8 @@ class StepCompilation:
         return self._compiled_fused.get((len(step.token_ids), *step.page_table.shape, random))
 
     def step_program(self, step: StepInput) -> jax.stages.Compiled | None:
-        """The program a greedy step of `step`'s shape runs: the fused one (takes `neutral_sampling(step)` too)
-        when the sampler is fused, else the forward."""
+        """The program a greedy step of `step`'s shape runs: the fused one (called with (params, kv,
+        *`fused_program_args(step)`)) when the sampler is fused, else the forward (params, kv, step)."""
         return self.compiled_fused_program(step, False) if self.fuse_sampler else self.compiled_program(step)
 
     def compiled_program(self, step: StepInput) -> jax.stages.Compiled | None:
