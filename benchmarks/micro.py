@@ -234,26 +234,26 @@ class Clock:
 
     def watch_device_get(self):
         import jax
-        get = jax.device_get
-
-        def timed_get(x):
-            t0 = time.perf_counter()
-            jax.block_until_ready(x)
-            self.blocked += time.perf_counter() - t0
-            return get(x)
-        jax.device_get = timed_get
+        jax.device_get = self._blocking(jax.device_get)
         # jaxpaged/sample/sampler.py's `fetch` (device_get without its Python work on CPU), under every name a
         # loaded module imported it by
         fetch = getattr(sys.modules.get("jaxpaged.sample.sampler"), "fetch", None)
         if fetch is not None:
-            def timed_fetch(x):
-                t0 = time.perf_counter()
-                jax.block_until_ready(x)
-                self.blocked += time.perf_counter() - t0
-                return fetch(x)
+            timed_fetch = self._blocking(fetch)
             for name, module in list(sys.modules.items()):
                 if name.startswith("jaxpaged") and getattr(module, "fetch", None) is fetch:
                     module.fetch = timed_fetch
+
+    def _blocking(self, get):
+        """`get` (a device-to-host read), its wait for the device added to the blocked time."""
+        import jax
+
+        def timed(x):
+            t0 = time.perf_counter()
+            jax.block_until_ready(x)
+            self.blocked += time.perf_counter() - t0
+            return get(x)
+        return timed
 
     def watch_phases(self, engine) -> None:
         for path, name in PHASES:

@@ -24,8 +24,9 @@ from jaxpaged.worker.host_memory import advise_huge_pages
 from jaxpaged.worker.in_flight import carry_tokens, fill_in_flight_jit, merge_sampled_tokens
 from jaxpaged.worker.runner_config import _MAX_COMPILE_THREADS, _WARMUP_BARRIER_SECONDS
 from jaxpaged.sample.sampling_batch import SamplingBatch
-from jaxpaged.worker.step_input import StepInput, empty_step, pack_host_inputs, pad_sampled_tokens
-from jaxpaged.worker.step_program import draft_logits, prompt_logprobs_step
+from jaxpaged.worker.step_input import (HostLayout, StepInput, empty_step, has_random_rows, pack_host_inputs,
+                                       pad_sampled_tokens)
+from jaxpaged.worker.step_program import FusedSample, draft_logits, prompt_logprobs_step
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +53,23 @@ class StepCompilation:
         (params, kv, buffer, others): `pack_host_inputs((step, SamplingBatch))`, of `neutral_sampling`'s kind
         (`fused_program_args`), and returns ((sample, num_accepted, next_tokens), hidden, kv). platforms: as in
         `lower`."""
-        layout, buffer, others = pack_host_inputs((step, self.neutral_sampling(step)))
-        args = (self.model_config, self.config.attention, random, layout, self.params, self.kv, buffer, others)
+        return self._lower_packed(random, self._neutral_packed(step), platforms)
+
+    def _lower_packed(self, random: bool, packed: tuple[HostLayout, np.ndarray, list],
+                      platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
+        """`lower_fused` of a step's inputs already packed (`pack_host_inputs`: layout, buffer, others)."""
+        args = (self.model_config, self.config.attention, random, packed[0], self.params, self.kv, *packed[1:])
         if platforms is None:
             return self._fused_step.lower(*args)
         return self._fused_step.trace(*args).lower(lowering_platforms=platforms)
 
+    def _neutral_packed(self, step: StepInput) -> tuple[HostLayout, np.ndarray, list]:
+        """`pack_host_inputs` of `step` with `neutral_sampling(step)`: what warm-up compiles the fused step for."""
+        return pack_host_inputs((step, self.neutral_sampling(step)))
+
     def fused_program_args(self, step: StepInput) -> tuple:
         """The arguments after (params, kv) of the fused program `step_program(step)` for a greedy step."""
-        return pack_host_inputs((step, self.neutral_sampling(step)))[1:]
+        return self._neutral_packed(step)[1:]
 
     def neutral_sampling(self, step: StepInput) -> SamplingBatch:
         """A fused step's sampler inputs at `step`'s shape with greedy padding rows only (lowering, benches)."""
@@ -70,7 +79,7 @@ class StepCompilation:
     def compiled_fused_program(self, step: StepInput, random: bool) -> jax.stages.Compiled | None:
         """The fused program `warmup` compiled for `step`'s (T, S, P) shape, greedy-only or with random rows
         (None before warm-up or when the sampler is not fused)."""
-        return self._compiled_fused.get((len(step.token_ids), *step.page_table.shape, random))
+        return self._compiled_fused.get(_fused_key(step, random))
 
     def step_program(self, step: StepInput) -> jax.stages.Compiled | None:
         """The program a greedy step of `step`'s shape runs: the fused one (called with (params, kv,
@@ -105,6 +114,21 @@ class StepCompilation:
         # replicated: this process's full copies, sampled locally
         return logits.addressable_data(0), hidden.addressable_data(0)
 
+    def _run_fused(self, step: StepInput, sampling: SamplingBatch) -> tuple[FusedSample, jax.Array]:
+        """((sample, num_accepted, next_tokens), hidden [T, E]) from the fused program `warmup` compiled for the
+        step's shape and batch (greedy-only or not; else the jitted one, compiling on first use), its host arrays
+        packed as that program's were (`pack_host_inputs`)."""
+        random = has_random_rows(sampling)
+        key = _fused_key(step, random)
+        compiled, warm = self._compiled_fused.get(key), self._fused_layouts.get(key)
+        layout, buffer, others = pack_host_inputs((step, sampling), warm)
+        if compiled is not None and layout == warm:
+            fused, hidden, self.kv = compiled(self.params, self.kv, buffer, others)
+        else:  # (an input of another kind than warm-up's would be a new layout: compiled on first use)
+            fused, hidden, self.kv = self._fused_step(self.model_config, self.config.attention, random, layout,
+                                                      self.params, self.kv, buffer, others)
+        return fused, hidden
+
     def warmup(self, async_scheduling: bool = False) -> dict[str, float]:
         """Compile every (T, S, P) bucket and the sampler ahead of time, so serving never compiles.
 
@@ -132,10 +156,10 @@ class StepCompilation:
                 for rows in self._warm_logits_rows((t, s, p)):
                     lowered = self.lower(empty_step(t, s, p, rows))
                     futures[progress.submit(pool, lowered, options, (t, s, p))] = (self._compiled, (t, s, p, rows))
+                packed = self._neutral_packed(empty_step(t, s, p)) if self.fuse_sampler else None
                 for random in (False, True) if self.fuse_sampler else ():
-                    step = empty_step(t, s, p)
-                    lowered = self.lower_fused(step, random)
-                    self._fused_layouts[(t, s, p, random)] = pack_host_inputs((step, self.neutral_sampling(step)))[0]
+                    lowered = self._lower_packed(random, packed)
+                    self._fused_layouts[(t, s, p, random)] = packed[0]
                     futures[progress.submit(pool, lowered, options, (t, s, p))] = \
                         (self._compiled_fused, (t, s, p, random))
             for phase, lower in (("sampler", self.lower_sampler), ("async", self.lower_async)):
@@ -240,3 +264,8 @@ class StepCompilation:
                                             self._no_redraft, i32(m), self._redraft_slots, lookup)
                     for m in slots for h in self.config.history_buckets]
         return lowered
+
+
+def _fused_key(step: StepInput, random: bool) -> tuple[int, int, int, bool]:
+    """A fused program's key: the step's (T, S, P) shape and whether it has random rows."""
+    return (len(step.token_ids), *step.page_table.shape, random)

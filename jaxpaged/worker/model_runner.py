@@ -77,11 +77,9 @@ from jaxpaged.worker.step_input import (
     StepInput,
     allocate_kv_pool,
     empty_step,
-    has_random_rows,
-    pack_host_inputs,
 )
-from jaxpaged.worker.step_program import (FusedSample, _pack_for_cpu_matmul, draft_logits, packed_fused_step,
-                                          paged_forward, prompt_logprobs_step)
+from jaxpaged.worker.step_program import (_pack_for_cpu_matmul, draft_logits, packed_fused_step, paged_forward,
+                                          prompt_logprobs_step)
 from jaxpaged.worker.weight_layout import to_weight_layout
 
 logger = logging.getLogger(__name__)
@@ -385,20 +383,6 @@ class ModelRunner(AsyncDispatch, StepCompilation, LiveWeights, RunnerSleep):
                                            previous_rejected=rejected, shifts=shifts, previous_accepted=accepted,
                                            count_from=count_from, draft_rows=draft_rows, draft_ids=draft_ids,
                                            redraft=redraft, **bias)
-
-    def _run_fused(self, step: StepInput, sampling: SamplingBatch) -> tuple[FusedSample, jax.Array]:
-        """((sample, num_accepted, next_tokens), hidden [T, E]) from the fused program `warmup` compiled for the
-        step's shape and batch (greedy-only or not; else the jitted one, compiling on first use)."""
-        random = has_random_rows(sampling)
-        key = (len(step.token_ids), *step.page_table.shape, random)
-        compiled, warm = self._compiled_fused.get(key), self._fused_layouts.get(key)
-        layout, buffer, others = pack_host_inputs((step, sampling), warm)
-        if compiled is not None and layout == warm:
-            fused, hidden, self.kv = compiled(self.params, self.kv, buffer, others)
-        else:  # (an input of another kind than warm-up's would be a new layout: compiled on first use)
-            fused, hidden, self.kv = self._fused_step(self.model_config, self.config.attention, random, layout,
-                                                      self.params, self.kv, buffer, others)
-        return fused, hidden
 
     def _layout_drafts(self, entries: Sequence[ScheduledRequest], step: StepInput) -> DraftRows:
         """Place the step's draft rows (see DraftRows); when they fit in the padding logits slots, point

@@ -62,13 +62,16 @@ def pack_host_inputs(tree, like: HostLayout | None = None) -> tuple[HostLayout, 
     """(layout, buffer i32[N], the other leaves): every numpy leaf of `tree` with a 4-byte dtype (the step's and
     the sampler's host arrays) copied into one int32 buffer, bit for bit, so that a program call makes one
     host-to-device transfer instead of one per array (on a GPU each is a copy of its own; on CPU a step's 19 cost
-    the call ~30 us, the packing ~10); device arrays and other leaves are passed as they are. `unpack_host_inputs` (traced) rebuilds the tree.
+    the call ~30 us, the packing ~10); device arrays and other leaves are passed as they are.
+    `unpack_host_inputs` (traced) rebuilds the tree.
 
     like: a compiled program's layout: only the leaves it packed are packed (a field that is sometimes a host array,
     sometimes a device one, e.g. penalty counts, is then passed as it is either way, as the program takes it); the
     layout returned differs from it only where such a leaf is not a host array."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    wanted = like[1] if like is not None and like[0] == treedef else (None,) * len(leaves) if like else None
+    wanted = None  # per leaf: packed by `like` (an entry) or not (None); None: every host array is packed
+    if like is not None:  # (a tree of another structure than like's packs nothing: its layout differs anyway)
+        wanted = like[1] if like[0] == treedef else (None,) * len(leaves)
     spec, parts, others, offset = [], [], [], 0
     for i, leaf in enumerate(leaves):
         if (wanted is None or wanted[i] is not None) and isinstance(leaf, (np.ndarray, np.generic)) and \
